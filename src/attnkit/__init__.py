@@ -1,0 +1,19 @@
+"""attnkit: exact Transformer attention, from the textbook formula to fused kernels.
+
+Shape legend (used in every docstring):
+    B batch · H query heads · Hkv key/value heads · L query length · S key length ·
+    D head dim · Dv value head dim.  q (B, H, L, D), k (B, Hkv, S, D),
+    v (B, Hkv, S, Dv) → out (B, H, L, Dv), lse (B, H, L).
+
+Conventions: bool masks are True = attend; float masks are additive biases;
+causal with L ≠ S is bottom-right aligned; a fully masked row gives 0 (lse -inf).
+"""
+
+from . import masks, positional, score_mods
+from ._dispatch import Decision
+from .api import attention, dispatch
+from .explain import explain
+from .reference import Trace
+
+__all__ = ["attention", "dispatch", "explain", "Decision", "Trace", "masks", "score_mods", "positional"]
+__version__ = "0.1.0"

@@ -1,0 +1,55 @@
+"""Plain-text tables for traces and matrices (the CLI and ``str(Trace)``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["format_matrix", "format_trace"]
+
+
+def _cell(x: float, prec: int) -> str:
+    if np.isneginf(x):
+        return "-inf"
+    if np.isposinf(x):
+        return "inf"
+    if np.isnan(x):
+        return "nan"
+    return f"{x:.{prec}f}"
+
+
+def format_matrix(m, row_labels=None, col_labels=None, prec: int = 4) -> str:
+    m = np.asarray(m, dtype=np.float64)
+    if m.ndim == 1:
+        m = m[None]
+    rows = row_labels or [f"q{i}" for i in range(m.shape[0])]
+    cols = col_labels or [f"k{j}" for j in range(m.shape[1])]
+    cells = [[_cell(x, prec) for x in r] for r in m]
+    w = max([len(c) for c in cols] + [len(c) for r in cells for c in r])
+    rw = max(len(r) for r in rows)
+    out = [" " * rw + " │ " + " ".join(c.rjust(w) for c in cols), "─" * rw + "─┼─" + "─" * ((w + 1) * len(cols) - 1)]
+    for lab, r in zip(rows, cells):
+        out.append(lab.rjust(rw) + " │ " + " ".join(c.rjust(w) for c in r))
+    return "\n".join(out)
+
+
+def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4) -> str:
+    L, S = t.scores.shape[-2:]
+    Dv = t.output.shape[-1]
+    qlab = list(tokens) if tokens and len(tokens) == L else None
+    klab = list(tokens) if tokens and len(tokens) == S else None
+    dk = t.q.shape[-1]
+    parts = []
+    if t.scores.shape[0] * t.scores.shape[1] > 1:
+        parts.append(f"(batch {b}, head {h} of B={t.scores.shape[0]}, H={t.scores.shape[1]})")
+    parts += [
+        "1. Raw scores  Q·Kᵀ", format_matrix(t.scores[b, h], qlab, klab, prec),
+        f"2. Scaled scores  Q·Kᵀ × {t.scale:.6g}" + (f"  (= 1/√{dk})" if abs(t.scale - dk ** -0.5) < 1e-12 else ""),
+        format_matrix(t.scaled[b, h], qlab, klab, prec),
+    ]
+    if t.has_mask or not np.array_equal(t.masked, t.scaled):
+        parts += ["3. Masked / modified scores  (-inf = not attended)", format_matrix(t.masked[b, h], qlab, klab, prec)]
+    n = 4 if len(parts) > 5 else 3
+    parts += [f"{n}. Weights  softmax per row (each row sums to 1; a fully masked row is 0)",
+              format_matrix(t.weights[b, h], qlab, klab, prec),
+              f"{n + 1}. Output  weights · V", format_matrix(t.output[b, h], qlab, [f"v{j}" for j in range(Dv)], prec)]
+    return "\n".join(parts)

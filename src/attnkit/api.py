@@ -1,0 +1,82 @@
+"""The front door: ``attention`` and ``dispatch``."""
+
+from __future__ import annotations
+
+from ._dispatch import Decision, decide, explain_decision
+from ._request import make_request
+from .backends import get
+
+__all__ = ["attention", "dispatch"]
+
+
+def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dropout_p=0.0,
+              return_lse=False, backend="auto"):
+    r"""Exact scaled dot-product attention, ``softmax(q kᵀ · scale) v``.
+
+    Shape legend: B batch, H query heads, Hkv key/value heads, L query length,
+    S key length, D head dim, Dv value head dim.
+
+    Args:
+        q: ``(B, H, L, D)``, or unbatched ``(H, L, D)`` / ``(L, D)``.
+        k: ``(B, Hkv, S, D)`` with ``H % Hkv == 0``; query head ``h`` uses kv head
+            ``h // (H // Hkv)`` (GQA/MQA; K/V are never copied on the fast paths).
+        v: ``(B, Hkv, S, Dv)``.
+        mask: None; a bool array/tensor broadcastable to ``(B, H, L, S)`` (**True =
+            attend**); a float array/tensor (an additive bias on the scaled scores); an
+            :mod:`attnkit.masks` object; or a ``mask_mod(b, h, q_idx, kv_idx)``.
+        causal: add a causal mask, **bottom-right aligned** when L ≠ S (query ``i``
+            sees keys ``j <= i + S - L``)::
+
+                L=2, S=4:   k0 k1 k2 k3
+                        q0   #  #  #  .
+                        q1   #  #  #  #
+
+            For top-left alignment pass ``mask=attnkit.masks.causal("top_left")``.
+        scale: multiplier of ``q kᵀ``; default ``1/√D``.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the scaled
+            scores (FlexAttention's signature), applied before bias and mask.
+        dropout_p: dropout on the weights (eager path only).
+        return_lse: also return ``lse (B, H, L)``, the log-sum-exp of each row.
+        backend: ``"auto"`` (see :func:`dispatch`), ``"reference"``, ``"eager"``,
+            ``"sdpa"`` or ``"tiled"``. A named backend that cannot honour the
+            arguments raises; it never falls back silently.
+
+    Returns:
+        ``out (B, H, L, Dv)`` in the input's kind (torch → torch with autograd,
+        NumPy → NumPy), dtype and rank; or ``(out, lse)`` with ``return_lse=True``.
+        A fully masked query row gives output 0 and lse -inf (gradients 0), never NaN.
+        NaN in an input propagates to the rows it touches.
+
+    Raises:
+        TypeError / ValueError naming the argument, what was expected and got.
+    """
+    req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
+                       dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+    decision = explain_decision(req, backend)
+    out, lse = get(decision.backend).run(req)
+    return _finish(req, out, lse)
+
+
+def _finish(req, out, lse):
+    if req.input_rank == 3:  # (H, L, D) in -> (H, L, Dv) out
+        out, lse = out[0], (None if lse is None else lse[0])
+    elif req.input_rank == 2:  # (L, D) in -> (L, Dv) out
+        out, lse = out[0, 0], (None if lse is None else lse[0, 0])
+    if req.numpy_in:
+        out = out.detach().cpu().numpy()
+        lse = None if lse is None else lse.detach().cpu().numpy()
+    if req.need_lse:
+        return out, lse
+    return out
+
+
+def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dropout_p=0.0,
+             return_lse=False, backend="auto") -> Decision:
+    """The backend ``attention`` would run for these arguments, and why (runs nothing).
+
+    >>> attnkit.dispatch(q, k, v, mask=attnkit.masks.sliding_window(256))
+    Decision(backend='tiled', reason="block-sparse tiled kernel for mask sliding_window(256, ...)")
+    """
+    req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
+                       dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+    return decide(req, backend)

@@ -1,0 +1,103 @@
+"""Math shared by the torch backends: index grids, score_mod/mask application on a
+tile of scores, a softmax that is safe on fully masked rows, and weights from lse.
+
+A "tile" is the block of scores for query rows ``[i0, i0 + l)`` and key columns
+``[j0, j0 + s)``; the dense backends use one tile covering everything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._request import Request
+
+__all__ = ["index_grid", "modify_scores", "allowed_tile", "safe_softmax_stats", "weights_from_lse"]
+
+NEG_INF = float("-inf")
+
+
+def index_grid(B: int, H: int, i0: int, l: int, j0: int, s: int, device, heads=None):
+    """Broadcastable index tensors ``b (B,1,1,1)``, ``h (1,H,1,1)``, ``q (1,1,l,1)``, ``kv (1,1,1,s)``.
+
+    ``heads`` optionally lists the absolute head indices of the H heads present.
+    """
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = (torch.arange(H, device=device) if heads is None else torch.as_tensor(heads, device=device)).view(1, -1, 1, 1)
+    q = torch.arange(i0, i0 + l, device=device).view(1, 1, l, 1)
+    kv = torch.arange(j0, j0 + s, device=device).view(1, 1, 1, s)
+    return b, h, q, kv
+
+
+def allowed_tile(req: Request, i0: int, l: int, j0: int, s: int, heads=None, batch=None) -> torch.Tensor | None:
+    """Bool tile (broadcastable to ``(B, H, l, s)``) of where attention is allowed, or None (all)."""
+    B, H, L, S, *_ = req.shape
+    allowed = None
+    if req.mask is not None:
+        b, h, q, kv = index_grid(B, H, i0, l, j0, s, req.q.device, heads)
+        if batch is not None:
+            b = b[batch]
+        allowed = req.mask.bind(L, S)(b, h, q, kv)
+    if req.dense_mask is not None:
+        dm = req.dense_mask[..., i0:i0 + l, j0:j0 + s]
+        if heads is not None and dm.shape[1] != 1:
+            dm = dm[:, heads]
+        if batch is not None and dm.shape[0] != 1:
+            dm = dm[batch]
+        allowed = dm if allowed is None else allowed & dm
+    return allowed
+
+
+def modify_scores(req: Request, s_tile: torch.Tensor, i0: int, j0: int, heads=None, batch=None) -> torch.Tensor:
+    """Apply score_mod, the float bias and the masks to a tile of *scaled* scores ``(B, H, l, s)``."""
+    B, H, L, S, *_ = req.shape
+    l, s = s_tile.shape[-2], s_tile.shape[-1]
+    if req.score_mod is not None:
+        b, h, q, kv = index_grid(B, H, i0, l, j0, s, s_tile.device, heads)
+        if batch is not None:
+            b = b[batch]
+        s_tile = req.score_mod(s_tile, b, h, q, kv)
+        if not isinstance(s_tile, torch.Tensor):
+            raise TypeError(f"score_mod must return a tensor, got {type(s_tile).__name__}.")
+    if req.bias is not None:
+        bt = req.bias[..., i0:i0 + l, j0:j0 + s]
+        if heads is not None and bt.shape[1] != 1:
+            bt = bt[:, heads]
+        if batch is not None and bt.shape[0] != 1:
+            bt = bt[batch]
+        s_tile = s_tile + bt.to(s_tile.dtype)
+    allowed = allowed_tile(req, i0, l, j0, s, heads, batch)
+    if allowed is not None:
+        s_tile = s_tile.masked_fill(~allowed, NEG_INF)
+    return s_tile
+
+
+def safe_softmax_stats(s: torch.Tensor):
+    """Row max ``m`` (0 where the row has no finite score), ``p = exp(s - m)``, ``l = sum p``.
+
+    A fully masked row (all -inf) gives p = 0, l = 0 and so lse = m + log l = -inf,
+    never NaN (exp(-inf - 0) = 0).
+    """
+    m = s.detach().amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    return m, p, l
+
+
+def weights_from_lse(req: Request, lse: torch.Tensor, heads=None) -> torch.Tensor:
+    """Exact attention weights ``exp(s - lse)`` ``(B, H', L, S)`` recomputed from q, k and lse.
+
+    Used to return weights from a fast path without holding them during the forward:
+    only the requested ``heads`` (absolute indices) are recomputed.
+    """
+    B, H, L, S, D, Dv, Hkv = req.shape
+    heads = list(range(H)) if heads is None else [int(h) for h in heads]
+    g = H // Hkv
+    cd = req.compute_dtype()
+    q = req.q[:, heads].to(cd)
+    k = req.k[:, [h // g for h in heads]].to(cd)
+    s = torch.matmul(q, k.transpose(-1, -2)) * req.scale
+    s = modify_scores(req, s, 0, 0, heads=heads)
+    lse_h = lse[:, heads].to(cd).unsqueeze(-1)
+    finite = torch.isfinite(lse_h)
+    return torch.where(finite, torch.exp(s - torch.where(finite, lse_h, torch.zeros_like(lse_h))), torch.zeros_like(s))

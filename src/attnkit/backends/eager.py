@@ -1,0 +1,48 @@
+"""``backend="eager"``: the math path in torch ops. Materialises the (B, H, L, S)
+scores, so memory is O(L·S); supports everything (score_mod, any mask, dropout,
+GQA without copying K/V) and autograd through torch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._request import Request
+from ._common import modify_scores, safe_softmax_stats
+
+__all__ = ["NAME", "unsupported", "run", "weights"]
+
+NAME = "eager"
+
+
+def unsupported(req: Request) -> str | None:
+    return None
+
+
+def _probs(req: Request):
+    B, H, L, S, D, Dv, Hkv = req.shape
+    g = H // Hkv
+    cd = req.compute_dtype()
+    # GQA: view q as (B, Hkv, g, L, D) and broadcast k over g -- no copy of K/V.
+    qg = req.q.to(cd).reshape(B, Hkv, g, L, D)
+    s = torch.matmul(qg, req.k.to(cd).unsqueeze(2).transpose(-1, -2)) * req.scale  # (B, Hkv, g, L, S)
+    s = modify_scores(req, s.reshape(B, H, L, S), 0, 0)
+    m, p, l = safe_softmax_stats(s)
+    lse = (m + torch.log(l)).squeeze(-1)  # (B, H, L); -inf on fully masked rows
+    w = p / torch.where(l > 0, l, torch.ones_like(l))
+    return w, lse
+
+
+def weights(req: Request) -> torch.Tensor:
+    """Attention weights ``(B, H, L, S)`` (rows sum to 1; fully masked rows are 0)."""
+    return _probs(req)[0]
+
+
+def run(req: Request):
+    B, H, L, S, D, Dv, Hkv = req.shape
+    g = H // Hkv
+    w, lse = _probs(req)
+    if req.dropout_p > 0.0:
+        w = F.dropout(w, p=req.dropout_p, training=True)
+    out = torch.matmul(w.reshape(B, Hkv, g, L, S), req.v.to(w.dtype).unsqueeze(2))  # (B, Hkv, g, L, Dv)
+    return out.reshape(B, H, L, Dv).to(req.q.dtype), lse

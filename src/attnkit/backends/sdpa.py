@@ -1,0 +1,76 @@
+"""``backend="sdpa"``: torch's fused ``scaled_dot_product_attention``.
+
+It can express: no mask, causal (top-left, or bottom-right when L == S) through
+``is_causal``, and any other mask as an explicit dense mask (attnkit builds the
+(B, H, L, S) tensor -- O(L·S) memory, which is why ``auto`` prefers ``tiled`` for
+structured masks). It cannot apply a ``score_mod``. With ``return_lse`` it calls
+the CPU flash kernel directly (the public function does not return lse) and sets
+lse to -inf on fully masked rows (the kernel reports 0 there).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._request import Request
+from ._common import allowed_tile
+
+__all__ = ["NAME", "unsupported", "run"]
+
+NAME = "sdpa"
+
+
+def unsupported(req: Request) -> str | None:
+    if req.score_mod is not None:
+        return "torch SDPA cannot apply a score_mod (use backend='tiled' or 'eager')"
+    if req.need_lse and req.dropout_p > 0:
+        return "torch SDPA cannot return lse together with dropout (use backend='eager')"
+    if req.need_lse and req.q.device.type != "cpu":
+        return "lse from torch SDPA is only wired for the CPU kernel here"
+    if req.need_lse and req.q.shape[-1] != req.v.shape[-1]:
+        return "lse from torch SDPA needs D == Dv (the CPU flash kernel's restriction)"
+    if req.need_lse and req.requires_grad():
+        return "lse from torch SDPA comes from a private kernel without autograd here (use backend='tiled' or 'eager')"
+    return None
+
+
+def _is_causal_only(req: Request) -> bool:
+    L, S = req.q.shape[2], req.k.shape[2]
+    return (req.causal and req.dense_mask is None and req.bias is None
+            and (req.causal_align == "top_left" or L == S))
+
+
+def _attn_mask(req: Request):
+    """Dense mask for SDPA: bool (True = attend) or float bias, or None."""
+    B, H, L, S, *_ = req.shape
+    allowed = None if _is_causal_only(req) else allowed_tile(req, 0, L, 0, S)
+    if req.bias is None:
+        return allowed
+    bias = req.bias.to(req.q.dtype)
+    if allowed is not None:
+        bias = bias.masked_fill(~allowed, float("-inf"))
+    return bias
+
+
+def run(req: Request):
+    B, H, L, S, D, Dv, Hkv = req.shape
+    is_causal = _is_causal_only(req)
+    attn_mask = _attn_mask(req)
+    if not req.need_lse:
+        out = F.scaled_dot_product_attention(
+            req.q, req.k, req.v, attn_mask=attn_mask, dropout_p=req.dropout_p, is_causal=is_causal,
+            scale=req.scale, enable_gqa=H != Hkv)
+        return out, None
+    k, v = req.k, req.v
+    if H != Hkv:  # the private kernel has no GQA switch
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v = v.repeat_interleave(H // Hkv, dim=1)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=req.q.dtype).masked_fill(~attn_mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        req.q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=req.scale)
+    if attn_mask is not None:
+        dead = torch.isneginf(attn_mask).all(dim=-1).expand(B, H, L)
+        lse = lse.masked_fill(dead, float("-inf"))
+    return out, lse

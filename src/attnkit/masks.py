@@ -1,0 +1,427 @@
+"""Attention masks as index functions, FlexAttention style.
+
+Boolean masks in attnkit mean **True = attend** (as in torch SDPA, JAX and
+FlexAttention; the opposite of ``torch.nn.MultiheadAttention``).
+
+A mask is an object with a ``mask_mod``: a pure function of tensors of indices,
+``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``, evaluated with broadcasting.
+Built-in masks know the query and key lengths (``L``, ``S``) they are used
+with, because bottom-right causal alignment depends on ``S - L``; ``bind(L, S)``
+returns the plain FlexAttention-compatible ``mask_mod`` for those sizes.
+
+Shape legend: B batch, H query heads, L query length, S key length.
+
+Query positions are **bottom-right aligned** to the keys by default: query row
+``i`` sits at key position ``i + S - L`` (so a single decoding query sees the
+whole cache). Causal, both alignments, for L = 3, S = 5 (``#`` attend)::
+
+    bottom_right (default)      top_left
+        k0 k1 k2 k3 k4            k0 k1 k2 k3 k4
+    q0   #  #  #  .  .        q0   #  .  .  .  .
+    q1   #  #  #  #  .        q1   #  #  .  .  .
+    q2   #  #  #  #  #        q2   #  #  #  .  .
+
+Masks combine with ``&`` (both allow), ``|`` (either allows) and ``~`` (not).
+``mask.materialize(B, H, L, S)`` gives the dense ``(B, H, L, S)`` bool tensor
+(for references and tests; the fast backend never builds it), and ``str(mask)``
+draws it for a small size.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "Mask",
+    "causal",
+    "sliding_window",
+    "padding",
+    "document",
+    "prefix_lm",
+    "from_mod",
+    "full",
+]
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_ALIGNS = ("bottom_right", "top_left")
+
+
+def _check_align(align: str) -> str:
+    if align not in _ALIGNS:
+        raise ValueError(
+            f"align: expected one of {_ALIGNS}, got {align!r}. "
+            "Use 'bottom_right' (default, right for KV-cache decoding) or 'top_left'."
+        )
+    return align
+
+
+def _offset(align: str, L: int, S: int) -> int:
+    """Key position of query row 0: ``S - L`` bottom-right, ``0`` top-left."""
+    return S - L if align == "bottom_right" else 0
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}. Pass a value >= {minimum}.")
+    return value
+
+
+class Mask:
+    """Base class of attnkit masks. Subclasses define ``bind(L, S)``.
+
+    ``bind(L, S)`` returns ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` for a
+    query length ``L`` and key length ``S``. Indices are integer tensors that
+    broadcast against each other.
+    """
+
+    #: Number of batch rows the mask is specific to (``None``: any batch size).
+    batch_size: int | None = None
+
+    def bind(self, L: int, S: int) -> MaskMod:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def validate(self, B: int, H: int, L: int, S: int) -> None:
+        """Raise ``ValueError`` if this mask cannot be used for these sizes."""
+        if self.batch_size is not None and self.batch_size not in (1, B):
+            raise ValueError(
+                f"mask: {self!r} was built for batch size {self.batch_size}, but the inputs have "
+                f"B={B}. Build the mask from per-batch data with {B} rows."
+            )
+
+    def materialize(self, B: int, H: int, L: int, S: int, device=None) -> torch.Tensor:
+        """Dense ``(B, H, L, S)`` bool tensor, True = attend (for references and tests)."""
+        self.validate(B, H, L, S)
+        b = torch.arange(B, device=device).view(B, 1, 1, 1)
+        h = torch.arange(H, device=device).view(1, H, 1, 1)
+        q = torch.arange(L, device=device).view(1, 1, L, 1)
+        kv = torch.arange(S, device=device).view(1, 1, 1, S)
+        out = self.bind(L, S)(b, h, q, kv)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            raise TypeError(
+                f"mask_mod of {self!r} must return a bool tensor, got "
+                f"{type(out).__name__}{'' if not isinstance(out, torch.Tensor) else ' of ' + str(out.dtype)}. "
+                "Use comparisons and &, |, ~ on the index tensors."
+            )
+        return out.expand(B, H, L, S)
+
+    def __and__(self, other: "Mask") -> "Mask":
+        return And(self, _as_mask(other, "&"))
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return Or(self, _as_mask(other, "|"))
+
+    def __invert__(self) -> "Mask":
+        return Not(self)
+
+    def draw(self, L: int = 8, S: int | None = None, b: int = 0, h: int = 0) -> str:
+        """ASCII picture of the mask for one (batch, head): ``#`` attend, ``.`` masked."""
+        S = L if S is None else S
+        B = max(self.batch_size or 1, b + 1)
+        dense = self.materialize(B, h + 1, L, S)[b, h]
+        width = len(str(S - 1))
+        head = " " * (len(str(L - 1)) + 2) + " ".join(f"{j:>{width}}" for j in range(S))
+        rows = [head]
+        for i in range(L):
+            cells = " ".join(("#" if dense[i, j] else ".").rjust(width) for j in range(S))
+            rows.append(f"q{i:<{len(str(L - 1))}} {cells}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return f"{self!r}\n{self.draw()}"
+
+
+def _as_mask(obj, op: str) -> Mask:
+    if isinstance(obj, Mask):
+        return obj
+    raise TypeError(
+        f"mask {op}: expected an attnkit mask on both sides, got {type(obj).__name__}. "
+        "Wrap a function with attnkit.masks.from_mod(fn)."
+    )
+
+
+class Full(Mask):
+    """Every query sees every key (the neutral element of ``&``)."""
+
+    def bind(self, L, S):
+        return lambda b, h, q, kv: (q >= 0) & (kv >= 0)
+
+    def __repr__(self):
+        return "full()"
+
+
+class Causal(Mask):
+    """Query ``i`` sees keys ``j <= i + offset`` (``offset = S - L`` bottom-right, 0 top-left)."""
+
+    def __init__(self, align: str = "bottom_right"):
+        self.align = _check_align(align)
+
+    def bind(self, L, S):
+        off = _offset(self.align, L, S)
+        return lambda b, h, q, kv: kv <= q + off
+
+    def __repr__(self):
+        return f"causal(align={self.align!r})"
+
+
+class SlidingWindow(Mask):
+    """Query at key position ``p = i + offset`` sees keys ``p - size < j <= p`` (itself and ``size - 1`` before)."""
+
+    def __init__(self, size: int, align: str = "bottom_right"):
+        self.size = _check_int("size", size, 1)
+        self.align = _check_align(align)
+
+    def bind(self, L, S):
+        off, w = _offset(self.align, L, S), self.size
+        return lambda b, h, q, kv: (kv <= q + off) & (kv > q + off - w)
+
+    def __repr__(self):
+        return f"sliding_window({self.size}, align={self.align!r})"
+
+
+def _int_vector(name: str, value, ndim_ok=(1,)) -> torch.Tensor:
+    t = torch.as_tensor(value)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name}: expected integers, got dtype {t.dtype}. Pass an int array/tensor/list.")
+    if t.dim() not in ndim_ok:
+        raise ValueError(f"{name}: expected {' or '.join(f'{d}-D' for d in ndim_ok)}, got shape {tuple(t.shape)}.")
+    return t.to(torch.long)
+
+
+class Padding(Mask):
+    """Per batch row ``b``: keys ``j < key_lengths[b]`` are visible (right padding)."""
+
+    def __init__(self, key_lengths):
+        self.key_lengths = _int_vector("key_lengths", key_lengths)
+        if (self.key_lengths < 0).any():
+            raise ValueError(f"key_lengths: expected lengths >= 0, got {self.key_lengths.tolist()}.")
+        self.batch_size = int(self.key_lengths.numel())
+
+    def validate(self, B, H, L, S):
+        if self.batch_size != B:
+            raise ValueError(
+                f"key_lengths: expected one length per batch row ({B}), got {self.batch_size}. "
+                "Pass a length for every sequence in the batch."
+            )
+        if int(self.key_lengths.max(initial=0)) > S:
+            raise ValueError(
+                f"key_lengths: lengths must be <= S={S}, got max {int(self.key_lengths.max())}. "
+                "A length longer than the keys would be silently truncated; fix the lengths."
+            )
+
+    def bind(self, L, S):
+        lengths = self.key_lengths
+        return lambda b, h, q, kv: kv < lengths.to(kv.device)[b]
+
+    def __repr__(self):
+        return f"padding({self.key_lengths.tolist()})"
+
+
+class Document(Mask):
+    """Packed sequences: attend only within the same document id.
+
+    ``doc_ids`` has shape ``(S,)`` (shared by the batch) or ``(B, S)``. Query
+    row ``i`` belongs to the document of key position ``i + S - L``.
+    """
+
+    def __init__(self, doc_ids):
+        self.doc_ids = _int_vector("doc_ids", doc_ids, ndim_ok=(1, 2))
+        self.batch_size = int(self.doc_ids.shape[0]) if self.doc_ids.dim() == 2 else None
+
+    def validate(self, B, H, L, S):
+        super().validate(B, H, L, S)
+        if self.doc_ids.shape[-1] != S:
+            raise ValueError(
+                f"doc_ids: expected one id per key position (S={S}), got {self.doc_ids.shape[-1]}. "
+                "Pass ids of shape (S,) or (B, S)."
+            )
+        if L > S:
+            raise ValueError(f"document mask: needs L <= S (queries aligned to the last L keys), got L={L}, S={S}.")
+
+    def _ids2d(self) -> torch.Tensor:
+        return self.doc_ids if self.doc_ids.dim() == 2 else self.doc_ids.unsqueeze(0)
+
+    def bind(self, L, S):
+        ids, off = self._ids2d(), S - L
+        if ids.shape[0] == 1:
+            return lambda b, h, q, kv: ids[0].to(kv.device)[q + off] == ids[0].to(kv.device)[kv]
+        return lambda b, h, q, kv: ids.to(kv.device)[b, q + off] == ids.to(kv.device)[b, kv]
+
+    def __repr__(self):
+        return f"document(<{tuple(self.doc_ids.shape)} ids>)"
+
+
+class PrefixLM(Mask):
+    """The first ``prefix_length`` keys are visible to every query; causal (bottom-right) elsewhere."""
+
+    def __init__(self, prefix_length: int):
+        self.prefix_length = _check_int("prefix_length", prefix_length, 0)
+
+    def validate(self, B, H, L, S):
+        if self.prefix_length > S:
+            raise ValueError(f"prefix_length: expected <= S={S}, got {self.prefix_length}.")
+
+    def bind(self, L, S):
+        off, p = S - L, self.prefix_length
+        return lambda b, h, q, kv: (kv < p) | (kv <= q + off)
+
+    def __repr__(self):
+        return f"prefix_lm({self.prefix_length})"
+
+
+class FromMod(Mask):
+    """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention signature)."""
+
+    def __init__(self, fn: MaskMod):
+        if not callable(fn):
+            raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool tensor, got {type(fn).__name__}.")
+        try:
+            n = len(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            n = 4
+        if n != 4:
+            raise TypeError(
+                f"mask_mod: expected a function of 4 arguments (b, h, q_idx, kv_idx), got one of {n}. "
+                "Did you pass a score_mod (5 arguments) as the mask?"
+            )
+        self.fn = fn
+
+    def bind(self, L, S):
+        return self.fn
+
+    def __repr__(self):
+        return f"from_mod({getattr(self.fn, '__name__', 'mask_mod')})"
+
+
+class _Combined(Mask):
+    def __init__(self, *parts: Mask):
+        self.parts = parts
+        sizes = {p.batch_size for p in parts if p.batch_size is not None}
+        if len(sizes) > 1:
+            raise ValueError(f"mask: cannot combine masks built for different batch sizes {sorted(sizes)}.")
+        self.batch_size = sizes.pop() if sizes else None
+
+    def validate(self, B, H, L, S):
+        for p in self.parts:
+            p.validate(B, H, L, S)
+
+
+class And(_Combined):
+    def bind(self, L, S):
+        mods = [p.bind(L, S) for p in self.parts]
+
+        def mod(b, h, q, kv):
+            out = mods[0](b, h, q, kv)
+            for m in mods[1:]:
+                out = out & m(b, h, q, kv)
+            return out
+
+        return mod
+
+    def __repr__(self):
+        return "(" + " & ".join(map(repr, self.parts)) + ")"
+
+
+class Or(_Combined):
+    def bind(self, L, S):
+        mods = [p.bind(L, S) for p in self.parts]
+
+        def mod(b, h, q, kv):
+            out = mods[0](b, h, q, kv)
+            for m in mods[1:]:
+                out = out | m(b, h, q, kv)
+            return out
+
+        return mod
+
+    def __repr__(self):
+        return "(" + " | ".join(map(repr, self.parts)) + ")"
+
+
+class Not(_Combined):
+    def __init__(self, inner: Mask):
+        super().__init__(inner)
+        self.inner = inner
+
+    def bind(self, L, S):
+        mod = self.inner.bind(L, S)
+        return lambda b, h, q, kv: ~mod(b, h, q, kv)
+
+    def __repr__(self):
+        return f"~{self.inner!r}"
+
+
+def full() -> Mask:
+    """No masking: every query sees every key."""
+    return Full()
+
+
+def causal(align: str = "bottom_right") -> Mask:
+    """Look-ahead mask. ``align="bottom_right"`` (default): query ``i`` sees keys
+    ``j <= i + S - L``; ``"top_left"``: keys ``j <= i``. See the module docstring."""
+    return Causal(align)
+
+
+def sliding_window(size: int, align: str = "bottom_right") -> Mask:
+    """Each query sees itself and the ``size - 1`` keys before it (causal local attention).
+
+    For L = S = 5, size = 2::
+
+            k0 k1 k2 k3 k4
+        q0   #  .  .  .  .
+        q1   #  #  .  .  .
+        q2   .  #  #  .  .
+        q3   .  .  #  #  .
+        q4   .  .  .  #  #
+    """
+    return SlidingWindow(size, align)
+
+
+def padding(key_lengths) -> Mask:
+    """Per batch row ``b``, keys ``j < key_lengths[b]`` are visible. ``key_lengths``: ``(B,)`` ints."""
+    return Padding(key_lengths)
+
+
+def document(doc_ids) -> Mask:
+    """Packed sequences attend within their document. ``doc_ids``: ``(S,)`` or ``(B, S)`` ints.
+
+    doc_ids = [0, 0, 1, 1, 1]::
+
+            k0 k1 k2 k3 k4
+        q0   #  #  .  .  .
+        q1   #  #  .  .  .
+        q2   .  .  #  #  #
+        q3   .  .  #  #  #
+        q4   .  .  #  #  #
+
+    Combine with ``causal()`` for packed causal language modelling.
+    """
+    return Document(doc_ids)
+
+
+def prefix_lm(prefix_length: int) -> Mask:
+    """Keys ``j < prefix_length`` are visible to all queries; causal (bottom-right) after.
+
+    prefix_length = 2, L = S = 4::
+
+            k0 k1 k2 k3
+        q0   #  #  .  .
+        q1   #  #  .  .
+        q2   #  #  #  .
+        q3   #  #  #  #
+    """
+    return PrefixLM(prefix_length)
+
+
+def from_mod(mask_mod: MaskMod) -> Mask:
+    """Wrap a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``.
+
+    Example: ``from_mod(lambda b, h, q, kv: (q - kv).abs() <= 2)`` (a band).
+    The function must work on broadcasting index tensors, not only on ints.
+    """
+    return FromMod(mask_mod)

@@ -1,0 +1,110 @@
+"""``backend="reference"``: the textbook formula in NumPy float64, one literal step
+at a time, with every intermediate kept (see :class:`Trace`).
+
+    scores  = Q Kᵀ                         (B, H, L, S)
+    scaled  = scores · scale               scale = 1/√D unless given
+    masked  = scaled → score_mod → + bias → -inf where the mask forbids
+    weights = softmax(masked) per row       (rows sum to 1; a fully masked row is 0)
+    output  = weights V                     (B, H, L, Dv)
+    lse     = log Σ_j exp(masked)           (B, H, L); -inf on a fully masked row
+
+No tiling, no online softmax, no cleverness: this is the golden every other
+backend is tested against. Masks and score_mods are evaluated with torch index
+tensors (their signatures are FlexAttention's), everything else is NumPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._request import Request
+from .backends._common import index_grid
+
+__all__ = ["NAME", "unsupported", "run", "trace", "Trace"]
+
+NAME = "reference"
+
+
+@dataclass
+class Trace:
+    """Every step of one attention computation, as float64 NumPy arrays.
+
+    Shapes: ``scores``, ``scaled``, ``masked``, ``weights`` are ``(B, H, L, S)``;
+    ``output`` ``(B, H, L, Dv)``; ``lse`` ``(B, H, L)``; ``allowed`` the bool mask
+    ``(B, H, L, S)`` (True = attend). Unbatched inputs are traced as B = H = 1.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    scale: float
+    scores: np.ndarray
+    scaled: np.ndarray
+    masked: np.ndarray
+    allowed: np.ndarray
+    weights: np.ndarray
+    output: np.ndarray
+    lse: np.ndarray
+    has_mask: bool = False
+
+    def __str__(self) -> str:
+        from ._format import format_trace
+
+        return format_trace(self)
+
+
+def unsupported(req: Request) -> str | None:
+    if req.dropout_p > 0:
+        return "the reference is deterministic and has no dropout (use backend='eager')"
+    if req.requires_grad():
+        return "the reference is NumPy and has no autograd (use backend='eager' or 'tiled')"
+    return None
+
+
+def trace(req: Request) -> Trace:
+    B, H, L, S, D, Dv, Hkv = req.shape
+    g = H // Hkv
+    q = req.q.detach().cpu().to(torch.float64).numpy()
+    # The reference may copy: repeat each kv head for its g query heads.
+    k = np.repeat(req.k.detach().cpu().to(torch.float64).numpy(), g, axis=1)
+    v = np.repeat(req.v.detach().cpu().to(torch.float64).numpy(), g, axis=1)
+
+    scores = q @ np.swapaxes(k, -1, -2)  # (B, H, L, S)
+    scaled = scores * req.scale
+    masked = scaled.copy()
+    if req.score_mod is not None:
+        b, h, qi, kv = index_grid(B, H, 0, L, 0, S, "cpu")
+        masked = req.score_mod(torch.from_numpy(masked), b, h, qi, kv).to(torch.float64).numpy()
+        masked = np.broadcast_to(masked, (B, H, L, S)).copy()
+    if req.bias is not None:
+        masked = masked + req.bias.detach().cpu().to(torch.float64).numpy()
+    allowed = np.ones((B, H, L, S), dtype=bool)
+    if req.mask is not None:
+        allowed &= req.mask.materialize(B, H, L, S).cpu().numpy()
+    if req.dense_mask is not None:
+        allowed &= np.broadcast_to(req.dense_mask.cpu().numpy(), (B, H, L, S))
+    masked = np.where(allowed, masked, -np.inf)
+
+    # Stable softmax: subtract the row max (0 for a row with no finite score).
+    m = masked.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(masked - m)
+    denom = e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (m + np.log(denom))[..., 0]
+    weights = e / np.where(denom > 0, denom, 1.0)
+    output = weights @ v
+    return Trace(q=q, k=k, v=v, scale=req.scale, scores=scores, scaled=scaled, masked=masked,
+                 allowed=allowed, weights=weights, output=output, lse=lse, has_mask=req.has_mask)
+
+
+def run(req: Request):
+    t = trace(req)
+    dt = req.q.dtype
+    out = torch.from_numpy(t.output).to(device=req.q.device, dtype=dt)
+    lse_dt = dt if dt in (torch.float32, torch.float64) else torch.float32
+    lse = torch.from_numpy(t.lse).to(device=req.q.device, dtype=lse_dt)
+    return out, lse
