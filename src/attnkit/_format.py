@@ -32,11 +32,13 @@ def format_matrix(m, row_labels=None, col_labels=None, prec: int = 4) -> str:
     return "\n".join(out)
 
 
-def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4) -> str:
+def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4, q_tokens=None, k_tokens=None) -> str:
+    """The trace of batch ``b``, head ``h`` as numbered tables (tokens label rows/columns)."""
     L, S = t.scores.shape[-2:]
     Dv = t.output.shape[-1]
-    qlab = list(tokens) if tokens and len(tokens) == L else None
-    klab = list(tokens) if tokens and len(tokens) == S else None
+    q_tokens, k_tokens = q_tokens or tokens, k_tokens or tokens
+    qlab = list(q_tokens) if q_tokens and len(q_tokens) == L else None
+    klab = list(k_tokens) if k_tokens and len(k_tokens) == S else None
     dk = t.q.shape[-1]
     parts = []
     if t.scores.shape[0] * t.scores.shape[1] > 1:

@@ -208,7 +208,7 @@ class Padding(Mask):
                 f"key_lengths: expected one length per batch row ({B}), got {self.batch_size}. "
                 "Pass a length for every sequence in the batch."
             )
-        if int(self.key_lengths.max(initial=0)) > S:
+        if self.key_lengths.numel() and int(self.key_lengths.max()) > S:
             raise ValueError(
                 f"key_lengths: lengths must be <= S={S}, got max {int(self.key_lengths.max())}. "
                 "A length longer than the keys would be silently truncated; fix the lengths."
@@ -290,6 +290,18 @@ class FromMod(Mask):
                 "Did you pass a score_mod (5 arguments) as the mask?"
             )
         self.fn = fn
+
+    def validate(self, B, H, L, S):
+        # Evaluate once on index 0 so a mask_mod returning non-bool fails here,
+        # at the boundary, not as a silently wrong bitwise ``~`` inside a backend.
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        out = self.fn(zero, zero, zero, zero)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of {out.dtype}"
+            raise TypeError(
+                f"mask_mod {getattr(self.fn, '__name__', '')!r} must return a bool tensor (True = attend), "
+                f"got {got}. Use comparisons and &, |, ~ on the index tensors."
+            )
 
     def bind(self, L, S):
         return self.fn

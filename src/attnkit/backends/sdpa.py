@@ -6,6 +6,11 @@ It can express: no mask, causal (top-left, or bottom-right when L == S) through
 structured masks). It cannot apply a ``score_mod``. With ``return_lse`` it calls
 the CPU flash kernel directly (the public function does not return lse) and sets
 lse to -inf on fully masked rows (the kernel reports 0 there).
+
+NaN: torch's CPU kernel turns a row whose scores contain NaN into zeros, hiding
+the NaN. attnkit documents that NaN propagates to the rows it touches, so inputs
+that contain NaN (an O(B·H·L·D) check, negligible next to attention) are computed
+by the math path of ``eager`` instead.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .._request import Request
+from . import eager
 from ._common import allowed_tile
 
 __all__ = ["NAME", "unsupported", "run"]
@@ -53,8 +59,15 @@ def _attn_mask(req: Request):
     return bias
 
 
+def _has_nan(req: Request) -> bool:
+    return bool(torch.isnan(req.q).any() or torch.isnan(req.k).any() or torch.isnan(req.v).any())
+
+
 def run(req: Request):
     B, H, L, S, D, Dv, Hkv = req.shape
+    if _has_nan(req):
+        out, lse = eager.run(req)
+        return out, (lse if req.need_lse else None)
     is_causal = _is_causal_only(req)
     attn_mask = _attn_mask(req)
     if not req.need_lse:

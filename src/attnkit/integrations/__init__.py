@@ -1,0 +1,13 @@
+"""attnkit inside other libraries.
+
+* :mod:`attnkit.integrations.transformers` — ``register()`` makes
+  ``attn_implementation="attnkit"`` run every attention layer of a Hugging Face
+  model through :func:`attnkit.attention`; ``capture_attention`` returns exact
+  weights of chosen layers and heads while the model stays on the fast path.
+* :mod:`attnkit.integrations.minilm` — the bundled all-MiniLM-L6-v2: load it
+  offline, tokenize, embed sentences.
+
+Both import ``transformers`` only when used (``pip install 'attnkit[model]'``).
+"""
+
+__all__: list[str] = []

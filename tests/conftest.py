@@ -1,0 +1,85 @@
+"""Shared test helpers: the float64 golden and error-budget tolerances.
+
+Tolerances follow the flash-attention test habit: a backend's error against the
+float64 golden must stay within a budget derived from the arithmetic, not a
+hand-tuned constant.
+
+* fp32/fp64: an attention output is a convex combination of V rows, each weight
+  coming from a D-term dot product and an S-term normalisation, so the rounding
+  error grows like eps·(√D + √S)·max|score|-ish; we allow ``C · eps · (√D + √S)``
+  relative to the magnitude of V (C = 16).
+* bf16/fp16: inputs are already rounded, so we compare with the error of the
+  plain low-precision math path (scores in the low dtype) and allow a fudge
+  factor of 2 of it, plus a floor of a few ulps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+
+EPS = {torch.float64: 2.2e-16, torch.float32: 1.2e-7, torch.bfloat16: 7.8e-3, torch.float16: 9.8e-4}
+
+
+def golden(q, k, v, **kw):
+    """Float64 reference output (and lse) on float64 copies of the inputs."""
+    up = lambda t: t.detach().to(torch.float64) if isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
+    kw = dict(kw)
+    m = kw.get("mask")
+    if isinstance(m, torch.Tensor) and m.is_floating_point():
+        kw["mask"] = m.to(torch.float64)
+    return attnkit.attention(up(q), up(k), up(v), backend="reference", return_lse=True, **kw)
+
+
+def budget(dtype, D, S, scale_v=1.0):
+    return 16 * EPS[dtype] * (math.sqrt(D) + math.sqrt(S)) * scale_v
+
+
+def low_precision_error(q, k, v, ref_out, **kw):
+    """Error of the naive math path run in the low dtype itself (scores in bf16/fp16)."""
+    B, H, L, D = q.shape
+    g = H // k.shape[1]
+    kk = k.repeat_interleave(g, 1)
+    vv = v.repeat_interleave(g, 1)
+    s = (q @ kk.transpose(-1, -2)) * (kw.get("scale") or D ** -0.5)
+    allowed = None
+    req = attnkit._request.make_request(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), scale=None,
+                                        score_mod=None, dropout_p=0.0, return_lse=False, backend="eager")
+    from attnkit.backends._common import allowed_tile
+    allowed = allowed_tile(req, 0, L, 0, k.shape[2])
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
+    out = p @ vv
+    return (out.double() - ref_out).abs().max().item()
+
+
+def assert_close(out, ref, atol, what=""):
+    out = torch.as_tensor(out).double()
+    ref = torch.as_tensor(ref).double()
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    err = (out - ref).abs().max().item() if out.numel() else 0.0
+    assert err <= atol, f"{what}: max abs error {err:.3g} > budget {atol:.3g}"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    np.random.seed(0)
+
+
+def rand_qkv(B, H, Hkv, L, S, D, Dv=None, dtype=torch.float32, scale=1.0, requires_grad=False):
+    Dv = D if Dv is None else Dv
+    q = (torch.randn(B, H, L, D, dtype=torch.float64) * scale).to(dtype)
+    k = (torch.randn(B, Hkv, S, D, dtype=torch.float64) * scale).to(dtype)
+    v = torch.randn(B, Hkv, S, Dv, dtype=torch.float64).to(dtype)
+    if requires_grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v

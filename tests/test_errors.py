@@ -1,0 +1,109 @@
+"""Bad inputs: each raises at the boundary, naming the argument, expected, got and the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+
+
+def qkv(B=2, H=4, Hkv=2, L=5, S=7, D=8, Dv=8, dtype=torch.float32):
+    return (torch.randn(B, H, L, D, dtype=dtype), torch.randn(B, Hkv, S, D, dtype=dtype),
+            torch.randn(B, Hkv, S, Dv, dtype=dtype))
+
+
+def raises(exc, *needles, **kw):
+    q, k, v = kw.pop("qkv", None) or qkv()
+    with pytest.raises(exc) as ei:
+        attnkit.attention(q, k, v, **kw)
+    msg = str(ei.value)
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    return msg
+
+
+def test_wrong_rank():
+    q, k, v = qkv()
+    raises(ValueError, "q:", "rank", "(B, H, L, D)", qkv=(q[None], k[None], v[None]))
+    raises(ValueError, "same rank", qkv=(q, k[0], v[0]))
+
+
+def test_heads_not_multiple():
+    raises(ValueError, "k:", "divides H=4", "Hkv=3", qkv=qkv(H=4, Hkv=3))
+
+
+def test_head_dim_mismatch():
+    q, k, v = qkv()
+    raises(ValueError, "k:", "D=8", "got 6", qkv=(q, k[..., :6], v))
+
+
+def test_seq_len_mismatch():
+    q, k, v = qkv()
+    raises(ValueError, "v:", "S=7", "got 6", qkv=(q, k, v[:, :, :6]))
+
+
+def test_batch_mismatch():
+    q, k, v = qkv()
+    raises(ValueError, "batch", "B=2", "B=1", qkv=(q, k[:1], v[:1]))
+
+
+def test_mask_not_broadcastable():
+    raises(ValueError, "mask:", "not broadcastable", "(B, H, L, S) = (2, 4, 5, 7)", mask=torch.ones(5, 6, dtype=torch.bool))
+    raises(ValueError, "mask:", "dim B", mask=torch.ones(3, 1, 5, 7, dtype=torch.bool))
+
+
+def test_integer_and_mixed_dtypes():
+    q, k, v = qkv()
+    raises(TypeError, "q:", "floating", "int64", "q.float()", qkv=(q.long(), k, v))
+    raises(TypeError, "one dtype", "float64", qkv=(q, k.double(), v))
+    raises(TypeError, "mask:", "int64", ".bool()", mask=torch.ones(5, 7, dtype=torch.long))
+    raises(TypeError, "mask:", "float64", mask=torch.zeros(5, 7, dtype=torch.float64))
+    with pytest.raises(TypeError, match="dtype int64"):
+        attnkit.attention(np.ones((3, 4), np.int64), np.ones((3, 4)), np.ones((3, 4)))
+    with pytest.raises(TypeError, match="all torch tensors or all NumPy"):
+        attnkit.attention(q, k.numpy(), v)
+
+
+def test_different_devices():
+    q, k, v = qkv()
+    raises(ValueError, "one device", "meta", ".to(device)", qkv=(q, k.to("meta"), v))
+
+
+def test_unknown_backend_and_options():
+    raises(ValueError, "backend:", "'flash'", "auto", backend="flash")
+    raises(ValueError, "dropout_p", dropout_p=1.5)
+    raises(TypeError, "scale", scale="big")
+    raises(TypeError, "score_mod", "5 arguments", "mask_mod", score_mod=lambda b, h, q, kv: q)
+    raises(TypeError, "mask_mod", "4 arguments", mask=masks.from_mod(lambda s, b, h, q, kv: q) if False else (lambda s, b, h, q, kv: q))
+    raises(TypeError, "causal", causal="yes")
+    raises(TypeError, "mask:", "got str", mask="causal")
+
+
+def test_negative_window_and_too_long_lengths():
+    with pytest.raises(ValueError, match="size: expected an int >= 1, got -2"):
+        masks.sliding_window(-2)
+    with pytest.raises(ValueError, match="key_lengths: expected lengths >= 0"):
+        masks.padding([3, -1])
+    raises(ValueError, "key_lengths", "<= S=7", "truncated", mask=masks.padding([8, 7]))
+    raises(ValueError, "key_lengths", "one length per batch row (2)", mask=masks.padding([3]))
+    raises(ValueError, "doc_ids", "S=7", mask=masks.document([0, 0, 1]))
+    raises(ValueError, "prefix_length", mask=masks.prefix_lm(9))
+    with pytest.raises(ValueError, match="align"):
+        masks.causal("top")
+    with pytest.raises(TypeError, match="key_lengths: expected integers"):
+        masks.padding([1.5, 2.0])
+
+
+def test_named_backend_never_falls_back():
+    q, k, v = qkv(D=8, Dv=6)
+    with pytest.raises(ValueError, match="backend='sdpa' cannot honour.*D == Dv"):
+        attnkit.attention(q, k, v, backend="sdpa", return_lse=True)
+    with pytest.raises(ValueError, match="backend='reference' cannot honour.*dropout"):
+        attnkit.attention(q, k, v, backend="reference", dropout_p=0.1)
+
+
+def test_mask_mod_must_return_bool():
+    raises(TypeError, "bool tensor", mask=masks.from_mod(lambda b, h, q, kv: q - kv), backend="reference")

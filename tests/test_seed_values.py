@@ -1,0 +1,98 @@
+"""Hand-checked values from the seed tutorials, with their errata corrected."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit.cli import main
+
+Q = np.array([[1.0, 0], [0, 1], [1, 1]])
+K = np.array([[1.0, 1], [1, 0], [0, 1]])
+V = np.array([[10.0, 0], [0, 10], [5, 5]])
+
+
+def test_seed_003_three_tokens():
+    t = attnkit.explain(Q, K, V)
+    np.testing.assert_array_equal(t.scores[0, 0], [[1, 1, 0], [1, 0, 1], [2, 1, 1]])
+    np.testing.assert_allclose(t.scaled[0, 0], t.scores[0, 0] / math.sqrt(2))
+    # By hand: e = exp(1/√2) = 2.02811, weights = [e, e, 1] / (2e + 1)
+    e = math.exp(1 / math.sqrt(2))
+    w = np.array([e, e, 1]) / (2 * e + 1)
+    np.testing.assert_allclose(t.weights[0, 0, 0], w, rtol=1e-14)
+    np.testing.assert_allclose(t.weights[0, 0, 0], [0.4011, 0.4011, 0.1978], atol=5e-5)
+    # First row: 10w0 + 5w2 = 10w1 + 5w2 = 5(2e + 1)/(2e + 1) = 5 exactly
+    np.testing.assert_allclose(t.output[0, 0, 0], [5.0, 5.0], rtol=1e-14)
+    np.testing.assert_allclose(t.weights.sum(-1), 1.0, rtol=1e-14)
+    np.testing.assert_allclose(attnkit.attention(Q, K, V)[0], [5.0, 5.0], rtol=1e-6)
+
+
+def test_seed_002_chased():
+    q = np.array([[5.0, 1]])
+    kv = np.array([[1.0, 0], [2, 3], [4, 4]])
+    t = attnkit.explain(q, kv, kv)
+    np.testing.assert_array_equal(t.scores[0, 0, 0], [5, 13, 24])
+    np.testing.assert_allclose(t.scaled[0, 0, 0], np.array([5, 13, 24]) / math.sqrt(2))
+    np.testing.assert_allclose(t.weights[0, 0, 0], [0.000001, 0.000419, 0.999580], atol=1e-6)
+
+
+def test_seed_003_positional_d4():
+    pe = attnkit.positional.sinusoidal(2, 4, dtype=torch.float64)
+    np.testing.assert_allclose(pe[0].numpy(), [0, 1, 0, 1])
+    np.testing.assert_allclose(pe[1].numpy(), [math.sin(1), math.cos(1), math.sin(0.01), math.cos(0.01)], rtol=1e-14)
+    assert round(pe[1, 2].item(), 4) == 0.0100 and round(pe[1, 3].item(), 5) == 0.99995
+
+
+def test_seed_000_softmax_is_stable_for_huge_scores():
+    # The seed's softmax has no max subtraction and overflows here; ours must not.
+    q = np.full((3, 4), 300.0)
+    k = np.full((3, 4), 300.0)
+    k[1] = -300
+    v = np.eye(3, 4)
+    for backend in ("reference", "eager", "sdpa"):
+        out = attnkit.attention(q, k, v, backend=backend)
+        assert np.isfinite(out).all(), backend
+        np.testing.assert_allclose(out[0], (v[0] + v[2]) / 2, atol=1e-12)
+
+
+def test_cli_explain_default_prints_corrected_numbers(capsys):
+    assert main(["explain"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("Raw scores", "Scaled scores", "Weights", "Output", "0.4011", "0.1978", "5.0000 5.0000", "[5.3, 4.2]"):
+        assert needle in out, needle
+    first_output_row = [l for l in out.splitlines() if l.strip().startswith("q0 │")][-1]
+    assert first_output_row.split("│")[1].split() == ["5.0000", "5.0000"]
+
+
+@pytest.mark.parametrize("example, needle", [("cat", "0.999580"), ("random", "seed 0"), ("positional", "0.0100")])
+def test_cli_explain_examples(capsys, example, needle):
+    assert main(["explain", "--example", example, "--precision", "6" if example == "cat" else "4"]) == 0
+    assert needle in capsys.readouterr().out
+
+
+def test_cli_explain_own_files_and_mask(tmp_path, capsys):
+    np.save(tmp_path / "q.npy", Q)
+    (tmp_path / "k.csv").write_text("\n".join(",".join(map(str, r)) for r in K))
+    (tmp_path / "v.json").write_text("[[10, 0], [0, 10], [5, 5]]")
+    assert main(["explain", "--q", str(tmp_path / "q.npy"), "--k", str(tmp_path / "k.csv"),
+                 "--v", str(tmp_path / "v.json"), "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "Masked" in out and "-inf" in out
+    # causal: q0 sees only k0 -> output row 0 = V[0]
+    assert [l for l in out.splitlines() if l.strip().startswith("q0 │")][-1].split("│")[1].split() == ["10.0000", "0.0000"]
+
+
+def test_cli_explain_bad_input(tmp_path, capsys):
+    assert main(["explain", "--q", str(tmp_path / "missing.npy"), "--k", "x.npy", "--v", "y.npy"]) == 2
+    err = capsys.readouterr().err
+    assert "--q" in err and "not found" in err
+    assert main(["explain", "--mask", "window:-1"]) == 2
+    assert "size" in capsys.readouterr().err
+
+
+def test_cli_masks_draws(capsys):
+    assert main(["masks", "causal", "-L", "3", "-S", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-3:] == ["q0 # # # . .", "q1 # # # # .", "q2 # # # # #"]
