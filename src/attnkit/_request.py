@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -53,7 +53,6 @@ class Request:
     # bookkeeping for the public boundary
     input_rank: int = 4
     numpy_in: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def shape(self):
