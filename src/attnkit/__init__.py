@@ -9,11 +9,11 @@ Conventions: bool masks are True = attend; float masks are additive biases;
 causal with L ≠ S is bottom-right aligned; a fully masked row gives 0 (lse -inf).
 """
 
-from . import masks, positional, score_mods
+from . import masks, nn, positional, score_mods
 from ._dispatch import Decision
 from .api import attention, dispatch
 from .explain import explain
 from .reference import Trace
 
-__all__ = ["attention", "dispatch", "explain", "Decision", "Trace", "masks", "score_mods", "positional"]
+__all__ = ["attention", "dispatch", "explain", "Decision", "Trace", "masks", "score_mods", "positional", "nn"]
 __version__ = "0.1.0"

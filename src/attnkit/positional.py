@@ -1,12 +1,60 @@
-"""Positional encodings. Shape legend: L sequence length, E (d_model) embedding size."""
+"""Positional encodings: absolute (sinusoidal, learned), rotary (RoPE) and ALiBi slopes.
+
+Shape legend: B batch, H heads, L sequence length, D head dim, E (d_model) embedding size.
+
+Where each one acts::
+
+    tokens ─► embed (B, L, E) ─► + SinusoidalPositionalEncoding / LearnedPositionalEmbedding
+                                  │  (absolute: added once, before the first block)
+                                  ▼
+              q, k (B, H, L, D) ─► RotaryEmbedding.rotate(·, offset)   (relative, in every layer)
+                                  ▼
+              scores (B, H, L, S) ─► score_mods.alibi(alibi_slopes(H))  (relative bias, every layer)
+
+``offset`` is the absolute position of the first of the ``L`` rows; during KV-cache
+decoding it is the number of tokens already cached.
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from torch import nn
 
-__all__ = ["sinusoidal"]
+__all__ = [
+    "sinusoidal",
+    "SinusoidalPositionalEncoding",
+    "LearnedPositionalEmbedding",
+    "RotaryEmbedding",
+    "alibi_slopes",
+]
+
+
+def _check_pos_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}.")
+    return value
+
+
+def _check_offset(offset) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset: expected an int >= 0 (position of the first row), got {type(offset).__name__} {offset!r}.")
+    if offset < 0:
+        raise ValueError(f"offset: expected an int >= 0 (position of the first row), got {offset}.")
+    return offset
+
+
+def _check_ble(x, E: int, who: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor (B, L, E), got {type(x).__name__}.")
+    if x.dim() != 3 or x.shape[-1] != E:
+        raise ValueError(
+            f"x: expected shape (B, L, E={E}) for {who}, got {tuple(x.shape)}. "
+            "Pass batch-first embeddings (add a batch dim with x.unsqueeze(0))."
+        )
 
 
 def sinusoidal(length: int, d_model: int, *, base: float = 10000.0, dtype=torch.float32) -> torch.Tensor:
@@ -31,3 +79,173 @@ def sinusoidal(length: int, d_model: int, *, base: float = 10000.0, dtype=torch.
     pe[:, 0::2] = torch.sin(angle)
     pe[:, 1::2] = torch.cos(angle)
     return pe.to(dtype)
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Adds :func:`sinusoidal` to batch-first embeddings: ``x (B, L, E) + PE[offset : offset + L]``.
+
+    No parameters and no length limit: the table is computed in float64 and
+    grown on demand (it is not saved in ``state_dict``). ``offset`` is the
+    position of the first row (the cache length when decoding token by token).
+    """
+
+    def __init__(self, embed_dim: int, *, base: float = 10000.0):
+        super().__init__()
+        self.embed_dim = _check_pos_int("embed_dim", embed_dim)
+        if embed_dim % 2:
+            raise ValueError(f"embed_dim: expected an even size (sin/cos pairs), got {embed_dim}. Use an even embed_dim.")
+        self.base = float(base)
+        self.register_buffer("_table", sinusoidal(1, embed_dim, base=self.base, dtype=torch.float64), persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        _check_ble(x, self.embed_dim, "SinusoidalPositionalEncoding")
+        offset = _check_offset(offset)
+        end = offset + x.shape[1]
+        if end > self._table.shape[0]:  # grow geometrically so decoding does not recompute every step
+            n = max(end, 2 * self._table.shape[0])
+            self._table = sinusoidal(n, self.embed_dim, base=self.base, dtype=torch.float64).to(self._table.device)
+        return x + self._table[offset:end].to(device=x.device, dtype=x.dtype)  # (B, L, E)
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, base={self.base:g}"
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """A learned table ``weight (max_length, E)`` added to ``x (B, L, E)`` at ``offset``.
+
+    Positions ``offset .. offset + L - 1`` must be ``< max_length``; beyond that a
+    ``ValueError`` is raised (nothing is truncated or wrapped around).
+    """
+
+    def __init__(self, max_length: int, embed_dim: int):
+        super().__init__()
+        self.max_length = _check_pos_int("max_length", max_length)
+        self.embed_dim = _check_pos_int("embed_dim", embed_dim)
+        self.weight = nn.Parameter(torch.empty(max_length, embed_dim))
+        nn.init.normal_(self.weight, std=0.02)  # GPT-2's initialisation for position tables
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        _check_ble(x, self.embed_dim, "LearnedPositionalEmbedding")
+        offset = _check_offset(offset)
+        end = offset + x.shape[1]
+        if end > self.max_length:
+            raise ValueError(
+                f"x: positions {offset}..{end - 1} exceed max_length={self.max_length} of this "
+                f"LearnedPositionalEmbedding (offset={offset}, L={x.shape[1]}). Build it with "
+                f"max_length >= {end}, or use SinusoidalPositionalEncoding / RoPE, which have no limit."
+            )
+        return x + self.weight[offset:end]  # (B, L, E)
+
+    def extra_repr(self) -> str:
+        return f"max_length={self.max_length}, embed_dim={self.embed_dim}"
+
+
+class RotaryEmbedding(nn.Module):
+    r"""Rotary position embedding (RoPE, Su et al. 2021), applied to q and k of shape ``(B, H, L, D)``.
+
+    Dimension pair ``i`` (of ``D/2``) at position ``p`` is rotated by the angle
+    ``p · θ_i`` with ``θ_i = base^(-2i/D)``. Then ``q_m · k_n`` depends only on
+    ``m - n``: relative position from an absolute rotation.
+
+    Which dimensions form pair ``i``::
+
+        interleaved=False (rotate half; GPT-NeoX, Llama):  (x[i], x[i + D/2])
+            [x0 x1 x2 x3 | x4 x5 x6 x7]   pairs (0,4) (1,5) (2,6) (3,7)
+        interleaved=True (GPT-J, the paper's layout):       (x[2i], x[2i + 1])
+            [x0 x1|x2 x3|x4 x5|x6 x7]     pairs (0,1) (2,3) (4,5) (6,7)
+
+    Each pair ``(a, b)`` becomes ``(a cos − b sin, a sin + b cos)``.
+    Angles are computed in float64 and rounded once to the input dtype.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = False):
+        super().__init__()
+        self.head_dim = _check_pos_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(
+                f"head_dim: RoPE rotates pairs of dimensions, so it needs an even head_dim, got {head_dim}. "
+                f"Use head_dim {head_dim - 1} or {head_dim + 1}."
+            )
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not (base > 1 and math.isfinite(base)):
+            raise ValueError(f"base: expected a finite float > 1 (default 10000.0), got {base!r}.")
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"interleaved: expected True or False, got {interleaved!r}.")
+        self.base = float(base)
+        self.interleaved = interleaved
+
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """``positions (...)`` float64 -> angles ``(..., D/2)``."""
+        two_i = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=positions.device)
+        inv_freq = self.base ** (-two_i / self.head_dim)  # θ_i, (D/2,)
+        return positions.unsqueeze(-1) * inv_freq
+
+    def rotate(self, x: torch.Tensor, offset=0) -> torch.Tensor:
+        """Rotate ``x (..., L, D)`` as if its rows sat at positions ``offset + 0 .. offset + L - 1``.
+
+        ``offset`` is an int, or an integer tensor ``(B,)`` (one start per batch row,
+        for left-padded batches) when ``x`` is ``(B, H, L, D)``.
+        """
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"x: expected a floating torch.Tensor (B, H, L, D), got {type(x).__name__}"
+                            f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}.")
+        if x.dim() < 2 or x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"x: expected shape (..., L, D={self.head_dim}), got {tuple(x.shape)}. "
+                "RotaryEmbedding(head_dim) must be built with the head dim of q and k."
+            )
+        L = x.shape[-2]
+        # float64 angles where the device has it (MPS does not)
+        fdt = torch.float32 if x.device.type == "mps" else torch.float64
+        steps = torch.arange(L, dtype=fdt, device=x.device)
+        if isinstance(offset, torch.Tensor):
+            if offset.is_floating_point() or offset.dtype == torch.bool or offset.dim() != 1 or x.dim() != 4 \
+                    or offset.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"offset: a tensor offset must be integer with shape (B,) = ({x.shape[0]},) for x (B, H, L, D), "
+                    f"got {offset.dtype} {tuple(offset.shape)} with x {tuple(x.shape)}. Pass an int for one offset."
+                )
+            if (offset < 0).any():
+                raise ValueError(f"offset: expected offsets >= 0, got {offset.tolist()}.")
+            pos = offset.to(device=x.device, dtype=fdt).unsqueeze(1) + steps  # (B, L)
+            ang = self._angles(pos).unsqueeze(1)  # (B, 1, L, D/2)
+        else:
+            pos = steps + _check_offset(offset)
+            ang = self._angles(pos)  # (L, D/2)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        if self.interleaved:
+            a, b = x[..., 0::2], x[..., 1::2]
+            return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        half = self.head_dim // 2
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+
+    def forward(self, x: torch.Tensor, offset=0) -> torch.Tensor:
+        """Same as :meth:`rotate`."""
+        return self.rotate(x, offset)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base:g}, interleaved={self.interleaved}"
+
+
+def alibi_slopes(num_heads: int, *, dtype=torch.float32) -> torch.Tensor:
+    """ALiBi head slopes ``(H,)`` (Press et al., 2022), for :func:`attnkit.score_mods.alibi`.
+
+    For ``n`` a power of two the slopes are the geometric sequence
+    ``2^(-8/n), 2^(-16/n), ..., 2^(-8)`` (8 heads: 1/2, 1/4, ..., 1/256).
+    Otherwise, as in the paper's reference code, take the ``m`` slopes of the
+    closest power of two ``m < n``, then the first ``n - m`` of every other slope
+    of ``2m`` heads (which interleave between them)::
+
+        6 heads = slopes(4) + slopes(8)[0::2][:2]
+                = [1/4, 1/16, 1/64, 1/256] + [1/2, 1/8]
+    """
+    _check_pos_int("num_heads", num_heads)
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    m = 1 << (num_heads.bit_length() - 1)  # largest power of two <= num_heads
+    slopes = power_of_two(m)
+    if m != num_heads:
+        slopes += power_of_two(2 * m)[0::2][: num_heads - m]
+    return torch.tensor(slopes, dtype=torch.float64).to(dtype)

@@ -1,0 +1,72 @@
+"""``TransformerBlock``: a pre-norm Transformer layer (attention + MLP, residual connections).
+
+Shape legend: B batch, L length, E embed dim, H heads, Hkv key/value heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._kvcache import KVCache
+from ._mha import MultiHeadAttention, _check_pos_int
+
+__all__ = ["TransformerBlock"]
+
+_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
+
+
+class TransformerBlock(nn.Module):
+    r"""Pre-norm Transformer block (GPT-2 / Llama layout; Xiong et al. 2020)::
+
+        x ─┬─ LayerNorm ─ MultiHeadAttention ─ Dropout ─(+)─┬─ LayerNorm ─ MLP ─ Dropout ─(+)─► (B, L, E)
+           └────────────────────────────────────────────────┘└────────────────────────────────┘
+        MLP: Linear(E, mlp_ratio·E) ─ activation ─ Linear(mlp_ratio·E, E)
+
+    Args:
+        embed_dim, num_heads, num_kv_heads, positional, bias: as :class:`MultiHeadAttention`.
+        mlp_ratio: hidden width of the MLP as a multiple of E.
+        dropout: on the attention weights and on both residual branches (training only).
+        causal: default causal masking for :meth:`forward` (a decoder block).
+        activation: ``"gelu"`` or ``"relu"``.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, mlp_ratio: int = 4,
+                 dropout: float = 0.0, causal: bool = False, positional=None, bias: bool = True,
+                 activation: str = "gelu"):
+        super().__init__()
+        _check_pos_int("mlp_ratio", mlp_ratio)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal: expected True or False, got {causal!r}.")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}.")
+        self.attn = MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
+                                       dropout=dropout, positional=positional)
+        self.causal = causal
+        self.norm1 = nn.LayerNorm(embed_dim)
+        self.norm2 = nn.LayerNorm(embed_dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(embed_dim, mlp_ratio * embed_dim, bias=bias),
+            _ACTIVATIONS[activation](),
+            nn.Linear(mlp_ratio * embed_dim, embed_dim, bias=bias),
+        )
+        self.drop = nn.Dropout(dropout)
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """A :class:`~attnkit.nn.KVCache` for this block's attention."""
+        return self.attn.new_cache(batch_size, max_length)
+
+    def forward(self, x: torch.Tensor, *, mask=None, causal: bool | None = None, need_weights: bool = False,
+                kv_cache: KVCache | None = None):
+        """``x (B, L, E)`` → ``(B, L, E)``, or ``(out, weights (B, H, L, S))`` with ``need_weights``.
+
+        ``causal=None`` uses the block's default; ``mask`` and ``kv_cache`` go to the
+        attention unchanged (a cache makes the attention causal, see
+        :meth:`MultiHeadAttention.forward`).
+        """
+        causal = self.causal if causal is None else causal
+        a = self.attn(self.norm1(x), mask=mask, causal=causal, need_weights=need_weights, kv_cache=kv_cache)
+        a, weights = a if need_weights else (a, None)
+        x = x + self.drop(a)
+        x = x + self.drop(self.mlp(self.norm2(x)))
+        return (x, weights) if need_weights else x

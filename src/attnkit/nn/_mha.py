@@ -1,0 +1,308 @@
+"""``MultiHeadAttention``: projections + :func:`attnkit.attention`, batch-first, with GQA/MQA,
+RoPE/ALiBi and KV-cache decoding.
+
+Shape legend: B batch, L query length, S key length, E embed dim, H query heads,
+Hkv key/value heads, D = E / H head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import score_mods as _score_mods
+from .._request import make_request
+from ..api import attention
+from ..backends import eager as _eager
+from ..positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding, alibi_slopes
+from ._kvcache import KVCache
+
+__all__ = ["MultiHeadAttention"]
+
+_POSITIONAL_HELP = "None, 'rope', 'alibi' or an attnkit.positional.RotaryEmbedding"
+
+
+def _check_pos_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}.")
+    return value
+
+
+class MultiHeadAttention(nn.Module):
+    r"""Multi-head attention (Vaswani et al. 2017) with grouped-query heads (GQA/MQA), batch-first.
+
+    ::
+
+        query (B, L, E) ─ q_proj ─► q (B, H, L, D)  ─┐
+        key   (B, S, kdim) ─ k_proj ─► k (B, Hkv, S, D) ─┼─ [RoPE on q, k] ─ attnkit.attention ─► (B, H, L, D)
+        value (B, S, vdim) ─ v_proj ─► v (B, Hkv, S, D) ─┘        [ALiBi as score_mod]
+                                               ─ merge heads (B, L, E) ─ out_proj ─► output (B, L, E)
+
+    Self-attention when ``key`` and ``value`` are None; cross-attention otherwise
+    (``value`` defaults to ``key``). Query head ``h`` reads key/value head
+    ``h // (H // Hkv)``; ``num_kv_heads=1`` is multi-query attention (MQA)::
+
+        H = 4, Hkv = 2:   q heads  0 1 | 2 3
+                          kv head   0  |  1
+
+    Args:
+        embed_dim: E, a multiple of ``num_heads``.
+        num_heads: H query heads; head dim ``D = E // H``.
+        num_kv_heads: Hkv, a divisor of H (default H: plain multi-head attention).
+        kdim, vdim: feature sizes of ``key`` / ``value`` for cross-attention (default E).
+        bias: biases on the four projections (as torch's ``bias``).
+        dropout: dropout probability on the attention weights, in training mode only.
+        positional: None; ``"rope"`` (a :class:`~attnkit.positional.RotaryEmbedding` of the
+            head dim) or a ``RotaryEmbedding`` instance; or ``"alibi"`` (causal ALiBi
+            slopes, :func:`~attnkit.positional.alibi_slopes`; use it with ``causal=True`` as in
+            the paper: the bias ``slope·(j - i)`` favours later keys otherwise). Both are
+            self-attention only.
+            Absolute encodings are added to the embeddings before the first layer instead.
+
+    Masks are attnkit's: **bool True = attend**, float = additive bias. See :meth:`forward`.
+    Convert to and from ``torch.nn.MultiheadAttention`` with :meth:`from_torch` / :meth:`to_torch`.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 kdim: int | None = None, vdim: int | None = None, bias: bool = True,
+                 dropout: float = 0.0, positional=None):
+        super().__init__()
+        _check_pos_int("embed_dim", embed_dim)
+        _check_pos_int("num_heads", num_heads)
+        if embed_dim % num_heads:
+            lo = max(num_heads, embed_dim // num_heads * num_heads)
+            raise ValueError(
+                f"embed_dim: expected a multiple of num_heads={num_heads} (head dim = embed_dim // num_heads), "
+                f"got {embed_dim} ({embed_dim} % {num_heads} = {embed_dim % num_heads}). "
+                f"Use embed_dim {lo} or {lo + num_heads}, or a num_heads that divides {embed_dim}."
+            )
+        num_kv_heads = num_heads if num_kv_heads is None else _check_pos_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+            raise ValueError(
+                f"num_kv_heads: expected a divisor of num_heads={num_heads} (query head h uses kv head "
+                f"h // (num_heads // num_kv_heads)), got {num_kv_heads}. Use one of {divisors}."
+            )
+        kdim = embed_dim if kdim is None else _check_pos_int("kdim", kdim)
+        vdim = embed_dim if vdim is None else _check_pos_int("vdim", vdim)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias: expected True or False, got {bias!r}.")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (0.0 <= dropout < 1.0):
+            raise ValueError(f"dropout: expected a float in [0, 1), got {dropout!r}.")
+
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.kdim, self.vdim, self.bias, self.dropout = kdim, vdim, bias, float(dropout)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(kdim, num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(vdim, num_kv_heads * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self._reset_parameters()
+
+        self.rotary: RotaryEmbedding | None = None
+        #: "rope", "alibi" or None
+        self.positional: str | None = None if positional is None else "rope"
+        if isinstance(positional, str) and positional == "rope":
+            if self.head_dim % 2:
+                raise ValueError(
+                    f"positional: 'rope' needs an even head dim, got head_dim = embed_dim // num_heads = "
+                    f"{embed_dim} // {num_heads} = {self.head_dim}. Choose embed_dim / num_heads so it is even."
+                )
+            self.rotary = RotaryEmbedding(self.head_dim)
+        elif isinstance(positional, RotaryEmbedding):
+            if positional.head_dim != self.head_dim:
+                raise ValueError(
+                    f"positional: RotaryEmbedding(head_dim={positional.head_dim}) does not match this module's "
+                    f"head dim {self.head_dim} (= {embed_dim} // {num_heads}). Build it as "
+                    f"RotaryEmbedding({self.head_dim})."
+                )
+            self.rotary = positional
+        elif isinstance(positional, str) and positional == "alibi":
+            self.positional = "alibi"
+            self.register_buffer("alibi_slopes", alibi_slopes(num_heads), persistent=False)
+        elif isinstance(positional, (SinusoidalPositionalEncoding, LearnedPositionalEmbedding)):
+            raise TypeError(
+                f"positional: {type(positional).__name__} is an absolute encoding added to the token "
+                "embeddings (B, L, E) once, before the first layer; it is not applied inside attention. "
+                f"Call it on your embeddings and pass positional={_POSITIONAL_HELP} here."
+            )
+        elif positional is not None:
+            raise TypeError(f"positional: expected {_POSITIONAL_HELP}, got {positional!r}.")
+
+    def _reset_parameters(self) -> None:
+        # torch.nn.MultiheadAttention's initialisation: Xavier on the input projections, zero biases
+        for lin in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(lin.weight)
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    # ------------------------------------------------------------------ public API
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """An empty :class:`~attnkit.nn.KVCache` for this layer: ``(B, Hkv, max_length, D)`` buffers
+        in the module's dtype and device."""
+        w = self.k_proj.weight
+        return KVCache(batch_size, self.num_kv_heads, max_length, self.head_dim, dtype=w.dtype, device=w.device)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                *, mask=None, causal: bool = False, need_weights: bool = False, kv_cache: KVCache | None = None):
+        r"""Attend from ``query (B, L, E)`` to ``key (B, S, kdim)`` / ``value (B, S, vdim)``
+        (or to ``query`` itself when both are None).
+
+        Args:
+            mask: anything :func:`attnkit.attention` accepts, broadcastable to ``(B, H, L, S)``:
+                a bool tensor (**True = attend**), a float bias, an :mod:`attnkit.masks`
+                mask or a ``mask_mod``. A per-sequence key padding mask goes in as
+
+                * ``attnkit.masks.padding(lengths)`` (``lengths (B,)``: keys ``j < lengths[b]``), or
+                * a bool ``keep (B, S)`` reshaped to ``keep[:, None, None, :]`` (B, 1, 1, S).
+
+                (torch's ``key_padding_mask`` is True = *ignore*: pass ``~key_padding_mask[:, None, None, :]``.)
+            causal: causal mask, bottom-right aligned when L ≠ S.
+            need_weights: also return the exact per-head weights ``(B, H, L, S)``
+                (before dropout; computed once on the eager math path, which then
+                produces the output from them).
+            kv_cache: a :class:`~attnkit.nn.KVCache` from :meth:`new_cache` (self-attention
+                only). The new keys/values are appended and the query attends **causally**
+                (bottom-right) over everything cached; RoPE positions start at the cached
+                length. ``S`` is then the cached length including the new tokens::
+
+                    cache holds 3, query L = 2:   k0 k1 k2 n0 n1
+                                              n0   #  #  #  #  .
+                                              n1   #  #  #  #  #
+
+        Returns:
+            ``output (B, L, E)``, or ``(output, weights (B, H, L, S))`` with ``need_weights=True``.
+        """
+        self_attn = key is None and value is None
+        if key is None and value is not None:
+            raise TypeError("key: got value but no key. Pass key= as well (value defaults to key, not the reverse).")
+        if value is None:
+            value = key
+        ref = self.q_proj.weight
+        B, L = self._check_input("query", query, self.embed_dim, ref)
+        if not self_attn:
+            if kv_cache is not None:
+                raise TypeError(
+                    "kv_cache: only for self-attention (key/value None). For cross-attention over a fixed "
+                    "memory, project it once and call without a cache."
+                )
+            if self.positional is not None:
+                raise ValueError(
+                    f"positional={self.positional!r}: relative positions between two different sequences are "
+                    "undefined, so RoPE/ALiBi are self-attention only. Use a separate module with "
+                    "positional=None for cross-attention."
+                )
+            Bk, S = self._check_input("key", key, self.kdim, ref)
+            Bv, Sv = self._check_input("value", value, self.vdim, ref)
+            if Bk != B or Bv != B:
+                raise ValueError(
+                    f"key/value: expected batch size {B} (that of query), got key {Bk}, value {Bv}. "
+                    "query, key and value must hold the same sequences; attnkit does not broadcast the batch."
+                )
+            if Sv != S:
+                raise ValueError(f"value: expected S={S} positions (that of key), got {Sv}.")
+        else:
+            key = value = query
+            S = L
+        if not isinstance(need_weights, bool):
+            raise TypeError(f"need_weights: expected True or False, got {need_weights!r}.")
+        if kv_cache is not None:
+            if not isinstance(kv_cache, KVCache):
+                raise TypeError(f"kv_cache: expected an attnkit.nn.KVCache (from new_cache), got {type(kv_cache).__name__}.")
+            kv_cache.check_batch(B)
+
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(query).reshape(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
+        k = self.k_proj(key).reshape(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.v_proj(value).reshape(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+
+        prev = 0 if kv_cache is None else kv_cache.length
+        if self.rotary is not None:  # positions prev .. prev + L - 1, before caching k
+            q = self.rotary.rotate(q, prev)
+            k = self.rotary.rotate(k, prev)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # (B, Hkv, prev + L, D); raises before writing on overflow
+            causal = True
+        score_mod = None
+        if self.positional == "alibi":
+            # kv_idx - q_idx is off by the constant S - L per row when L != S; softmax is shift-invariant.
+            score_mod = _score_mods.alibi(self.alibi_slopes)
+        p = self.dropout if self.training else 0.0
+        try:
+            if need_weights:
+                out, weights = self._attend_with_weights(q, k, v, mask, causal, score_mod, p)
+            else:
+                out = attention(q, k, v, mask=mask, causal=causal, score_mod=score_mod, dropout_p=p)
+        except Exception:
+            if kv_cache is not None:  # a failed call leaves the cache as it was
+                kv_cache.length = prev
+            raise
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, L, E)
+        return (out, weights) if need_weights else out
+
+    def _attend_with_weights(self, q, k, v, mask, causal, score_mod, p):
+        """Output and exact weights in one pass: the eager path's softmax, then ``w @ v``."""
+        req = make_request(q, k, v, mask=mask, causal=causal, scale=None, score_mod=score_mod,
+                           dropout_p=0.0, return_lse=False, backend="eager")
+        B, H, L, S, D, Dv, Hkv = req.shape
+        w = _eager.weights(req)  # (B, H, L, S); rows sum to 1, fully masked rows 0
+        wd = F.dropout(w, p=p, training=True) if p > 0 else w
+        # GQA without copying V: (B, Hkv, g, L, S) @ (B, Hkv, 1, S, Dv)
+        out = torch.matmul(wd.reshape(B, Hkv, H // Hkv, L, S), v.to(w.dtype).unsqueeze(2))
+        return out.reshape(B, H, L, Dv).to(q.dtype), w
+
+    @staticmethod
+    def _check_input(name: str, x, features: int, ref: torch.Tensor):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor (B, L, {features}), got {type(x).__name__}.")
+        if x.dim() != 3 or x.shape[-1] != features:
+            what = {"query": "embed_dim", "key": "kdim", "value": "vdim"}[name]
+            hint = "add a batch dim with x.unsqueeze(0)" if x.dim() == 2 else f"project it to {what}={features}"
+            raise ValueError(
+                f"{name}: expected shape (B, {'L' if name == 'query' else 'S'}, {what}={features}) (batch first), "
+                f"got {tuple(x.shape)}. Fix: {hint}."
+            )
+        if x.dtype != ref.dtype or x.device != ref.device:
+            raise TypeError(
+                f"{name}: expected {ref.dtype} on {ref.device} (the module's parameters), got {x.dtype} on "
+                f"{x.device}. Convert the input or the module (module.to(...)); nothing is cast silently."
+            )
+        return x.shape[0], x.shape[1]
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """A ``MultiHeadAttention`` with the weights of a ``torch.nn.MultiheadAttention``
+        (packed or separate q/k/v weights, bias on or off; see :func:`attnkit.nn.from_torch`).
+
+        **Masks keep attnkit's polarity, True = attend**; torch's ``key_padding_mask`` is
+        True = ignore, so pass ``mask=~key_padding_mask[:, None, None, :]`` (and ``~attn_mask``
+        for a bool ``attn_mask``).
+        """
+        from ._torch_convert import from_torch
+
+        return from_torch(module)
+
+    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
+        """An equivalent ``torch.nn.MultiheadAttention`` (see :func:`attnkit.nn.to_torch`).
+
+        **Masks keep their polarity on each side**: an attnkit bool mask (True = attend)
+        becomes torch's ``key_padding_mask=~keep`` / ``attn_mask=~mask`` (True = ignore).
+        """
+        from ._torch_convert import to_torch
+
+        return to_torch(self, batch_first=batch_first)
+
+    def extra_repr(self) -> str:
+        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+        if (self.kdim, self.vdim) != (self.embed_dim, self.embed_dim):
+            s += f", kdim={self.kdim}, vdim={self.vdim}"
+        if self.dropout:
+            s += f", dropout={self.dropout}"
+        if self.positional is not None:
+            s += f", positional={self.positional!r}"
+        return s

@@ -1,0 +1,105 @@
+"""Weight conversion between ``attnkit.nn.MultiHeadAttention`` and ``torch.nn.MultiheadAttention``.
+
+Parameter correspondence (E embed dim)::
+
+    torch                                   attnkit
+    in_proj_weight (3E, E)  = [Wq; Wk; Wv]  q_proj.weight, k_proj.weight, v_proj.weight   (kdim = vdim = E)
+    q/k/v_proj_weight (E, E|kdim|vdim)      q_proj.weight, k_proj.weight, v_proj.weight   (kdim or vdim != E)
+    in_proj_bias (3E,)      = [bq; bk; bv]  q_proj.bias,   k_proj.bias,   v_proj.bias
+    out_proj.weight / .bias                 out_proj.weight / .bias
+
+**Mask polarity differs.** attnkit bool masks are True = *attend*; torch's
+``key_padding_mask`` and bool ``attn_mask`` are True = *ignore*. The weights convert;
+masks do not — invert them when you switch::
+
+    torch_mha(x, x, x, key_padding_mask=pad)          # pad (B, S): True = padding
+    attnkit_mha(x, mask=~pad[:, None, None, :])       # (B, 1, 1, S): True = attend
+    torch_mha(x, x, x, attn_mask=block)               # block (L, S): True = not allowed
+    attnkit_mha(x, mask=~block)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._mha import MultiHeadAttention
+
+__all__ = ["from_torch", "to_torch"]
+
+
+def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
+    """A :class:`MultiHeadAttention` with the weights of ``module``, same dtype and device.
+
+    Handles the packed ``in_proj_weight`` (kdim = vdim = E) and the separate
+    ``q/k/v_proj_weight`` (kdim or vdim ≠ E), with or without bias. The result is
+    batch-first ``(B, L, E)`` whatever ``module.batch_first`` is.
+
+    **Masks keep attnkit's polarity (True = attend)**: torch's ``key_padding_mask``
+    (True = ignore) becomes ``mask=~key_padding_mask[:, None, None, :]``.
+
+    Raises ``ValueError`` for ``add_bias_kv=True`` / ``add_zero_attn=True`` (no attnkit equivalent).
+    """
+    if not isinstance(module, nn.MultiheadAttention):
+        raise TypeError(f"module: expected a torch.nn.MultiheadAttention, got {type(module).__name__}.")
+    if module.bias_k is not None or module.add_zero_attn:
+        raise ValueError(
+            "module: add_bias_kv=True / add_zero_attn=True append extra key positions that attnkit's "
+            "MultiHeadAttention does not model. Convert a module built without them."
+        )
+    ref = module.out_proj.weight
+    bias = module.in_proj_bias is not None
+    mha = MultiHeadAttention(module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
+                             bias=bias, dropout=float(module.dropout)).to(device=ref.device, dtype=ref.dtype)
+    if module._qkv_same_embed_dim:
+        wq, wk, wv = module.in_proj_weight.chunk(3, dim=0)
+    else:
+        wq, wk, wv = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
+    with torch.no_grad():
+        for lin, w in ((mha.q_proj, wq), (mha.k_proj, wk), (mha.v_proj, wv), (mha.out_proj, module.out_proj.weight)):
+            lin.weight.copy_(w)
+        if bias:
+            bq, bk, bv = module.in_proj_bias.chunk(3, dim=0)
+            for lin, b in ((mha.q_proj, bq), (mha.k_proj, bk), (mha.v_proj, bv), (mha.out_proj, module.out_proj.bias)):
+                lin.bias.copy_(b)
+    mha.train(module.training)
+    return mha
+
+
+def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
+    """An equivalent ``torch.nn.MultiheadAttention`` (same weights, dtype, device and train/eval mode).
+
+    Only plain multi-head attention converts: ``num_kv_heads == num_heads`` and no
+    ``positional`` (torch's module has neither GQA nor RoPE/ALiBi).
+
+    **Masks keep their polarity on each side**: attnkit's True = attend becomes torch's
+    ``attn_mask=~mask`` / ``key_padding_mask=~keep`` (True = ignore).
+    """
+    if not isinstance(mha, MultiHeadAttention):
+        raise TypeError(f"mha: expected an attnkit.nn.MultiHeadAttention, got {type(mha).__name__}.")
+    if mha.num_kv_heads != mha.num_heads:
+        raise ValueError(
+            f"mha: torch.nn.MultiheadAttention has no grouped-query heads, got num_kv_heads={mha.num_kv_heads} "
+            f"!= num_heads={mha.num_heads}. Only num_kv_heads=None (= num_heads) converts."
+        )
+    if mha.positional is not None:
+        raise ValueError(
+            f"mha: torch.nn.MultiheadAttention has no positional={mha.positional!r}. Only positional=None converts."
+        )
+    ref = mha.out_proj.weight
+    tm = nn.MultiheadAttention(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.bias,
+                               kdim=mha.kdim, vdim=mha.vdim, batch_first=batch_first,
+                               device=ref.device, dtype=ref.dtype)
+    with torch.no_grad():
+        if tm._qkv_same_embed_dim:
+            tm.in_proj_weight.copy_(torch.cat([mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight], 0))
+        else:
+            tm.q_proj_weight.copy_(mha.q_proj.weight)
+            tm.k_proj_weight.copy_(mha.k_proj.weight)
+            tm.v_proj_weight.copy_(mha.v_proj.weight)
+        tm.out_proj.weight.copy_(mha.out_proj.weight)
+        if mha.bias:
+            tm.in_proj_bias.copy_(torch.cat([mha.q_proj.bias, mha.k_proj.bias, mha.v_proj.bias], 0))
+            tm.out_proj.bias.copy_(mha.out_proj.bias)
+    tm.train(mha.training)
+    return tm

@@ -1,0 +1,169 @@
+"""KV-cache decoding: token-by-token (and prefill + decode) equals the full causal forward;
+overflow, batch and layer mismatches raise; a failed call leaves the cache untouched."""
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.nn import KVCache, MultiHeadAttention, TransformerBlock
+from attnkit.positional import RotaryEmbedding
+
+ATOL = 1e-12  # float64 throughout
+
+
+def decode(layer, x, cache, chunks):
+    """Feed ``x (B, L, E)`` through ``layer`` in pieces of the given sizes, with ``cache``."""
+    outs, i = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            outs.append(layer(x[:, i:i + n], kv_cache=cache))
+            i += n
+    return torch.cat(outs, 1)
+
+
+POSITIONAL = [None, "rope", RotaryEmbedding(8, interleaved=True), "alibi"]
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("positional", POSITIONAL, ids=["none", "rope", "rope_interleaved", "alibi"])
+def test_token_by_token_equals_full_causal(H, Hkv, positional):
+    m = MultiHeadAttention(8 * H, H, num_kv_heads=Hkv, positional=positional).double().eval()
+    x = torch.randn(2, 9, 8 * H, dtype=torch.float64)
+    full = m(x, causal=True)
+    cache = m.new_cache(2, 9)
+    assert cache.k.shape == (2, Hkv, 9, 8) and cache.k.dtype == torch.float64
+    torch.testing.assert_close(decode(m, x, cache, [1] * 9), full, rtol=0, atol=ATOL)
+    assert cache.length == 9 and cache.remaining == 0
+
+
+@pytest.mark.parametrize("chunks", [[5, 1, 1, 1], [3, 4, 1], [8]])
+def test_prefill_then_decode(chunks):
+    m = MultiHeadAttention(32, 8, num_kv_heads=2, positional="rope").double().eval()
+    x = torch.randn(3, 8, 32, dtype=torch.float64)
+    cache = m.new_cache(3, 16)  # room to spare
+    torch.testing.assert_close(decode(m, x, cache, chunks), m(x, causal=True), rtol=0, atol=ATOL)
+    assert cache.length == 8
+
+
+def test_cached_keys_are_rotated_once():
+    m = MultiHeadAttention(16, 2, positional="rope").double()
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    cache = m.new_cache(1, 4)
+    decode(m, x, cache, [2, 2])
+    k = m.k_proj(x).view(1, 4, 2, 8).transpose(1, 2)
+    torch.testing.assert_close(cache.k, m.rotary.rotate(k).detach(), rtol=0, atol=ATOL)
+
+
+def test_padding_mask_with_cache():
+    # batch row 1 has 2 padded prompt positions; the same key mask applies at every step
+    m = MultiHeadAttention(16, 4).double().eval()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[1, 1:3] = False
+    full = m(x, causal=True, mask=keep[:, None, None, :])
+    cache = m.new_cache(2, 6)
+    with torch.no_grad():
+        outs = [m(x[:, :3], kv_cache=cache, mask=keep[:, None, None, :3])]
+        for t in range(3, 6):
+            outs.append(m(x[:, t:t + 1], kv_cache=cache, mask=keep[:, None, None, :t + 1]))
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=ATOL)
+
+
+def test_need_weights_with_cache():
+    m = MultiHeadAttention(16, 4, num_kv_heads=2).double()
+    x = torch.randn(1, 5, 16, dtype=torch.float64)
+    _, full_w = m(x, causal=True, need_weights=True)
+    cache = m.new_cache(1, 5)
+    with torch.no_grad():
+        m(x[:, :3], kv_cache=cache)
+        _, w = m(x[:, 3:4], kv_cache=cache, need_weights=True)
+    assert w.shape == (1, 4, 1, 4)
+    torch.testing.assert_close(w[0, :, 0], full_w[0, :, 3, :4], rtol=0, atol=ATOL)
+
+
+def test_stack_of_blocks_decodes_like_full_forward():
+    blocks = torch.nn.ModuleList(
+        TransformerBlock(16, 4, num_kv_heads=2, causal=True, positional="rope") for _ in range(2)).double().eval()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+
+    def run(h, caches=None):
+        for i, blk in enumerate(blocks):
+            h = blk(h) if caches is None else blk(h, kv_cache=caches[i])
+        return h
+
+    full = run(x)
+    caches = [blk.new_cache(2, 7) for blk in blocks]
+    with torch.no_grad():
+        steps = [run(x[:, :4], caches)] + [run(x[:, t:t + 1], caches) for t in range(4, 7)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=ATOL)
+
+
+def test_prefill_keeps_gradients():
+    m = MultiHeadAttention(8, 2)
+    x = torch.randn(1, 3, 8, requires_grad=True)
+    m(x, kv_cache=m.new_cache(1, 4)).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_overflow_raises_and_drops_nothing():
+    m = MultiHeadAttention(8, 2).double()
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    cache = m.new_cache(1, 4)
+    with torch.no_grad():
+        m(x[:, :3], kv_cache=cache)
+        before = cache.k.clone()
+        with pytest.raises(ValueError, match=r"kv_cache: overflow, 3 cached \+ 2 new = 5 tokens > max_length=4.*"
+                                             r"max_length >= 5"):
+            m(x[:, 3:5], kv_cache=cache)
+        assert cache.length == 3 and torch.equal(cache.k, before)
+        m(x[:, 3:4], kv_cache=cache)  # what fits still works
+        with pytest.raises(ValueError, match="overflow"):
+            m(x[:, 4:5], kv_cache=cache)
+    assert cache.length == 4
+
+
+def test_batch_mismatch_raises():
+    m = MultiHeadAttention(8, 2)
+    cache = m.new_cache(2, 4)
+    with pytest.raises(ValueError, match=r"kv_cache: built for batch size 2, got .* batch size 3.*new_cache\(3, max_length\)"):
+        m(torch.randn(3, 1, 8), kv_cache=cache)
+    assert cache.length == 0
+
+
+def test_cache_of_another_layer_raises():
+    a = MultiHeadAttention(16, 4, num_kv_heads=2)
+    b = MultiHeadAttention(16, 4)
+    with pytest.raises(ValueError, match="Each attention layer needs its own cache"):
+        b(torch.randn(1, 1, 16), kv_cache=a.new_cache(1, 4))
+    with pytest.raises(TypeError, match=r"kv_cache: holds torch.float64"):
+        b(torch.randn(1, 1, 16), kv_cache=KVCache(1, 4, 4, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="kv_cache: expected an attnkit.nn.KVCache"):
+        b(torch.randn(1, 1, 16), kv_cache=(torch.zeros(1), torch.zeros(1)))
+
+
+def test_cache_is_self_attention_only():
+    m = MultiHeadAttention(8, 2)
+    with pytest.raises(TypeError, match="kv_cache: only for self-attention"):
+        m(torch.randn(1, 1, 8), torch.randn(1, 3, 8), kv_cache=m.new_cache(1, 4))
+
+
+def test_failed_call_leaves_cache_unchanged():
+    m = MultiHeadAttention(8, 2)
+    cache = m.new_cache(1, 8)
+    with torch.no_grad():
+        m(torch.randn(1, 2, 8), kv_cache=cache)
+        with pytest.raises(ValueError, match="mask"):
+            m(torch.randn(1, 1, 8), kv_cache=cache, mask=torch.ones(1, 1, 1, 7, dtype=torch.bool))
+    assert cache.length == 2
+    cache.reset()
+    assert cache.length == 0 and cache.remaining == 8
+    assert "length=0" in repr(cache)
+
+
+def test_new_cache_bad_sizes():
+    with pytest.raises(ValueError, match="max_length: expected a positive int"):
+        MultiHeadAttention(8, 2).new_cache(1, 0)
+    assert isinstance(attnkit.nn.KVCache(1, 1, 2, 4), KVCache)
