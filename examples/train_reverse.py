@@ -19,14 +19,29 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+# attnkit.nn._toy is the package's example helper (model + training loop), shared with the test
+# suite; the underscore marks it as not public API, not as off-limits to the examples.
 from attnkit.nn._toy import accuracy, reverse_batch, train_reverse  # noqa: E402
+
+
+@torch.no_grad()
+def sequence_accuracy(model, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Fraction of whole sequences reversed without a single wrong token (eval mode, no autograd)."""
+    was = model.training
+    model.eval()
+    try:
+        return (model(x).argmax(-1) == y).all(-1).float().mean().item()
+    finally:
+        model.train(was)
 
 
 def plot_attention(model, tokens: torch.Tensor, path: str) -> None:
     """One heatmap per (layer, head) for a single sequence ``tokens (L,)``."""
+    was = model.training
     model.eval()
     with torch.no_grad():
         logits, maps = model(tokens[None], need_weights=True)  # maps: [(1, H, L, L)] per layer
+    model.train(was)
     pred = logits.argmax(-1)[0].tolist()
     layers, heads = len(maps), maps[0].shape[1]
     labels = [str(t) for t in tokens.tolist()]
@@ -70,7 +85,7 @@ def main(argv=None) -> int:
                         target=args.target, seed=args.seed, log=lambda s: print(s, flush=True))
     x, y = reverse_batch(4096, args.seq_len, args.vocab, torch.Generator().manual_seed(args.seed + 1))
     test_acc = accuracy(res.model, x, y)
-    seq_acc = (res.model(x).argmax(-1) == y).all(-1).float().mean().item()
+    seq_acc = sequence_accuracy(res.model, x, y)
     print(f"done: {res.steps} steps in {res.seconds:.1f} s; fresh test set: token accuracy {test_acc:.4f}, "
           f"whole-sequence accuracy {seq_acc:.4f}")
     plot_attention(res.model, x[0], args.out)

@@ -167,3 +167,95 @@ def test_new_cache_bad_sizes():
     with pytest.raises(ValueError, match="max_length: expected a positive int"):
         MultiHeadAttention(8, 2).new_cache(1, 0)
     assert isinstance(attnkit.nn.KVCache(1, 1, 2, 4), KVCache)
+
+
+# ---------------------------------------------------------------- one cache per layer, causal, autograd
+
+
+def test_one_cache_shared_by_two_blocks_raises():
+    blocks = torch.nn.ModuleList(TransformerBlock(16, 4, causal=True) for _ in range(2)).eval()
+    shared = blocks[0].new_cache(1, 8)
+    x = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        h = blocks[0](x, kv_cache=shared)
+        with pytest.raises(ValueError, match=r"kv_cache: each layer needs its own cache: .*MultiHeadAttention.*"
+                                             r"new_cache\(batch_size, max_length\) for layer in layers"):
+            blocks[1](h, kv_cache=shared)
+    assert shared.length == 3  # not 6: the second layer wrote nothing
+    with torch.no_grad():
+        blocks[0](x[:, :1], kv_cache=shared)  # the owner keeps decoding
+    assert shared.length == 4
+
+
+def test_cache_owner_released_by_reset_and_failed_first_call():
+    a, b = MultiHeadAttention(8, 2), MultiHeadAttention(8, 2)
+    cache = a.new_cache(1, 8)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="mask"):  # a failed first call claims nothing
+            a(torch.randn(1, 2, 8), kv_cache=cache, mask=torch.ones(1, 1, 1, 7, dtype=torch.bool))
+        b(torch.randn(1, 2, 8), kv_cache=cache)
+        with pytest.raises(ValueError, match="each layer needs its own cache"):
+            a(torch.randn(1, 1, 8), kv_cache=cache)
+        cache.reset()  # an empty cache may serve another layer
+        a(torch.randn(1, 2, 8), kv_cache=cache)
+    assert cache.length == 2
+
+
+def test_causal_default_none_and_false_with_cache_raises():
+    m = MultiHeadAttention(16, 4).double().eval()
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    # causal=None: not causal without a cache, causal with one
+    torch.testing.assert_close(m(x), m(x, causal=False), rtol=0, atol=0)
+    assert (m(x) - m(x, causal=True)).abs().max() > 1e-6
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, kv_cache=m.new_cache(1, 4)), m(x, causal=True), rtol=0, atol=ATOL)
+        torch.testing.assert_close(m(x, kv_cache=m.new_cache(1, 4), causal=True), m(x, causal=True),
+                                   rtol=0, atol=ATOL)
+    cache = m.new_cache(1, 4)
+    with pytest.raises(ValueError, match=r"causal=False with a kv_cache: decoding with a cache is causal"):
+        m(x, kv_cache=cache, causal=False)
+    assert cache.length == 0
+    with pytest.raises(TypeError, match="causal: expected True, False or None"):
+        m(x, causal=1)
+    # the block: default None behaves the same; an explicitly non-causal block refuses a cache
+    with pytest.raises(ValueError, match="causal=False with a kv_cache"):
+        TransformerBlock(16, 4, causal=False)(torch.randn(1, 2, 16), kv_cache=TransformerBlock(16, 4).new_cache(1, 2))
+    blk = TransformerBlock(16, 4).double().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(blk(x, kv_cache=blk.new_cache(1, 4)), blk(x, causal=True), rtol=0, atol=ATOL)
+
+
+def test_decoding_with_grad_raises_clearly():
+    m = MultiHeadAttention(8, 2).double()
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    cache = m.new_cache(1, 4)
+    m(x[:, :3], kv_cache=cache)  # prefill with grad: fine
+    with pytest.raises(RuntimeError, match=r"kv_cache: decoding step with autograd recording.*torch.no_grad\(\)"):
+        m(x[:, 3:4], kv_cache=cache)
+    assert cache.length == 3
+    with torch.no_grad():
+        m(x[:, 3:4], kv_cache=cache)
+    assert cache.length == 4 and not cache.k.requires_grad
+
+
+def test_prefill_gradient_survives_later_decoding():
+    m = MultiHeadAttention(8, 2, positional="rope").double()
+    x = torch.randn(1, 3, 8, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(m(x, causal=True).square().sum(), x)[0]
+    cache = m.new_cache(1, 6)
+    out = m(x, kv_cache=cache)  # prefill keeps its graph
+    with torch.no_grad():
+        for _ in range(3):
+            m(torch.randn(1, 1, 8, dtype=torch.float64), kv_cache=cache)  # writes into the buffers in place
+    got = torch.autograd.grad(out.square().sum(), x)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+def test_kvcache_bad_dims():
+    with pytest.raises(ValueError, match=r"value_dim: expected a positive int, got -3"):
+        KVCache(1, 1, 4, 8, value_dim=-3)
+    with pytest.raises(TypeError, match=r"head_dim: expected a positive int, got float 8.0"):
+        KVCache(1, 1, 4, 8.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        KVCache(0, 1, 4, 8)
+    assert KVCache(1, 1, 4, 8, value_dim=3).v.shape == (1, 1, 4, 3)

@@ -317,3 +317,54 @@ def test_bad_call():
         r(torch.randn(1, 2, 16), torch.randn(1, 3, 16))
     with pytest.raises(ValueError, match="mask"):  # attnkit.attention's own validation reaches the user
         MultiHeadAttention(16, 4)(torch.randn(2, 5, 16), mask=torch.ones(2, 5, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------- torch's calling style, init, mask layout
+
+
+@pytest.mark.parametrize("positional", [None, "rope", "alibi"])
+def test_torch_style_self_attention_call(positional):
+    m = MultiHeadAttention(16, 4, positional=positional).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    want = m(x, causal=True)
+    torch.testing.assert_close(m(x, x, x, causal=True), want, rtol=0, atol=0)
+    torch.testing.assert_close(m(x, x, causal=True), want, rtol=0, atol=0)
+    torch.testing.assert_close(m(x, key=x, value=x, causal=True), want, rtol=0, atol=0)
+    if positional is not None:  # a different tensor is still cross-attention
+        with pytest.raises(ValueError, match="self-attention only"):
+            m(x, x.clone(), x)
+        with pytest.raises(ValueError, match="self-attention only"):
+            m(x, x, x.clone())
+
+
+def test_init_matches_torch_packed_xavier():
+    E = 64
+    torch.manual_seed(0)
+    m = MultiHeadAttention(E, 4)
+    bound = math.sqrt(6 / (E + 3 * E))  # Xavier on torch's packed in_proj_weight (3E, E)
+    w = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach()
+    assert w.abs().max() <= bound and w.abs().max() > 0.99 * bound
+    assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.03)
+    tm = torch.nn.MultiheadAttention(E, 4, batch_first=True)
+    assert tm.in_proj_weight.std().item() == pytest.approx(w.std().item(), rel=0.03)
+    assert all(torch.all(lin.bias == 0) for lin in (m.q_proj, m.k_proj, m.v_proj, m.out_proj))
+    # separate kdim / vdim: one Xavier per weight, as torch
+    c = MultiHeadAttention(E, 4, kdim=10)
+    assert c.k_proj.weight.abs().max() <= math.sqrt(6 / (E + 10))
+    assert c.q_proj.weight.abs().max() > math.sqrt(6 / (4 * E))  # (E, E) alone: bound sqrt(6 / 2E)
+
+
+def test_key_padding_mask_layout():
+    m = MultiHeadAttention(16, 4).double()
+    B = L = S = 4  # B == L: a (B, S) keep mask fits (L, S) too
+    x = torch.randn(B, L, 16, dtype=torch.float64)
+    lengths = [4, 3, 2, 1]
+    keep = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+    padded = m(x, mask=keep[:, None, None, :])
+    torch.testing.assert_close(padded, m(x, mask=attnkit.masks.padding(lengths)), rtol=0, atol=0)
+    # the documented rule: a 2-D mask is (L, S), whatever B is
+    as_ls = m(x, mask=keep)
+    torch.testing.assert_close(as_ls, m(x, mask=keep[None, None]), rtol=0, atol=0)
+    assert (as_ls - padded).abs().max() > 1e-6
+    doc = MultiHeadAttention.forward.__doc__
+    assert "keep[:, None, None, :]" in doc and "masks.padding(lengths)" in doc and "(L, S)" in doc

@@ -172,3 +172,54 @@ def test_alibi_slopes_bad_input():
         alibi_slopes(0)
     with pytest.raises(TypeError, match="num_heads"):
         alibi_slopes(4.0)
+
+
+# ---------------------------------------------------------------- dtypes and bad input
+
+
+def test_learned_embedding_keeps_dtype_never_casts():
+    emb = LearnedPositionalEmbedding(8, 4)
+    x = torch.randn(2, 3, 4, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"x: expected torch.float32 .*got torch.bfloat16.*emb.to\(x.dtype\)"):
+        emb(x)
+    out = emb.to(torch.bfloat16)(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, x + emb.weight[:3], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_sinusoidal_table_stays_float64_under_module_casts(dtype):
+    enc = SinusoidalPositionalEncoding(8).to(dtype)  # .half() / .to(dtype) must not round the table
+    x = torch.zeros(1, 40, 8, dtype=dtype)
+    y = enc(x, offset=3)
+    assert y.dtype == dtype and enc._table.dtype == torch.float64
+    # rounded once, float64 -> dtype (not float64 -> fp16 -> ...)
+    torch.testing.assert_close(y[0], sinusoidal(43, 8, dtype=torch.float64)[3:].to(dtype), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="floating"):
+        enc(torch.zeros(1, 2, 8, dtype=torch.int64))
+
+
+def test_sinusoidal_bad_input_function_and_module_agree():
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"base: expected a finite float > 0"):
+            sinusoidal(4, 8, base=bad)
+        with pytest.raises(ValueError, match=r"base: expected a finite float > 0"):
+            SinusoidalPositionalEncoding(8, base=bad)
+    with pytest.raises(TypeError, match="base"):
+        sinusoidal(4, 8, base="10000")
+    # wrong type -> TypeError, bad value -> ValueError, in the function and in the module
+    with pytest.raises(TypeError, match=r"length: expected a positive int, got float"):
+        sinusoidal(4.0, 8)
+    with pytest.raises(ValueError, match=r"length: expected a positive int, got 0"):
+        sinusoidal(0, 8)
+    with pytest.raises(TypeError, match=r"embed_dim: expected a positive int, got float"):
+        SinusoidalPositionalEncoding(8.0)
+    with pytest.raises(ValueError, match=r"embed_dim: expected a positive int, got 0"):
+        SinusoidalPositionalEncoding(0)
+    with pytest.raises(TypeError, match=r"d_model: expected a positive int"):
+        sinusoidal(4, True)
+    with pytest.raises(TypeError, match="dtype: expected a floating torch.dtype"):
+        sinusoidal(4, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"base: expected a finite float > 1"):
+        RotaryEmbedding(8, base=1.0)
+    assert not torch.isnan(sinusoidal(4, 8, base=0.5)).any()

@@ -31,12 +31,27 @@ __all__ = [
 ]
 
 
+# Shared validators for attnkit.positional and attnkit.nn (one copy, here: this module imports
+# nothing from attnkit, and attnkit.nn imports it, so keeping them here cannot create an import cycle).
+# Wrong type -> TypeError, right type with a bad value -> ValueError.
+
+
 def _check_pos_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}.")
     if value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value}.")
     return value
+
+
+def _check_base(base, *, minimum: float = 0.0, default: float = 10000.0) -> float:
+    """A finite real ``base > minimum`` (the wavelength base of sinusoidal / rotary encodings)."""
+    if isinstance(base, bool) or not isinstance(base, (int, float)):
+        raise TypeError(f"base: expected a finite float > {minimum:g} (default {default:g}), "
+                        f"got {type(base).__name__} {base!r}.")
+    if not (math.isfinite(base) and base > minimum):
+        raise ValueError(f"base: expected a finite float > {minimum:g} (default {default:g}), got {base!r}.")
+    return float(base)
 
 
 def _check_offset(offset) -> int:
@@ -66,12 +81,17 @@ def sinusoidal(length: int, d_model: int, *, base: float = 10000.0, dtype=torch.
     ``i`` counts dimension *pairs*. (Seed 003's code raises base to ``2*i/d_model``
     while its ``i`` already steps by 2, doubling the exponent; for d_model = 4 the
     correct PE(1, 2) is sin(0.01) ≈ 0.0100, not sin(0.0001).)
+
+    Computed in float64 and rounded once to ``dtype``. ``length`` and ``d_model`` are
+    positive ints (``d_model`` even); ``base`` is a finite float > 0.
     """
-    for name, val in (("length", length), ("d_model", d_model)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name}: expected a positive int, got {val!r}.")
+    _check_pos_int("length", length)
+    _check_pos_int("d_model", d_model)
     if d_model % 2:
         raise ValueError(f"d_model: expected an even size (sin/cos pairs), got {d_model}.")
+    base = _check_base(base)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating torch.dtype (sin/cos values in [-1, 1]), got {dtype!r}.")
     pos = torch.arange(length, dtype=torch.float64).unsqueeze(1)  # (L, 1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # 2i = 0, 2, 4, ...
     angle = pos / base ** (two_i / d_model)  # (L, E/2)
@@ -84,9 +104,11 @@ def sinusoidal(length: int, d_model: int, *, base: float = 10000.0, dtype=torch.
 class SinusoidalPositionalEncoding(nn.Module):
     """Adds :func:`sinusoidal` to batch-first embeddings: ``x (B, L, E) + PE[offset : offset + L]``.
 
-    No parameters and no length limit: the table is computed in float64 and
-    grown on demand (it is not saved in ``state_dict``). ``offset`` is the
-    position of the first row (the cache length when decoding token by token).
+    No parameters and no length limit: the table is computed in float64 and grown
+    on demand. It is deliberately *not* a buffer: it is not saved in ``state_dict``
+    and ``module.half()`` / ``.to(dtype)`` do not round it; each call rounds the
+    float64 table once to the dtype (and device) of ``x``, which must be floating.
+    ``offset`` is the position of the first row (the cache length when decoding token by token).
     """
 
     def __init__(self, embed_dim: int, *, base: float = 10000.0):
@@ -94,17 +116,27 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.embed_dim = _check_pos_int("embed_dim", embed_dim)
         if embed_dim % 2:
             raise ValueError(f"embed_dim: expected an even size (sin/cos pairs), got {embed_dim}. Use an even embed_dim.")
-        self.base = float(base)
-        self.register_buffer("_table", sinusoidal(1, embed_dim, base=self.base, dtype=torch.float64), persistent=False)
+        self.base = _check_base(base)
+        self._table = sinusoidal(1, embed_dim, base=self.base, dtype=torch.float64)  # (n, E) float64, CPU
+        self._rounded: dict = {}  # (device, dtype) -> the table rounded once to that dtype on that device
+
+    def _table_as(self, end: int, like: torch.Tensor) -> torch.Tensor:
+        if end > self._table.shape[0]:  # grow geometrically so decoding does not recompute every step
+            n = max(end, 2 * self._table.shape[0])
+            self._table = sinusoidal(n, self.embed_dim, base=self.base, dtype=torch.float64)
+            self._rounded.clear()
+        key = (like.device, like.dtype)
+        if key not in self._rounded:  # float64 -> x's dtype on the CPU (MPS has no float64), then move
+            self._rounded[key] = self._table.to(dtype=like.dtype).to(device=like.device)
+        return self._rounded[key]
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         _check_ble(x, self.embed_dim, "SinusoidalPositionalEncoding")
+        if not x.is_floating_point():
+            raise TypeError(f"x: expected floating embeddings (B, L, E), got {x.dtype}. Embed the tokens first.")
         offset = _check_offset(offset)
         end = offset + x.shape[1]
-        if end > self._table.shape[0]:  # grow geometrically so decoding does not recompute every step
-            n = max(end, 2 * self._table.shape[0])
-            self._table = sinusoidal(n, self.embed_dim, base=self.base, dtype=torch.float64).to(self._table.device)
-        return x + self._table[offset:end].to(device=x.device, dtype=x.dtype)  # (B, L, E)
+        return x + self._table_as(end, x)[offset:end]  # (B, L, E), in x's dtype
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, base={self.base:g}"
@@ -114,7 +146,9 @@ class LearnedPositionalEmbedding(nn.Module):
     """A learned table ``weight (max_length, E)`` added to ``x (B, L, E)`` at ``offset``.
 
     Positions ``offset .. offset + L - 1`` must be ``< max_length``; beyond that a
-    ``ValueError`` is raised (nothing is truncated or wrapped around).
+    ``ValueError`` is raised (nothing is truncated or wrapped around). ``x`` must have
+    the table's dtype and device (``TypeError`` otherwise; convert the module with
+    ``.to(...)``): nothing is cast silently, so bf16 in is bf16 out.
     """
 
     def __init__(self, max_length: int, embed_dim: int):
@@ -126,6 +160,12 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         _check_ble(x, self.embed_dim, "LearnedPositionalEmbedding")
+        w = self.weight
+        if x.dtype != w.dtype or x.device != w.device:
+            raise TypeError(
+                f"x: expected {w.dtype} on {w.device} (the table's dtype and device), got {x.dtype} on {x.device}. "
+                "Convert the module (emb.to(x.dtype)) or the input; nothing is cast silently."
+            )
         offset = _check_offset(offset)
         end = offset + x.shape[1]
         if end > self.max_length:
@@ -166,8 +206,7 @@ class RotaryEmbedding(nn.Module):
                 f"head_dim: RoPE rotates pairs of dimensions, so it needs an even head_dim, got {head_dim}. "
                 f"Use head_dim {head_dim - 1} or {head_dim + 1}."
             )
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not (base > 1 and math.isfinite(base)):
-            raise ValueError(f"base: expected a finite float > 1 (default 10000.0), got {base!r}.")
+        base = _check_base(base, minimum=1.0)
         if not isinstance(interleaved, bool):
             raise TypeError(f"interleaved: expected True or False, got {interleaved!r}.")
         self.base = float(base)

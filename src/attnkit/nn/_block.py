@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..positional import _check_pos_int
 from ._kvcache import KVCache
-from ._mha import MultiHeadAttention, _check_pos_int
+from ._mha import MultiHeadAttention
 
 __all__ = ["TransformerBlock"]
 
@@ -27,17 +28,19 @@ class TransformerBlock(nn.Module):
         embed_dim, num_heads, num_kv_heads, positional, bias: as :class:`MultiHeadAttention`.
         mlp_ratio: hidden width of the MLP as a multiple of E.
         dropout: on the attention weights and on both residual branches (training only).
-        causal: default causal masking for :meth:`forward` (a decoder block).
+        causal: default for :meth:`forward`'s ``causal``: ``True`` (a decoder block), ``False``
+            (an encoder block; decoding it with a ``kv_cache`` raises), or ``None`` (the
+            default): causal exactly when a ``kv_cache`` is given, as in :class:`MultiHeadAttention`.
         activation: ``"gelu"`` or ``"relu"``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, mlp_ratio: int = 4,
-                 dropout: float = 0.0, causal: bool = False, positional=None, bias: bool = True,
+                 dropout: float = 0.0, causal: bool | None = None, positional=None, bias: bool = True,
                  activation: str = "gelu"):
         super().__init__()
         _check_pos_int("mlp_ratio", mlp_ratio)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal: expected True or False, got {causal!r}.")
+        if causal is not None and not isinstance(causal, bool):
+            raise TypeError(f"causal: expected True, False or None (causal when a kv_cache is used), got {causal!r}.")
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}.")
         self.attn = MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
@@ -53,16 +56,17 @@ class TransformerBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
-        """A :class:`~attnkit.nn.KVCache` for this block's attention."""
+        """A new :class:`~attnkit.nn.KVCache` for this block's attention (one per block)."""
         return self.attn.new_cache(batch_size, max_length)
 
     def forward(self, x: torch.Tensor, *, mask=None, causal: bool | None = None, need_weights: bool = False,
                 kv_cache: KVCache | None = None):
         """``x (B, L, E)`` → ``(B, L, E)``, or ``(out, weights (B, H, L, S))`` with ``need_weights``.
 
-        ``causal=None`` uses the block's default; ``mask`` and ``kv_cache`` go to the
-        attention unchanged (a cache makes the attention causal, see
-        :meth:`MultiHeadAttention.forward`).
+        ``causal=None`` uses the block's default (see the class docstring); ``mask`` and
+        ``kv_cache`` go to the attention unchanged (``causal=None`` there means causal
+        exactly when a cache is given, and ``causal=False`` with a cache raises; see
+        :meth:`MultiHeadAttention.forward`). Each block needs its own cache (:meth:`new_cache`).
         """
         causal = self.causal if causal is None else causal
         a = self.attn(self.norm1(x), mask=mask, causal=causal, need_weights=need_weights, kv_cache=kv_cache)

@@ -5,7 +5,11 @@ Shape legend: B batch, Hkv key/value heads, S cached length, D head dim, Dv valu
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+from ..positional import _check_pos_int
 
 __all__ = ["KVCache"]
 
@@ -23,20 +27,33 @@ class KVCache:
     Keys are stored *after* any rotary embedding, so a cached key is never rotated
     twice. Build one with :meth:`attnkit.nn.MultiHeadAttention.new_cache`.
     Appending past ``max_length`` raises ``ValueError`` (nothing is dropped).
-    Appends write in place, so multi-step decoding is meant for inference
-    (under ``torch.no_grad()``); a single prefill call keeps its autograd graph.
+
+    **One cache per layer.** The first module that appends owns the cache (held by a
+    weak reference); another module appending raises ``ValueError`` ("each layer needs
+    its own cache") instead of silently mixing two layers' keys::
+
+        caches = [blk.new_cache(B, max_length) for blk in blocks]   # not one cache for all
+
+    **Decode under** ``torch.no_grad()``. The buffers hold values, never autograd graph
+    (they are written under ``no_grad``). A single call on an empty cache (a prefill)
+    attends to its own keys/values, so it keeps its graph and can be trained through,
+    even after later decoding steps. A *later* append while autograd is recording
+    (grad enabled and the new keys/values require grad) raises ``RuntimeError``: its
+    gradient could not reach the earlier tokens' keys/values, and silently dropping
+    that part of the gradient would be wrong. To train, run the whole sequence without
+    a cache (``causal=True``).
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
                  value_dim: int | None = None, *, dtype=torch.float32, device=None):
         for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                           ("max_length", max_length), ("head_dim", head_dim)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name}: expected a positive int, got {val!r}.")
-        value_dim = head_dim if value_dim is None else value_dim
+            _check_pos_int(name, val)
+        value_dim = head_dim if value_dim is None else _check_pos_int("value_dim", value_dim)
         self.k = torch.zeros(batch_size, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch_size, num_kv_heads, max_length, value_dim, dtype=dtype, device=device)
         self.length = 0
+        self._owner = None  # weakref to the module that appended first
 
     @property
     def batch_size(self) -> int:
@@ -51,8 +68,20 @@ class KVCache:
         return self.max_length - self.length
 
     def reset(self) -> None:
-        """Forget every cached token (the buffers are kept)."""
+        """Forget every cached token and the owning layer (the buffers are kept)."""
         self.length = 0
+        self._owner = None
+
+    def check_owner(self, module) -> None:
+        """Raise ``ValueError`` if another (live) module has already appended to this cache."""
+        owner = None if self._owner is None else self._owner()
+        if owner is not None and owner is not module:
+            raise ValueError(
+                f"kv_cache: each layer needs its own cache: this one already holds the keys of "
+                f"{type(owner).__name__} at {id(owner):#x}, and {type(module).__name__} at {id(module):#x} tried to "
+                f"append to it. Build one cache per layer: caches = [layer.new_cache(batch_size, max_length) "
+                f"for layer in layers]."
+            )
 
     def check_batch(self, batch_size: int) -> None:
         if batch_size != self.batch_size:
@@ -61,12 +90,16 @@ class KVCache:
                 f"Create a cache per batch with new_cache({batch_size}, max_length)."
             )
 
-    def append(self, k: torch.Tensor, v: torch.Tensor):
+    def append(self, k: torch.Tensor, v: torch.Tensor, *, owner=None):
         """Store ``k (B, Hkv, L, D)``, ``v (B, Hkv, L, Dv)`` after the cached tokens.
 
         Returns the views ``k[:, :, :length]``, ``v[:, :, :length]`` of everything cached,
-        including the new tokens. Raises before writing anything if they do not fit.
+        including the new tokens. Raises before writing anything if they do not fit, if
+        ``owner`` (the calling layer) is not the layer that appended first, or if this is
+        not the first append and autograd is recording (see the class docstring).
         """
+        if owner is not None:
+            self.check_owner(owner)
         B, Hkv, L, D = k.shape
         self.check_batch(B)
         if (Hkv, D) != tuple(self.k.shape[i] for i in (1, 3)) or v.shape[:3] != k.shape[:3] \
@@ -88,9 +121,23 @@ class KVCache:
                 f"{self.max_length}. Create the cache with max_length >= {end} (new_cache(batch_size, "
                 "max_length)); no token is dropped silently."
             )
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
+        if self.length > 0 and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise RuntimeError(
+                f"kv_cache: decoding step with autograd recording: the cache already holds {self.length} tokens, "
+                "and writing new ones in place would overwrite tensors the earlier step's graph still needs "
+                "(backward() would later fail with torch's in-place modification error). Decode under "
+                "`with torch.no_grad():` (or torch.inference_mode()); only a single prefill call on an empty "
+                "cache keeps its graph. To train, run the whole sequence without a cache (causal=True)."
+            )
+        first = self.length == 0
+        with torch.no_grad():  # the buffers never join a graph (see the class docstring)
+            self.k[:, :, self.length:end] = k
+            self.v[:, :, self.length:end] = v
         self.length = end
+        if owner is not None and self._owner is None:
+            self._owner = weakref.ref(owner)
+        if first:  # a prefill attends to its own k, v: its graph does not see later in-place writes
+            return k, v
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def __repr__(self) -> str:

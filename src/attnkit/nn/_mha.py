@@ -15,20 +15,13 @@ from .. import score_mods as _score_mods
 from .._request import make_request
 from ..api import attention
 from ..backends import eager as _eager
-from ..positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding, alibi_slopes
+from ..positional import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding, _check_pos_int,
+                          alibi_slopes)
 from ._kvcache import KVCache
 
 __all__ = ["MultiHeadAttention"]
 
 _POSITIONAL_HELP = "None, 'rope', 'alibi' or an attnkit.positional.RotaryEmbedding"
-
-
-def _check_pos_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value}.")
-    return value
 
 
 class MultiHeadAttention(nn.Module):
@@ -41,7 +34,8 @@ class MultiHeadAttention(nn.Module):
         value (B, S, vdim) ─ v_proj ─► v (B, Hkv, S, D) ─┘        [ALiBi as score_mod]
                                                ─ merge heads (B, L, E) ─ out_proj ─► output (B, L, E)
 
-    Self-attention when ``key`` and ``value`` are None; cross-attention otherwise
+    Self-attention when ``key`` and ``value`` are None, or when they are the query tensor
+    itself (torch's calling style ``mha(x, x, x)``); cross-attention otherwise
     (``value`` defaults to ``key``). Query head ``h`` reads key/value head
     ``h // (H // Hkv)``; ``num_kv_heads=1`` is multi-query attention (MQA)::
 
@@ -59,7 +53,7 @@ class MultiHeadAttention(nn.Module):
             head dim) or a ``RotaryEmbedding`` instance; or ``"alibi"`` (causal ALiBi
             slopes, :func:`~attnkit.positional.alibi_slopes`; use it with ``causal=True`` as in
             the paper: the bias ``slope·(j - i)`` favours later keys otherwise). Both are
-            self-attention only.
+            self-attention only (``key``/``value`` None or the query tensor itself).
             Absolute encodings are added to the embeddings before the first layer instead.
 
     Masks are attnkit's: **bool True = attend**, float = additive bias. See :meth:`forward`.
@@ -133,9 +127,21 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"positional: expected {_POSITIONAL_HELP}, got {positional!r}.")
 
     def _reset_parameters(self) -> None:
-        # torch.nn.MultiheadAttention's initialisation: Xavier on the input projections, zero biases
-        for lin in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.xavier_uniform_(lin.weight)
+        # As torch.nn.MultiheadAttention._reset_parameters: Xavier-uniform on the input projections,
+        # zero biases, out_proj keeps nn.Linear's default weight init. When q, k, v all read E features
+        # torch packs them into one in_proj_weight (3E, E), so its Xavier bound is sqrt(6 / (E + 3E)),
+        # not the sqrt(6 / (2E)) of a separate (E, E) matrix: do the same on the packed
+        # (E + 2·Hkv·D, E) matrix (= (3E, E) without GQA). With kdim/vdim, torch uses one Xavier per weight.
+        q, k, v = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
+        if self.kdim == self.vdim == self.embed_dim:
+            packed = torch.empty(q.shape[0] + k.shape[0] + v.shape[0], self.embed_dim, dtype=q.dtype)
+            nn.init.xavier_uniform_(packed)  # (E + 2·Hkv·D, E)
+            with torch.no_grad():
+                for w, part in zip((q, k, v), packed.split([q.shape[0], k.shape[0], v.shape[0]])):
+                    w.copy_(part)
+        else:
+            for w in (q, k, v):
+                nn.init.xavier_uniform_(w)
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
@@ -149,27 +155,45 @@ class MultiHeadAttention(nn.Module):
         return KVCache(batch_size, self.num_kv_heads, max_length, self.head_dim, dtype=w.dtype, device=w.device)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                *, mask=None, causal: bool = False, need_weights: bool = False, kv_cache: KVCache | None = None):
+                *, mask=None, causal: bool | None = None, need_weights: bool = False,
+                kv_cache: KVCache | None = None):
         r"""Attend from ``query (B, L, E)`` to ``key (B, S, kdim)`` / ``value (B, S, vdim)``
-        (or to ``query`` itself when both are None).
+        (self-attention when both are None, or both are ``query`` itself as in ``m(x, x, x)``).
 
         Args:
             mask: anything :func:`attnkit.attention` accepts, broadcastable to ``(B, H, L, S)``:
                 a bool tensor (**True = attend**), a float bias, an :mod:`attnkit.masks`
-                mask or a ``mask_mod``. A per-sequence key padding mask goes in as
+                mask or a ``mask_mod``. Like every attnkit mask, a tensor lines up with
+                ``(B, H, L, S)`` **from the right**, so a 2-D mask is always ``(L, S)``
+                (the same for every sequence) — never torch's ``(B, S)`` key padding mask,
+                even when ``B == L`` happens to make the shapes fit::
+
+                    mask (L, S)          ->  (1, 1, L, S)   one pattern for all sequences
+                    keep (B, S)          ->  (1, 1, B, S)   WRONG: rows read as queries
+                    keep[:, None, None, :]   (B, 1, 1, S)   right: per-sequence key padding
+
+                A per-sequence key padding mask therefore goes in as
 
                 * ``attnkit.masks.padding(lengths)`` (``lengths (B,)``: keys ``j < lengths[b]``), or
-                * a bool ``keep (B, S)`` reshaped to ``keep[:, None, None, :]`` (B, 1, 1, S).
+                * a bool ``keep (B, S)`` reshaped to ``keep[:, None, None, :]`` (B, 1, 1, S)::
+
+                    keep = [[T T T T],        lengths = [4, 2]:  masks.padding([4, 2])
+                            [T T F F]]        is the same mask as keep[:, None, None, :]
 
                 (torch's ``key_padding_mask`` is True = *ignore*: pass ``~key_padding_mask[:, None, None, :]``.)
-            causal: causal mask, bottom-right aligned when L ≠ S.
+            causal: ``True``: causal mask, bottom-right aligned when L ≠ S. ``False``: none.
+                ``None`` (default): causal exactly when ``kv_cache`` is given, else not.
+                ``causal=False`` with a ``kv_cache`` raises ``ValueError``: decoding with a
+                cache is causal by construction (later tokens are not cached yet).
             need_weights: also return the exact per-head weights ``(B, H, L, S)``
                 (before dropout; computed once on the eager math path, which then
                 produces the output from them).
             kv_cache: a :class:`~attnkit.nn.KVCache` from :meth:`new_cache` (self-attention
-                only). The new keys/values are appended and the query attends **causally**
-                (bottom-right) over everything cached; RoPE positions start at the cached
-                length. ``S`` is then the cached length including the new tokens::
+                only; one cache per layer, and decode under ``torch.no_grad()`` — see
+                :class:`~attnkit.nn.KVCache`). The new keys/values are appended and the
+                query attends **causally** (bottom-right) over everything cached; RoPE
+                positions start at the cached length. ``S`` is then the cached length
+                including the new tokens::
 
                     cache holds 3, query L = 2:   k0 k1 k2 n0 n1
                                               n0   #  #  #  #  .
@@ -178,9 +202,10 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``output (B, L, E)``, or ``(output, weights (B, H, L, S))`` with ``need_weights=True``.
         """
-        self_attn = key is None and value is None
         if key is None and value is not None:
             raise TypeError("key: got value but no key. Pass key= as well (value defaults to key, not the reverse).")
+        # torch's calling style m(x, x, x) (or m(x, x)) is self-attention too
+        self_attn = key is None or (key is query and (value is None or value is query))
         if value is None:
             value = key
         ref = self.q_proj.weight
@@ -195,7 +220,8 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(
                     f"positional={self.positional!r}: relative positions between two different sequences are "
                     "undefined, so RoPE/ALiBi are self-attention only. Use a separate module with "
-                    "positional=None for cross-attention."
+                    "positional=None for cross-attention (for self-attention pass key=value=None, or the "
+                    "query tensor itself)."
                 )
             Bk, S = self._check_input("key", key, self.kdim, ref)
             Bv, Sv = self._check_input("value", value, self.vdim, ref)
@@ -207,14 +233,30 @@ class MultiHeadAttention(nn.Module):
             if Sv != S:
                 raise ValueError(f"value: expected S={S} positions (that of key), got {Sv}.")
         else:
+            if (self.kdim, self.vdim) != (self.embed_dim, self.embed_dim):
+                raise ValueError(
+                    f"key/value: this module projects keys from kdim={self.kdim} and values from vdim={self.vdim} "
+                    f"features, so it cannot attend to the query (embed_dim={self.embed_dim}) itself. Pass key "
+                    "and value tensors (cross-attention)."
+                )
             key = value = query
             S = L
         if not isinstance(need_weights, bool):
             raise TypeError(f"need_weights: expected True or False, got {need_weights!r}.")
+        if causal is not None and not isinstance(causal, bool):
+            raise TypeError(f"causal: expected True, False or None (causal when a kv_cache is used), got {causal!r}.")
         if kv_cache is not None:
             if not isinstance(kv_cache, KVCache):
                 raise TypeError(f"kv_cache: expected an attnkit.nn.KVCache (from new_cache), got {type(kv_cache).__name__}.")
+            if causal is False:
+                raise ValueError(
+                    "causal=False with a kv_cache: decoding with a cache is causal by construction (the tokens "
+                    "after the current one are not cached yet). Leave causal=None (the default) or True, or "
+                    "attend without a cache for non-causal attention."
+                )
             kv_cache.check_batch(B)
+            kv_cache.check_owner(self)
+        causal = kv_cache is not None if causal is None else causal
 
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(query).reshape(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
@@ -226,8 +268,8 @@ class MultiHeadAttention(nn.Module):
             q = self.rotary.rotate(q, prev)
             k = self.rotary.rotate(k, prev)
         if kv_cache is not None:
-            k, v = kv_cache.append(k, v)  # (B, Hkv, prev + L, D); raises before writing on overflow
-            causal = True
+            prev_owner = kv_cache._owner
+            k, v = kv_cache.append(k, v, owner=self)  # (B, Hkv, prev + L, D); raises before writing
         score_mod = None
         if self.positional == "alibi":
             # kv_idx - q_idx is off by the constant S - L per row when L != S; softmax is shift-invariant.
@@ -240,7 +282,7 @@ class MultiHeadAttention(nn.Module):
                 out = attention(q, k, v, mask=mask, causal=causal, score_mod=score_mod, dropout_p=p)
         except Exception:
             if kv_cache is not None:  # a failed call leaves the cache as it was
-                kv_cache.length = prev
+                kv_cache.length, kv_cache._owner = prev, prev_owner
             raise
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, L, E)
         return (out, weights) if need_weights else out
