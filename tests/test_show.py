@@ -112,3 +112,160 @@ def test_real_cli_process_prints_no_traceback():
     p = subprocess.run([sys.executable, "-m", "attnkit", "show", ""], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().startswith("attnkit show: error: SENTENCE")
+
+
+# ----------------------------------------------------------------------------------------------
+# padding on either side, page template, messages, boundaries, user errors vs bugs
+
+
+@pytest.fixture
+def no_png(monkeypatch):
+    """Skip drawing the PNG (seconds for long sentences) where a test is about something else."""
+    import attnkit.viz
+
+    monkeypatch.setattr(attnkit.viz, "save_heads_png", lambda path, *a, **k: str(path))
+
+
+def _page_data(page):
+    import json
+
+    blob = page.split('<script type="application/json" id="attn-data">', 1)[1].split("</script>", 1)[0]
+    return json.loads(blob)
+
+
+@needs_model
+def test_left_padding_gives_the_same_table_tokens_and_page_as_right_padding(tmp_path, monkeypatch, no_png):
+    from attnkit._cli import show as show_mod
+    from attnkit.integrations import minilm
+    from transformers import AutoTokenizer
+
+    tok, model = show_mod._load_cached(None)
+    left = AutoTokenizer.from_pretrained(str(minilm.default_model_path()), local_files_only=True, padding_side="left")
+    assert tok.padding_side == "right" and left.padding_side == "left"
+    # the first sentence is the SHORTER one, so its row is the padded one
+    sents = ["Hi there", "The river bank was eroding."]
+    right_res = show_mod.show(sents, out=str(tmp_path / "r"), quiet=True)
+    for word in (None, "there"):
+        with monkeypatch.context() as m:
+            m.setattr(show_mod, "_load_cached", lambda p: (left, model))
+            got = show_mod.show(sents, word=word, out=str(tmp_path / "l"), quiet=True)
+        want = right_res if word is None else show_mod.show(sents, word=word, out=str(tmp_path / "r"), quiet=True)
+        assert got.tokens == want.tokens == ["[CLS]", "hi", "there", "[SEP]"]
+        assert got.word == want.word and got.table == want.table
+        a = _page_data(open(got.html, encoding="utf-8").read())
+        b = _page_data(open(want.html, encoding="utf-8").read())
+        assert a["items"] == b["items"] and a["initial"] == b["initial"]
+        assert a["items"][1]["tokens"][:3] == ["[CLS]", "the", "river"]
+        for layer in b["weights"]:
+            for wa, wb in zip(a["weights"][layer], b["weights"][layer]):
+                assert np.allclose(wa, wb, atol=2e-4)
+                assert np.allclose(np.sum(wa, -1), 1, atol=1e-3)  # no padding column was kept
+
+
+def test_html_trims_padding_on_either_side_by_the_attention_mask():
+    w = np.zeros((2, 1, 4, 4))
+    w[0, 0, :3, :3] = np.arange(9).reshape(3, 3)  # right padded: valid 0..2
+    w[1, 0, 2:, 2:] = [[1, 2], [3, 4]]  # left padded: valid 2..3
+    items = [{"label": "r", "tokens": ["a", "b", "c"]}, {"label": "l", "tokens": ["d", "e"]}]
+    data = _page_data(viz_html.attention_html(items, {0: w}, attention_mask=[[1, 1, 1, 0], [0, 0, 1, 1]]))
+    assert data["weights"]["0"][0] == [np.arange(9).reshape(3, 3).tolist()]
+    assert data["weights"]["0"][1] == [[[1, 2], [3, 4]]]
+    with pytest.raises(ValueError, match=r"items\[1\]: 2 tokens but attention_mask\[1\] marks 3"):
+        viz_html.attention_html(items, {0: w}, attention_mask=[[1, 1, 1, 0], [0, 1, 1, 1]])
+
+
+def test_html_title_with_slot_markers_pulls_nothing_into_the_heading():
+    w = np.full((1, 1, 2, 2), 0.5)
+    title = 'model-%DATA%-%JS%-%CSS% <b>&"'
+    page = viz_html.attention_html([{"label": "x", "tokens": ["a", "b"]}], {0: w}, title=title,
+                                   subtitle="%TITLE% %DATA%")
+    head = page.split("</head>", 1)[0]
+    want = "model-%DATA%-%JS%-%CSS% &lt;b&gt;&amp;&quot;"
+    assert f"<title>{want}</title>" in head and f"<h1>{want}</h1>" in page
+    assert '<p class="sub">%TITLE% %DATA%</p>' in page
+    assert page.count('id="attn-data"') == 1 and page.count("JSON.parse") == 1
+    assert _page_data(page)["title"] == title
+
+
+@needs_model
+def test_bundled_model_load_failure_names_its_path(monkeypatch, capsys):
+    from attnkit._cli import show as show_mod
+    from attnkit.integrations import minilm
+
+    def broken(path):
+        raise OSError("Unable to load weights")
+
+    monkeypatch.setattr(show_mod, "_load_cached", broken)
+    rc, out, err = _cli(capsys)
+    line = _one_line_error(err)
+    assert rc == 2 and "None" not in line
+    assert f"bundled all-MiniLM-L6-v2 from {str(minilm.default_model_path())!r}: Unable to load weights" in line
+
+
+@needs_model
+@pytest.mark.parametrize("n_tokens, noted", [(128, False), (129, True)])
+def test_truncation_note_exactly_past_128_tokens(tmp_path, capsys, no_png, n_tokens, noted):
+    from attnkit._cli import show as show_mod
+
+    tok, _ = show_mod._load_cached(None)
+    sentence = "river " * (n_tokens - 2)  # [CLS] + words + [SEP]
+    assert len(tok(sentence)["input_ids"]) == n_tokens
+    res = show_mod.show([sentence], head=0, out=str(tmp_path), quiet=True)
+    err = capsys.readouterr().err
+    assert len(res.tokens) == min(n_tokens, show_mod.MAX_TOKENS)
+    assert ("truncated" in err) is noted, err
+    if noted:
+        assert f"({n_tokens} tokens) truncated to the first 128" in err
+
+
+@needs_model
+@pytest.mark.parametrize("sentence", ["\u200b", "\x00"])
+def test_sentence_the_tokenizer_drops_entirely_is_one_line_exit_2(tmp_path, capsys, sentence):
+    rc, out, err = _cli(capsys, sentence, "--out", str(tmp_path))
+    assert rc == 2 and "no word the tokenizer keeps" in _one_line_error(err)
+
+
+@needs_model
+def test_unwritable_output_file_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "attention.png").mkdir()  # a directory where the PNG should go
+    rc, out, err = _cli(capsys, "--out", str(tmp_path))
+    assert rc == 2 and "--out: cannot write" in _one_line_error(err)
+
+
+@needs_model
+def test_corrupt_model_weights_are_one_line_exit_2(tmp_path, capsys):
+    from attnkit.integrations import minilm
+
+    (tmp_path / "config.json").write_text((minilm.default_model_path() / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    rc, out, err = _cli(capsys, "--model", str(tmp_path))
+    line = _one_line_error(err)
+    assert rc == 2 and line.startswith("attnkit show: error: --model: could not load a model from")
+
+
+@needs_model
+def test_a_genuine_bug_keeps_its_traceback(monkeypatch, capsys, tmp_path):
+    from attnkit.integrations import transformers as ak_hf
+
+    def bug(model, inputs, layers=None, heads=None):
+        raise ak_hf.CaptureError("capture: expected layers [0], recorded no layer at all")
+
+    monkeypatch.setattr(ak_hf, "capture_attention", bug)
+    with pytest.raises(ak_hf.CaptureError):  # the bundled model must capture: not turned into a user error
+        cli.main(["show", "--out", str(tmp_path)])
+
+
+@needs_model
+def test_words_and_positions_follow_the_attention_mask_with_left_padding():
+    from attnkit._cli import show as show_mod
+    from attnkit.integrations import minilm
+    from transformers import AutoTokenizer
+
+    left = AutoTokenizer.from_pretrained(str(minilm.default_model_path()), local_files_only=True, padding_side="left")
+    sents = ["Hi there", "The river bank was eroding."]
+    enc = left(sents, padding=True, return_tensors="pt")
+    pos = show_mod._valid_positions(enc, 0)
+    L = enc["input_ids"].shape[1]
+    assert L == 10 and pos == [6, 7, 8, 9]  # 6 pads on the left
+    assert left.convert_ids_to_tokens(enc["input_ids"][0][pos]) == ["[CLS]", "hi", "there", "[SEP]"]
+    assert show_mod._words(enc, 0, sents[0], pos) == [("Hi", [1]), ("there", [2])]

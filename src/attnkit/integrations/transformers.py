@@ -38,7 +38,8 @@ from .._request import make_request
 from ..api import attention
 from ..backends._common import weights_from_lse
 
-__all__ = ["register", "attnkit_attention_forward", "attnkit_mask", "capture_attention", "capturing", "NAME"]
+__all__ = ["register", "attnkit_attention_forward", "attnkit_mask", "capture_attention", "capturing", "CaptureError",
+           "NAME"]
 
 NAME = "attnkit"
 _TAG = "_attnkit_structured"  # attribute on the dense mask tensor: (structured mask, shape it stands for)
@@ -142,50 +143,109 @@ def _resolve_mask(module, query, key, attention_mask, is_causal):
 # capture
 
 
+class CaptureError(RuntimeError):
+    """A capture that could not record what was asked (missing layers, two forwards, unknown layer index)."""
+
+
 @dataclass
 class _Capture:
     layers: frozenset | None
     heads: list | None
+    n_layers: int | None = None  # from the model's config when known (capture_attention, capturing(model=...))
     weights: dict = field(default_factory=dict)
-    calls: int = 0
+    seen: set = field(default_factory=set)
 
     def layer_of(self, module) -> int:
+        """The layer index of an attention module, from its ``layer_idx`` attribute (never guessed)."""
         idx = getattr(module, "layer_idx", None)
-        if idx is None:  # modules that do not know their depth: count calls in forward order
-            idx = self.calls
-        self.calls += 1
-        return int(idx)
+        if isinstance(idx, bool) or not isinstance(idx, int):
+            raise CaptureError(
+                f"capture: cannot tell which layer {type(module).__name__} is (its layer_idx is {idx!r}, expected "
+                "an int); attnkit only captures models whose attention modules carry their layer_idx, and does not "
+                "guess it from the call order. Use output_attentions=True for this model instead.")
+        if idx in self.seen:
+            raise CaptureError(
+                f"capture: layer {idx} ran a second time in one capture; capture records one forward per "
+                "capturing() block (run each forward in its own block, or use capture_attention), and does not "
+                "support models that call one attention layer several times per forward.")
+        self.seen.add(idx)
+        if self.n_layers is not None and not 0 <= idx < self.n_layers:
+            raise CaptureError(f"capture: {type(module).__name__} says it is layer {idx}, but the model has "
+                               f"{self.n_layers} layers (0..{self.n_layers - 1}).")
+        return idx
+
+    def check_heads(self, n_heads: int):
+        if self.heads is not None:
+            bad = [h for h in self.heads if not 0 <= h < n_heads]
+            if bad:
+                raise ValueError(f"heads: expected head indices in 0..{n_heads - 1} (this model has {n_heads} "
+                                 f"heads), got {bad[0]!r}.")
+
+    def check_complete(self):
+        """After the forward: every asked-for layer must have been recorded."""
+        if self.layers is not None:
+            expected = sorted(self.layers)
+        elif self.n_layers is not None:
+            expected = list(range(self.n_layers))
+        else:  # all layers of an unknown model: at least one, and no gap below the deepest one seen
+            expected = list(range(max(self.weights) + 1)) if self.weights else None
+        missing = [x for x in expected if x not in self.weights] if expected is not None else None
+        if expected is None or missing:
+            what = "no layer at all" if not self.weights else f"layers {sorted(self.weights)}"
+            ask = "any layer" if expected is None else f"layers {expected}"
+            raise CaptureError(
+                f"capture: expected {ask}, recorded {what}"
+                + (f" (missing: {missing})" if missing else "") + ". Likely causes: the model was not loaded with "
+                "attn_implementation='attnkit' (call attnkit.integrations.transformers.register() first), the "
+                "forward ran in another thread than the capturing() block (captures are context-local), no "
+                "forward ran inside the block, or these layers do not run through the attention interface.")
 
 
 _ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("attnkit_capture", default=None)
 
 
+def _check_indices(name, values, n, what):
+    """``values`` as a list of ints in ``0..n-1`` (n None: just non-negative); None stays None."""
+    if values is None:
+        return None
+    values = [values] if isinstance(values, int) and not isinstance(values, bool) else list(values)
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0 or (n is not None and x >= n):
+            rng = f"0..{n - 1}" if n is not None else "0 or more"
+            has = f" This model has {n} {what}s." if n is not None else ""
+            raise ValueError(f"{name}: expected {what} indices in {rng}, got {x!r}.{has}")
+    return values
+
+
 @contextlib.contextmanager
-def capturing(layers=None, heads=None):
-    """Context in which attnkit-run models record exact weights ``{layer: (B, H', L, S)}``.
+def capturing(layers=None, heads=None, *, model=None):
+    """Context in which an attnkit-run model records exact weights ``{layer: (B, H', L, S)}`` of ONE forward.
 
     ``layers``/``heads``: iterables of indices (None = all). The yielded dict is
     filled as the model runs; ``H'`` is ``len(heads)`` in the order given.
-    Context-local (contextvars), so concurrent threads do not mix captures.
+    Pass ``model`` to check the indices against its config up front.
+    Context-local (contextvars): the forward must run in this thread/context.
+
+    Raises (no silent partial result):
+        ValueError: an index out of range (negative indices are not accepted).
+        CaptureError: on leaving the block, when an asked-for layer was not
+            recorded (model not on attnkit, forward in another thread, no forward);
+            during the forward, when a second forward runs in the same block or a
+            layer's ``layer_idx`` is unknown.
     """
-    cap = _Capture(layers=None if layers is None else frozenset(int(x) for x in layers),
-                   heads=None if heads is None else [int(h) for h in heads])
+    n_layers = n_heads = None
+    if model is not None:
+        cfg = model.config
+        n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
+    layers = _check_indices("layers", layers, n_layers, "layer")
+    heads = _check_indices("heads", heads, n_heads, "head")
+    cap = _Capture(layers=None if layers is None else frozenset(layers), heads=heads, n_layers=n_layers)
     token = _ACTIVE.set(cap)
     try:
         yield cap.weights
     finally:
         _ACTIVE.reset(token)
-
-
-def _check_indices(name, values, n, what):
-    if values is None:
-        return None
-    values = [values] if isinstance(values, int) else list(values)
-    for x in values:
-        if isinstance(x, bool) or not isinstance(x, int) or not (0 <= x < n):
-            raise ValueError(f"{name}: expected {what} indices in 0..{n - 1}, got {x!r}. "
-                             f"This model has {n} {what}s.")
-    return values
+    cap.check_complete()  # only reached when the block itself raised nothing
 
 
 def capture_attention(model, inputs, layers=None, heads=None) -> dict:
@@ -200,8 +260,12 @@ def capture_attention(model, inputs, layers=None, heads=None) -> dict:
     Args:
         model: a transformers model running on attnkit.
         inputs: a mapping of model inputs (e.g. a tokenizer's ``BatchEncoding``).
-        layers: layer indices (None = all).
-        heads: head indices (None = all), the same for every chosen layer.
+        layers: layer indices in ``0..num_hidden_layers-1`` (None = all).
+        heads: head indices in ``0..num_attention_heads-1`` (None = all), the same for every chosen layer.
+
+    Raises:
+        ValueError: model not running on attnkit, or an index out of range.
+        CaptureError: a requested layer was not recorded (it is never silently left out).
     """
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl != NAME:
@@ -210,10 +274,7 @@ def capture_attention(model, inputs, layers=None, heads=None) -> dict:
             "attnkit.integrations.transformers.register() and load it with "
             "from_pretrained(path, attn_implementation='attnkit') (or model.set_attn_implementation('attnkit'))."
         )
-    cfg = model.config
-    layers = _check_indices("layers", layers, int(cfg.num_hidden_layers), "layer")
-    heads = _check_indices("heads", heads, int(cfg.num_attention_heads), "head")
-    with torch.no_grad(), capturing(layers, heads) as weights:
+    with torch.no_grad(), capturing(layers, heads, model=model) as weights:
         model(**inputs)
     return dict(sorted(weights.items()))
 
@@ -242,16 +303,24 @@ def attnkit_attention_forward(module, query, key, value, attention_mask, dropout
         layer = cap.layer_of(module)
         record = cap.layers is None or layer in cap.layers
         heads = cap.heads
+        if record:
+            cap.check_heads(query.shape[1])
     want_all = bool(kwargs.get("output_attentions", False))
     need_lse = want_all or record
     dropout_p = float(dropout) if module.training else 0.0
+    if dropout_p > 0 and want_all:
+        raise ValueError(
+            f"output_attentions=True with attention dropout active (p={dropout_p}, the model is in train mode): "
+            "attnkit returns exact weights without dropout, which would not be the ones this forward used. "
+            "Call model.eval() first, or run without output_attentions.")
+    if dropout_p > 0 and record:
+        raise ValueError(f"capturing attention weights of layer {layer} with attention dropout active "
+                         f"(p={dropout_p}, the model is in train mode) is not exact; call model.eval() first.")
     res = attention(query, key, value, mask=mask, causal=causal, scale=scaling, dropout_p=dropout_p,
                     return_lse=need_lse)
     out, lse = res if need_lse else (res, None)
     weights = None
     if need_lse:
-        if dropout_p > 0:
-            raise ValueError("capturing attention weights with dropout active is not exact; call model.eval() first.")
         req = make_request(query, key, value, mask=mask, causal=causal, scale=scaling, score_mod=None,
                            dropout_p=0.0, return_lse=True, backend="auto")
         with torch.no_grad():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import html as _html
 import json
+import re
 
 import numpy as np
 
@@ -34,7 +35,27 @@ def _rounded(a: np.ndarray, digits: int):
     return np.round(np.asarray(a, dtype=np.float64), digits).tolist()
 
 
-def attention_html(items, weights, *, title="attention", subtitle="", initial=None, digits=4) -> str:
+def _positions(b, n, attention_mask, L, S):
+    """Indices of item b's valid tokens along L and S: ``attention_mask[b].nonzero()``, else the first n."""
+    if attention_mask is None:
+        if n > L or n > S:
+            raise ValueError(f"items[{b}]: {n} tokens but the weights are only {L}×{S}.")
+        return np.arange(n)
+    row = np.asarray(attention_mask[b]).astype(bool)
+    if row.shape != (L,) or L != S:
+        raise ValueError(f"attention_mask[{b}]: expected shape ({L},) for weights of {L}×{S} (self-attention), "
+                         f"got {row.shape}.")
+    pos = np.flatnonzero(row)
+    if len(pos) != n:
+        raise ValueError(f"items[{b}]: {n} tokens but attention_mask[{b}] marks {len(pos)} valid positions.")
+    return pos
+
+
+_SLOT = re.compile(r"%(TITLE|SUBTITLE|CSS|JS|DATA)%")
+
+
+def attention_html(items, weights, *, title="attention", subtitle="", initial=None, digits=4,
+                   attention_mask=None) -> str:
     """The page as a string. See :func:`save_attention_html`."""
     items = [dict(label=str(it["label"]), tokens=[str(t) for t in it["tokens"]]) for it in items]
     if not items:
@@ -42,6 +63,10 @@ def attention_html(items, weights, *, title="attention", subtitle="", initial=No
     layers = sorted(int(k) for k in weights)
     if not layers:
         raise ValueError("weights: expected at least one layer, got none.")
+    if attention_mask is not None:
+        attention_mask = np.asarray(attention_mask)
+        if attention_mask.ndim != 2 or attention_mask.shape[0] != len(items):
+            raise ValueError(f"attention_mask: expected (B={len(items)}, L), got shape {attention_mask.shape}.")
     n_heads = None
     data_w = {}
     for layer in layers:
@@ -53,33 +78,37 @@ def attention_html(items, weights, *, title="attention", subtitle="", initial=No
             raise ValueError(f"weights[{layer}]: expected {n_heads} heads like the other layers, got {w.shape[1]}.")
         per_item = []
         for b, it in enumerate(items):
-            n = len(it["tokens"])
-            if n > w.shape[2] or n > w.shape[3]:
-                raise ValueError(f"items[{b}]: {n} tokens but weights[{layer}] has only {w.shape[2]}×{w.shape[3]}.")
-            per_item.append(_rounded(w[b, :, :n, :n], digits))  # (H, n, n): padding trimmed off
+            pos = _positions(b, len(it["tokens"]), attention_mask, w.shape[2], w.shape[3])
+            per_item.append(_rounded(w[b][:, pos][:, :, pos], digits))  # (H, n, n): padding dropped (either side)
         data_w[str(layer)] = per_item
     init = {"item": 0, "layer": layers[0], "head": -1, "token": None}
     init.update(initial or {})
     data = {"title": title, "subtitle": subtitle, "items": items, "layers": layers, "heads": int(n_heads),
             "weights": data_w, "initial": init}
     blob = json.dumps(data, separators=(",", ":"), ensure_ascii=True).replace("<", "\\u003c")
-    return (_PAGE.replace("%TITLE%", _html.escape(title))
-            .replace("%SUBTITLE%", _html.escape(subtitle))
-            .replace("%CSS%", _CSS).replace("%JS%", _JS).replace("%DATA%", blob))
+    parts = {"TITLE": _html.escape(str(title)), "SUBTITLE": _html.escape(str(subtitle)), "CSS": _CSS, "JS": _JS,
+             "DATA": blob}
+    # one pass over the template: text put into one slot is never searched for another slot's marker
+    return _SLOT.sub(lambda m: parts[m.group(1)], _PAGE)
 
 
-def save_attention_html(path, items, weights, *, title="attention", subtitle="", initial=None) -> str:
+def save_attention_html(path, items, weights, *, title="attention", subtitle="", initial=None,
+                        attention_mask=None) -> str:
     """Write the self-contained page to ``path``; returns the path.
 
     Args:
         items: one dict per batch element: ``{"label": sentence, "tokens": [...]}``
-            (its valid tokens only; padding is trimmed from the weights).
+            (its valid tokens only; padding is dropped from the weights).
         weights: ``{layer: array (B, H, L, S)}`` of attention weights.
+        attention_mask: ``(B, L)`` 1 = real token, 0 = padding (either side); item b's
+            tokens are the positions ``attention_mask[b].nonzero()``. None: each item's
+            tokens are the first ``len(tokens)`` positions (right padding only).
         title, subtitle: page headings.
         initial: ``{"item", "layer", "head" (-1 = mean of heads), "token" (None or a query index)}``
             selected when the page opens.
     """
-    text = attention_html(items, weights, title=title, subtitle=subtitle, initial=initial)
+    text = attention_html(items, weights, title=title, subtitle=subtitle, initial=initial,
+                          attention_mask=attention_mask)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return str(path)
