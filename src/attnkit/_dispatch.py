@@ -3,6 +3,25 @@
 ``attnkit.dispatch(q, k, v, **options)`` returns the :class:`Decision` that
 ``attention`` would take, without running anything. The same decision is logged
 on the ``attnkit`` logger at DEBUG level on every call.
+
+``auto`` on the CPU, from measurements (``attnkit bench``; BENCHMARKS.md):
+
+====================================================  ========  ==========================================
+request                                               backend   why
+====================================================  ========  ==========================================
+dropout_p > 0                                         eager     the only path with dropout
+no mask; causal top-left or L == S; no score_mod      sdpa      torch's fused kernel: no plan, no mask
+float bias only (no bool mask)                        sdpa      nothing to skip: one fused pass
+user bool mask with empty/full tiles                  tiled     skips empty tiles, no mask on full ones
+user bool mask, every tile partial                    sdpa      nothing to skip (tiled ≈ 0.96× there)
+structured mask, bottom-right causal L ≠ S, score_mod tiled     SDPA would need a dense (L, S) mask
+====================================================  ========  ==========================================
+
+The bool-mask rule: with a 4096² mask, one thread, tiled beat SDPA-with-mask by
+1.6-4.5× on banded/causal masks given densely, and was 0.96× on a random mask
+whose tiles are all partial; so ``auto`` reduces the mask per tile (one pass over
+a tensor the user already built) and sends it to ``tiled`` unless more than
+``DENSE_PARTIAL_MAX`` of the tiles are partial.
 """
 
 from __future__ import annotations
@@ -12,6 +31,9 @@ from dataclasses import dataclass
 
 from ._request import Request
 from .backends import get
+
+# Above this fraction of partial tiles a user bool mask goes to SDPA (see the table above).
+DENSE_PARTIAL_MAX = 0.9
 
 __all__ = ["Decision", "decide"]
 
@@ -32,12 +54,17 @@ def _sdpa_fits(req: Request) -> str | None:
     L, S = req.q.shape[2], req.k.shape[2]
     if req.score_mod is not None:
         return "a score_mod"
-    if req.dense_mask is not None or req.bias is not None:
-        return None  # the user already built a dense mask: SDPA applies it in one fused pass
-    if req.mask is None:
-        return None
+    if req.mask is None and req.dense_mask is None:
+        return None  # no mask, or only a float bias: nothing to skip, SDPA applies it in one fused pass
+    if req.dense_mask is not None and req.mask is None:
+        partial = _dense_partial_fraction(req)
+        if partial > DENSE_PARTIAL_MAX:
+            return None
+        return f"a bool mask with {100 * (1 - partial):.0f}% of its tiles empty or full"
     if req.causal and (req.causal_align == "top_left" or L == S):
-        return None
+        if req.bias is None and req.dense_mask is None:
+            return None
+        return "causal with a tensor mask (SDPA would merge them into a dense (B, H, L, S) mask)"
     return f"mask {req.mask!r} (SDPA would need a dense (B, H, L, S) mask)"
 
 
@@ -52,8 +79,11 @@ def decide(req: Request, backend: str) -> Decision:
     tiled_why = _tiled_unsupported(req)
     sdpa_no = _sdpa_fits(req)
     if sdpa_no is None and get("sdpa").unsupported(req) is None:
-        if req.dense_mask is not None or req.bias is not None:
-            return Decision("sdpa", "dense mask given: torch's fused kernel applies it in one pass")
+        if req.dense_mask is not None:
+            return Decision("sdpa", "bool mask with almost every tile partial: nothing to skip, "
+                                    "torch's fused kernel applies it in one pass")
+        if req.bias is not None:
+            return Decision("sdpa", "float bias and nothing to skip: torch's fused kernel applies it in one pass")
         kind = "causal" if req.causal else "dense"
         return Decision("sdpa", f"{kind} attention without score_mod: torch's fused kernel is fastest here")
     if tiled_why is None:
@@ -62,12 +92,18 @@ def decide(req: Request, backend: str) -> Decision:
     return Decision("eager", f"tiled backend unavailable ({tiled_why}); eager math path")
 
 
+def _dense_partial_fraction(req: Request) -> float:
+    """Fraction of the tiled backend's tiles that a user bool mask leaves partial."""
+    from .backends import _blocks, tiled
+
+    B, H, L, S, *_ = req.shape
+    bm, bn, _ = tiled._sizes()
+    grid = _blocks.dense_grid(req.dense_mask, L, S, bm, bn)  # cached: tiled reuses it
+    return float((grid == _blocks.PARTIAL).float().mean()) if grid.numel() else 0.0
+
+
 def _tiled_unsupported(req: Request) -> str | None:
-    try:
-        mod = get("tiled")
-    except ImportError as e:  # during bring-up the tiled backend may not exist yet
-        return f"not built: {e}"
-    return mod.unsupported(req)
+    return get("tiled").unsupported(req)
 
 
 def explain_decision(req: Request, backend: str) -> Decision:

@@ -1,0 +1,82 @@
+"""backend="auto" picks the backend the measurements say (see attnkit._dispatch), and that
+backend is the one that actually runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks as M
+from attnkit import score_mods as SM
+from attnkit.backends import eager, sdpa, tiled
+
+from conftest import rand_qkv
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Records which backend module's run() was called."""
+    calls = []
+    for mod in (eager, sdpa, tiled):
+        orig = mod.run
+
+        def spy(req, _orig=orig, _name=mod.NAME):
+            calls.append(_name)
+            return _orig(req)
+
+        monkeypatch.setattr(mod, "run", spy)
+    return calls
+
+
+L = 128
+WINDOW_DENSE = M.sliding_window(16).materialize(1, 1, L, L)
+
+CASES = [
+    ("dense", {}, "sdpa"),
+    ("causal L==S", {"causal": True}, "sdpa"),
+    ("causal top-left", {"mask": M.causal("top_left")}, "sdpa"),
+    ("float bias only", {"mask": torch.randn(1, 1, L, L)}, "sdpa"),
+    ("random bool mask: every tile partial", {"mask": torch.rand(1, 1, L, L) > 0.5}, "sdpa"),
+    ("banded bool mask: tiles to skip", {"mask": WINDOW_DENSE}, "tiled"),
+    ("sliding window", {"mask": M.sliding_window(16)}, "tiled"),
+    ("document", {"mask": M.document(torch.arange(L) // 40)}, "tiled"),
+    ("prefix-LM", {"mask": M.prefix_lm(10)}, "tiled"),
+    ("from_mod", {"mask": lambda b, h, q, kv: kv <= q}, "tiled"),
+    ("causal + bias", {"causal": True, "mask": torch.randn(1, 1, L, L)}, "tiled"),
+    ("score_mod", {"score_mod": SM.softcap(5.0)}, "tiled"),
+    ("alibi + causal", {"score_mod": SM.alibi(torch.rand(4)), "causal": True}, "tiled"),
+    ("dropout", {"dropout_p": 0.1}, "eager"),
+]
+
+
+@pytest.mark.parametrize("name,kw,want", CASES, ids=[c[0] for c in CASES])
+def test_auto_choice(ran, name, kw, want):
+    q, k, v = rand_qkv(1, 4, 4, L, L, 16)
+    d = attnkit.dispatch(q, k, v, **kw)
+    assert d.backend == want, f"{name}: {d}"
+    assert d.reason
+    attnkit.attention(q, k, v, **kw)
+    assert ran == [want]
+
+
+def test_bottom_right_causal_l_ne_s_goes_tiled(ran):
+    q, k, v = rand_qkv(1, 2, 2, 7, 50, 8)
+    assert attnkit.dispatch(q, k, v, causal=True).backend == "tiled"
+    out = attnkit.attention(q, k, v, causal=True)
+    assert ran == ["tiled"]
+    ref = attnkit.attention(q, k, v, causal=True, backend="reference")
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_lse_with_grad_goes_tiled(ran):
+    q, k, v = rand_qkv(1, 2, 2, 16, 16, 8, requires_grad=True)
+    assert attnkit.dispatch(q, k, v, return_lse=True).backend == "tiled"
+
+
+def test_named_backend_never_falls_back():
+    q, k, v = rand_qkv(1, 2, 2, 8, 8, 4)
+    with pytest.raises(ValueError, match="score_mod"):
+        attnkit.attention(q, k, v, score_mod=SM.softcap(2.0), backend="sdpa")
+    with pytest.raises(ValueError, match="dropout"):
+        attnkit.attention(q, k, v, dropout_p=0.5, backend="tiled")
