@@ -11,9 +11,20 @@ import torch
 
 from .._request import Request
 
-__all__ = ["index_grid", "modify_scores", "allowed_tile", "safe_softmax_stats", "weights_from_lse"]
+__all__ = ["has_nan", "index_grid", "modify_scores", "allowed_tile", "safe_softmax_stats", "weights_from_lse"]
 
 NEG_INF = float("-inf")
+
+
+def has_nan(*tensors: torch.Tensor) -> bool:
+    """Whether any input holds NaN. torch's fused CPU kernel turns a row whose scores hold
+    NaN into zeros; attnkit promises NaN propagates, so such inputs take a plain-op path.
+    One reduction per tensor: a NaN makes the sum NaN (so can inf - inf, a harmless false
+    positive that only costs the slower, still exact, path)."""
+    total = 0.0
+    for t in tensors:
+        total = total + t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None)
+    return bool(torch.isnan(torch.as_tensor(total)))
 
 
 def index_grid(B: int, H: int, i0: int, l: int, j0: int, s: int, device, heads=None):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .._request import Request
 from . import eager
-from ._common import allowed_tile
+from ._common import allowed_tile, has_nan
 
 __all__ = ["NAME", "unsupported", "run"]
 
@@ -59,15 +59,9 @@ def _attn_mask(req: Request):
     return bias
 
 
-def _has_nan(req: Request) -> bool:
-    # One fused reduction per tensor; a NaN anywhere makes the sum NaN (so can inf - inf,
-    # a harmless false positive that only costs the slower, still exact, path).
-    return bool(torch.isnan(req.q.sum() + req.k.sum() + req.v.sum()))
-
-
 def run(req: Request):
     B, H, L, S, D, Dv, Hkv = req.shape
-    if _has_nan(req):
+    if has_nan(req.q, req.k, req.v):
         out, lse = eager.run(req)
         return out, (lse if req.need_lse else None)
     is_causal = _is_causal_only(req)

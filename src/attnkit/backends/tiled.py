@@ -73,7 +73,7 @@ import torch
 from .. import masks as _masks
 from .._request import Request
 from . import _blocks
-from ._common import allowed_tile, index_grid
+from ._common import allowed_tile, has_nan, index_grid
 
 __all__ = ["NAME", "unsupported", "run", "block_sizes"]
 
@@ -156,7 +156,7 @@ class _Ctx:
         # The fused kernel returns 0 on a row whose scores hold NaN; the plain-op loop lets NaN
         # propagate to exactly the rows it touches (the API's promise), so NaN inputs take it.
         self.fused = (FUSED and (req.score_mod is None or self.additive) and D == Dv and req.q.device.type == "cpu"
-                      and not any(bool(torch.isnan(t).any()) for t in (req.q, req.k, req.v)))
+                      and not has_nan(req.q, req.k, req.v))
 
     def q_block(self, qs5, i0, i1):
         # (B, Hkv, g, l, D) -> (B, Hkv, g·l, D): the g heads sharing a kv head are one GEMM's rows
