@@ -91,6 +91,8 @@ def test_negative_window_and_too_long_lengths():
     raises(ValueError, "key_lengths", "one length per batch row (2)", mask=masks.padding([3]))
     raises(ValueError, "doc_ids", "S=7", mask=masks.document([0, 0, 1]))
     raises(ValueError, "prefix_length", mask=masks.prefix_lm(9))
+    q, k, v = qkv(L=9, S=7)
+    raises(ValueError, "document mask", "L <= S", "L=9, S=7", qkv=(q, k, v), mask=masks.document([0] * 7))
     with pytest.raises(ValueError, match="align"):
         masks.causal("top")
     with pytest.raises(TypeError, match="key_lengths: expected integers"):

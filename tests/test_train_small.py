@@ -44,7 +44,7 @@ def test_tiny_transformer_shapes():
 
 
 def test_example_sequence_accuracy_is_eval_mode_without_grad():
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="saving attention maps needs matplotlib: pip install 'attnkit[viz]'")
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_reverse.py"
     spec = importlib.util.spec_from_file_location("train_reverse_example", path)
     example = importlib.util.module_from_spec(spec)
