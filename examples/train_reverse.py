@@ -88,8 +88,9 @@ def main(argv=None) -> int:
     seq_acc = sequence_accuracy(res.model, x, y)
     print(f"done: {res.steps} steps in {res.seconds:.1f} s; fresh test set: token accuracy {test_acc:.4f}, "
           f"whole-sequence accuracy {seq_acc:.4f}")
-    plot_attention(res.model, x[0], args.out)
-    print(f"attention maps -> {args.out}  (total {time.perf_counter() - t0:.1f} s)")
+    out = args.out if args.out.lower().endswith(".png") else args.out + ".png"  # say where it really goes
+    plot_attention(res.model, x[0], out)
+    print(f"attention maps -> {out}  (total {time.perf_counter() - t0:.1f} s)")
     return 0 if test_acc >= 0.99 else 1
 
 
