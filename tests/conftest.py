@@ -47,7 +47,6 @@ def low_precision_error(q, k, v, ref_out, **kw):
     kk = k.repeat_interleave(g, 1)
     vv = v.repeat_interleave(g, 1)
     s = (q @ kk.transpose(-1, -2)) * (kw.get("scale") or D ** -0.5)
-    allowed = None
     req = attnkit._request.make_request(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), scale=None,
                                         score_mod=None, dropout_p=0.0, return_lse=False, backend="eager")
     from attnkit.backends._common import allowed_tile

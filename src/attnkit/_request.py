@@ -172,8 +172,8 @@ def _check_qkv(q, k, v):
             f"k: expected a number of key/value heads Hkv that divides H={H}, got Hkv={Hkv}. "
             "For GQA/MQA use Hkv in the divisors of H (query head h uses kv head h // (H // Hkv))."
         )
-    if min(L, S, D) == 0 and not (L == 0):
-        raise ValueError(f"q, k: expected S >= 1 and D >= 1, got S={S}, D={D}.")
+    if S == 0 or D == 0:
+        raise ValueError(f"k: expected at least one key (S >= 1) and D >= 1, got S={S}, D={D}.")
     return q4, k4, v4, rank, numpy_in
 
 
