@@ -96,9 +96,11 @@ def test_from_torch_not_batch_first_and_dtype():
     tm = torch.nn.MultiheadAttention(8, 2, batch_first=False).double().eval()
     m = MultiHeadAttention.from_torch(tm)
     assert m.q_proj.weight.dtype == torch.float64 and not m.training
-    x = torch.randn(2, 4, 8, dtype=torch.float64)  # ours is always (B, L, E)
-    ref, _ = tm(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1))
-    torch.testing.assert_close(m(x), ref.transpose(0, 1), rtol=0, atol=1e-12)
+    x = torch.randn(4, 2, 8, dtype=torch.float64)  # (L, B, E): the converted module keeps torch's layout
+    ref, _ = tm(x, x, x)
+    assert not m.batch_first
+    torch.testing.assert_close(m(x), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(m(x, x, x), ref, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("kdim,vdim,bias", [(None, None, True), (6, 9, True), (None, None, False)])

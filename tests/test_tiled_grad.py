@@ -114,9 +114,14 @@ def test_grad_bf16_close_to_fp32(worker):
         assert_close(a, b, 0.03 * scale, f"d{name} bf16")
 
 
-def test_score_mod_tensor_grad_refused():
-    slopes = torch.rand(2, requires_grad=True)
+def test_score_mod_tensor_grad_flows_on_tiled():
+    """Learnable ALiBi slopes: tiled (which auto picks) returns the same gradient as eager."""
     q, k, v = rand_qkv(1, 2, 2, 8, 8, 4, requires_grad=True)
-    with pytest.raises(ValueError, match="score_mod's own tensors"):
-        attnkit.attention(q, k, v, score_mod=SM.alibi(slopes), backend="tiled")
-    assert attnkit.dispatch(q, k, v, score_mod=SM.alibi(slopes)).backend == "eager"
+    grads = {}
+    for backend in ("tiled", "eager"):
+        slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+        attnkit.attention(q, k, v, score_mod=SM.alibi(slopes), causal=True, backend=backend).square().sum().backward()
+        grads[backend] = slopes.grad
+    assert attnkit.dispatch(q, k, v, score_mod=SM.alibi(torch.rand(2, requires_grad=True))).backend == "tiled"
+    assert grads["tiled"] is not None and grads["tiled"].abs().sum() > 0
+    assert torch.allclose(grads["tiled"], grads["eager"], atol=1e-5)

@@ -98,7 +98,7 @@ def _dense_partial_fraction(req: Request) -> float:
 
     B, H, L, S, *_ = req.shape
     bm, bn, _ = tiled._sizes()
-    grid = _blocks.dense_grid(req.dense_mask, L, S, bm, bn)  # cached: tiled reuses it
+    grid = _blocks.dense_grid(req.dense_mask, L, S, bm, bn, req.memo)  # memo: the tiled run reuses it
     return float((grid == _blocks.PARTIAL).float().mean()) if grid.numel() else 0.0
 
 

@@ -20,15 +20,16 @@ The order of operations every backend follows (and the reference spells out)::
 
 from __future__ import annotations
 
-import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
+from . import _mods
 from . import masks as _masks
+from . import score_mods as _score_mods
 
 __all__ = ["Request", "make_request", "BACKENDS"]
 
@@ -50,9 +51,19 @@ class Request:
     causal: bool = False  # True when ``mask`` is exactly one causal mask (SDPA's is_causal)
     causal_align: str = "bottom_right"
     need_lse: bool = False
+    # Tensors the score_mod reads that require grad (its own for attnkit's ScoreMods; found in
+    # the closure, defaults and globals of any other function). Backends that accept a call
+    # return gradients into them; ``grad_hidden`` says the mod reads a tensor requiring grad
+    # that attnkit could not find, which only a backend differentiating through the whole
+    # computation (eager) can honour.
+    grad_tensors: list = field(default_factory=list)
+    grad_hidden: bool = False
     # bookkeeping for the public boundary
     input_rank: int = 4
     numpy_in: bool = False
+    # Per-call memo (e.g. the tile summary of a user bool mask, shared by auto's look at it
+    # and the tiled run). It lives and dies with this request, so it can never be stale.
+    memo: dict = field(default_factory=dict)
 
     @property
     def shape(self):
@@ -64,7 +75,17 @@ class Request:
         return self.mask is not None or self.dense_mask is not None or self.bias is not None
 
     def requires_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+        """Whether any gradient is wanted: of q, k, v, a float mask, or a tensor the score_mod reads."""
+        if not torch.is_grad_enabled():
+            return False
+        return (any(t.requires_grad for t in (self.q, self.k, self.v))
+                or (self.bias is not None and self.bias.requires_grad)
+                or bool(self.grad_tensors) or self.grad_hidden)
+
+    def extra_grads(self) -> bool:
+        """Whether gradients are wanted beyond q, k, v (into a float mask or score_mod tensors)."""
+        return torch.is_grad_enabled() and ((self.bias is not None and self.bias.requires_grad)
+                                            or bool(self.grad_tensors) or self.grad_hidden)
 
     def compute_dtype(self) -> torch.dtype:
         """fp32/fp64 compute in their own dtype; bf16/fp16 keep scores and statistics in fp32."""
@@ -87,11 +108,23 @@ def _to_torch(name: str, x) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(x))
         if x.dtype == np.bool_:
             return torch.from_numpy(np.ascontiguousarray(x))
+        if name == "mask":
+            raise TypeError(_int_mask_message(x.dtype))
         raise TypeError(
             f"{name}: expected a floating-point array (float16/32/64), got dtype {x.dtype}. "
             f"Convert explicitly, e.g. {name}.astype(np.float32)."
         )
     raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}.")
+
+
+def _int_mask_message(dtype) -> str:
+    # A 0/1 integer mask means keep/drop; turning it into floats would make it a bias of
+    # 0 and 1 (everything attended), so the fix offered is the bool conversion.
+    return (
+        f"mask: expected a bool mask (True = attend) or a float additive bias, got integer dtype {dtype}. "
+        "If it holds 1 = attend / 0 = masked, convert it with mask.astype(bool) (NumPy) or mask.bool() "
+        "(torch); if it is an additive bias, convert it to q's float dtype. attnkit does not guess which."
+    )
 
 
 def _lift(name: str, t: torch.Tensor, rank: int) -> torch.Tensor:
@@ -193,10 +226,7 @@ def _check_tensor_mask(mask, q: torch.Tensor, rank: int, B, H, L, S):
                 f"(that of q), got {m.dtype}. Convert it explicitly."
             )
     else:
-        raise TypeError(
-            f"mask: expected a bool mask (True = attend) or a float bias, got dtype {m.dtype}. "
-            "Use mask.bool() (nonzero = attend) or mask.to(q.dtype) for an additive bias."
-        )
+        raise TypeError(_int_mask_message(m.dtype))
     if m.dim() > 4:
         raise ValueError(f"mask: expected at most 4 dims broadcastable to (B, H, L, S), got shape {tuple(m.shape)}.")
     m4 = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
@@ -209,13 +239,6 @@ def _check_tensor_mask(mask, q: torch.Tensor, rank: int, B, H, L, S):
                 "pass one whose trailing dims are (L, S)."
             )
     return m4, is_bias
-
-
-def _score_mod_arity(fn) -> int | None:
-    try:
-        return len(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
 
 
 def make_request(
@@ -242,12 +265,15 @@ def make_request(
     if score_mod is not None:
         if not callable(score_mod):
             raise TypeError(f"score_mod: expected a callable (score, b, h, q_idx, kv_idx) -> score, got {type(score_mod).__name__}.")
-        n = _score_mod_arity(score_mod)
+        n = _mods.positional_arity(score_mod)  # FlexAttention's count: defaults do not count
         if n is not None and n != 5:
             raise TypeError(
-                f"score_mod: expected a function of 5 arguments (score, b, h, q_idx, kv_idx), got one of {n}. "
+                f"score_mod: expected a function of 5 arguments (score, b, h, q_idx, kv_idx), got one of {n} "
+                "(parameters with a default value are not counted). "
                 "A 4-argument function is a mask_mod: pass it as mask=."
             )
+        if isinstance(score_mod, _score_mods.ScoreMod):
+            score_mod.validate(B, H, L, S)
 
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected True or False, got {causal!r}. For top-left alignment pass mask=attnkit.masks.causal('top_left').")
@@ -284,4 +310,16 @@ def make_request(
         req.mask.validate(B, H, L, S)
     if isinstance(req.mask, _masks.Causal):
         req.causal, req.causal_align = True, req.mask.align
+    if score_mod is not None and torch.is_grad_enabled():
+        _find_score_mod_tensors(req)
     return req
+
+
+def _find_score_mod_tensors(req: Request) -> None:
+    fn = req.score_mod
+    if isinstance(fn, _score_mods.ScoreMod):
+        req.grad_tensors = [t for t in fn.tensors() if t.requires_grad]
+        return
+    req.grad_tensors = _mods.captured_grad_tensors(fn)
+    B, H, L, S = req.q.shape[0], req.q.shape[1], req.q.shape[2], req.k.shape[2]
+    req.grad_hidden = _mods.reads_uncaptured_grad(fn, req.grad_tensors, (B, H, L, S), req.compute_dtype())

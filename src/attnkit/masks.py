@@ -29,10 +29,11 @@ draws it for a small size.
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 import torch
+
+from . import _mods
 
 __all__ = [
     "Mask",
@@ -82,6 +83,10 @@ class Mask:
 
     #: Number of batch rows the mask is specific to (``None``: any batch size).
     batch_size: int | None = None
+    #: Whether the mask is an immutable value, so a block plan computed from it may be
+    #: reused for the same sizes. Built-in masks copy their data at construction; an
+    #: opaque ``mask_mod`` may read data that changes between calls, so it is not.
+    cacheable: bool = True
 
     def bind(self, L: int, S: int) -> MaskMod:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -119,9 +124,20 @@ class Mask:
     def __invert__(self) -> "Mask":
         return Not(self)
 
-    def draw(self, L: int = 8, S: int | None = None, b: int = 0, h: int = 0) -> str:
-        """ASCII picture of the mask for one (batch, head): ``#`` attend, ``.`` masked."""
-        S = L if S is None else S
+    def _natural_size(self) -> tuple[int, int] | None:
+        """(L, S) the mask's own data fixes (document ids), or None."""
+        return None
+
+    def draw(self, L: int | None = None, S: int | None = None, b: int = 0, h: int = 0) -> str:
+        """ASCII picture of the mask for one (batch, head): ``#`` attend, ``.`` masked.
+
+        Default size: the mask's own (one row per document id) or 8 × 8.
+        """
+        nat = self._natural_size()
+        if L is None:
+            L = nat[0] if nat else 8
+        if S is None:
+            S = nat[1] if nat else L
         B = max(self.batch_size or 1, b + 1)
         dense = self.materialize(B, h + 1, L, S)[b, h]
         width = len(str(S - 1))
@@ -133,7 +149,10 @@ class Mask:
         return "\n".join(rows)
 
     def __str__(self) -> str:
-        return f"{self!r}\n{self.draw()}"
+        try:
+            return f"{self!r}\n{self.draw()}"
+        except (ValueError, TypeError, IndexError, RuntimeError) as e:  # a mask_mod that cannot run at 8 × 8
+            return f"{self!r}\n(not drawn at the default size: {e}; use mask.draw(L, S))"
 
 
 def _as_mask(obj, op: str) -> Mask:
@@ -185,12 +204,14 @@ class SlidingWindow(Mask):
 
 
 def _int_vector(name: str, value, ndim_ok=(1,)) -> torch.Tensor:
+    """A private long copy of ``value``: masks are immutable values, so changing the caller's
+    array or tensor afterwards (in place or not) never changes the mask or its cached plan."""
     t = torch.as_tensor(value)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{name}: expected integers, got dtype {t.dtype}. Pass an int array/tensor/list.")
     if t.dim() not in ndim_ok:
         raise ValueError(f"{name}: expected {' or '.join(f'{d}-D' for d in ndim_ok)}, got shape {tuple(t.shape)}.")
-    return t.to(torch.long)
+    return t.detach().to(device="cpu", dtype=torch.long, copy=True)
 
 
 class Padding(Mask):
@@ -217,6 +238,10 @@ class Padding(Mask):
     def bind(self, L, S):
         lengths = self.key_lengths
         return lambda b, h, q, kv: kv < lengths.to(kv.device)[b]
+
+    def _natural_size(self):
+        S = max(8, int(self.key_lengths.max()) if self.key_lengths.numel() else 0)
+        return (S, S)
 
     def __repr__(self):
         return f"padding({self.key_lengths.tolist()})"
@@ -252,6 +277,10 @@ class Document(Mask):
             return lambda b, h, q, kv: ids[0].to(kv.device)[q + off] == ids[0].to(kv.device)[kv]
         return lambda b, h, q, kv: ids.to(kv.device)[b, q + off] == ids.to(kv.device)[b, kv]
 
+    def _natural_size(self):
+        S = int(self.doc_ids.shape[-1])
+        return (S, S)
+
     def __repr__(self):
         return f"document(<{tuple(self.doc_ids.shape)} ids>)"
 
@@ -277,16 +306,18 @@ class PrefixLM(Mask):
 class FromMod(Mask):
     """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention signature)."""
 
+    #: The function may read data that changes between calls (the next batch's document
+    #: ids): it is evaluated afresh on every call. Hold a plan to reuse its evaluation.
+    cacheable = False
+
     def __init__(self, fn: MaskMod):
         if not callable(fn):
             raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool tensor, got {type(fn).__name__}.")
-        try:
-            n = len(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            n = 4
-        if n != 4:
+        n = _mods.positional_arity(fn)  # FlexAttention's count: parameters with defaults do not count
+        if n is not None and n != 4:
             raise TypeError(
-                f"mask_mod: expected a function of 4 arguments (b, h, q_idx, kv_idx), got one of {n}. "
+                f"mask_mod: expected a function of 4 arguments (b, h, q_idx, kv_idx), got one of {n} "
+                "(parameters with a default value are not counted). "
                 "Did you pass a score_mod (5 arguments) as the mask?"
             )
         self.fn = fn
@@ -295,7 +326,7 @@ class FromMod(Mask):
         # Evaluate once on index 0 so a mask_mod returning non-bool fails here,
         # at the boundary, not as a silently wrong bitwise ``~`` inside a backend.
         zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-        out = self.fn(zero, zero, zero, zero)
+        out = self.bind(L, S)(zero, zero, zero, zero)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of {out.dtype}"
             raise TypeError(
@@ -304,7 +335,10 @@ class FromMod(Mask):
             )
 
     def bind(self, L, S):
-        return self.fn
+        # Broadcasting evaluation where it equals FlexAttention's per-scalar (vmap) one;
+        # vmap otherwise (chained indexing such as bias[b][q_idx]). See attnkit._mods.
+        fn = self.fn
+        return lambda b, h, q, kv: _mods.eval_mask_mod(fn, b, h, q, kv, (b.numel(), h.numel(), L, S))
 
     def __repr__(self):
         return f"from_mod({getattr(self.fn, '__name__', 'mask_mod')})"
@@ -317,6 +351,10 @@ class _Combined(Mask):
         if len(sizes) > 1:
             raise ValueError(f"mask: cannot combine masks built for different batch sizes {sorted(sizes)}.")
         self.batch_size = sizes.pop() if sizes else None
+        self.cacheable = all(p.cacheable for p in parts)
+
+    def _natural_size(self):
+        return next((n for n in (p._natural_size() for p in self.parts) if n is not None), None)
 
     def validate(self, B, H, L, S):
         for p in self.parts:

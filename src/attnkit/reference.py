@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ._request import Request
-from .backends._common import index_grid
+from .backends._common import apply_score_mod, index_grid
 
 __all__ = ["NAME", "unsupported", "run", "trace", "Trace"]
 
@@ -77,7 +77,7 @@ def trace(req: Request) -> Trace:
     masked = scaled.copy()
     if req.score_mod is not None:
         b, h, qi, kv = index_grid(B, H, 0, L, 0, S, "cpu")
-        masked = req.score_mod(torch.from_numpy(masked), b, h, qi, kv).to(torch.float64).numpy()
+        masked = apply_score_mod(req, torch.from_numpy(masked), b, h, qi, kv).detach().to(torch.float64).numpy()
         masked = np.broadcast_to(masked, (B, H, L, S)).copy()
     if req.bias is not None:
         masked = masked + req.bias.detach().cpu().to(torch.float64).numpy()

@@ -18,9 +18,19 @@ the tile corners (interval arithmetic on the first/last row and column of each
 tile). Combinations map onto the lattice EMPTY < PARTIAL < FULL: ``&`` is the
 elementwise min, ``|`` the max, ``~`` swaps EMPTY and FULL. A user ``mask_mod`` of
 unknown structure is evaluated on chunks of whole query blocks (never L×S at
-once) and the grid is cached per (function, B, H, L, S, bm, bn), so a second call
-costs nothing. The grid itself is ``ceil(L/bm) × ceil(S/bn)`` int8, like
-FlexAttention's BlockMask.
+once). The grid itself is ``ceil(L/bm) × ceil(S/bn)`` int8, like FlexAttention's
+BlockMask.
+
+Caching contract (why no cached plan can be stale):
+
+* a plan is cached per **mask object** only when ``mask.cacheable``: built-in masks
+  are immutable values (they copy their ids/lengths at construction), so the same
+  object at the same sizes always has the same plan;
+* an opaque ``mask_mod`` (``from_mod``, or any combination containing one) may read
+  data that changes between calls (the next packed batch's document ids): it is
+  evaluated afresh on every call and nothing derived from it is kept;
+* a user bool tensor's summary lives in the request's ``memo`` (one call): ``auto``'s
+  look at the mask and the tiled run share one pass over it, and nothing outlives the call.
 
 ``plan(...)`` turns the grid into, per query block, a list of **runs**: maximal
 stretches of adjacent needed key blocks (capped at ``max_run`` keys), each with the
@@ -36,7 +46,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import masks as _m
 
@@ -47,9 +56,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 # Chunk of query rows evaluated at once for a user mask_mod: ~ this many elements per chunk.
 _EVAL_ELEMS = 1 << 22
 
-_FROMMOD_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# mask object (cacheable only) -> {sizes: Plan}; dies with the mask object
 _PLAN_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_DENSE_CACHE = WeakIdKeyDictionary()  # tensors compare elementwise: key them by identity
 
 
 @dataclass(frozen=True)
@@ -143,15 +151,8 @@ def _from_evaluated(allowed_rows, bm, bn):
 
 
 def _frommod_grid(mask: _m.Mask, B, H, L, S, bm, bn):
-    """Evaluate an opaque mask_mod on chunks of whole query blocks; cached per function."""
-    fn = mask.fn if isinstance(mask, _m.FromMod) else mask
-    key = (B, H, L, S, bm, bn)
-    try:
-        per_fn = _FROMMOD_CACHE.setdefault(fn, {})
-    except TypeError:  # not weak-referenceable: no cache
-        per_fn = {}
-    if key in per_fn:
-        return per_fn[key]
+    """Evaluate an opaque mask_mod on chunks of whole query blocks (afresh on every call:
+    the data it reads may have changed since the last one)."""
     mod = mask.bind(L, S)
     nq, nk = -(-L // bm), -(-S // bn)
     rows = max(bm, (_EVAL_ELEMS // max(S, 1)) // bm * bm)
@@ -170,9 +171,7 @@ def _frommod_grid(mask: _m.Mask, B, H, L, S, bm, bn):
         anys.append(a.expand(-1, nk))
         alls.append(f.expand(-1, nk))
     any_, all_ = torch.cat(anys), torch.cat(alls)
-    grid = _grid_from(all_, ~any_)
-    per_fn[key] = grid
-    return grid
+    return _grid_from(all_, ~any_)
 
 
 def block_grid(mask: _m.Mask | None, B, H, L, S, bm, bn) -> torch.Tensor:
@@ -205,26 +204,20 @@ def block_grid(mask: _m.Mask | None, B, H, L, S, bm, bn) -> torch.Tensor:
     return _frommod_grid(mask, B, H, L, S, bm, bn)  # FromMod or any Mask of unknown structure
 
 
-def dense_grid(dense_mask: torch.Tensor, L, S, bm, bn) -> torch.Tensor:
+def dense_grid(dense_mask: torch.Tensor, L, S, bm, bn, memo: dict | None = None) -> torch.Tensor:
     """Grid of a user bool tensor broadcastable to (B, H, L, S): reduced per tile, no copy to L×S.
 
-    Cached per tensor (and its in-place version counter), so ``auto``'s look at the
-    mask and the tiled run share one pass over it.
+    ``memo`` is the request's per-call dict, so ``auto``'s look at the mask and the tiled
+    run share one pass over it; nothing is kept across calls (the tensor may change).
     """
-    key = (L, S, bm, bn, dense_mask._version)
-    try:
-        hit = _DENSE_CACHE.get(dense_mask)
-    except TypeError:
-        hit = None
-    if hit is not None and hit[0] == key:
-        return hit[1]
+    key = ("dense_grid", L, S, bm, bn)
+    if memo is not None and key in memo:
+        return memo[key]
     any_, all_ = _from_evaluated(dense_mask, bm, bn)
     nq, nk = -(-L // bm), -(-S // bn)
     grid = _grid_from(all_.expand(nq, nk).cpu(), ~any_.expand(nq, nk).cpu())
-    try:
-        _DENSE_CACHE[dense_mask] = (key, grid)
-    except TypeError:
-        pass
+    if memo is not None:
+        memo[key] = grid
     return grid
 
 
@@ -274,7 +267,7 @@ def _group(runs_per_block, L, bm, max_elems, count_all):
 
 
 def plan(mask: _m.Mask | None, dense_mask: torch.Tensor | None, B, H, L, S, bm, bn, max_run,
-         max_group_elems: int = 0, count_all: bool = True) -> Plan:
+         max_group_elems: int = 0, count_all: bool = True, memo: dict | None = None) -> Plan:
     """The work list for this mask (and optional dense bool mask) at these sizes.
 
     Runs are capped at ``max_run`` keys; adjacent query blocks with identical runs
@@ -282,14 +275,14 @@ def plan(mask: _m.Mask | None, dense_mask: torch.Tensor | None, B, H, L, S, bm, 
     """
     max_run_blocks = max(1, -(-max_run // bn))
     key = (B, H, L, S, bm, bn, max_run_blocks, max_group_elems, count_all)
-    cacheable = dense_mask is None and mask is not None
+    cacheable = dense_mask is None and mask is not None and mask.cacheable
     if cacheable:
         hit = _PLAN_CACHE.get(mask, {}).get(key)
         if hit is not None:
             return hit
     grid = block_grid(mask, B, H, L, S, bm, bn)
     if dense_mask is not None:
-        grid = torch.minimum(grid, dense_grid(dense_mask, L, S, bm, bn))
+        grid = torch.minimum(grid, dense_grid(dense_mask, L, S, bm, bn, memo))
     runs = _runs_from_grid(grid, L, S, bm, bn, max_run_blocks)
     p = Plan(bm, bn, _group(runs, L, bm, max_group_elems, count_all),
              float((grid > 0).float().mean()) if grid.numel() else 0.0)

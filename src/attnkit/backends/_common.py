@@ -9,22 +9,40 @@ from __future__ import annotations
 
 import torch
 
+from .. import _mods
+from .. import score_mods as _score_mods
 from .._request import Request
+from ._flash_cpu import has_nan
 
-__all__ = ["has_nan", "index_grid", "modify_scores", "allowed_tile", "safe_softmax_stats", "weights_from_lse"]
+__all__ = ["has_nan", "index_grid", "tile_of", "apply_score_mod", "modify_scores", "allowed_tile",
+           "safe_softmax_stats", "weights_from_lse"]
 
 NEG_INF = float("-inf")
 
 
-def has_nan(*tensors: torch.Tensor) -> bool:
-    """Whether any input holds NaN. torch's fused CPU kernel turns a row whose scores hold
-    NaN into zeros; attnkit promises NaN propagates, so such inputs take a plain-op path.
-    One reduction per tensor: a NaN makes the sum NaN (so can inf - inf, a harmless false
-    positive that only costs the slower, still exact, path)."""
-    total = 0.0
-    for t in tensors:
-        total = total + t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None)
-    return bool(torch.isnan(torch.as_tensor(total)))
+def tile_of(t: torch.Tensor, i0: int, l: int, j0: int, s: int) -> torch.Tensor:
+    """Rows ``[i0, i0 + l)`` and columns ``[j0, j0 + s)`` of a 4-D tensor broadcastable to
+    ``(B, H, L, S)``; a size-1 (broadcast) row or column dim is kept whole, never sliced empty."""
+    rows = slice(i0, i0 + l) if t.shape[-2] != 1 else slice(None)
+    cols = slice(j0, j0 + s) if t.shape[-1] != 1 else slice(None)
+    return t[..., rows, cols]
+
+
+def apply_score_mod(req: Request, s: torch.Tensor, b, h, q, kv) -> torch.Tensor:
+    """``req.score_mod`` on a tile of scaled scores ``s`` with broadcasting indices.
+
+    attnkit's own :class:`~attnkit.score_mods.ScoreMod` objects are broadcast-safe; any other
+    function goes through :func:`attnkit._mods.eval_score_mod` (vmap where broadcasting
+    would differ from FlexAttention's per-scalar semantics)."""
+    fn = req.score_mod
+    if isinstance(fn, _score_mods.ScoreMod):
+        out = fn(s, b, h, q, kv)
+    else:
+        B, H, L, S, *_ = req.shape
+        out = _mods.eval_score_mod(fn, s, b, h, q, kv, (b.numel(), h.numel(), L, S))
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"score_mod must return a tensor, got {type(out).__name__}.")
+    return out
 
 
 def index_grid(B: int, H: int, i0: int, l: int, j0: int, s: int, device, heads=None):
@@ -49,7 +67,7 @@ def allowed_tile(req: Request, i0: int, l: int, j0: int, s: int, heads=None, bat
             b = b[batch]
         allowed = req.mask.bind(L, S)(b, h, q, kv)
     if req.dense_mask is not None:
-        dm = req.dense_mask[..., i0:i0 + l, j0:j0 + s]
+        dm = tile_of(req.dense_mask, i0, l, j0, s)
         if heads is not None and dm.shape[1] != 1:
             dm = dm[:, heads]
         if batch is not None and dm.shape[0] != 1:
@@ -66,11 +84,9 @@ def modify_scores(req: Request, s_tile: torch.Tensor, i0: int, j0: int, heads=No
         b, h, q, kv = index_grid(B, H, i0, l, j0, s, s_tile.device, heads)
         if batch is not None:
             b = b[batch]
-        s_tile = req.score_mod(s_tile, b, h, q, kv)
-        if not isinstance(s_tile, torch.Tensor):
-            raise TypeError(f"score_mod must return a tensor, got {type(s_tile).__name__}.")
+        s_tile = apply_score_mod(req, s_tile, b, h, q, kv)
     if req.bias is not None:
-        bt = req.bias[..., i0:i0 + l, j0:j0 + s]
+        bt = tile_of(req.bias, i0, l, j0, s)
         if heads is not None and bt.shape[1] != 1:
             bt = bt[:, heads]
         if batch is not None and bt.shape[0] != 1:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .._request import Request
-from . import eager
+from . import _flash_cpu, eager
 from ._common import allowed_tile, has_nan
 
 __all__ = ["NAME", "unsupported", "run"]
@@ -36,6 +36,8 @@ def unsupported(req: Request) -> str | None:
         return "lse from torch SDPA is only wired for the CPU kernel here"
     if req.need_lse and req.q.shape[-1] != req.v.shape[-1]:
         return "lse from torch SDPA needs D == Dv (the CPU flash kernel's restriction)"
+    if req.need_lse and not _flash_cpu.available():
+        return f"lse from torch SDPA needs torch's private CPU flash kernel, unavailable here ({_flash_cpu.unavailable_reason()})"
     if req.need_lse and req.requires_grad():
         return "lse from torch SDPA comes from a private kernel without autograd here (use backend='tiled' or 'eager')"
     return None
@@ -77,9 +79,6 @@ def run(req: Request):
         v = v.repeat_interleave(H // Hkv, dim=1)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=req.q.dtype).masked_fill(~attn_mask, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        req.q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=req.scale)
-    if attn_mask is not None:
-        dead = torch.isneginf(attn_mask).all(dim=-1).expand(B, H, L)
-        lse = lse.masked_fill(dead, float("-inf"))
+    # is_causal is the kernel's top-left causal: _is_causal_only allows it only then (or L == S)
+    out, lse = _flash_cpu.forward(req.q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=req.scale)
     return out, lse

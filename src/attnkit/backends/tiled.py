@@ -37,9 +37,13 @@ Backward (FA2): ``delta = rowsum(dO ∘ O)``; each tile is recomputed,
 ``dq += ds k·scale``, ``dk += dsᵀ q·scale``. A score_mod's derivative with respect
 to the score is applied to ``ds`` on each tile: analytic for attnkit's own mods
 (alibi and relative_bias add a constant: derivative 1; softcap: 1 - (s'/cap)²),
-``torch.autograd.grad`` on the tile for any other. Gradients do **not** flow into
-a score_mod's own tensors (ALiBi slopes, a bias table) nor into a float mask;
-``unsupported`` refuses when attnkit can see that such a gradient is wanted.
+``torch.autograd.grad`` on the tile for any other. **Gradients reach every tensor
+the call reads**: a float mask gets ``d bias = ds`` summed over its broadcast dims,
+tile by tile; the tensors a score_mod captures (found by ``_request``: a ScoreMod's
+own, or a closure's) are inputs of the autograd function, and each recomputed tile
+is differentiated with respect to them too (``torch.autograd.grad(s_mod, [s, *captured])``).
+A score_mod that reads a tensor requiring grad which attnkit cannot find is refused
+(``auto`` sends it to eager, which differentiates through everything).
 
 Two workers run the same plan. Without a score_mod (or with attnkit's additive
 alibi / relative_bias, turned into a bias tile) each run is one call of torch's
@@ -71,9 +75,10 @@ import os
 import torch
 
 from .. import masks as _masks
+from .. import score_mods as _score_mods
 from .._request import Request
-from . import _blocks
-from ._common import allowed_tile, has_nan, index_grid
+from . import _blocks, _flash_cpu
+from ._common import allowed_tile, apply_score_mod, has_nan, index_grid, tile_of
 
 __all__ = ["NAME", "unsupported", "run", "block_sizes"]
 
@@ -116,24 +121,17 @@ def block_sizes(bm: int, bn: int, max_run: int | None = None):
 
 
 def _additive_mod(fn) -> bool:
-    return getattr(fn, "__module__", None) == "attnkit.score_mods" and fn.__name__ in ("alibi_mod", "relative_bias_mod")
-
-
-def _softcap_of(fn):
-    if getattr(fn, "__module__", None) == "attnkit.score_mods" and fn.__name__ == "softcap_mod":
-        return fn.cap
-    return None
+    """attnkit's alibi / relative_bias: score + f(h, q, kv), so f can be a bias tile."""
+    return isinstance(fn, _score_mods.ScoreMod) and fn.additive
 
 
 def unsupported(req: Request) -> str | None:
     if req.dropout_p > 0:
         return "the tiled backend has no dropout (use backend='eager')"
-    if req.requires_grad():
-        if req.bias is not None and req.bias.requires_grad:
-            return "gradients into a float mask are not computed by the tiled backend (use backend='eager')"
-        own = [getattr(req.score_mod, a, None) for a in ("slopes", "table")]
-        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in own):
-            return "gradients into a score_mod's own tensors are not computed by the tiled backend (use backend='eager')"
+    if req.grad_hidden:
+        return ("the score_mod reads a tensor that requires grad where attnkit cannot find it (not in its "
+                "closure, defaults or globals), so the tiled backward could not return its gradient "
+                "(use backend='eager', or capture the tensor directly in the function)")
     return None
 
 
@@ -153,9 +151,14 @@ class _Ctx:
         self.additive = req.score_mod is not None and _additive_mod(req.score_mod)
         shift = ((req.mask is None or _shift_invariant(req.mask)) and req.dense_mask is None and req.bias is None)
         self.tile_cache: dict | None = {} if shift else None
+        # Gradients wanted into a float mask or tensors the score_mod reads: the plain-op loop
+        # differentiates each tile with respect to them (the fused kernel cannot).
+        self.bias_grad = req.bias is not None and req.bias.requires_grad and torch.is_grad_enabled()
+        self.captured = list(req.grad_tensors) if torch.is_grad_enabled() else []
         # The fused kernel returns 0 on a row whose scores hold NaN; the plain-op loop lets NaN
         # propagate to exactly the rows it touches (the API's promise), so NaN inputs take it.
         self.fused = (FUSED and (req.score_mod is None or self.additive) and D == Dv and req.q.device.type == "cpu"
+                      and not self.bias_grad and not self.captured and _flash_cpu.available()
                       and not has_nan(req.q, req.k, req.v))
 
     def q_block(self, qs5, i0, i1):
@@ -174,21 +177,22 @@ class _Ctx:
         graph = None
         if req.score_mod is not None:
             b, h, qi, kj = index_grid(self.B, self.H, i0, l, j0, n, s.device)
-            if track and not (_additive_mod(req.score_mod) or _softcap_of(req.score_mod) is not None):
+            fn = req.score_mod
+            analytic = not self.captured and isinstance(fn, _score_mods.ScoreMod) and fn.analytic_grad
+            if track and not analytic:
+                # differentiate the tile: with respect to the score and every captured tensor
                 with torch.enable_grad():
                     s_raw = s4.detach().requires_grad_(True)
-                    s_mod = req.score_mod(s_raw, b, h, qi, kj)
+                    s_mod = apply_score_mod(req, s_raw, b, h, qi, kj)
                 graph = (s_raw, s_mod)
                 s4 = s_mod.detach()
             else:
-                s4 = req.score_mod(s4, b, h, qi, kj)
-            if not isinstance(s4, torch.Tensor):
-                raise TypeError(f"score_mod must return a tensor, got {type(s4).__name__}.")
+                s4 = apply_score_mod(req, s4, b, h, qi, kj)
             s4 = s4.to(self.cd).expand(self.B, self.H, l, n).contiguous()
-            if track and _softcap_of(req.score_mod) is not None:
-                graph = ("softcap", s4.clone())
+            if track and analytic and not fn.additive:
+                graph = ("dscore", fn.dscore(s4))
         if req.bias is not None:
-            s4 = s4 + req.bias[..., i0:i1, j0:j1].to(self.cd)
+            s4 = s4 + tile_of(req.bias, i0, l, j0, n).to(self.cd)
         for a, b_ in spans:
             allowed = allowed_tile(req, i0, l, a, b_ - a)
             s4[..., a - j0:b_ - j0].masked_fill_(~allowed, float("-inf"))
@@ -241,7 +245,9 @@ def _backward(c: _Ctx, qs, k, v, out, lse, dout, dlse):
     dq = torch.zeros(B, Hkv, g, L, D, dtype=c.cd, device=qs.device)
     dk = torch.zeros(B, Hkv, c.S, D, dtype=c.cd, device=qs.device)
     dv = torch.zeros(B, Hkv, c.S, Dv, dtype=c.cd, device=qs.device)
-    cap = _softcap_of(c.req.score_mod) if c.req.score_mod is not None else None
+    bias = c.req.bias
+    dbias = torch.zeros(bias.shape, dtype=c.cd, device=bias.device) if c.bias_grad else None
+    dcap = [None] * len(c.captured)
     for i0, i1, runs in c.plan.groups:
         l = i1 - i0
         qb = c.q_block(qs5, i0, i1)  # (B, Hkv, g·l, D), already scaled
@@ -254,21 +260,36 @@ def _backward(c: _Ctx, qs, k, v, out, lse, dout, dlse):
             p = s.sub_(lse_b).exp_()  # (B, Hkv, g·l, n) exact weights
             dv[:, :, j0:j1] += torch.matmul(p.transpose(-1, -2), dob)  # sums the g heads too
             dp = torch.matmul(dob, v[:, :, j0:j1].transpose(-1, -2))
-            ds = p.mul_(dp.sub_(delta_b))  # p ∘ (dp - delta)
+            ds = p.mul_(dp.sub_(delta_b))  # p ∘ (dp - delta): gradient of the modified score
+            n = j1 - j0
+            if dbias is not None:  # d bias = ds, summed over the dims the bias broadcasts
+                _accumulate_broadcast(dbias, ds.view(B, c.H, l, n), i0, l, j0, n)
             if graph is not None:
-                n = j1 - j0
-                if graph[0] == "softcap":
-                    ds = ds.mul_(1 - (graph[1].view_as(ds) / cap) ** 2)
+                if graph[0] == "dscore":
+                    ds = ds.mul_(graph[1].view_as(ds))
                 else:
                     s_raw, s_mod = graph
-                    (grad,) = torch.autograd.grad(s_mod, s_raw, ds.view(B, c.H, l, n).expand_as(s_mod),
-                                                  allow_unused=True)
+                    grads = torch.autograd.grad(s_mod, [s_raw, *c.captured],
+                                                ds.view(B, c.H, l, n).expand_as(s_mod).to(s_mod.dtype),
+                                                allow_unused=True)
+                    grad = grads[0]
+                    for t, gt in enumerate(grads[1:]):
+                        if gt is not None:
+                            dcap[t] = gt if dcap[t] is None else dcap[t] + gt
                     ds = torch.zeros_like(ds) if grad is None else grad.reshape(B, Hkv, g * l, n).to(c.cd)
             dqb_run = torch.matmul(ds, k[:, :, j0:j1])
             dqb = dqb_run if dqb is None else dqb.add_(dqb_run)
             dk[:, :, j0:j1] += torch.matmul(ds.transpose(-1, -2), qb)  # qb carries the scale
         dq[:, :, :, i0:i1] = (dqb * scale).view(B, Hkv, g, l, D)
-    return dq.view(B, c.H, L, D), dk, dv
+    return dq.view(B, c.H, L, D), dk, dv, dbias, dcap
+
+
+def _accumulate_broadcast(dst: torch.Tensor, g: torch.Tensor, i0: int, l: int, j0: int, n: int) -> None:
+    """dst[..., rows, cols] += g (B, H, l, n) summed over the dims where dst has size 1."""
+    dims = [d for d in range(4) if dst.shape[d] == 1 and g.shape[d] != 1]
+    if dims:
+        g = g.sum(dim=dims, keepdim=True)
+    tile_of(dst, i0, l, j0, n).add_(g.to(dst.dtype))
 
 
 # --- fused run worker ---------------------------------------------------------------
@@ -279,10 +300,6 @@ def _backward(c: _Ctx, qs, k, v, out, lse, dout, dlse):
 # the run's dk, dv (FA2's decomposition), so the backward is one call per run too.
 # bf16/fp16 stay in their dtype for the GEMMs (fp32 scores and statistics inside
 # the kernel), as torch SDPA does; partial results are merged in fp32.
-_flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
 def _shift_invariant(mask) -> bool:
     """True when the mask depends only on kv_idx - q_idx (its tiles repeat along the diagonal)."""
     if isinstance(mask, (_masks.Causal, _masks.SlidingWindow)):
@@ -307,10 +324,10 @@ def _mask_tile(c: _Ctx, i0, i1, j0, j1, spans):
             return hit
     l, n = i1 - i0, j1 - j0
     pieces = [allowed_tile(req, i0, l, a, b - a) for a, b in spans]
-    bias = None if req.bias is None else req.bias[..., i0:i1, j0:j1]
+    bias = None if req.bias is None else tile_of(req.bias, i0, l, j0, n)
     if c.additive:  # alibi / relative_bias: score_mod(s) = s + f(h, q, kv), so f is a bias tile
         b_, h_, q_, kv_ = index_grid(c.B, c.H, i0, l, j0, n, req.q.device)
-        mod_bias = req.score_mod(torch.zeros(1, 1, 1, 1, dtype=c.cd, device=req.q.device), b_, h_, q_, kv_)
+        mod_bias = req.score_mod.additive_bias(h_, q_, kv_, c.cd, req.q.device)
         bias = mod_bias if bias is None else bias.to(c.cd) + mod_bias
     shapes = [t.shape for t in pieces] + ([] if bias is None else [bias.shape])
     Bm = max(sh[0] for sh in shapes)
@@ -435,11 +452,9 @@ def _forward_fused(c: _Ctx, q, k, v):
             _, i0, l, nb, j0, n, rel = item
             mask, dead = _mask_tile(c, i0, i0 + l, j0, j0 + n, tuple((j0 + a, j0 + b) for a, b in rel))
             for b in range(B):
-                o_r, lse_r = _flash_fwd(_rows(q5, b, i0, l, nb), _band(k, b, j0, nb, l, n), _band(v, b, j0, nb, l, n),
-                                        0.0, False, attn_mask=mask, scale=scale)
+                o_r, lse_r = _flash_cpu.forward(_rows(q5, b, i0, l, nb), _band(k, b, j0, nb, l, n),
+                                                _band(v, b, j0, nb, l, n), attn_mask=mask, scale=scale, dead_rows=dead)
                 lse_r = lse_r.to(c.cd)
-                if mask is not None:
-                    lse_r = lse_r.masked_fill(dead, float("-inf"))
                 _unrows(out, b, i0, l, nb, o_r)
                 _unrows(lse.unsqueeze(-1), b, i0, l, nb, lse_r.unsqueeze(-1))
             continue
@@ -449,10 +464,9 @@ def _forward_fused(c: _Ctx, q, k, v):
         acc = lse_i = None
         for j0, j1, spans in runs:
             mask, dead = _mask_tile(c, i0, i1, j0, j1, spans)
-            o_r, lse_r = _flash_fwd(qb, k[:, :, j0:j1], v[:, :, j0:j1], 0.0, False, attn_mask=mask, scale=scale)
+            o_r, lse_r = _flash_cpu.forward(qb, k[:, :, j0:j1], v[:, :, j0:j1], attn_mask=mask, scale=scale,
+                                            dead_rows=dead)
             lse_r = lse_r.to(c.cd)
-            if mask is not None:  # the kernel reports lse 0 on a row with no visible key in the run
-                lse_r = lse_r.masked_fill(dead, float("-inf"))
             if acc is None:
                 acc, lse_i = o_r, lse_r
                 continue
@@ -491,8 +505,8 @@ def _backward_fused(c: _Ctx, q, k, v, out, lse, dout):
         dqb = None
         for j0, j1, spans in runs:
             mask, _ = _mask_tile(c, i0, i1, j0, j1, spans)
-            dq_r, dk_r, dv_r = _flash_bwd(dob, qb, k[:, :, j0:j1], v[:, :, j0:j1], ob, lse_b, 0.0, False,
-                                          attn_mask=mask, scale=scale)
+            dq_r, dk_r, dv_r = _flash_cpu.backward(dob, qb, k[:, :, j0:j1], v[:, :, j0:j1], ob, lse_b,
+                                                   attn_mask=mask, scale=scale)
             dqb = dq_r.to(c.cd) if dqb is None else dqb.add_(dq_r)
             dk[:, :, j0:j1] += dk_r
             dv[:, :, j0:j1] += dv_r
@@ -501,10 +515,14 @@ def _backward_fused(c: _Ctx, q, k, v, out, lse, dout):
 
 
 class _TiledAttention(torch.autograd.Function):
-    """Saves (q, k, v, out, lse) and recomputes tiles in backward."""
+    """Saves (q, k, v, out, lse) and recomputes tiles in backward.
+
+    Inputs: q, k, v, the float mask (or None), the context, then every tensor the
+    score_mod captures that requires grad, so autograd routes their gradients.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, c: _Ctx):
+    def forward(ctx, q, k, v, bias, c: _Ctx, *captured):
         if c.fused:
             out, lse = _forward_fused(c, q, k, v)
         else:
@@ -523,12 +541,16 @@ class _TiledAttention(torch.autograd.Function):
         c = ctx.c
         if dout is None:
             dout = torch.zeros_like(out)
+        dbias, dcap = None, [None] * len(c.captured)
         if c.fused and dlse is None:
             dq, dk, dv = _backward_fused(c, q, k, v, out, lse, dout)
         else:
             qs, kc, vc = _prepare(c, q, k, v)
-            dq, dk, dv = _backward(c, qs, kc, vc, out, lse, dout, dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+            dq, dk, dv, dbias, dcap = _backward(c, qs, kc, vc, out, lse, dout, dlse)
+        if dbias is not None:
+            dbias = dbias.to(c.req.bias.dtype)
+        dcap = [None if g is None else g.to(t.dtype) for g, t in zip(dcap, c.captured)]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None, *dcap)
 
 
 def _prepare(c: _Ctx, q, k, v):
@@ -545,12 +567,13 @@ def _launch(req: Request):
     c = _Ctx(req)
     if c.fused:  # the kernel tiles internally: no cap on run length, merge identical query blocks
         plan = _blocks.plan(req.mask, req.dense_mask, B, H, L, S, bm, bn, max(S, bn),
-                            max_group_elems=FUSED_MASK_ELEMS, count_all=req.bias is not None or c.additive)
+                            max_group_elems=FUSED_MASK_ELEMS, count_all=req.bias is not None or c.additive,
+                            memo=req.memo)
     else:
         plan = _blocks.plan(req.mask, req.dense_mask, B, H, L, S, bm, bn, max_run,
-                            max_group_elems=bm * max_run)
+                            max_group_elems=bm * max_run, memo=req.memo)
     c.plan = plan
-    return _TiledAttention.apply(req.q, req.k, req.v, c)
+    return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)
 
 
 def run(req: Request):

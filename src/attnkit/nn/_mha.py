@@ -55,6 +55,9 @@ class MultiHeadAttention(nn.Module):
             the paper: the bias ``slope·(j - i)`` favours later keys otherwise). Both are
             self-attention only (``key``/``value`` None or the query tensor itself).
             Absolute encodings are added to the embeddings before the first layer instead.
+        batch_first: True (default): inputs and output are ``(B, L, E)``; False: ``(L, B, E)``
+            as torch's ``nn.MultiheadAttention(batch_first=False)`` (its default). Masks and
+            weights are ``(B, H, L, S)`` either way.
 
     Masks are attnkit's: **bool True = attend**, float = additive bias. See :meth:`forward`.
     Convert to and from ``torch.nn.MultiheadAttention`` with :meth:`from_torch` / :meth:`to_torch`.
@@ -62,8 +65,10 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
                  kdim: int | None = None, vdim: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, positional=None):
+                 dropout: float = 0.0, positional=None, batch_first: bool = True):
         super().__init__()
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first: expected True or False, got {batch_first!r}.")
         _check_pos_int("embed_dim", embed_dim)
         _check_pos_int("num_heads", num_heads)
         if embed_dim % num_heads:
@@ -90,6 +95,7 @@ class MultiHeadAttention(nn.Module):
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.kdim, self.vdim, self.bias, self.dropout = kdim, vdim, bias, float(dropout)
+        self.batch_first = batch_first
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.k_proj = nn.Linear(kdim, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(vdim, num_kv_heads * self.head_dim, bias=bias)
@@ -204,6 +210,18 @@ class MultiHeadAttention(nn.Module):
         """
         if key is None and value is not None:
             raise TypeError("key: got value but no key. Pass key= as well (value defaults to key, not the reverse).")
+        if not self.batch_first:  # (L, B, E) in and out, as torch's default layout
+            tr = lambda x: x.transpose(0, 1) if isinstance(x, torch.Tensor) and x.dim() == 3 else x
+            same_k, same_v = key is query, value is query or (value is key and key is not None)
+            tq = tr(query)
+            tk = tq if same_k else tr(key)
+            tv = (tq if value is query else tk) if same_v else tr(value)
+            self.batch_first = True
+            try:
+                res = self.forward(tq, tk, tv, mask=mask, causal=causal, need_weights=need_weights, kv_cache=kv_cache)
+            finally:
+                self.batch_first = False
+            return (res[0].transpose(0, 1), res[1]) if need_weights else res.transpose(0, 1)
         # torch's calling style m(x, x, x) (or m(x, x)) is self-attention too
         self_attn = key is None or (key is query and (value is None or value is query))
         if value is None:
@@ -329,15 +347,16 @@ class MultiHeadAttention(nn.Module):
 
         return from_torch(module)
 
-    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """An equivalent ``torch.nn.MultiheadAttention`` (see :func:`attnkit.nn.to_torch`).
+    def to_torch(self, *, batch_first: bool | None = None) -> nn.MultiheadAttention:
+        """An equivalent ``torch.nn.MultiheadAttention`` (see :func:`attnkit.nn.to_torch`);
+        ``batch_first`` defaults to this module's.
 
         **Masks keep their polarity on each side**: an attnkit bool mask (True = attend)
         becomes torch's ``key_padding_mask=~keep`` / ``attn_mask=~mask`` (True = ignore).
         """
         from ._torch_convert import to_torch
 
-        return to_torch(self, batch_first=batch_first)
+        return to_torch(self, batch_first=self.batch_first if batch_first is None else batch_first)
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
@@ -347,4 +366,6 @@ class MultiHeadAttention(nn.Module):
             s += f", dropout={self.dropout}"
         if self.positional is not None:
             s += f", positional={self.positional!r}"
+        if not self.batch_first:
+            s += ", batch_first=False"
         return s

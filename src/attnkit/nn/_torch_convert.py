@@ -32,8 +32,9 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     """A :class:`MultiHeadAttention` with the weights of ``module``, same dtype and device.
 
     Handles the packed ``in_proj_weight`` (kdim = vdim = E) and the separate
-    ``q/k/v_proj_weight`` (kdim or vdim ≠ E), with or without bias. The result is
-    batch-first ``(B, L, E)`` whatever ``module.batch_first`` is.
+    ``q/k/v_proj_weight`` (kdim or vdim ≠ E), with or without bias. The result takes
+    its inputs in the module's layout: ``batch_first=False`` (torch's default) means
+    ``(L, B, E)`` in and out, exactly as the module it replaces.
 
     **Masks keep attnkit's polarity (True = attend)**: torch's ``key_padding_mask``
     (True = ignore) becomes ``mask=~key_padding_mask[:, None, None, :]``.
@@ -50,7 +51,8 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     ref = module.out_proj.weight
     bias = module.in_proj_bias is not None
     mha = MultiHeadAttention(module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
-                             bias=bias, dropout=float(module.dropout)).to(device=ref.device, dtype=ref.dtype)
+                             bias=bias, dropout=float(module.dropout),
+                             batch_first=bool(module.batch_first)).to(device=ref.device, dtype=ref.dtype)
     if module._qkv_same_embed_dim:
         wq, wk, wv = module.in_proj_weight.chunk(3, dim=0)
     else:

@@ -1,0 +1,268 @@
+"""Calling user mods exactly as FlexAttention does, and finding the tensors they capture.
+
+``mask_mod(b, h, q_idx, kv_idx) -> bool`` and ``score_mod(score, b, h, q_idx, kv_idx)
+-> score`` are written for *scalars*: FlexAttention evaluates them under ``torch.vmap``
+over the four index dimensions. attnkit evaluates them on broadcasting index tensors
+instead (much faster, no per-point dispatch)::
+
+    b (B, 1, 1, 1)   h (1, H, 1, 1)   q_idx (1, 1, l, 1)   kv_idx (1, 1, 1, n)
+
+which gives the same result for every mod written with elementwise ops and single
+indexing (``doc[q_idx] == doc[kv_idx]``, ``kv_idx < lengths[b]``). Some valid
+FlexAttention mods are not broadcast-safe: chained indexing ``bias[b][q_idx]`` (the
+second index lands on the wrong dimension), reductions, ``.shape``-dependent code.
+Such a mod is evaluated with ``torch.vmap`` over (b, h, q, kv), FlexAttention's way.
+
+Which way a mod goes is decided by :func:`broadcast_safe`: both evaluations on a small
+probe grid (the first indices of each axis), compared. The decision is cached per
+*code object*: what makes broadcasting wrong is the code (which indexing it does), not
+the data it reads, and the data is never cached — every call evaluates the mod afresh.
+Every broadcast evaluation is also checked for a result shape that broadcasts to the
+tile, so a mod that slips past the probe fails loudly instead of silently.
+
+Arity follows FlexAttention: a parameter with a default does not count, so
+``def band(b, h, q, kv, w=w)`` is a mask_mod.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Callable
+
+import torch
+
+__all__ = ["positional_arity", "eval_mask_mod", "eval_score_mod", "captured_grad_tensors", "reads_uncaptured_grad"]
+
+_P = inspect.Parameter
+
+
+def positional_arity(fn) -> int | None:
+    """Number of required positional parameters (FlexAttention's count); None if unknown or ``*args``."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    n = 0
+    for p in params:
+        if p.kind is _P.VAR_POSITIONAL:
+            return None
+        if p.kind in (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD) and p.default is _P.empty:
+            n += 1
+    return n
+
+
+def _vmapped(fn: Callable, with_score: bool) -> Callable:
+    """fn vmapped over (b, h, q, kv) given 1-D index vectors: output (B, H, l, n).
+
+    Innermost level maps kv, outermost b; the score's leading dim is mapped at every level.
+    """
+    prefix = (0,) if with_score else ()
+    f = fn
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        f = torch.vmap(f, in_dims=prefix + dims, out_dims=0)
+    return f
+
+
+# code object -> True (broadcast-safe) / False (use vmap). Code objects live as long as
+# their function's module; a bounded dict keeps lambdas made in a loop from growing it.
+_SAFE: dict = {}
+_SAFE_MAX = 4096
+
+
+def _code_key(fn):
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        call = getattr(type(fn), "__call__", None)
+        code = getattr(call, "__code__", None)
+    return code
+
+
+def _grid_shape(b, h, q, kv):
+    return (b.numel(), h.numel(), q.numel(), kv.numel())
+
+
+def _fits(out, shape) -> bool:
+    if not isinstance(out, torch.Tensor) or out.dim() > 4:
+        return False
+    o = (1,) * (4 - out.dim()) + tuple(out.shape)
+    return all(a in (1, w) for a, w in zip(o, shape))
+
+
+def _flat(*idx):
+    return tuple(t.reshape(-1) for t in idx)
+
+
+def broadcast_safe(fn, score: bool, B: int, H: int, L: int, S: int, dtype=torch.float32) -> bool:
+    """Whether ``fn`` gives the same result on broadcasting index tensors as under vmap."""
+    key = _code_key(fn)
+    if key is not None and key in _SAFE:
+        return _SAFE[key]
+    b = torch.arange(min(B, 2)).view(-1, 1, 1, 1)
+    h = torch.arange(min(H, 2)).view(1, -1, 1, 1)
+    q = torch.arange(min(L, 3)).view(1, 1, -1, 1)
+    kv = torch.arange(min(S, 3)).view(1, 1, 1, -1)
+    shape = _grid_shape(b, h, q, kv)
+    args = (b, h, q, kv)
+    if score:
+        args = (torch.linspace(-1.5, 1.5, steps=int(torch.tensor(shape).prod()), dtype=dtype).view(shape),) + args
+    with torch.no_grad():
+        try:
+            wide = fn(*args)
+            wide_err = None
+        except Exception as e:  # noqa: BLE001 - any failure means "not broadcast-safe"
+            wide, wide_err = None, e
+        try:
+            flat = _flat(b, h, q, kv)
+            narrow = _vmapped(fn, score)(*((args[0],) if score else ()), *flat)
+        except Exception:  # noqa: BLE001 - vmap-hostile code (.item(), data-dependent if): broadcast it
+            narrow = None
+    if wide_err is not None and narrow is None:
+        raise wide_err
+    if narrow is None or tuple(narrow.shape) != shape:
+        # vmap unusable (vmap-hostile code) or not one value per point: broadcasting is the only reading
+        if wide_err is not None:
+            raise wide_err
+        safe = True
+    elif wide is None or not _fits(wide, shape):
+        safe = False
+    else:
+        w = wide.expand(shape) if wide.dim() == 4 else wide.reshape((1,) * (4 - wide.dim()) + tuple(wide.shape)).expand(shape)
+        n = narrow.to(w.dtype) if narrow.dtype != w.dtype else narrow
+        safe = bool(torch.equal(w, n)) if w.dtype == torch.bool else bool(torch.allclose(w, n, equal_nan=True))
+    if key is not None:
+        if len(_SAFE) >= _SAFE_MAX:
+            _SAFE.clear()
+        _SAFE[key] = safe
+    return safe
+
+
+def _check_shape(what: str, fn, out, shape):
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{what} {getattr(fn, '__name__', fn)!r} must return a tensor, got {type(out).__name__}.")
+    if not _fits(out, shape):
+        raise ValueError(
+            f"{what} {getattr(fn, '__name__', fn)!r}: on index tensors of the (b, h, q, kv) grid {shape} it "
+            f"returned shape {tuple(out.shape)}, which does not broadcast to the grid. Write it for scalar "
+            "indices with single indexing (e.g. bias[b, q_idx], not bias[b][q_idx])."
+        )
+
+
+def eval_mask_mod(fn, b, h, q, kv, sizes) -> torch.Tensor:
+    """``fn(b, h, q, kv)`` on broadcasting index tensors; a bool tensor broadcastable to the grid.
+
+    ``sizes = (B, H, L, S)`` of the whole call, for the one-time probe.
+    """
+    shape = _grid_shape(b, h, q, kv)
+    if broadcast_safe(fn, False, *sizes):
+        out = fn(b, h, q, kv)
+        _check_shape("mask_mod", fn, out, shape)
+        return out
+    return _vmapped(fn, False)(*_flat(b, h, q, kv))
+
+
+def eval_score_mod(fn, s, b, h, q, kv, sizes) -> torch.Tensor:
+    """``fn(s, b, h, q, kv)`` for a score tile ``s (B', H', l, n)``; same shape as ``s``."""
+    shape = _grid_shape(b, h, q, kv)
+    if broadcast_safe(fn, True, *sizes, dtype=s.dtype if s.is_floating_point() else torch.float32):
+        out = fn(s, b, h, q, kv)
+        _check_shape("score_mod", fn, out, shape)
+        return out
+    return _vmapped(fn, True)(s.expand(shape), *_flat(b, h, q, kv))
+
+
+# --- tensors a score_mod captures -------------------------------------------------------
+
+def _tensors_in(obj, depth: int = 0):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        yield from obj.parameters()
+        yield from obj.buffers()
+    elif depth < 2 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x, depth + 1)
+    elif depth < 2 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors_in(x, depth + 1)
+
+
+def _sources(fn):
+    """The objects a callable can read tensors from: closure cells, defaults, globals it names,
+    its ``__self__`` / instance attributes, a functools.partial's arguments."""
+    seen = []
+    f = fn
+    if hasattr(f, "func") and hasattr(f, "args"):  # functools.partial
+        seen.extend(f.args)
+        seen.extend((f.keywords or {}).values())
+        f = f.func
+    if isinstance(f, types.MethodType):
+        seen.append(f.__self__)
+        seen.extend(vars(f.__self__).values() if hasattr(f.__self__, "__dict__") else ())
+        f = f.__func__
+    if not isinstance(f, types.FunctionType):  # a callable object: its attributes
+        seen.extend(getattr(f, "__dict__", {}).values())
+        f = getattr(type(f), "__call__", None)
+        if not isinstance(f, types.FunctionType):
+            return seen
+    seen.extend(c.cell_contents for c in (f.__closure__ or ()) if _cell_full(c))
+    seen.extend(f.__defaults__ or ())
+    seen.extend((f.__kwdefaults__ or {}).values())
+    g = f.__globals__
+    seen.extend(g[n] for n in f.__code__.co_names if n in g)
+    seen.extend(getattr(fn, "__dict__", {}).values())  # attributes set on the function itself
+    return seen
+
+
+def _cell_full(c) -> bool:
+    try:
+        c.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def captured_grad_tensors(fn) -> list[torch.Tensor]:
+    """Tensors requiring grad that ``fn`` can read directly (deduplicated, in a stable order)."""
+    out, ids = [], set()
+    for obj in _sources(fn):
+        for t in _tensors_in(obj):
+            if t.requires_grad and id(t) not in ids:
+                ids.add(id(t))
+                out.append(t)
+    return out
+
+
+def _leaves(t: torch.Tensor) -> set:
+    """ids of the leaf tensors ``t`` depends on through autograd."""
+    if t.grad_fn is None:
+        return {id(t)} if t.requires_grad else set()
+    found, stack, seen = set(), [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            found.add(id(var))
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def reads_uncaptured_grad(fn, captured: list[torch.Tensor], sizes, dtype) -> bool:
+    """Whether ``fn`` produces a result that depends, through autograd, on a leaf that
+    none of ``captured`` reaches (a tensor hidden where :func:`captured_grad_tensors`
+    does not look). Then only a backend differentiating through the mod itself (eager)
+    can deliver that gradient."""
+    B, H, L, S = sizes
+    b = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    s = torch.zeros(1, 1, 1, 1, dtype=dtype)
+    with torch.enable_grad():
+        out = eval_score_mod(fn, s, b, b, b, b, (1, 1, L, S))
+    if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        return False
+    reach = set()
+    for t in captured:
+        reach |= _leaves(t)
+    return not _leaves(out) <= reach

@@ -1,0 +1,355 @@
+"""Regression tests for the silent wrong answers of the trust review (core side).
+
+Each test names the review item it pins. Every comparison is against an independent
+float64 computation (``golden`` runs the NumPy reference backend; gradients use float64
+torch autograd on a dense formula written here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks, score_mods
+from attnkit.backends import _flash_cpu
+
+from conftest import assert_close, budget, golden, rand_qkv
+
+
+def dense_ref(q, k, v, *, score_mod=None, bias=None, allowed=None, scale=None):
+    """Float64 attention by the formula, differentiable (q, k, v already float64)."""
+    B, H, L, D = q.shape
+    g = H // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ kk.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale)
+    if score_mod is not None:
+        b = torch.arange(B).view(-1, 1, 1, 1)
+        h = torch.arange(H).view(1, -1, 1, 1)
+        i = torch.arange(L).view(1, 1, -1, 1)
+        j = torch.arange(k.shape[2]).view(1, 1, 1, -1)
+        s = score_mod(s, b, h, i, j)
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    den = p.sum(-1, keepdim=True)
+    return (p / torch.where(den > 0, den, torch.ones_like(den))) @ vv
+
+
+# --- item 1: last-dim stride != 1 reached torch's private kernel -------------------------
+
+def _strided(t: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "step2":  # x[..., ::2]
+        return torch.stack([t, torch.full_like(t, 99.0)], dim=-1).flatten(-2)[..., ::2]
+    if how == "transposed_last":  # a (B, H, D, L) buffer viewed as (B, H, L, D): last-dim stride L
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if how == "as_strided":
+        buf = torch.full((t.numel() * 3,), 99.0, dtype=t.dtype)
+        B, H, L, D = t.shape
+        view = buf.as_strided(t.shape, (H * L * D * 3, L * D * 3, 3, L * 3))
+        view.copy_(t)
+        return view
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["step2", "transposed_last", "as_strided"])
+@pytest.mark.parametrize("backend", ["tiled", "auto", "sdpa", "eager"])
+@pytest.mark.parametrize("case", ["window", "causal_br", "dense_lse"])
+def test_item1_last_dim_stride_is_exact(how, backend, case):
+    q, k, v = rand_qkv(2, 4, 2, 70, 93, 16)
+    kw = {"window": dict(mask=masks.sliding_window(9)), "causal_br": dict(causal=True),
+          "dense_lse": dict()}[case]
+    qs, ks, vs = _strided(q, how), _strided(k, how), _strided(v, how)
+    assert ks.stride(-1) != 1
+    ref, ref_lse = golden(q, k, v, **kw)
+    for _ in range(3):  # the old error changed from call to call
+        out, lse = attnkit.attention(qs, ks, vs, return_lse=True, backend=backend, **kw)
+        assert_close(out, ref, budget(torch.float32, 16, 93), f"{backend} {how} {case}")
+        assert_close(lse, ref_lse, budget(torch.float32, 16, 93), f"{backend} {how} {case} lse")
+
+
+def test_item1_stride_grads_tiled():
+    q, k, v = rand_qkv(1, 2, 1, 40, 70, 8)
+    leaves = [_strided(t, "step2").detach().requires_grad_() for t in (q, k, v)]
+    qs, ks, vs = leaves
+    out = attnkit.attention(qs, ks, vs, mask=masks.sliding_window(7), backend="tiled")
+    out.square().sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    allowed = masks.sliding_window(7).materialize(1, 2, 40, 70)
+    dense_ref(q64, k64, v64, allowed=allowed).square().sum().backward()
+    for got, want, n in zip(leaves, (q64, k64, v64), "qkv"):
+        assert_close(got.grad, want.grad, 1e-4, f"d{n}")
+
+
+def test_item1_fit_copies_only_when_needed():
+    x = torch.randn(2, 3, 5, 8)
+    assert _flash_cpu.fit(x) is x
+    t = torch.randn(2, 5, 3, 8).transpose(1, 2)  # leading dims transposed: read correctly, no copy
+    assert _flash_cpu.fit(t) is t
+    e = torch.randn(1, 3, 5, 8).expand(4, -1, -1, -1)  # stride-0 batch: no copy
+    assert _flash_cpu.fit(e) is e
+    s = x[..., ::2]
+    f = _flash_cpu.fit(s)
+    assert f is not s and f.stride(-1) == 1 and torch.equal(f, s)
+
+
+# --- item 2: stale block plans ---------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["tiled", "auto"])
+def test_item2_mask_mod_closure_data_changes_between_calls(backend):
+    L = 256
+    q, k, v = rand_qkv(1, 2, 2, L, L, 16)
+    doc = torch.zeros(L, dtype=torch.long)
+    doc[100:] = 1
+
+    def same_doc(b, h, qi, kv):
+        return doc[qi] == doc[kv]
+
+    for boundary in (100, 30, 200, 64):  # the next packed batch: new boundaries, same function
+        doc.zero_()
+        doc[boundary:] = 1
+        ref, _ = golden(q, k, v, mask=masks.document(doc.clone()))
+        out = attnkit.attention(q, k, v, mask=same_doc, backend=backend)
+        assert_close(out, ref, budget(torch.float32, 16, L), f"boundary {boundary}")
+        out = attnkit.attention(q, k, v, mask=masks.from_mod(same_doc), backend=backend)
+        assert_close(out, ref, budget(torch.float32, 16, L), f"from_mod boundary {boundary}")
+
+
+def test_item2_builtin_masks_are_values():
+    L = 192
+    q, k, v = rand_qkv(2, 2, 2, L, L, 8)
+    ids = torch.zeros(L, dtype=torch.long)
+    ids[70:] = 1
+    doc = masks.document(ids)
+    ref, _ = golden(q, k, v, mask=masks.document(ids.clone()))
+    assert_close(attnkit.attention(q, k, v, mask=doc, backend="tiled"), ref, budget(torch.float32, 8, L))
+    ids[:] = 5  # the caller reuses its buffer for the next batch: the mask object must not change
+    assert_close(attnkit.attention(q, k, v, mask=doc, backend="tiled"), ref, budget(torch.float32, 8, L))
+    lengths = torch.tensor([150, 40])
+    pad = masks.padding(lengths)
+    ref_p, _ = golden(q, k, v, mask=masks.padding([150, 40]))
+    assert_close(attnkit.attention(q, k, v, mask=pad, backend="tiled"), ref_p, budget(torch.float32, 8, L))
+    lengths[0] = 10
+    assert_close(attnkit.attention(q, k, v, mask=pad, backend="tiled"), ref_p, budget(torch.float32, 8, L))
+
+
+def test_item2_dense_mask_changed_in_place_and_through_numpy():
+    L = 200
+    q, k, v = rand_qkv(1, 2, 2, L, L, 8)
+    arr = np.tril(np.ones((L, L), dtype=bool))
+    m = torch.from_numpy(arr)  # shares memory with arr: a NumPy write does not bump torch's version
+    for step in range(3):
+        ref, _ = golden(q, k, v, mask=m.clone())
+        out = attnkit.attention(q, k, v, mask=m, backend="tiled")
+        assert_close(out, ref, budget(torch.float32, 8, L), f"step {step}")
+        arr[:, : 50 * (step + 1)] = False  # change the mask through NumPy
+        arr[:, 50 * (step + 1):] = np.tril(np.ones((L, L), dtype=bool))[:, 50 * (step + 1):]
+
+
+def test_item2_unchanged_builtin_mask_plan_is_reused():
+    """Built-in masks stay cached by value (speed): the same object plans once per size."""
+    from attnkit.backends import _blocks
+    m = masks.sliding_window(32)
+    p1 = _blocks.plan(m, None, 1, 2, 512, 512, 64, 64, 1024)
+    p2 = _blocks.plan(m, None, 1, 2, 512, 512, 64, 64, 1024)
+    assert p1 is p2
+    f = masks.from_mod(lambda b, h, i, j: j <= i)
+    assert _blocks.plan(f, None, 1, 2, 512, 512, 64, 64, 1024) is not _blocks.plan(f, None, 1, 2, 512, 512, 64, 64, 1024)
+
+
+# --- item 3: gradients into tensors a score_mod captures --------------------------------
+
+def _grad_case(backend, bias_requires_qkv=True, L=80, S=80):
+    torch.manual_seed(1)
+    q, k, v = rand_qkv(1, 2, 2, L, S, 8)
+    table = torch.randn(L + S, requires_grad=True)
+
+    def mod(s, b, h, i, j):
+        return s + table[(i - j).abs()]
+
+    leaves = [t.detach().clone().requires_grad_(bias_requires_qkv) for t in (q, k, v)]
+    out = attnkit.attention(*leaves, score_mod=mod, causal=True, backend=backend)
+    out.square().sum().backward()
+    t64 = table.detach().double().requires_grad_()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    allowed = masks.causal().materialize(1, 2, L, S)
+    dense_ref(q64, k64, v64, score_mod=lambda s, b, h, i, j: s + t64[(i - j).abs()],
+              allowed=allowed).square().sum().backward()
+    assert table.grad is not None, f"{backend}: gradient into the captured table was dropped"
+    assert_close(table.grad, t64.grad, 1e-4, f"{backend} d table")
+    if bias_requires_qkv:
+        for got, want, n in zip(leaves, (q64, k64, v64), "qkv"):
+            assert_close(got.grad, want.grad, 1e-4, f"{backend} d{n}")
+
+
+@pytest.mark.parametrize("backend", ["tiled", "auto", "eager"])
+def test_item3_captured_tensor_gets_gradient(backend):
+    _grad_case(backend)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "auto"])
+def test_item3_only_captured_tensor_requires_grad(backend):
+    _grad_case(backend, bias_requires_qkv=False)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "auto", "eager"])
+@pytest.mark.parametrize("which", ["alibi", "relative_bias"])
+def test_item3_builtin_score_mod_tensors_learn(backend, which):
+    q, k, v = rand_qkv(1, 4, 2, 70, 70, 8, requires_grad=True)
+    if which == "alibi":
+        param = torch.rand(4, requires_grad=True)
+        mod, mk = score_mods.alibi(param), score_mods.alibi
+    else:
+        param = torch.randn(4, 9, requires_grad=True)
+        mod, mk = score_mods.relative_bias(param), score_mods.relative_bias
+    attnkit.attention(q, k, v, score_mod=mod, causal=True, backend=backend).sum().backward()
+    p64 = param.detach().double().requires_grad_()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    dense_ref(q64, k64, v64, score_mod=mk(p64), allowed=masks.causal().materialize(1, 4, 70, 70)).sum().backward()
+    assert param.grad is not None
+    assert_close(param.grad, p64.grad, 1e-4, f"{backend} {which}")
+    assert_close(q.grad, q64.grad, 1e-4, "dq")
+
+
+@pytest.mark.parametrize("backend", ["tiled", "auto", "eager", "sdpa"])
+def test_item3_float_mask_gets_gradient(backend):
+    q, k, v = rand_qkv(2, 2, 2, 70, 90, 8, requires_grad=True)
+    bias = torch.randn(2, 1, 1, 90, requires_grad=True)  # broadcast over heads and rows
+    attnkit.attention(q, k, v, mask=bias, backend=backend).square().sum().backward()
+    b64 = bias.detach().double().requires_grad_()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    dense_ref(q64, k64, v64, bias=b64).square().sum().backward()
+    assert_close(bias.grad, b64.grad, 1e-4, f"{backend} d bias")
+
+
+def test_item3_hidden_tensor_refused_by_tiled_and_exact_on_auto():
+    holder = type("Holder", (), {})()
+    holder.w = torch.randn(1, requires_grad=True)
+    box = {"h": holder}
+
+    def mod(s, b, h, i, j):  # reads holder.w through an object attribute attnkit does not search
+        return s * box["h"].w
+
+    q, k, v = rand_qkv(1, 2, 2, 20, 20, 8)
+    with pytest.raises(ValueError, match="cannot find"):
+        attnkit.attention(q, k, v, score_mod=mod, backend="tiled")
+    assert attnkit.dispatch(q, k, v, score_mod=mod).backend == "eager"
+    attnkit.attention(q, k, v, score_mod=mod).sum().backward()
+    assert holder.w.grad is not None and torch.isfinite(holder.w.grad).all()
+
+
+# --- item 5: integer masks -------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_item5_int_mask_error_suggests_bool(kind):
+    q, k, v = rand_qkv(1, 1, 1, 4, 4, 8)
+    m = np.tril(np.ones((4, 4), dtype=np.int64))
+    if kind == "torch":
+        m = torch.from_numpy(m)
+    else:
+        q, k, v = q.numpy(), k.numpy(), v.numpy()
+    with pytest.raises(TypeError) as e:
+        attnkit.attention(q, k, v, mask=m)
+    msg = str(e.value)
+    assert "astype(bool)" in msg and "bool()" in msg and "astype(np.float32)" not in msg
+    # following the advice gives the causal result
+    fixed = m.astype(bool) if kind == "numpy" else m.bool()
+    ref, _ = golden(q, k, v, causal=True)
+    assert_close(attnkit.attention(q, k, v, mask=fixed), ref, 1e-5)
+
+
+# --- item 6: from_torch with batch_first=False ------------------------------------------
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_item6_from_torch_keeps_batch_first(batch_first):
+    torch.manual_seed(0)
+    tm = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first).eval()
+    ours = attnkit.nn.MultiHeadAttention.from_torch(tm).eval()
+    x = torch.randn(5, 3, 16)  # (L, B, E) for batch_first=False, (B, L, E) otherwise
+    want, _ = tm(x, x, x, need_weights=False)
+    got = ours(x)
+    assert got.shape == want.shape
+    assert_close(got, want, 1e-5, f"batch_first={batch_first}")
+    back = ours.to_torch()
+    assert back.batch_first == batch_first
+
+
+# --- item 8: score_mod tensors of the wrong size ----------------------------------------
+
+def test_item8_alibi_slopes_must_match_heads():
+    q, k, v = rand_qkv(1, 4, 4, 8, 8, 8)
+    for n in (3, 5):
+        with pytest.raises(ValueError, match=r"one slope per query head \(H=4\), got " + str(n)):
+            attnkit.attention(q, k, v, score_mod=score_mods.alibi(torch.ones(n)))
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_item8_relative_bias_rows_must_match_heads(rows):
+    q, k, v = rand_qkv(1, 4, 4, 8, 8, 8)
+    with pytest.raises(ValueError, match=rf"one row per query head \(H=4\), got {rows} rows"):
+        attnkit.attention(q, k, v, score_mod=score_mods.relative_bias(torch.zeros(rows, 5)))
+
+
+# --- FlexAttention-valid mods ------------------------------------------------------------
+
+def test_mod_with_default_argument_is_a_mask_mod():
+    w = 3
+
+    def band(b, h, q_idx, kv_idx, w=w):
+        return (q_idx - kv_idx).abs() <= w
+
+    q, k, v = rand_qkv(1, 2, 2, 30, 30, 8)
+    ref, _ = golden(q, k, v, mask=masks.from_mod(lambda b, h, i, j: (i - j).abs() <= 3))
+    for backend in ("tiled", "auto", "eager", "reference"):
+        assert_close(attnkit.attention(q, k, v, mask=band, backend=backend), ref, 1e-5, backend)
+
+    def mod(score, b, h, q_idx, kv_idx, scale=0.5):
+        return score * scale
+
+    ref2, _ = golden(q, k, v, scale=8 ** -0.5 * 0.5)
+    assert_close(attnkit.attention(q, k, v, score_mod=mod), ref2, 1e-5, "score_mod with default")
+
+
+def test_chained_indexing_matches_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+    torch.manual_seed(3)
+    B, H, L = 2, 2, 24
+    q, k, v = rand_qkv(B, H, H, L, L, 8)
+    bias = torch.randn(B, L)
+    keep = torch.rand(B, L) > 0.3
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s + bias[b][q_idx]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return keep[b][kv_idx] | (q_idx == kv_idx)
+
+    from torch.nn.attention.flex_attention import create_block_mask
+    bm = create_block_mask(mask_mod, B, H, L, L, device="cpu")
+    want = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    for backend in ("tiled", "auto", "eager", "reference"):
+        got = attnkit.attention(q, k, v, score_mod=score_mod, mask=mask_mod, backend=backend)
+        assert_close(got, want, 1e-5, backend)
+
+
+def test_mod_with_wrong_shape_fails_loudly():
+    q, k, v = rand_qkv(1, 2, 2, 8, 8, 8)
+    with pytest.raises((ValueError, TypeError, RuntimeError)):
+        attnkit.attention(q, k, v, mask=lambda b, h, i, j: torch.ones(3, 3, 3, 3, 3, dtype=torch.bool))
+
+
+# --- printing masks ------------------------------------------------------------------------
+
+def test_print_document_mask_draws_it():
+    text = str(masks.document([0, 0, 1]))
+    rows = text.splitlines()
+    assert rows[0].startswith("document(")
+    assert rows[-3:] == ["q0 # # .", "q1 # # .", "q2 . . #"]
+    assert "q2 . . #" in str(masks.document([0, 0, 1]) & masks.causal())
