@@ -303,7 +303,7 @@ def test_errors_recommend_sdpa_only_for_models_that_support_it():
             ak_hf.attnkit_attention_forward(attn, q, k, v, None, indices=torch.zeros(2, 5, 1, dtype=torch.long))
         msg = str(e.value)
         assert "attn_implementation='eager'" in msg
-        assert ("sdpa" in msg.replace("the eager and sdpa paths", "")) is sdpa, msg
+        assert ("sdpa" in msg) is sdpa, msg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,9 +386,39 @@ def test_decoder_families_padded_batch_and_cached_step_equal_eager(family):
             out = model(input_ids=ids, attention_mask=am, use_cache=True)
             step = model(input_ids=nxt, attention_mask=am2, past_key_values=out.past_key_values, use_cache=True)
             res.append((out.logits, step.logits))
+        unpadded = [model(input_ids=ids).logits for model in (eager, ak)]  # no mask: window must still bind
     (b, bs), (a, as_) = res
     assert _maxdiff(a, b, am.bool()) <= TOL
     assert _maxdiff(as_, bs) <= TOL
+    assert _maxdiff(unpadded[1], unpadded[0]) <= TOL
+
+
+def test_sliding_window_missing_from_the_mask_raises():
+    q, k, v = _qkv(L=5, S=5)
+    with pytest.raises(ValueError, match=r"^sliding_window: expected the window to be in attention_mask.*"
+                                         r"sliding_window=2 with no attention_mask and 5 keys"):
+        ak_hf.attnkit_attention_forward(_Attn(), q, k, v, None, sliding_window=2)
+    out, _ = ak_hf.attnkit_attention_forward(_Attn(), q, k, v, None, sliding_window=5)  # window covers all keys
+    assert out.shape == (2, 5, 4, 8)
+
+
+def test_packed_sequences_equal_eager_and_refuse_when_the_mask_does_not_separate_them():
+    eager, ak = _pair(_decoder("llama"))
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])  # two sequences of 5 packed in one row
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+    with torch.no_grad():
+        b = eager(input_ids=ids, position_ids=pos, use_cache=False, **packed).logits
+        a = ak(input_ids=ids, position_ids=pos, use_cache=False, **packed).logits
+        alone = eager(input_ids=ids[:, 5:], use_cache=False).logits
+        assert _maxdiff(a, b) <= TOL and _maxdiff(a[:, 5:], alone) <= TOL  # the sequences are kept apart
+        # with a cache transformers builds no packed mask (eager then mixes the sequences): attnkit refuses
+        mixed = eager(input_ids=ids, position_ids=pos, use_cache=True, **packed).logits
+        assert _maxdiff(mixed[:, 5:], alone) > 100 * TOL
+        with pytest.raises(ValueError, match=r"^cu_seq_lens_q/k: expected the attention mask to keep the 2 packed "
+                                             r"sequences apart.*use_cache=False"):
+            ak(input_ids=ids, position_ids=pos, use_cache=True, **packed)
 
 
 def test_bart_cross_attention_with_padding_equals_eager():

@@ -15,10 +15,17 @@ How the pieces fit::
     model.forward ──► mask interface "attnkit" ──► bool (B, 1, L, S) mask, True = attend
                         (right padding is also tagged with its structured twin
                          attnkit.masks.padding(lengths), checked equal to the dense one)
-                 ──► every attention layer: attnkit_attention_forward
-                        attnkit.attention(q, k, v, mask=…, return_lse=capturing)  (auto backend)
-                        capturing this layer? weights = exp(q kᵀ·scale − lse) for the chosen
-                        heads only (no L×S tensor for the others, no switch to eager)
+                 ──► every attention layer: attnkit_attention_forward(module, q, k, v, mask, **kw)
+                        kw checked first: handled / harmless / refused — an unknown or
+                        refused one (indices, block_indices, paged cache) raises, naming it
+                        softcap=c          → score_mod=attnkit.score_mods.softcap(c)
+                        position_bias (T5) → mask = bias + (mask ? 0 : −inf)   (differentiable)
+                        attnkit.attention(q, k, v, mask=…, score_mod=…, return_lse=need_lse)  (auto)
+                        s_aux / sinks      → lse' = logaddexp(lse, sink), out·exp(lse − lse')
+                        weights wanted? (output_attentions passed down, transformers' output
+                        recorder collecting attentions, or a capture of this layer)
+                          → exp(q kᵀ·scale [+mods] − lse') for the asked heads only
+                            (no L×S tensor for the others, no switch to eager)
 
 Registering only the attention function is not enough: transformers builds no
 padding mask for an implementation missing from ``AttentionMaskInterface``, so a
@@ -315,9 +322,9 @@ _HARMLESS = {
 }
 # Known, would change the math, and not implemented: refused whenever they are not None.
 _REFUSED = {
-    "indices": "top-k key indices of DeepSeek-style sparse attention (DSA); the eager and sdpa paths fold them "
+    "indices": "top-k key indices of DeepSeek-style sparse attention (DSA); the model's eager path folds them "
                "into the mask, attnkit would attend to every key",
-    "block_indices": "selected key blocks of block-sparse attention; the eager and sdpa paths fold them into "
+    "block_indices": "selected key blocks of block-sparse attention; the model's eager path folds them into "
                      "the mask, attnkit would attend to every key",
     "cache": "a paged KV cache (continuous batching) that attention must update itself",
 }
@@ -404,8 +411,9 @@ def _check_packed(module, kwargs, mask, query, key):
     cu_k = cu_q if cu_k is None else cu_k
     B, _, L, _ = query.shape
     S = key.shape[2]
-    fix = (f"Pass position_ids too (transformers then builds the packed-sequence mask), or load this model with "
-           f"{_alternatives(module)} after checking that it separates the sequences.")
+    fix = ("transformers keeps packed sequences apart only through the mask, which it builds from position_ids "
+           "when there is no attention_mask and no cache: pass position_ids and use_cache=False (eager and sdpa "
+           "ignore cu_seq_lens_q/k just the same).")
     if B != 1 or int(cu_q[-1]) != L or int(cu_k[-1]) != S:
         raise ValueError(f"cu_seq_lens_q/k: expected one packed row (B=1) ending at L={L} and S={S}, got B={B}, "
                          f"cu_seq_lens_q[-1]={int(cu_q[-1])}, cu_seq_lens_k[-1]={int(cu_k[-1])}. {fix}")
