@@ -165,6 +165,18 @@ def test_gemma2_softcap_logits_equal_eager():
     assert _maxdiff(c, b, valid) > 100 * TOL  # the cap really changes this model: dropping it would be caught
 
 
+def test_gemma2_softcap_gradients_equal_eager():
+    eager, ak = _pair(_gemma2())
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for model in (eager, ak):
+        model.zero_grad()
+        (model(input_ids=ids).logits ** 2).mean().backward()
+        grads.append([layer.self_attn.q_proj.weight.grad for layer in model.model.layers])
+    for ga, gb in zip(*reversed(grads)):
+        assert gb.abs().max() > 0 and _rel(ga, gb) <= GRAD_RTOL
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. T5: position_bias, and its gradient into the relative-bias table
 
@@ -247,6 +259,13 @@ def test_gpt_oss_sinks_logits_and_sink_gradient_equal_eager():
     assert torch.isfinite(a).all()
     assert _maxdiff(a, b, valid) <= TOL
     assert gb.abs().max() > 0 and _rel(ga, gb) <= GRAD_RTOL
+    # output_attentions: the eager weights without the sink column (rows sum to less than 1)
+    with torch.no_grad():
+        wa = ak(input_ids=ids, attention_mask=am, output_attentions=True).attentions
+        wb = eager(input_ids=ids, attention_mask=am, output_attentions=True).attentions
+    rows = valid[:, None, :, None].expand_as(wb[0])
+    assert all(_maxdiff(x, y, rows) <= 1e-6 for x, y in zip(wa, wb))
+    assert (wa[0].sum(-1)[valid[:, None].expand(-1, 4, -1)] < 1 - 1e-3).any()
     # the sinks matter in this model: without them the logits move
     no_sink = copy.deepcopy(ak)
     with torch.no_grad():
@@ -441,3 +460,4 @@ def test_bart_cross_attention_with_padding_equals_eager():
     assert _maxdiff(a.logits, b.logits, dam.bool()) <= TOL
     for x, y in zip(a.cross_attentions, b.cross_attentions):
         assert _maxdiff(x, y, dam.bool()[:, None, :, None].expand_as(y)) <= 1e-6
+
