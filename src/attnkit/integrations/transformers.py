@@ -286,13 +286,14 @@ def capture_attention(model, inputs, layers=None, heads=None) -> dict:
             "from_pretrained(path, attn_implementation='attnkit') (or model.set_attn_implementation('attnkit'))."
         )
     if not isinstance(inputs, Mapping):
-        got = type(inputs).__name__
-        if isinstance(inputs, (str, list, tuple)) and any(isinstance(x, str) for x in ([inputs] if isinstance(inputs, str) else inputs)):
-            got += " of text"
+        texts = isinstance(inputs, str) or (isinstance(inputs, (list, tuple))
+                                            and any(isinstance(x, str) for x in inputs))
+        got = type(inputs).__name__ + (" of text" if texts and not isinstance(inputs, str) else "")
         raise TypeError(
             f"inputs: expected the model inputs as a mapping of tensors (a tokenizer's output, e.g. "
-            f"tok(['The river bank.'], return_tensors='pt')), got a {got}. Tokenize the text first and pass "
-            "the result: capture_attention(model, tok(texts, padding=True, return_tensors='pt')).")
+            f"tok(['The river bank.'], return_tensors='pt')), got a {got}. "
+            + ("Tokenize the text first and pass the result: capture_attention(model, tok(texts, padding=True, "
+               "return_tensors='pt'))." if texts else "For a tensor of token ids pass {'input_ids': ids}."))
     with torch.no_grad(), capturing(layers, heads, model=model) as weights:
         model(**inputs)
     return dict(sorted(weights.items()))
