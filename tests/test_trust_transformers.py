@@ -359,7 +359,8 @@ def test_capture_attention_with_a_list_of_strings_is_a_short_type_error():
                                         r"output.*got a list of text\. Tokenize the text first") as e:
         ak_hf.capture_attention(ak, ["The river bank."])
     assert len(str(e.value)) < 400 and "Linear(" not in str(e.value)  # no model repr
-    with pytest.raises(TypeError, match=r"^inputs: .*got a Tensor\. For a tensor of token ids pass \{.input_ids.: ids\}"):
+    with pytest.raises(TypeError, match=r"^inputs: .*got a Tensor\. For a tensor of token ids pass "
+                                        r"\{.input_ids.: ids\}"):
         ak_hf.capture_attention(ak, torch.zeros(1, 6, dtype=torch.long))
     ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))
     got = ak_hf.capture_attention(ak, {"input_ids": ids}, layers=[1], heads=[2])
