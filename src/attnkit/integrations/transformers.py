@@ -15,10 +15,17 @@ How the pieces fit::
     model.forward ──► mask interface "attnkit" ──► bool (B, 1, L, S) mask, True = attend
                         (right padding is also tagged with its structured twin
                          attnkit.masks.padding(lengths), checked equal to the dense one)
-                 ──► every attention layer: attnkit_attention_forward
-                        attnkit.attention(q, k, v, mask=…, return_lse=capturing)  (auto backend)
-                        capturing this layer? weights = exp(q kᵀ·scale − lse) for the chosen
-                        heads only (no L×S tensor for the others, no switch to eager)
+                 ──► every attention layer: attnkit_attention_forward(module, q, k, v, mask, **kw)
+                        kw checked first: handled / harmless / refused — an unknown or
+                        refused one (indices, block_indices, paged cache) raises, naming it
+                        softcap=c          → score_mod=attnkit.score_mods.softcap(c)
+                        position_bias (T5) → mask = bias + (mask ? 0 : −inf)   (differentiable)
+                        attnkit.attention(q, k, v, mask=…, score_mod=…, return_lse=need_lse)  (auto)
+                        s_aux / sinks      → lse' = logaddexp(lse, sink), out·exp(lse − lse')
+                        weights wanted? (output_attentions passed down, transformers' output
+                        recorder collecting attentions, or a capture of this layer)
+                          → exp(q kᵀ·scale [+mods] − lse') for the asked heads only
+                            (no L×S tensor for the others, no switch to eager)
 
 Registering only the attention function is not enough: transformers builds no
 padding mask for an implementation missing from ``AttentionMaskInterface``, so a
@@ -29,11 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import masks as _masks
+from .. import score_mods as _score_mods
 from .._request import make_request
 from ..api import attention
 from ..backends._common import weights_from_lse
@@ -259,11 +269,12 @@ def capture_attention(model, inputs, layers=None, heads=None) -> dict:
 
     Args:
         model: a transformers model running on attnkit.
-        inputs: a mapping of model inputs (e.g. a tokenizer's ``BatchEncoding``).
+        inputs: a mapping of model inputs (e.g. a tokenizer's ``BatchEncoding``), not raw text.
         layers: layer indices in ``0..num_hidden_layers-1`` (None = all).
         heads: head indices in ``0..num_attention_heads-1`` (None = all), the same for every chosen layer.
 
     Raises:
+        TypeError: ``inputs`` is not a mapping (e.g. a list of strings: tokenize it first).
         ValueError: model not running on attnkit, or an index out of range.
         CaptureError: a requested layer was not recorded (it is never silently left out).
     """
@@ -274,29 +285,233 @@ def capture_attention(model, inputs, layers=None, heads=None) -> dict:
             "attnkit.integrations.transformers.register() and load it with "
             "from_pretrained(path, attn_implementation='attnkit') (or model.set_attn_implementation('attnkit'))."
         )
+    if not isinstance(inputs, Mapping):
+        texts = isinstance(inputs, str) or (isinstance(inputs, (list, tuple))
+                                            and any(isinstance(x, str) for x in inputs))
+        got = type(inputs).__name__ + (" of text" if texts and not isinstance(inputs, str) else "")
+        raise TypeError(
+            f"inputs: expected the model inputs as a mapping of tensors (a tokenizer's output, e.g. "
+            f"tok(['The river bank.'], return_tensors='pt')), got a {got}. "
+            + ("Tokenize the text first and pass the result: capture_attention(model, tok(texts, padding=True, "
+               "return_tensors='pt'))." if texts else "For a tensor of token ids pass {'input_ids': ids}."))
     with torch.no_grad(), capturing(layers, heads, model=model) as weights:
         model(**inputs)
     return dict(sorted(weights.items()))
 
 
 # ----------------------------------------------------------------------------------------------
-# attention interface
+# attention interface: every keyword argument is either handled, known to be harmless, or refused
+
+# Passed by transformers' models and layers, and no change to the math of eager/sdpa attention here.
+_HARMLESS = {
+    "output_hidden_states": "a flag for transformers' output recorder",
+    "output_router_logits": "a flag for MoE routers",
+    "num_items_in_batch": "loss normalisation",
+    "use_cache": "a cache flag (the cache is updated before attention)",
+    "return_dict": "an output-format flag",
+    "position_ids": "positions (rotary embeddings are applied before attention; packed sequences reach the mask)",
+    "seq_idx": "packed-sequence ids for state-space layers (packing reaches attention through the mask)",
+    "deterministic": "a flash-attention determinism switch",
+    "max_length_q": "flash-attention varlen bookkeeping (the lengths themselves are cu_seq_lens_q/k)",
+    "max_length_k": "flash-attention varlen bookkeeping (the lengths themselves are cu_seq_lens_q/k)",
+    "encoder_hidden_states": "encoder states passed through a layer (cross-attention projects them into key/value)",
+    "encoder_attention_mask": "passed through a layer (cross-attention gets it as attention_mask)",
+    "past_key_values": "the KV cache (updated by the layer before attention)",
+    "past_key_value": "the KV cache (updated by the layer before attention)",
+    "cache_position": "cache bookkeeping (positions reach attention through the mask)",
+    "position_embeddings": "rotary cos/sin (applied to q and k before attention)",
+}
+# Known, would change the math, and not implemented: refused whenever they are not None.
+_REFUSED = {
+    "indices": "top-k key indices of DeepSeek-style sparse attention (DSA); the model's eager path folds them "
+               "into the mask, attnkit would attend to every key",
+    "block_indices": "selected key blocks of block-sparse attention; the model's eager path folds them into "
+                     "the mask, attnkit would attend to every key",
+    "cache": "a paged KV cache (continuous batching) that attention must update itself",
+}
+# Handled in attnkit_attention_forward (named parameters, or read from kwargs).
+_HANDLED = ("dropout", "scaling", "is_causal", "sliding_window", "softcap", "position_bias", "s_aux", "sinks",
+            "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def _alternatives(module) -> str:
+    """``'eager'``, plus ``'sdpa'`` only when transformers allows sdpa for this model (``_supports_sdpa``)."""
+    return "attn_implementation='eager'" + (" (or 'sdpa')" if _model_supports_sdpa(module) else "")
+
+
+def _model_supports_sdpa(module) -> bool:
+    """Whether every ``PreTrainedModel`` class next to ``module``'s class declares ``_supports_sdpa = True``."""
+    import sys
+
+    mod = sys.modules.get(type(module).__module__)
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return False
+    flags = [inspect.getattr_static(c, "_supports_sdpa", None) for c in vars(mod or object).values()
+             if isinstance(c, type) and issubclass(c, PreTrainedModel) and c is not PreTrainedModel]
+    return bool(flags) and all(f is True for f in flags)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return repr(x) if len(repr(x)) <= 40 else type(x).__name__
+
+
+def _check_kwargs(module, kwargs):
+    """Raise on any keyword argument that attnkit neither handles nor knows to be harmless."""
+    where = type(module).__name__
+    for name, val in kwargs.items():
+        if name in _HARMLESS or name in _HANDLED:
+            continue
+        if name in _REFUSED:
+            if val is None:
+                continue
+            raise ValueError(
+                f"{name}: attn_implementation='attnkit' expected {name}=None, got {_describe(val)} from {where} "
+                f"({_REFUSED[name]}). attnkit does not implement it and will not run dense attention in its "
+                f"place; load this model with {_alternatives(module)}.")
+        raise ValueError(
+            f"{name}: attn_implementation='attnkit' got the keyword argument {name}={_describe(val)} from {where}, "
+            "which it does not know; rather than ignore something that may change the attention, it stops. "
+            f"Load this model with {_alternatives(module)}, or report the argument to attnkit "
+            f"(known: {', '.join(sorted(set(_HANDLED) | set(_HARMLESS) | set(_REFUSED)))}).")
+
+
+def _recorder_wants_attentions() -> bool:
+    """Whether transformers' output recorder (``capture_outputs``) is collecting attention weights now.
+
+    Models such as GPT-2 consume ``output_attentions`` before their layers and record
+    the second output of each attention module through forward hooks instead.
+    """
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - older transformers pass output_attentions down
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and any(k != "hidden_states" and k.endswith("attentions") for k in collected)
+
+
+def _check_sliding_window(module, sliding_window, attention_mask, key):
+    """transformers puts a sliding window into ``attention_mask``; refuse the one case where it is not there."""
+    S = key.shape[2]
+    if sliding_window is not None and attention_mask is None and isinstance(sliding_window, int) and S > sliding_window:
+        raise ValueError(
+            f"sliding_window: expected the window to be in attention_mask (transformers builds it there), got "
+            f"sliding_window={sliding_window} with no attention_mask and {S} keys from {type(module).__name__}; "
+            f"attnkit would attend to all {S} keys. Load this model with {_alternatives(module)}.")
+
+
+def _check_packed(module, kwargs, mask, query, key):
+    """cu_seq_lens_q/k (packed sequences): check the mask already keeps the sequences apart."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    B, _, L, _ = query.shape
+    S = key.shape[2]
+    fix = ("transformers keeps packed sequences apart only through the mask, which it builds from position_ids "
+           "when there is no attention_mask and no cache: pass position_ids and use_cache=False (eager and sdpa "
+           "ignore cu_seq_lens_q/k just the same).")
+    if B != 1 or int(cu_q[-1]) != L or int(cu_k[-1]) != S:
+        raise ValueError(f"cu_seq_lens_q/k: expected one packed row (B=1) ending at L={L} and S={S}, got B={B}, "
+                         f"cu_seq_lens_q[-1]={int(cu_q[-1])}, cu_seq_lens_k[-1]={int(cu_k[-1])}. {fix}")
+    doc_q = torch.searchsorted(cu_q[1:].to(query.device), torch.arange(L, device=query.device), right=True)
+    doc_k = torch.searchsorted(cu_k[1:].to(query.device), torch.arange(S, device=query.device), right=True)
+    across = doc_q[:, None] != doc_k[None, :]  # (L, S)
+    if isinstance(mask, _masks.Mask):
+        allowed = mask.materialize(1, 1, L, S, device=query.device)
+    elif isinstance(mask, torch.Tensor):
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    else:
+        allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=query.device)
+    if (allowed & across).any():
+        raise ValueError(f"cu_seq_lens_q/k: expected the attention mask to keep the {len(cu_k) - 1} packed "
+                         "sequences apart, got a mask that lets them attend to each other. " + fix)
+
+
+def _with_position_bias(position_bias, mask, causal, query, key):
+    """Fold T5-style ``position_bias`` ``(1|B, H, L, S)`` and the mask into one additive float mask.
+
+    Differentiable in ``position_bias`` (the relative-bias table learns through it).
+    Masked positions get -inf (a fully masked row: output 0, lse -inf).
+    """
+    B, _, L, _ = query.shape
+    S = key.shape[2]
+    pb = position_bias
+    if pb.dtype != query.dtype and not (pb.dtype == torch.float32 and query.dtype in (torch.float16, torch.bfloat16)):
+        pb = pb.to(query.dtype)  # eager adds it to scores in q's dtype
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+        return pb + mask.to(pb.dtype), causal
+    if isinstance(mask, _masks.Mask):
+        mask = mask.materialize(B, 1, L, S, device=query.device)
+    if mask is None:
+        return pb, causal
+    return torch.where(mask, pb, torch.full((), float("-inf"), dtype=pb.dtype, device=pb.device)), causal
+
+
+def _sink_logits(module, s_aux, sinks, query):
+    """Sink logits broadcastable to ``(B, H, L)`` from ``s_aux`` ``(H,)`` or ``sinks`` ``(B, H, L, 1)``; or None."""
+    B, H, L, _ = query.shape
+    if s_aux is not None and sinks is not None:
+        raise ValueError(f"s_aux, sinks: expected at most one of them, got both from {type(module).__name__}.")
+    if s_aux is not None:
+        if not isinstance(s_aux, torch.Tensor) or s_aux.shape != (H,):
+            raise ValueError(f"s_aux: expected one sink logit per query head, shape ({H},), got {_describe(s_aux)}.")
+        return s_aux.view(1, H, 1)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (B, H, L, 1):
+            raise ValueError(f"sinks: expected one sink logit per query, shape ({B}, {H}, {L}, 1), "
+                             f"got {_describe(sinks)}.")
+        return sinks.squeeze(-1)
+    return None
+
+
+def _apply_sink(out, lse, sink):
+    """Add one logit ``sink`` to every softmax denominator: ``lse' = logaddexp(lse, sink)``,
+    ``out' = out · exp(lse − lse')``. Differentiable in ``sink``; a fully masked row
+    (lse = −inf) stays output 0 with lse' = sink, and nothing becomes NaN."""
+    cd = torch.promote_types(lse.dtype, torch.float32)
+    sink = sink.to(device=lse.device, dtype=cd)
+    sink = sink.clamp(min=torch.finfo(cd).min)  # a -inf sink would make lse' - lse' = NaN on masked rows
+    new_lse = torch.logaddexp(lse.to(cd), sink)
+    factor = torch.exp(lse.to(cd) - new_lse)  # (B, H, L): the share of the softmax mass left to the keys
+    return out * factor.unsqueeze(-1).to(out.dtype), new_lse.to(lse.dtype)
 
 
 def attnkit_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                              is_causal=None, **kwargs):
+                              is_causal=None, sliding_window=None, softcap=None, position_bias=None, s_aux=None,
+                              sinks=None, **kwargs):
     """transformers' attention hook for ``"attnkit"``.
 
     query ``(B, H, L, D)``, key/value ``(B, Hkv, S, D)`` (GQA is native: K/V are
     not repeated). Returns ``(out (B, L, H, Dv), weights (B, H, L, S) or None)``;
-    weights are returned when the model asks for ``output_attentions`` (recomputed
-    exactly from lse, not kept from the forward).
+    weights are returned when the model asks for attentions (``output_attentions``
+    passed down, or transformers' output recorder collecting them), recomputed
+    exactly from lse, not kept from the forward.
+
+    What the model passes is honoured, never dropped:
+
+    * ``softcap`` (Gemma 2): ``attnkit.score_mods.softcap(cap)`` on the scaled scores.
+    * ``position_bias`` ``(1|B, H, L, S)`` (T5): added to the scaled scores together
+      with the mask; gradients reach the relative-bias table.
+    * ``s_aux`` ``(H,)`` (GPT-OSS) / ``sinks`` ``(B, H, L, 1)``: a sink logit in each
+      softmax denominator, ``lse' = logaddexp(lse, sink)``, ``out' = out·exp(lse − lse')``.
+    * ``sliding_window``: already in ``attention_mask`` (checked when there is none).
+    * ``cu_seq_lens_q/k``: checked to be kept apart by the mask.
+    * ``indices`` / ``block_indices`` (sparse attention), a paged ``cache``, and any
+      keyword argument attnkit does not know: ValueError naming it.
     """
-    for unsupported in ("softcap", "s_aux", "position_bias"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"attn_implementation='attnkit' does not support {unsupported!r} yet; "
-                             "load this model with attn_implementation='sdpa' or 'eager'.")
+    _check_kwargs(module, kwargs)
+    _check_sliding_window(module, sliding_window, attention_mask, key)
     mask, causal = _resolve_mask(module, query, key, attention_mask, is_causal)
+    _check_packed(module, kwargs, mask, query, key)
+    score_mod = None if softcap is None else _score_mods.softcap(softcap)
+    if position_bias is not None:
+        mask, causal = _with_position_bias(position_bias, mask, causal, query, key)
+    sink = _sink_logits(module, s_aux, sinks, query)
     cap = _ACTIVE.get()
     layer, record, heads = None, False, None
     if cap is not None:
@@ -305,8 +520,8 @@ def attnkit_attention_forward(module, query, key, value, attention_mask, dropout
         heads = cap.heads
         if record:
             cap.check_heads(query.shape[1])
-    want_all = bool(kwargs.get("output_attentions", False))
-    need_lse = want_all or record
+    want_all = bool(kwargs.get("output_attentions", False)) or _recorder_wants_attentions()
+    need_lse = want_all or record or sink is not None
     dropout_p = float(dropout) if module.training else 0.0
     if dropout_p > 0 and want_all:
         raise ValueError(
@@ -316,12 +531,14 @@ def attnkit_attention_forward(module, query, key, value, attention_mask, dropout
     if dropout_p > 0 and record:
         raise ValueError(f"capturing attention weights of layer {layer} with attention dropout active "
                          f"(p={dropout_p}, the model is in train mode) is not exact; call model.eval() first.")
-    res = attention(query, key, value, mask=mask, causal=causal, scale=scaling, dropout_p=dropout_p,
-                    return_lse=need_lse)
+    res = attention(query, key, value, mask=mask, causal=causal, scale=scaling, score_mod=score_mod,
+                    dropout_p=dropout_p, return_lse=need_lse)
     out, lse = res if need_lse else (res, None)
+    if sink is not None:
+        out, lse = _apply_sink(out, lse, sink)
     weights = None
-    if need_lse:
-        req = make_request(query, key, value, mask=mask, causal=causal, scale=scaling, score_mod=None,
+    if want_all or record:
+        req = make_request(query, key, value, mask=mask, causal=causal, scale=scaling, score_mod=score_mod,
                            dropout_p=0.0, return_lse=True, backend="auto")
         with torch.no_grad():
             if record:
