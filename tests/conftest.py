@@ -49,7 +49,7 @@ def low_precision_error(q, k, v, ref_out, **kw):
     s = (q @ kk.transpose(-1, -2)) * (kw.get("scale") or D ** -0.5)
     req = attnkit._request.make_request(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), scale=None,
                                         score_mod=None, dropout_p=0.0, return_lse=False, backend="eager")
-    from attnkit.backends._common import allowed_tile
+    from attnkit.backends._tiles import allowed_tile
     allowed = allowed_tile(req, 0, L, 0, k.shape[2])
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))

@@ -21,9 +21,9 @@ def ran(monkeypatch):
     for mod in (eager, sdpa, tiled):
         orig = mod.run
 
-        def spy(req, _orig=orig, _name=mod.NAME):
+        def spy(req, worker=None, _orig=orig, _name=mod.NAME):
             calls.append(_name)
-            return _orig(req)
+            return _orig(req, worker)
 
         monkeypatch.setattr(mod, "run", spy)
     return calls

@@ -12,7 +12,7 @@ import torch
 import attnkit
 from attnkit import masks as M
 from attnkit import score_mods as SM
-from attnkit.backends import _blocks, tiled
+from attnkit.backends import _worklist as _blocks, tiled
 
 from conftest import assert_close, budget, golden, rand_qkv
 

@@ -155,7 +155,7 @@ def test_item2_dense_mask_changed_in_place_and_through_numpy():
 
 def test_item2_unchanged_builtin_mask_plan_is_reused():
     """Built-in masks stay cached by value (speed): the same object plans once per size."""
-    from attnkit.backends import _blocks
+    from attnkit.backends import _worklist as _blocks
     m = masks.sliding_window(32)
     p1 = _blocks.plan(m, None, 1, 2, 512, 512, 64, 64, 1024)
     p2 = _blocks.plan(m, None, 1, 2, 512, 512, 64, 64, 1024)

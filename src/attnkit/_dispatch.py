@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ._request import Request
 from .backends import get
+from .backends._base import Request
 
 # Above this fraction of partial tiles a user bool mask goes to SDPA (see the table above).
 DENSE_PARTIAL_MAX = 0.9
@@ -42,11 +42,21 @@ log = logging.getLogger("attnkit")
 
 @dataclass(frozen=True)
 class Decision:
+    """Which backend runs, which of its workers, and why (both choices explained).
+
+    ``worker`` is ``"fused"`` or ``"plain"`` for ``tiled`` (torch's private CPU flash
+    kernel per run, or plain torch ops), ``"fused"`` or ``"math"`` for ``sdpa``, and the
+    backend's only worker otherwise.
+    """
+
     backend: str
     reason: str
+    worker: str = ""
+    worker_reason: str = ""
 
     def __str__(self) -> str:
-        return f"{self.backend}: {self.reason}"
+        w = f" [{self.worker}: {self.worker_reason}]" if self.worker else ""
+        return f"{self.backend}: {self.reason}{w}"
 
 
 def _sdpa_fits(req: Request) -> str | None:
@@ -69,6 +79,14 @@ def _sdpa_fits(req: Request) -> str | None:
 
 
 def decide(req: Request, backend: str) -> Decision:
+    """The backend and worker for ``req``: the backend by the table above, then the
+    backend's own choice of worker (``choose_worker``), both with their reasons."""
+    d = _decide_backend(req, backend)
+    worker, why = get(d.backend).choose_worker(req)
+    return Decision(d.backend, d.reason, worker, why)
+
+
+def _decide_backend(req: Request, backend: str) -> Decision:
     if backend != "auto":
         why = get(backend).unsupported(req)
         if why is not None:
@@ -93,13 +111,8 @@ def decide(req: Request, backend: str) -> Decision:
 
 
 def _dense_partial_fraction(req: Request) -> float:
-    """Fraction of the tiled backend's tiles that a user bool mask leaves partial."""
-    from .backends import _blocks, tiled
-
-    B, H, L, S, *_ = req.shape
-    bm, bn, _ = tiled._sizes()
-    grid = _blocks.dense_grid(req.dense_mask, L, S, bm, bn, req.memo)  # memo: the tiled run reuses it
-    return float((grid == _blocks.PARTIAL).float().mean()) if grid.numel() else 0.0
+    """Fraction of the tiled backend's tiles that a user bool mask leaves partial (asked of tiled)."""
+    return get("tiled").partial_fraction(req)
 
 
 def _tiled_unsupported(req: Request) -> str | None:

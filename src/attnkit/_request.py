@@ -1,6 +1,6 @@
 """The one validation point: public arguments in, a normalised ``Request`` out.
 
-Every backend receives a ``Request`` whose tensors are already 4-D torch
+Every backend receives a ``Request`` (defined in ``backends._base``) whose tensors are already 4-D torch
 tensors of one floating dtype on one device, with the mask resolved into at
 most three parts that are ANDed together:
 
@@ -21,8 +21,6 @@ The order of operations every backend follows (and the reference spells out)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -30,66 +28,12 @@ import torch
 from . import _mods
 from . import masks as _masks
 from . import score_mods as _score_mods
+from .backends._base import Request
 
 __all__ = ["Request", "make_request", "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "eager", "sdpa", "tiled")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclass
-class Request:
-    q: torch.Tensor  # (B, H, L, D)
-    k: torch.Tensor  # (B, Hkv, S, D)
-    v: torch.Tensor  # (B, Hkv, S, Dv)
-    scale: float
-    mask: _masks.Mask | None = None
-    dense_mask: torch.Tensor | None = None  # bool, 4-D, broadcastable to (B, H, L, S)
-    bias: torch.Tensor | None = None  # float, 4-D, broadcastable to (B, H, L, S)
-    score_mod: Callable | None = None
-    dropout_p: float = 0.0
-    causal: bool = False  # True when ``mask`` is exactly one causal mask (SDPA's is_causal)
-    causal_align: str = "bottom_right"
-    need_lse: bool = False
-    # Tensors the score_mod reads that require grad (its own for attnkit's ScoreMods; found in
-    # the closure, defaults and globals of any other function). Backends that accept a call
-    # return gradients into them; ``grad_hidden`` says the mod reads a tensor requiring grad
-    # that attnkit could not find, which only a backend differentiating through the whole
-    # computation (eager) can honour.
-    grad_tensors: list = field(default_factory=list)
-    grad_hidden: bool = False
-    # bookkeeping for the public boundary
-    input_rank: int = 4
-    numpy_in: bool = False
-    # Per-call memo (e.g. the tile summary of a user bool mask, shared by auto's look at it
-    # and the tiled run). It lives and dies with this request, so it can never be stale.
-    memo: dict = field(default_factory=dict)
-
-    @property
-    def shape(self):
-        B, H, L, D = self.q.shape
-        return B, H, L, self.k.shape[2], D, self.v.shape[3], self.k.shape[1]
-
-    @property
-    def has_mask(self) -> bool:
-        return self.mask is not None or self.dense_mask is not None or self.bias is not None
-
-    def requires_grad(self) -> bool:
-        """Whether any gradient is wanted: of q, k, v, a float mask, or a tensor the score_mod reads."""
-        if not torch.is_grad_enabled():
-            return False
-        return (any(t.requires_grad for t in (self.q, self.k, self.v))
-                or (self.bias is not None and self.bias.requires_grad)
-                or bool(self.grad_tensors) or self.grad_hidden)
-
-    def extra_grads(self) -> bool:
-        """Whether gradients are wanted beyond q, k, v (into a float mask or score_mod tensors)."""
-        return torch.is_grad_enabled() and ((self.bias is not None and self.bias.requires_grad)
-                                            or bool(self.grad_tensors) or self.grad_hidden)
-
-    def compute_dtype(self) -> torch.dtype:
-        """fp32/fp64 compute in their own dtype; bf16/fp16 keep scores and statistics in fp32."""
-        return self.q.dtype if self.q.dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _kind(x) -> str:
@@ -242,7 +186,7 @@ def _check_tensor_mask(mask, q: torch.Tensor, rank: int, B, H, L, S):
 
 
 def make_request(
-    q, k, v, *, mask, causal, scale, score_mod, dropout_p, return_lse, backend
+    q, k, v, *, mask, causal, scale, score_mod, dropout_p, return_lse, backend, return_weights=False, sinks=None
 ) -> Request:
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(
@@ -279,7 +223,13 @@ def make_request(
         raise TypeError(f"causal: expected True or False, got {causal!r}. For top-left alignment pass mask=attnkit.masks.causal('top_left').")
 
     req = Request(q=q4, k=k4, v=v4, scale=scale, score_mod=score_mod, dropout_p=float(dropout_p),
-                  need_lse=bool(return_lse), input_rank=rank, numpy_in=numpy_in)
+                  need_lse=bool(return_lse), return_lse=bool(return_lse), input_rank=rank, numpy_in=numpy_in)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected True or False, got {return_lse!r}.")
+    req.weight_heads = _check_weight_heads(return_weights, H)
+    req.sinks = None if sinks is None else _check_sinks(sinks, q4, B, H, L)
+    if req.weight_heads is not None or req.sinks is not None:
+        req.need_lse = True
 
     structured: list[_masks.Mask] = []
     if causal:
@@ -313,6 +263,43 @@ def make_request(
     if score_mod is not None and torch.is_grad_enabled():
         _find_score_mod_tensors(req)
     return req
+
+
+def _check_weight_heads(return_weights, H: int):
+    if return_weights is False or return_weights is None:
+        return None
+    if return_weights is True:
+        return list(range(H))
+    try:
+        heads = [int(h) for h in return_weights]
+    except (TypeError, ValueError):
+        heads = None
+    if (heads is None or isinstance(return_weights, (str, bytes)) or not heads
+            or any(isinstance(h, bool) for h in return_weights)):
+        raise TypeError(
+            f"return_weights: expected True, False or a non-empty sequence of query-head indices, got {return_weights!r}.")
+    bad = [h for h in heads if not 0 <= h < H]
+    if bad:
+        raise ValueError(f"return_weights: head indices must be in [0, {H}) (H={H}), got {bad}. Pass heads 0..{H - 1}.")
+    return heads
+
+
+def _check_sinks(sinks, q: torch.Tensor, B: int, H: int, L: int) -> torch.Tensor:
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks: expected a float torch.Tensor of shape (H,) = ({H},), got {type(sinks).__name__}.")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks: expected a floating dtype, got {sinks.dtype}. Convert it with sinks.float().")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks: expected device {q.device} (that of q), got {sinks.device}. Move it with .to().")
+    if sinks.dim() == 1:
+        if sinks.shape[0] != H:
+            raise ValueError(f"sinks: expected one logit per query head, shape ({H},), got {tuple(sinks.shape)}.")
+        return sinks.view(1, H, 1)
+    if sinks.dim() != 3 or any(g not in (1, w) for g, w in zip(sinks.shape, (B, H, L))):
+        raise ValueError(
+            f"sinks: expected shape (H,) or a 3-D tensor broadcastable to (B, H, L) = {(B, H, L)}, got "
+            f"{tuple(sinks.shape)}.")
+    return sinks
 
 
 def _find_score_mod_tensors(req: Request) -> None:

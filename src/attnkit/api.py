@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from ._dispatch import Decision, decide, explain_decision
 from ._request import make_request
-from .backends import get
+from .backends import _softmax, get
+from .backends._tiles import weights_from_lse
 
 __all__ = ["attention", "dispatch"]
 
 
 def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dropout_p=0.0,
-              return_lse=False, backend="auto"):
+              return_lse=False, return_weights=False, sinks=None, backend="auto"):
     r"""Exact scaled dot-product attention, ``softmax(q kᵀ · scale) v``.
 
     Shape legend: B batch, H query heads, Hkv key/value heads, L query length,
@@ -37,13 +38,26 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
             scores (FlexAttention's signature), applied before bias and mask.
         dropout_p: dropout on the weights (eager path only).
         return_lse: also return ``lse (B, H, L)``, the log-sum-exp of each row.
+        return_weights: also return the exact attention weights ``(B, H', L, S)``, recomputed
+            from q, k and lse (``exp(s - lse)``) on whichever backend ran, so the fast path
+            never holds an L×S tensor it does not return: ``True`` for every head, or a
+            sequence of query-head indices (``H'`` of them). Rows sum to 1 (less the sink's
+            share with ``sinks``); fully masked rows are 0. Differentiable. With dropout,
+            the weights before dropout.
+        sinks: attention sinks (GPT-OSS): per-head logits ``(H,)`` (or broadcastable to
+            ``(B, H, L)``) added to each row's softmax denominator, attending to nothing::
+
+                out = Σ_j e^(s_j) v_j / (e^sink + Σ_j e^(s_j)),   lse = log(e^sink + Σ_j e^(s_j))
+
+            Gradients reach ``sinks``.
         backend: ``"auto"`` (see :func:`dispatch`), ``"reference"``, ``"eager"``,
             ``"sdpa"`` or ``"tiled"``. A named backend that cannot honour the
             arguments raises; it never falls back silently.
 
     Returns:
         ``out (B, H, L, Dv)`` in the input's kind (torch → torch with autograd,
-        NumPy → NumPy), dtype and rank; or ``(out, lse)`` with ``return_lse=True``.
+        NumPy → NumPy), dtype and rank; or ``(out, lse)`` with ``return_lse=True``;
+        ``(out, weights)`` or ``(out, lse, weights)`` with ``return_weights``.
         A fully masked query row gives output 0 and lse -inf (gradients 0), never NaN.
         NaN in an input propagates to the rows it touches.
 
@@ -51,32 +65,42 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         TypeError / ValueError naming the argument, what was expected and got.
     """
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
-                       dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+                       dropout_p=dropout_p, return_lse=return_lse, backend=backend,
+                       return_weights=return_weights, sinks=sinks)
     decision = explain_decision(req, backend)
-    out, lse = get(decision.backend).run(req)
-    return _finish(req, out, lse)
+    out, lse = get(decision.backend).run(req, decision.worker)
+    if req.sinks is not None:
+        out, lse = _softmax.add_sink(out, lse, req.sinks)
+    weights = None
+    if req.weight_heads is not None:
+        weights = weights_from_lse(req, lse, req.weight_heads).to(req.q.dtype)  # (B, H', L, S)
+    return _finish(req, out, lse, weights)
 
 
-def _finish(req, out, lse):
+def _finish(req, out, lse, weights=None):
+    """Back to the caller's rank and kind; the tuple the caller asked for."""
     if req.input_rank == 3:  # (H, L, D) in -> (H, L, Dv) out
         out, lse = out[0], (None if lse is None else lse[0])
+        weights = None if weights is None else weights[0]
     elif req.input_rank == 2:  # (L, D) in -> (L, Dv) out
         out, lse = out[0, 0], (None if lse is None else lse[0, 0])
+        weights = None if weights is None else weights[0, 0]
     if req.numpy_in:
         out = out.detach().cpu().numpy()
         lse = None if lse is None else lse.detach().cpu().numpy()
-    if req.need_lse:
-        return out, lse
-    return out
+        weights = None if weights is None else weights.detach().cpu().numpy()
+    res = (out,) + ((lse,) if req.return_lse else ()) + ((weights,) if req.weight_heads is not None else ())
+    return res if len(res) > 1 else out
 
 
 def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dropout_p=0.0,
-             return_lse=False, backend="auto") -> Decision:
+             return_lse=False, return_weights=False, sinks=None, backend="auto") -> Decision:
     """The backend ``attention`` would run for these arguments, and why (runs nothing).
 
     >>> attnkit.dispatch(q, k, v, mask=attnkit.masks.sliding_window(256))
     Decision(backend='tiled', reason="block-sparse tiled kernel for mask sliding_window(256, ...)")
     """
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
-                       dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+                       dropout_p=dropout_p, return_lse=return_lse, backend=backend,
+                       return_weights=return_weights, sinks=sinks)
     return decide(req, backend)

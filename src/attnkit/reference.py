@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._request import Request
-from .backends._common import apply_score_mod, index_grid
+from .backends._base import Request
+from .backends._tiles import apply_score_mod, index_grid
 
-__all__ = ["NAME", "unsupported", "run", "trace", "Trace"]
+__all__ = ["NAME", "unsupported", "choose_worker", "run", "trace", "Trace"]
 
 NAME = "reference"
 
@@ -101,7 +101,11 @@ def trace(req: Request) -> Trace:
                  allowed=allowed, weights=weights, output=output, lse=lse, has_mask=req.has_mask)
 
 
-def run(req: Request):
+def choose_worker(req: Request) -> tuple[str, str]:
+    return "numpy", "the textbook steps in NumPy float64"
+
+
+def run(req: Request, worker: str | None = None):
     t = trace(req)
     dt = req.q.dtype
     out = torch.from_numpy(t.output).to(device=req.q.device, dtype=dt)

@@ -7,16 +7,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._request import Request
-from ._common import modify_scores, safe_softmax_stats
+from . import _softmax
+from ._base import Request
+from ._tiles import modify_scores
 
-__all__ = ["NAME", "unsupported", "run", "weights"]
+__all__ = ["NAME", "unsupported", "choose_worker", "run", "weights"]
 
 NAME = "eager"
 
 
 def unsupported(req: Request) -> str | None:
     return None
+
+
+def choose_worker(req: Request) -> tuple[str, str]:
+    return "math", "dense (B, H, L, S) scores in torch ops, autograd through everything"
 
 
 def _probs(req: Request):
@@ -27,10 +32,7 @@ def _probs(req: Request):
     qg = req.q.to(cd).reshape(B, Hkv, g, L, D)
     s = torch.matmul(qg, req.k.to(cd).unsqueeze(2).transpose(-1, -2)) * req.scale  # (B, Hkv, g, L, S)
     s = modify_scores(req, s.reshape(B, H, L, S), 0, 0)
-    m, p, l = safe_softmax_stats(s)
-    lse = (m + torch.log(l)).squeeze(-1)  # (B, H, L); -inf on fully masked rows
-    w = p / torch.where(l > 0, l, torch.ones_like(l))
-    return w, lse
+    return _softmax.softmax_lse(s)  # weights (B, H, L, S), lse (B, H, L); dead rows 0 / -inf
 
 
 def weights(req: Request) -> torch.Tensor:
@@ -38,7 +40,7 @@ def weights(req: Request) -> torch.Tensor:
     return _probs(req)[0]
 
 
-def run(req: Request):
+def run(req: Request, worker: str | None = None):
     B, H, L, S, D, Dv, Hkv = req.shape
     g = H // Hkv
     w, lse = _probs(req)

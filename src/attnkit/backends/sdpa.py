@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._request import Request
 from . import _flash_cpu, eager
-from ._common import allowed_tile, has_nan
+from ._base import Request
+from ._tiles import allowed_tile, has_nan
 
-__all__ = ["NAME", "unsupported", "run"]
+__all__ = ["NAME", "unsupported", "choose_worker", "run"]
 
 NAME = "sdpa"
 
@@ -61,9 +61,20 @@ def _attn_mask(req: Request):
     return bias
 
 
-def run(req: Request):
-    B, H, L, S, D, Dv, Hkv = req.shape
+def choose_worker(req: Request) -> tuple[str, str]:
+    """``fused``: torch's SDPA kernels; ``math``: the same formula in plain ops, for inputs
+    holding NaN (torch's CPU kernel turns a row whose scores hold NaN into zeros)."""
     if has_nan(req.q, req.k, req.v):
+        return "math", "NaN in q, k or v: torch's fused CPU kernel would output 0 there, plain ops propagate it"
+    return "fused", "torch.nn.functional.scaled_dot_product_attention" + (
+        " (lse from its CPU flash kernel)" if req.need_lse else "")
+
+
+def run(req: Request, worker: str | None = None):
+    B, H, L, S, D, Dv, Hkv = req.shape
+    if worker is None:
+        worker, _ = choose_worker(req)
+    if worker == "math":  # the same formula in plain ops (see choose_worker)
         out, lse = eager.run(req)
         return out, (lse if req.need_lse else None)
     is_causal = _is_causal_only(req)

@@ -20,7 +20,7 @@ How the pieces fit::
                         refused one (indices, block_indices, paged cache) raises, naming it
                         softcap=c          → score_mod=attnkit.score_mods.softcap(c)
                         position_bias (T5) → mask = bias + (mask ? 0 : −inf)   (differentiable)
-                        attnkit.attention(q, k, v, mask=…, score_mod=…, return_lse=need_lse)  (auto)
+                        attnkit.attention(q, k, v, mask=…, score_mod=…, sinks=…, return_weights=…)  (auto)
                         s_aux / sinks      → lse' = logaddexp(lse, sink), out·exp(lse − lse')
                         weights wanted? (output_attentions passed down, transformers' output
                         recorder collecting attentions, or a capture of this layer)
@@ -44,9 +44,7 @@ import torch
 
 from .. import masks as _masks
 from .. import score_mods as _score_mods
-from .._request import make_request
 from ..api import attention
-from ..backends._common import weights_from_lse
 
 __all__ = ["register", "attnkit_attention_forward", "attnkit_mask", "capture_attention", "capturing", "CaptureError",
            "NAME"]
@@ -469,18 +467,6 @@ def _sink_logits(module, s_aux, sinks, query):
     return None
 
 
-def _apply_sink(out, lse, sink):
-    """Add one logit ``sink`` to every softmax denominator: ``lse' = logaddexp(lse, sink)``,
-    ``out' = out · exp(lse − lse')``. Differentiable in ``sink``; a fully masked row
-    (lse = −inf) stays output 0 with lse' = sink, and nothing becomes NaN."""
-    cd = torch.promote_types(lse.dtype, torch.float32)
-    sink = sink.to(device=lse.device, dtype=cd)
-    sink = sink.clamp(min=torch.finfo(cd).min)  # a -inf sink would make lse' - lse' = NaN on masked rows
-    new_lse = torch.logaddexp(lse.to(cd), sink)
-    factor = torch.exp(lse.to(cd) - new_lse)  # (B, H, L): the share of the softmax mass left to the keys
-    return out * factor.unsqueeze(-1).to(out.dtype), new_lse.to(lse.dtype)
-
-
 def attnkit_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                               is_causal=None, sliding_window=None, softcap=None, position_bias=None, s_aux=None,
                               sinks=None, **kwargs):
@@ -521,7 +507,6 @@ def attnkit_attention_forward(module, query, key, value, attention_mask, dropout
         if record:
             cap.check_heads(query.shape[1])
     want_all = bool(kwargs.get("output_attentions", False)) or _recorder_wants_attentions()
-    need_lse = want_all or record or sink is not None
     dropout_p = float(dropout) if module.training else 0.0
     if dropout_p > 0 and want_all:
         raise ValueError(
@@ -531,18 +516,15 @@ def attnkit_attention_forward(module, query, key, value, attention_mask, dropout
     if dropout_p > 0 and record:
         raise ValueError(f"capturing attention weights of layer {layer} with attention dropout active "
                          f"(p={dropout_p}, the model is in train mode) is not exact; call model.eval() first.")
+    # One validated call: exact weights (recomputed from lse, only the heads wanted) and
+    # sinks are options of the front door, whichever backend runs.
+    which = True if (want_all or heads is None) else heads
     res = attention(query, key, value, mask=mask, causal=causal, scale=scaling, score_mod=score_mod,
-                    dropout_p=dropout_p, return_lse=need_lse)
-    out, lse = res if need_lse else (res, None)
-    if sink is not None:
-        out, lse = _apply_sink(out, lse, sink)
+                    dropout_p=dropout_p, sinks=sink, return_weights=which if (want_all or record) else False)
+    out, w = res if (want_all or record) else (res, None)
     weights = None
-    if want_all or record:
-        req = make_request(query, key, value, mask=mask, causal=causal, scale=scaling, score_mod=score_mod,
-                           dropout_p=0.0, return_lse=True, backend="auto")
-        with torch.no_grad():
-            if record:
-                cap.weights[layer] = weights_from_lse(req, lse.detach(), heads)  # (B, H', L, S)
-            if want_all:
-                weights = weights_from_lse(req, lse.detach())  # (B, H, L, S)
+    if record:
+        cap.weights[layer] = (w[:, heads] if (want_all and heads is not None) else w).detach()  # (B, H', L, S)
+    if want_all:
+        weights = w  # (B, H, L, S), as transformers' eager path returns them
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Dv)

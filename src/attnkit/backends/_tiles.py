@@ -1,5 +1,5 @@
-"""Math shared by the torch backends: index grids, score_mod/mask application on a
-tile of scores, a softmax that is safe on fully masked rows, and weights from lse.
+"""The score pipeline on one tile, shared by the torch backends: index grids, score_mod,
+bias and mask application, and exact weights recomputed from lse.
 
 A "tile" is the block of scores for query rows ``[i0, i0 + l)`` and key columns
 ``[j0, j0 + s)``; the dense backends use one tile covering everything.
@@ -11,11 +11,12 @@ import torch
 
 from .. import _mods
 from .. import score_mods as _score_mods
-from .._request import Request
+from . import _softmax
+from ._base import Request
 from ._flash_cpu import has_nan
 
 __all__ = ["has_nan", "index_grid", "tile_of", "apply_score_mod", "modify_scores", "allowed_tile",
-           "safe_softmax_stats", "weights_from_lse"]
+           "weights_from_lse"]
 
 NEG_INF = float("-inf")
 
@@ -98,19 +99,6 @@ def modify_scores(req: Request, s_tile: torch.Tensor, i0: int, j0: int, heads=No
     return s_tile
 
 
-def safe_softmax_stats(s: torch.Tensor):
-    """Row max ``m`` (0 where the row has no finite score), ``p = exp(s - m)``, ``l = sum p``.
-
-    A fully masked row (all -inf) gives p = 0, l = 0 and so lse = m + log l = -inf,
-    never NaN (exp(-inf - 0) = 0).
-    """
-    m = s.detach().amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
-    l = p.sum(dim=-1, keepdim=True)
-    return m, p, l
-
-
 def weights_from_lse(req: Request, lse: torch.Tensor, heads=None) -> torch.Tensor:
     """Exact attention weights ``exp(s - lse)`` ``(B, H', L, S)`` recomputed from q, k and lse.
 
@@ -125,6 +113,4 @@ def weights_from_lse(req: Request, lse: torch.Tensor, heads=None) -> torch.Tenso
     k = req.k[:, [h // g for h in heads]].to(cd)
     s = torch.matmul(q, k.transpose(-1, -2)) * req.scale
     s = modify_scores(req, s, 0, 0, heads=heads)
-    lse_h = lse[:, heads].to(cd).unsqueeze(-1)
-    finite = torch.isfinite(lse_h)
-    return torch.where(finite, torch.exp(s - torch.where(finite, lse_h, torch.zeros_like(lse_h))), torch.zeros_like(s))
+    return _softmax.weights_from_lse(s, lse[:, heads].to(cd))
