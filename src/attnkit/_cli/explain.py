@@ -368,8 +368,10 @@ def run(args) -> int:
     try:  # validation of the user's shapes and mask: a user error, not a bug
         make_request(q, k, v, mask=mask, causal=args.causal, scale=None, score_mod=None, dropout_p=0.0,
                      return_lse=False, backend="reference")
-    except (ValueError, TypeError) as e:
-        raise _err(f"--q/--k/--v/--mask: {e}") from None
+    except (ValueError, TypeError) as e:  # attnkit's messages start with the argument: q, k, v, mask
+        msg = str(e)
+        name = msg.split(":", 1)[0]
+        raise _err(f"--{msg}" if name in ("q", "k", "v", "mask") else f"--q/--k/--v/--mask: {msg}") from None
     t = explain(q, k, v, mask=mask, causal=args.causal)  # (L, S) / (L, Dv) arrays: 2-D in, 2-D out
     print(title)
     print(f"Q {q.shape}, K {k.shape}, V {v.shape}; scale = 1/√d_k = {t.scale:.6f}\n")
