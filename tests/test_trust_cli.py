@@ -536,3 +536,17 @@ def test_a_format_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(fmt, "format_trace", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         cli.main(["explain"])
+
+
+def test_png_of_an_unbatched_trace_draws_one_head(tmp_path):
+    pytest.importorskip("matplotlib", reason="needs matplotlib: pip install 'attnkit[viz]'")
+    from attnkit.viz import save_heads_png
+
+    t = attnkit.explain(Q, K, V)  # weights (L, S) = (3, 3)
+    path = save_heads_png(tmp_path / "w.png", t.weights, ["a", "b", "c"], title="the 3-token example")
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(path)
+    assert img.shape[0] > 100 and img[..., :3].std() > 0.05  # drawn, not blank
+    with pytest.raises(ValueError, match=r"weights: expected \(H, L, S\) or \(L, S\)"):
+        save_heads_png(tmp_path / "x.png", t.weights[0], ["a", "b", "c"])

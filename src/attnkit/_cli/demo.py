@@ -44,7 +44,7 @@ def _explain_part():
     print(f"\nFirst output row: [{row[0]:.1f}, {row[1]:.1f}] (weights {', '.join(f'{x:.4f}' for x in w)}).")
     why = (f"q0 scores k0 and k1 equally ({s[0]:g} each), so their weights are equal and the row is exactly "
            f"[{row[0]:.1f}, {row[1]:.1f}]" if s[0] == s[1] else f"the row is [{row[0]:.4f}, {row[1]:.4f}]")
-    print(f"This example is often printed with [5.3, 4.2] for this row; that is wrong: {why}.")
+    print(f"A known misprint of this example gives [5.3, 4.2] for this row; that is wrong: {why}.")
 
 
 def _model_part(out, model_path):

@@ -294,9 +294,9 @@ def _note_3token(t, masked, prec, q, k, v):
         terms = " + ".join(f"{wi:.4f}·{_vec(vi, 0)}" for wi, vi in zip(w, v))
         equal = ("; q0 scores k0 and k1 equally, so their weights are equal and the row is exactly "
                  f"{_vec(row, 1)}" if t.scores[0, 0] == t.scores[0, 1] else "")
-        return (f"First output row: {_vec(row, prec)} = {terms}{equal}. Erratum: this example is often printed "
-                "with weights [0.42, 0.42, 0.16] and first row [5.3, 4.2] (or [0.4, 0.4, 0.2] → [5, 4]); "
-                f"the exact weights are {_vec(w, 4)}.")
+        return (f"First output row: {_vec(row, prec)} = {terms}{equal}. Erratum for a known misprint of this "
+                "example: weights [0.42, 0.42, 0.16] with first row [5.3, 4.2] (or [0.4, 0.4, 0.2] → [5, 4]) are "
+                f"wrong; the exact weights are {_vec(w, 4)}.")
     seen = [f"k{j}" for j in np.flatnonzero(t.weights[0] > 0)]
     return (f"With this mask query 0 attends to {', '.join(seen) or 'no key'} (weights {_vec(w, prec)}), so the "
             f"first output row is {_vec(row, prec)}; without a mask it would be {_vec(_unmasked_row0(q, k, v), 1)}.")
