@@ -330,6 +330,13 @@ def test_broken_pipe_in_process_returns_141(monkeypatch):
     assert cli.main(["explain"]) == cli.EXIT_BROKEN_PIPE == 141
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["explain", "--help"]])
+def test_help_documents_the_exit_status_141(capsys, argv):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert "141 when" in " ".join(capsys.readouterr().out.split())
+
+
 def test_pipe_into_head_shows_the_first_lines_and_no_traceback():
     cmd = f"{sys.executable} -m attnkit explain --example random --precision 16 | head -1"
     p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
