@@ -48,7 +48,13 @@ def test_show_default_sentence_writes_png_and_offline_html(tmp_path, capsys):
     img = mpimg.imread(tmp_path / "attention.png")
     assert img.shape[0] > 800 and img.shape[1] > 800 and img[..., :3].std() > 0.05  # big and not blank
     page = (tmp_path / "attention.html").read_text(encoding="utf-8")
-    assert page.startswith("<!DOCTYPE html>") and "attn-data" in page and "eroding" in page
+    data = _page_data(page)
+    assert [it["label"] for it in data["items"]] == ["The river bank was eroding."]
+    assert data["items"][0]["tokens"] == ["[CLS]", "the", "river", "bank", "was", "er", "##od", "##ing", ".", "[SEP]"]
+    assert data["initial"] == {"item": 0, "layer": 2, "head": -1, "token": 3}  # opens on "bank"
+    w2 = np.array(data["weights"]["2"][0])  # layer 2, sentence 0: (H, L, S)
+    assert w2.shape == (12, 10, 10) and np.allclose(w2.sum(-1), 1, atol=1e-3)
+    assert int(np.argmax(w2[11, 3])) == 2  # head 11: bank -> river, as in the table
     assert EXTERNAL.search(page) is None, EXTERNAL.search(page)
 
 

@@ -21,6 +21,8 @@ def format_matrix(m, row_labels=None, col_labels=None, prec: int = 4) -> str:
     m = np.asarray(m, dtype=np.float64)
     if m.ndim == 1:
         m = m[None]
+    if m.size == 0:
+        return f"(empty {m.shape[0]}×{m.shape[1]} matrix)"
     rows = row_labels or [f"q{i}" for i in range(m.shape[0])]
     cols = col_labels or [f"k{j}" for j in range(m.shape[1])]
     cells = [[_cell(x, prec) for x in r] for r in m]
@@ -32,8 +34,29 @@ def format_matrix(m, row_labels=None, col_labels=None, prec: int = 4) -> str:
     return "\n".join(out)
 
 
+def _as_rank4(t):
+    """A view of trace ``t`` with (B, H, L, S)-shaped arrays, whatever its rank."""
+    from types import SimpleNamespace
+
+    lead = 4 - t.scores.ndim
+    if lead == 0:
+        return t
+    up = lambda a: np.asarray(a).reshape((1,) * lead + np.shape(a))  # noqa: E731
+    return SimpleNamespace(q=up(t.q), scale=t.scale, scores=up(t.scores), scaled=up(t.scaled),
+                           masked=up(t.masked), weights=up(t.weights), output=up(t.output),
+                           has_mask=t.has_mask)
+
+
 def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4, q_tokens=None, k_tokens=None) -> str:
-    """The trace of batch ``b``, head ``h`` as numbered tables (tokens label rows/columns)."""
+    """The trace of batch ``b``, head ``h`` as numbered tables (tokens label rows/columns).
+
+    ``t``'s arrays may have any rank the rank rule gives: scores (L, S), (H, L, S) or
+    (B, H, L, S) with output (…, L, Dv); ``b`` and ``h`` pick from the dims that exist.
+    """
+    rank = np.ndim(t.scores)
+    if rank == 3:  # (H, L, S): the head is the only leading dim
+        b = 0
+    t = _as_rank4(t)
     L, S = t.scores.shape[-2:]
     Dv = t.output.shape[-1]
     q_tokens, k_tokens = q_tokens or tokens, k_tokens or tokens
@@ -41,7 +64,9 @@ def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4, q_tokens
     klab = list(k_tokens) if k_tokens and len(k_tokens) == S else None
     dk = t.q.shape[-1]
     parts = []
-    if t.scores.shape[0] * t.scores.shape[1] > 1:
+    if rank == 3 and t.scores.shape[1] > 1:
+        parts.append(f"(head {h} of H={t.scores.shape[1]})")
+    elif rank == 4 and t.scores.shape[0] * t.scores.shape[1] > 1:
         parts.append(f"(batch {b}, head {h} of B={t.scores.shape[0]}, H={t.scores.shape[1]})")
     parts += [
         "1. Raw scores  Q·Kᵀ", format_matrix(t.scores[b, h], qlab, klab, prec),

@@ -2,19 +2,27 @@
 
 Each subcommand lives in ``attnkit._cli.<name>`` with ``add_arguments(parser)``
 and ``run(args) -> int``; heavy imports happen only when that subcommand runs.
-User errors (bad input, missing extras) print one line with the fix and exit 2.
+
+Exit status: 0 ok; 2 a user error (bad option or input: one line ``attnkit CMD: error: …``
+naming the option, what was expected, what was got and the fix; no traceback); 141
+(128 + SIGPIPE, what ``cat`` or ``grep`` give) when the reader of stdout goes away, e.g.
+``attnkit explain | head -2``, quietly; 130 on Ctrl-C. Subcommands turn user errors into
+:class:`CLIError` where they check the input; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-__all__ = ["main", "CLIError"]
+__all__ = ["main", "CLIError", "EXIT_BROKEN_PIPE"]
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE(13)
 
 _COMMANDS = {
-    "explain": "attention step by step on the seed examples or your own Q, K, V",
+    "explain": "attention step by step on the worked examples or your own Q, K, V",
     "masks": "draw a mask as ASCII (causal, sliding window, document, prefix-LM, padding)",
     "show": "a real model's attention on your sentence: table, PNG and offline HTML",
     "bench": "benchmark attnkit against torch SDPA, FlexAttention and naive attention",
@@ -27,7 +35,8 @@ class CLIError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnkit", description="Exact Transformer attention: run it, see it, build with it.")
+    p = argparse.ArgumentParser(prog="attnkit", description="Exact Transformer attention: run it, see it, build with it.",
+                                epilog="exit status: 0 ok, 2 bad input, 141 when stdout's reader goes away (| head).")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in _COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
@@ -40,19 +49,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    p = _parser()
-    args = p.parse_args(argv)
-    if not getattr(args, "_run", None):
-        p.print_help()
-        return 0 if args.command is None else 2
+def _silence_stdout():
+    """After a broken pipe: point stdout at /dev/null so the interpreter's final flush cannot fail again."""
     try:
-        return int(args._run(args) or 0)
-    except CLIError as e:
-        print(f"attnkit {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # attnkit's validation errors name the argument and the fix
-        print(f"attnkit {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # stdout without a file descriptor (captured in tests)
+        pass
+
+
+def main(argv=None) -> int:
+    try:
+        p = _parser()
+        args = p.parse_args(argv)
+        if not getattr(args, "_run", None):
+            p.print_help()
+            return 0 if args.command is None else 2
+        try:
+            rc = int(args._run(args) or 0)
+        except CLIError as e:
+            sys.stdout.flush()
+            print(f"attnkit {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handler, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return 130

@@ -15,7 +15,7 @@ tensors (their signatures are FlexAttention's), everything else is NumPy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -32,9 +32,14 @@ NAME = "reference"
 class Trace:
     """Every step of one attention computation, as float64 NumPy arrays.
 
-    Shapes: ``scores``, ``scaled``, ``masked``, ``weights`` are ``(B, H, L, S)``;
-    ``output`` ``(B, H, L, Dv)``; ``lse`` ``(B, H, L)``; ``allowed`` the bool mask
-    ``(B, H, L, S)`` (True = attend). Unbatched inputs are traced as B = H = 1.
+    Shapes follow the input rank (as :func:`attnkit.attention`'s output does). For
+    4-D inputs q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv): ``scores``,
+    ``scaled``, ``masked``, ``weights`` and ``allowed`` (the bool mask, True = attend)
+    are ``(B, H, L, S)``; ``output`` ``(B, H, L, Dv)``; ``lse`` ``(B, H, L)``; ``q``
+    ``(B, H, L, D)`` and ``k``/``v`` repeated to the H query heads. For (H, L, D)
+    inputs the leading B is dropped, for (L, D) inputs both B and H: scores ``(L, S)``,
+    output ``(L, Dv)``, lse ``(L,)``. (:func:`trace` itself works at rank 4;
+    :func:`attnkit.explain` returns ``trace(req).at_rank(input rank)``.)
     """
 
     q: np.ndarray
@@ -54,6 +59,18 @@ class Trace:
         from ._format import format_trace
 
         return format_trace(self)
+
+    def at_rank(self, rank: int) -> "Trace":
+        """This rank-4 trace with the leading (B, H) dims dropped to match a rank-2 or rank-3 input."""
+        if rank == 4:
+            return self
+        if rank not in (2, 3) or self.scores.ndim != 4 or self.scores.shape[0] != 1 or (
+                rank == 2 and self.scores.shape[1] != 1):
+            raise ValueError(f"rank: expected 2, 3 or 4 for a trace of scores {self.scores.shape}, got {rank}.")
+        idx = (0, 0) if rank == 2 else (0,)
+        arrays = {f: getattr(self, f)[idx] for f in
+                  ("q", "k", "v", "scores", "scaled", "masked", "allowed", "weights", "output", "lse")}
+        return replace(self, **arrays)
 
 
 def unsupported(req: Request) -> str | None:

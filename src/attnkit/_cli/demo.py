@@ -1,4 +1,4 @@
-"""``attnkit demo``: the tour — the seed example step by step, a real model's attention, a speed table.
+"""``attnkit demo``: the tour — the 3-token example step by step, a real model's attention, a speed table.
 
 What ``make demo`` runs on a fresh machine. Each part stands alone: without the
 model extra the second part says how to install it and the others still run.
@@ -12,6 +12,7 @@ import time
 
 __all__ = ["add_arguments", "run"]
 
+# The 3-token example (also `attnkit explain`'s default).
 SEED_Q = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
 SEED_K = [[1.0, 1.0], [1.0, 0.0], [0.0, 1.0]]
 SEED_V = [[10.0, 0.0], [0.0, 10.0], [5.0, 5.0]]
@@ -37,12 +38,13 @@ def _explain_part():
 
     q, k, v = (np.array(x) for x in (SEED_Q, SEED_K, SEED_V))
     print("Q =", q.tolist(), "  K =", k.tolist(), "  V =", v.tolist(), "  (d_k = 2, scale = 1/√2)\n")
-    t = attnkit.explain(q, k, v)
+    t = attnkit.explain(q, k, v)  # 2-D in: (L, S) weights, (L, Dv) output
     print(t)
-    row = t.output[0, 0, 0]
-    print(f"\nFirst output row: [{row[0]:.1f}, {row[1]:.1f}] (weights {', '.join(f'{w:.4f}' for w in t.weights[0, 0, 0])}).")
-    print("The seed tutorial printed [5.3, 4.2] for this row; that is wrong: "
-          "q0 scores k0 and k1 equally (1 each), so their weights are equal and the row is exactly [5.0, 5.0].")
+    row, w, s = t.output[0], t.weights[0], t.scores[0]
+    print(f"\nFirst output row: [{row[0]:.1f}, {row[1]:.1f}] (weights {', '.join(f'{x:.4f}' for x in w)}).")
+    why = (f"q0 scores k0 and k1 equally ({s[0]:g} each), so their weights are equal and the row is exactly "
+           f"[{row[0]:.1f}, {row[1]:.1f}]" if s[0] == s[1] else f"the row is [{row[0]:.4f}, {row[1]:.4f}]")
+    print(f"A known misprint of this example gives [5.3, 4.2] for this row; that is wrong: {why}.")
 
 
 def _model_part(out, model_path):
@@ -116,7 +118,7 @@ def _speed_part(quick):
 
 def run(args) -> int:
     t0 = time.perf_counter()
-    _step(1, "Attention step by step on the seed example (attnkit.explain)")
+    _step(1, "Attention step by step on the 3-token example (attnkit.explain)")
     _explain_part()
     _step(2, "A real model's attention: all-MiniLM-L6-v2 running on attnkit (attnkit show)")
     _model_part(args.out, args.model)

@@ -2,17 +2,41 @@
 
 from __future__ import annotations
 
+import argparse
+
 __all__ = ["add_arguments", "run"]
 
 _KINDS = ("causal", "causal-top-left", "window", "document", "prefix", "padding")
+MAX_DRAW = 64
+
+
+def _size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= MAX_DRAW:
+        raise argparse.ArgumentTypeError(f"expected a size in 1..{MAX_DRAW} for a drawing, got {text!r}")
+    return n
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
 
 
 def add_arguments(p):
     p.add_argument("kind", choices=_KINDS, help="which mask to draw")
-    p.add_argument("-L", type=int, default=8, help="query length (default 8)")
-    p.add_argument("-S", type=int, default=None, help="key length (default: L)")
-    p.add_argument("--size", type=int, default=3, help="window size / prefix length / valid keys (default 3)")
-    p.add_argument("--docs", default=None, help="document ids for 'document', e.g. 0,0,0,1,1,2,2,2")
+    p.add_argument("-L", type=_size, default=8, help=f"query length, 1..{MAX_DRAW} (default 8)")
+    p.add_argument("-S", type=_size, default=None, help=f"key length, 1..{MAX_DRAW} (default: L)")
+    p.add_argument("--size", type=_count, default=3,
+                   help="window size (>= 1) / prefix length (<= S) / valid keys for padding (<= S) (default 3)")
+    p.add_argument("--docs", default=None, help="document ids for 'document', one integer per key, e.g. 0,0,0,1,1,2,2,2")
     p.add_argument("--and-causal", action="store_true", help="combine with a causal mask (&)")
 
 
@@ -22,23 +46,43 @@ def run(args) -> int:
 
     L = args.L
     S = L if args.S is None else args.S
-    if not (1 <= L <= 64 and 1 <= S <= 64):
-        raise CLIError(f"-L/-S: expected sizes in 1..64 for a drawing, got L={L}, S={S}.")
     if args.kind == "causal":
         m = masks.causal()
     elif args.kind == "causal-top-left":
         m = masks.causal("top_left")
     elif args.kind == "window":
+        if args.size < 1:
+            raise CLIError(f"--size: expected a window size >= 1 for 'window', got {args.size}.")
         m = masks.sliding_window(args.size)
-    elif args.kind == "prefix":
-        m = masks.prefix_lm(args.size)
-    elif args.kind == "padding":
-        m = masks.padding([args.size])
+    elif args.kind in ("prefix", "padding"):
+        if args.size > S:
+            what = "prefix length" if args.kind == "prefix" else "number of valid keys"
+            raise CLIError(f"--size: expected a {what} <= S = {S} for '{args.kind}', got {args.size}. "
+                           "Pass a smaller --size or a larger -S.")
+        m = masks.prefix_lm(args.size) if args.kind == "prefix" else masks.padding([args.size])
     else:
-        ids = [int(x) for x in args.docs.split(",")] if args.docs else [j * 3 // S for j in range(S)]
+        if args.docs:
+            parts = [x.strip() for x in args.docs.split(",")]
+            if not all(x.lstrip("+-").isdigit() for x in parts):
+                raise CLIError(f"--docs: expected comma-separated integer ids (one per key), e.g. 0,0,1,1, "
+                               f"got {args.docs!r}.")
+            if len(parts) != S:
+                raise CLIError(f"--docs: expected one id per key (S = {S}), got {len(parts)} ids in {args.docs!r}. "
+                               "Pass S ids or set -S to their number.")
+            ids = [int(x) for x in parts]
+        else:
+            ids = [j * 3 // S for j in range(S)]
+        if L > S:
+            raise CLIError(f"-L/-S: a document mask aligns the queries to the last L keys, so it needs L <= S; "
+                           f"got L={L}, S={S}.")
         m = masks.document(ids)
     if args.and_causal:
         m = m & masks.causal()
+    try:
+        m.validate(1, 1, L, S)
+    except ValueError as e:  # any check of attnkit.masks not caught above: still the user's sizes
+        raise CLIError(f"{args.kind} with -L {L} -S {S} --size {args.size}: {e}") from None
+    drawing = m.draw(L, S)
     print(f"{m!r}   L={L}, S={S}   (# attend, . masked; rows = queries, columns = keys)")
-    print(m.draw(L, S))
+    print(drawing)
     return 0

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["add_arguments", "run", "show", "ShowResult", "DEFAULT_SENTENCE", "DEFAULT_LAYER"]
+__all__ = ["add_arguments", "run", "show", "sentences_from_args", "ShowResult", "DEFAULT_SENTENCE", "DEFAULT_LAYER"]
 
 DEFAULT_SENTENCE = "The river bank was eroding."
 DEFAULT_LAYER = 2
@@ -31,8 +31,13 @@ _WORD_RULE = ("the content word (not a stop word, punctuation or special token) 
 
 def add_arguments(p):
     p.add_argument("sentences", nargs="*", metavar="SENTENCE",
-                   help=f'text to run through the model (default: "{DEFAULT_SENTENCE}"); several sentences form a '
-                        "padded batch: the table and PNG use the first, the HTML page shows them all")
+                   help=f'text to run through the model (default: "{DEFAULT_SENTENCE}"). Quote each sentence: '
+                        'several quoted sentences form a padded batch (the table and PNG use the first, the HTML '
+                        "page shows them all). Several arguments that are each a single word (an unquoted "
+                        "sentence, as in: attnkit show The river bank was eroding.) are joined with spaces into "
+                        "ONE sentence, with a note on stderr; pass --separate to keep them as one-word sentences")
+    p.add_argument("--separate", action="store_true",
+                   help="treat every SENTENCE argument as its own sentence, even single words (no joining)")
     p.add_argument("--layer", type=int, default=DEFAULT_LAYER,
                    help=f"layer to tabulate and draw, 0-based (default {DEFAULT_LAYER}; all-MiniLM-L6-v2 has 0..5)")
     p.add_argument("--head", type=int, default=None,
@@ -271,8 +276,28 @@ def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_pat
     return ShowResult(table=table, png=png, html=html, word=wtext, layer=layer, tokens=tokens)
 
 
+def sentences_from_args(argv_sentences, separate=False):
+    """The sentences the positional arguments mean, and a note for stderr (or None).
+
+    An unquoted sentence reaches us as one argument per word: when there are several
+    arguments and none holds whitespace, they are joined into one sentence (unless
+    ``separate``). Arguments with spaces in them were quoted on purpose and stay apart.
+    """
+    args = list(argv_sentences or [])
+    if separate or len(args) < 2 or any(len(a.split()) != 1 for a in args):
+        return args, None
+    joined = " ".join(args)
+    note = (f"attnkit show: note: joined {len(args)} one-word arguments into one sentence: {joined!r}. "
+            'To pass several sentences quote each one (attnkit show "Hi there" "Good day"); '
+            "to keep one-word sentences apart pass --separate.")
+    return [joined], note
+
+
 def run(args) -> int:
-    res = show(args.sentences, layer=args.layer, head=args.head, word=args.word, model_path=args.model,
+    sentences, note = sentences_from_args(args.sentences, args.separate)
+    if note:
+        print(note, file=sys.stderr)
+    res = show(sentences, layer=args.layer, head=args.head, word=args.word, model_path=args.model,
                out=args.out, top=args.top)
     print(res.table)
     print(f"\nwrote {res.png}\nwrote {res.html}  (open it in a browser: pick layer and head, hover a token)")

@@ -39,7 +39,8 @@ def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=No
     """Save heatmaps of ``weights (H, L, S)`` (one panel per head) to ``path``; returns the path.
 
     Args:
-        weights: array ``(H, L, S)`` of attention weights in [0, 1] (rows sum to 1).
+        weights: array ``(H, L, S)`` of attention weights in [0, 1] (rows sum to 1), or ``(L, S)``
+            for one head (what :func:`attnkit.explain` gives for unbatched ``(L, D)`` inputs).
         q_tokens: L query labels; ``k_tokens``: S key labels (default: ``q_tokens``).
         title: figure title.
         heads: the head number of each panel (default ``0..H-1``).
@@ -47,8 +48,10 @@ def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=No
         cols: panels per row; one head is drawn large, alone.
     """
     w = np.asarray(weights, dtype=np.float64)
+    if w.ndim == 2:  # (L, S): one head
+        w = w[None]
     if w.ndim != 3:
-        raise ValueError(f"weights: expected (H, L, S), got shape {w.shape}.")
+        raise ValueError(f"weights: expected (H, L, S) or (L, S) for one head, got shape {w.shape}.")
     H, L, S = w.shape
     k_tokens = list(q_tokens) if k_tokens is None else list(k_tokens)
     q_tokens = list(q_tokens)
