@@ -137,7 +137,7 @@ def test_fully_masked_rows_and_tiles(worker):
 
 def test_empty_query_blocks_are_skipped():
     q, k, v = rand_qkv(1, 2, 2, 256, 256, 16)
-    p = _blocks.plan(M.sliding_window(16), None, 1, 2, 256, 256, 32, 32, 256)
+    p = _blocks.work_list(M.sliding_window(16), None, 1, 2, 256, 256, 32, 32, 256)
     assert p.density == 15 / 64  # the diagonal tile and the one before it, per query block
     # no group reaches keys more than one block behind its rows
     for i0, i1, runs in p.groups:
@@ -150,7 +150,7 @@ def test_grids_match_dense_definition():
     ids = torch.tensor(sorted(torch.randint(0, 6, (S,)).tolist()))
     for mask in [M.causal(), M.causal("top_left"), M.sliding_window(13), M.prefix_lm(20), M.padding([33, 90]),
                  M.document(ids), M.causal() & ~M.sliding_window(5), M.sliding_window(9) | M.prefix_lm(4)]:
-        grid = _blocks.block_grid(mask, 2, 1, L, S, bm, bn)
+        grid = _blocks.tile_map(mask, 2, 1, L, S, bm, bn)
         dense = mask.materialize(2, 1, L, S)
         for qi in range(grid.shape[0]):
             for kj in range(grid.shape[1]):
@@ -216,16 +216,16 @@ def test_frommod_is_evaluated_every_call_and_builtin_plan_is_closed_form(monkeyp
         return (q - kv).abs() <= 64
 
     wrapped = M.from_mod(band)
-    _blocks.plan(wrapped, None, 1, 2, L, L, 64, 64, L)
+    _blocks.work_list(wrapped, None, 1, 2, L, L, 64, 64, L)
     n1 = len(calls)
-    _blocks.plan(wrapped, None, 1, 2, L, L, 64, 64, L)
+    _blocks.work_list(wrapped, None, 1, 2, L, L, 64, 64, L)
     assert n1 > 0 and len(calls) > n1
 
     def boom(self, L, S):
         raise AssertionError("the built-in plan evaluated the mask pointwise")
 
     monkeypatch.setattr(M.SlidingWindow, "bind", boom)
-    p = _blocks.plan(M.sliding_window(256), None, 1, 8, 16384, 16384, 64, 64, 16384)
+    p = _blocks.work_list(M.sliding_window(256), None, 1, 8, 16384, 16384, 64, 64, 16384)
     assert 0 < p.density < 0.05
 
 
@@ -240,10 +240,10 @@ def test_env_block_sizes(monkeypatch):
 
 def test_identical_query_blocks_merge_into_one_group():
     # no mask: one group, one run over all keys (the fused worker then makes one kernel call)
-    p = _blocks.plan(None, None, 1, 2, 300, 200, 64, 64, 200, max_group_elems=1 << 22, count_all=False)
+    p = _blocks.work_list(None, None, 1, 2, 300, 200, 64, 64, 200, max_group_elems=1 << 22, count_all=False)
     assert p.groups == ((0, 300, ((0, 200, ()),)),)
     # padding: every query block has the same runs (full tiles, then one partial tile)
-    p = _blocks.plan(M.padding([100]), None, 1, 2, 256, 256, 64, 64, 256, max_group_elems=1 << 22, count_all=False)
+    p = _blocks.work_list(M.padding([100]), None, 1, 2, 256, 256, 64, 64, 256, max_group_elems=1 << 22, count_all=False)
     assert p.groups == ((0, 256, ((0, 128, ((64, 128),)),)),)
 
 

@@ -157,11 +157,11 @@ def test_item2_unchanged_builtin_mask_plan_is_reused():
     """Built-in masks stay cached by value (speed): the same object plans once per size."""
     from attnkit.backends import _worklist as _blocks
     m = masks.sliding_window(32)
-    p1 = _blocks.plan(m, None, 1, 2, 512, 512, 64, 64, 1024)
-    p2 = _blocks.plan(m, None, 1, 2, 512, 512, 64, 64, 1024)
+    p1 = _blocks.work_list(m, None, 1, 2, 512, 512, 64, 64, 1024)
+    p2 = _blocks.work_list(m, None, 1, 2, 512, 512, 64, 64, 1024)
     assert p1 is p2
     f = masks.from_mod(lambda b, h, i, j: j <= i)
-    assert _blocks.plan(f, None, 1, 2, 512, 512, 64, 64, 1024) is not _blocks.plan(f, None, 1, 2, 512, 512, 64, 64, 1024)
+    assert _blocks.work_list(f, None, 1, 2, 512, 512, 64, 64, 1024) is not _blocks.work_list(f, None, 1, 2, 512, 512, 64, 64, 1024)
 
 
 # --- item 3: gradients into tensors a score_mod captures --------------------------------

@@ -9,11 +9,13 @@ Conventions: bool masks are True = attend; float masks are additive biases;
 causal with L ≠ S is bottom-right aligned; a fully masked row gives 0 (lse -inf).
 """
 
-from . import masks, nn, positional, score_mods
+from . import masks, nn, plans, positional, score_mods
 from ._dispatch import Decision
 from .api import attention, dispatch
+from .plans import BlockPlan, plan
 from .explain import explain
-from .reference import Trace
+from .backends.reference import Trace
 
-__all__ = ["attention", "dispatch", "explain", "Decision", "Trace", "masks", "score_mods", "positional", "nn"]
+__all__ = ["attention", "dispatch", "explain", "plan", "BlockPlan", "Decision", "Trace", "masks", "plans", "score_mods",
+           "positional", "nn"]
 __version__ = "0.1.0"

@@ -27,6 +27,7 @@ import torch
 
 from . import _mods
 from . import masks as _masks
+from . import plans as _plans
 from . import score_mods as _score_mods
 from .backends._base import Request
 
@@ -239,6 +240,11 @@ def make_request(
     elif isinstance(mask, _masks.Mask):
         if not isinstance(mask, _masks.Full):
             structured.append(mask)
+    elif isinstance(mask, _plans.BlockPlan):
+        mask.check(B, H, L, S)
+        req.plan = mask
+        req.plan_extra = structured[0] if structured else None  # causal=True on top of the plan
+        structured.append(mask.mask)
     elif isinstance(mask, (torch.Tensor, np.ndarray)):
         m4, is_bias = _check_tensor_mask(mask, q4, rank, B, H, L, S)
         if is_bias:
@@ -249,8 +255,8 @@ def make_request(
         structured.append(_masks.from_mod(mask))
     else:
         raise TypeError(
-            f"mask: expected None, a bool/float array or tensor, an attnkit.masks mask, or a "
-            f"mask_mod(b, h, q_idx, kv_idx) callable, got {type(mask).__name__}."
+            f"mask: expected None, a bool/float array or tensor, an attnkit.masks mask, an attnkit.plan(...), "
+            f"or a mask_mod(b, h, q_idx, kv_idx) callable, got {type(mask).__name__}."
         )
     if len(structured) == 1:
         req.mask = structured[0]

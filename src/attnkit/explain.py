@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._request import make_request
-from .reference import Trace, trace
+from .backends.reference import Trace, trace
 
 __all__ = ["explain"]
 

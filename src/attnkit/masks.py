@@ -33,7 +33,8 @@ from typing import Callable
 
 import torch
 
-from . import _mods
+from . import _mods, _tiling
+from ._tiling import EMPTY, FULL, PARTIAL, edges, kinds_from
 
 __all__ = [
     "Mask",
@@ -90,6 +91,18 @@ class Mask:
 
     def bind(self, L: int, S: int) -> MaskMod:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def flex_mask_mod(self, L: int, S: int) -> MaskMod:
+        """The plain FlexAttention ``mask_mod`` for these sizes (scalar semantics; for a
+        ``BlockMask``). Built-in masks' ``bind`` already is one."""
+        return self.bind(L, S)
+
+    def tile_kinds(self, B: int, H: int, L: int, S: int, bm: int, bn: int) -> torch.Tensor:
+        """int8 kinds ``(Bp, Hp, ceil(L/bm), ceil(S/bn))`` of EMPTY / PARTIAL / FULL tiles
+        (see :mod:`attnkit._tiling`). Built-in masks answer in closed form from the tile
+        corners; this default evaluates the mask on chunks of whole query blocks (never
+        L×S at once), keeping the batch and head dims the mask depends on."""
+        return _evaluated_kinds(self.bind(L, S), B, H, L, S, bm, bn)
 
     def validate(self, B: int, H: int, L: int, S: int) -> None:
         """Raise ``ValueError`` if this mask cannot be used for these sizes."""
@@ -155,6 +168,53 @@ class Mask:
             return f"{self!r}\n(not drawn at the default size: {e}; use mask.draw(L, S))"
 
 
+def _band_kinds(off: int, w: int | None, L: int, S: int, bm: int, bn: int) -> torch.Tensor:
+    """Kinds of "query row i (key position p = i + off) sees keys p - w < j <= p" (w None: no
+    lower bound), from the first/last row and column of each tile (interval arithmetic)."""
+    qlo, qhi = edges(L, bm)
+    klo, khi = edges(S, bn)
+    full = khi[None, :] <= qlo[:, None] + off
+    empty = klo[None, :] > qhi[:, None] + off
+    if w is not None:
+        full &= klo[None, :] > qhi[:, None] + off - w
+        empty |= khi[None, :] <= qlo[:, None] + off - w
+    return kinds_from(full, empty)[None, None]
+
+
+# A user mask_mod is evaluated on about this many (b, h, q, kv) points per chunk.
+_EVAL_ELEMS = 1 << 22
+
+
+def _evaluated_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
+    """Kinds of a mask known only by its mask_mod: evaluated on chunks of whole query blocks,
+    keeping the (b, h) dims the result depends on (a mod that ignores b gives Bp = 1)."""
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    kv = torch.arange(S).view(1, 1, 1, S)
+    nk = -(-S // bn)
+    first = mod(b, h, torch.arange(min(L, bm)).view(1, 1, -1, 1), kv)
+    _check_bool(first, mod)
+    Bp, Hp = first.shape[0] if first.dim() == 4 else 1, first.shape[1] if first.dim() >= 3 else 1
+    rows = max(bm, (_EVAL_ELEMS // max(S * Bp * Hp, 1)) // bm * bm)
+    parts = []
+    for r0 in range(0, L, rows):
+        r1 = min(L, r0 + rows)
+        allowed = first if r0 == 0 and r1 == min(L, bm) else mod(b, h, torch.arange(r0, r1).view(1, 1, -1, 1), kv)
+        _check_bool(allowed, mod)
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(Bp, Hp, r1 - r0, S)
+        k = _tiling.reduce_allowed(allowed, bm, bn)
+        parts.append(k.expand(k.shape[0], k.shape[1], k.shape[2], nk))
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    return out.contiguous()
+
+
+def _check_bool(out, mod):
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of {out.dtype}"
+        raise TypeError(f"mask_mod {getattr(mod, '__name__', '')!r} must return a bool tensor (True = attend), "
+                        f"got {got}. Use comparisons and &, |, ~ on the index tensors.")
+
+
 def _as_mask(obj, op: str) -> Mask:
     if isinstance(obj, Mask):
         return obj
@@ -170,6 +230,9 @@ class Full(Mask):
     def bind(self, L, S):
         return lambda b, h, q, kv: (q >= 0) & (kv >= 0)
 
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        return torch.full((1, 1, -(-L // bm), -(-S // bn)), FULL, dtype=torch.int8)
+
     def __repr__(self):
         return "full()"
 
@@ -183,6 +246,9 @@ class Causal(Mask):
     def bind(self, L, S):
         off = _offset(self.align, L, S)
         return lambda b, h, q, kv: kv <= q + off
+
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        return _band_kinds(_offset(self.align, L, S), None, L, S, bm, bn)
 
     def __repr__(self):
         return f"causal(align={self.align!r})"
@@ -198,6 +264,9 @@ class SlidingWindow(Mask):
     def bind(self, L, S):
         off, w = _offset(self.align, L, S), self.size
         return lambda b, h, q, kv: (kv <= q + off) & (kv > q + off - w)
+
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        return _band_kinds(_offset(self.align, L, S), self.size, L, S, bm, bn)
 
     def __repr__(self):
         return f"sliding_window({self.size}, align={self.align!r})"
@@ -239,6 +308,13 @@ class Padding(Mask):
         lengths = self.key_lengths
         return lambda b, h, q, kv: kv < lengths.to(kv.device)[b]
 
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        klo, khi = edges(S, bn)
+        lens = self.key_lengths.view(-1, 1, 1, 1)  # (B, 1, 1, 1): one row of kinds per sequence
+        full = (khi.view(1, 1, 1, -1) < lens).expand(-1, 1, -(-L // bm), -1)
+        empty = (klo.view(1, 1, 1, -1) >= lens).expand(-1, 1, -(-L // bm), -1)
+        return kinds_from(full, empty)
+
     def _natural_size(self):
         S = max(8, int(self.key_lengths.max()) if self.key_lengths.numel() else 0)
         return (S, S)
@@ -277,6 +353,17 @@ class Document(Mask):
             return lambda b, h, q, kv: ids[0].to(kv.device)[q + off] == ids[0].to(kv.device)[kv]
         return lambda b, h, q, kv: ids.to(kv.device)[b, q + off] == ids.to(kv.device)[b, kv]
 
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        # per id row: a tile is full when its query and key blocks hold one and the same id,
+        # empty when their id ranges do not overlap, partial otherwise (conservative)
+        ids, off = self._ids2d(), S - L
+        qmin, qmax = _tiling.block_minmax(ids[:, off:off + L], bm)  # (Bi, nq)
+        kmin, kmax = _tiling.block_minmax(ids, bn)  # (Bi, nk)
+        empty = (qmax[:, :, None] < kmin[:, None, :]) | (qmin[:, :, None] > kmax[:, None, :])
+        full = ((qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :]
+                & (qmin[:, :, None] == kmin[:, None, :]))
+        return kinds_from(full, empty).unsqueeze(1)  # (Bi, 1, nq, nk)
+
     def _natural_size(self):
         S = int(self.doc_ids.shape[-1])
         return (S, S)
@@ -298,6 +385,13 @@ class PrefixLM(Mask):
     def bind(self, L, S):
         off, p = S - L, self.prefix_length
         return lambda b, h, q, kv: (kv < p) | (kv <= q + off)
+
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        klo, khi = edges(S, bn)
+        p, nq = self.prefix_length, -(-L // bm)
+        prefix = kinds_from((khi < p).view(1, 1, 1, -1).expand(1, 1, nq, -1),
+                            (klo >= p).view(1, 1, 1, -1).expand(1, 1, nq, -1))
+        return torch.maximum(prefix, _band_kinds(S - L, None, L, S, bm, bn))
 
     def __repr__(self):
         return f"prefix_lm({self.prefix_length})"
@@ -340,6 +434,9 @@ class FromMod(Mask):
         fn = self.fn
         return lambda b, h, q, kv: _mods.eval_mask_mod(fn, b, h, q, kv, (b.numel(), h.numel(), L, S))
 
+    def flex_mask_mod(self, L, S):
+        return self.fn  # FlexAttention evaluates it its own way (vmap)
+
     def __repr__(self):
         return f"from_mod({getattr(self.fn, '__name__', 'mask_mod')})"
 
@@ -362,6 +459,23 @@ class _Combined(Mask):
 
 
 class And(_Combined):
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        out = self.parts[0].tile_kinds(B, H, L, S, bm, bn)
+        for p in self.parts[1:]:
+            out = torch.minimum(out, p.tile_kinds(B, H, L, S, bm, bn))  # both must allow
+        return out
+
+    def flex_mask_mod(self, L, S):
+        mods = [p.flex_mask_mod(L, S) for p in self.parts]
+
+        def mod(b, h, q, kv):
+            out = mods[0](b, h, q, kv)
+            for m in mods[1:]:
+                out = out & m(b, h, q, kv)
+            return out
+
+        return mod
+
     def bind(self, L, S):
         mods = [p.bind(L, S) for p in self.parts]
 
@@ -378,6 +492,23 @@ class And(_Combined):
 
 
 class Or(_Combined):
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        out = self.parts[0].tile_kinds(B, H, L, S, bm, bn)
+        for p in self.parts[1:]:
+            out = torch.maximum(out, p.tile_kinds(B, H, L, S, bm, bn))  # either may allow
+        return out
+
+    def flex_mask_mod(self, L, S):
+        mods = [p.flex_mask_mod(L, S) for p in self.parts]
+
+        def mod(b, h, q, kv):
+            out = mods[0](b, h, q, kv)
+            for m in mods[1:]:
+                out = out | m(b, h, q, kv)
+            return out
+
+        return mod
+
     def bind(self, L, S):
         mods = [p.bind(L, S) for p in self.parts]
 
@@ -401,6 +532,13 @@ class Not(_Combined):
     def bind(self, L, S):
         mod = self.inner.bind(L, S)
         return lambda b, h, q, kv: ~mod(b, h, q, kv)
+
+    def flex_mask_mod(self, L, S):
+        mod = self.inner.flex_mask_mod(L, S)
+        return lambda b, h, q, kv: ~mod(b, h, q, kv)
+
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        return (FULL - self.inner.tile_kinds(B, H, L, S, bm, bn)).to(torch.int8)  # swaps EMPTY and FULL
 
     def __repr__(self):
         return f"~{self.inner!r}"

@@ -13,8 +13,7 @@ choices; it never reaches into a backend's internals.
 
 from __future__ import annotations
 
-from .. import reference
-from . import eager, sdpa, tiled
+from . import eager, reference, sdpa, tiled
 
 __all__ = ["get", "NAMES"]
 

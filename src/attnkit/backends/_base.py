@@ -42,6 +42,8 @@ class Request:
     return_lse: bool = False  # the caller asked for lse
     weight_heads: list | None = None  # heads whose exact weights are returned (None: no weights)
     sinks: torch.Tensor | None = None  # per-head sink logits, broadcastable to (B, H, L)
+    plan: object | None = None  # an explicit attnkit.plans.BlockPlan the caller passed as mask=
+    plan_extra: _masks.Mask | None = None  # causal mask added on top of that plan (causal=True)
     # Tensors the score_mod reads that require grad (its own for attnkit's ScoreMods; found in
     # the closure, defaults and globals of any other function). Backends that accept a call
     # return gradients into them; ``grad_hidden`` says the mod reads a tensor requiring grad

@@ -128,7 +128,7 @@ def partial_fraction(req: Request) -> float:
     there). Kept in the request's memo, so the run that may follow reuses the same pass."""
     B, H, L, S, *_ = req.shape
     bm, bn, _ = _sizes()
-    grid = _worklist.dense_grid(req.dense_mask, L, S, bm, bn, req.memo)
+    grid = _worklist.dense_kinds(req.dense_mask, L, S, bm, bn, req.memo)
     return float((grid == _worklist.PARTIAL).float().mean()) if grid.numel() else 0.0
 
 
@@ -172,14 +172,20 @@ class _TiledAttention(torch.autograd.Function):
 def _launch(req: Request, worker: str):
     B, H, L, S, D, Dv, Hkv = req.shape
     bm, bn, max_run = _sizes()
+    given = None
+    if req.plan is not None:  # the caller's explicit plan: its tiles, its tile shape
+        bm, bn = req.plan.block
+        given = req.plan.collapsed()
+        if req.plan_extra is not None:  # causal=True on top of the plan: closed form, intersected
+            given = torch.minimum(given, _worklist.tile_map(req.plan_extra, B, H, L, S, bm, bn))
     c = TileContext(req, worker)
     if c.fused:  # the kernel tiles internally: no cap on run length, merge identical query blocks
-        c.plan = _worklist.plan(req.mask, req.dense_mask, B, H, L, S, bm, bn, max(S, bn),
-                                max_group_elems=FUSED_MASK_ELEMS, count_all=req.bias is not None or c.additive,
-                                memo=req.memo)
+        c.plan = _worklist.work_list(req.mask, req.dense_mask, B, H, L, S, bm, bn, max(S, bn),
+                                     max_group_elems=FUSED_MASK_ELEMS, count_all=req.bias is not None or c.additive,
+                                     memo=req.memo, given=given)
     else:
-        c.plan = _worklist.plan(req.mask, req.dense_mask, B, H, L, S, bm, bn, max_run,
-                                max_group_elems=bm * max_run, memo=req.memo)
+        c.plan = _worklist.work_list(req.mask, req.dense_mask, B, H, L, S, bm, bn, max(max_run, bn),
+                                     max_group_elems=bm * max_run, memo=req.memo, given=given)
     return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)
 
 

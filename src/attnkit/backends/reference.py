@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .backends._base import Request
-from .backends._tiles import apply_score_mod, index_grid
+from ._base import Request
+from ._tiles import apply_score_mod, index_grid
 
 __all__ = ["NAME", "unsupported", "choose_worker", "run", "trace", "Trace"]
 
@@ -56,7 +56,7 @@ class Trace:
     has_mask: bool = False
 
     def __str__(self) -> str:
-        from ._format import format_trace
+        from .._format import format_trace
 
         return format_trace(self)
 

@@ -1,0 +1,81 @@
+"""Tile arithmetic shared by masks (their closed-form block summaries) and plans.
+
+The scores ``(L, S)`` are cut into tiles of ``bm`` query rows × ``bn`` key columns.
+Each tile gets one kind, per (batch, head) where the mask depends on them::
+
+    EMPTY   (0)  nothing in the tile attends              -> skipped
+    PARTIAL (1)  some entries attend, some may not       -> mask evaluated on the tile
+    FULL    (2)  every entry attends                     -> no mask evaluation
+
+Kinds form the lattice EMPTY < PARTIAL < FULL: ``&`` of two masks is the elementwise
+min of their kinds, ``|`` the max, ``~`` swaps EMPTY and FULL. Kind tensors are int8
+``(Bp, Hp, nq, nk)`` with ``Bp ∈ {1, B}``, ``Hp ∈ {1, H}`` (1: the same for every batch
+row / head), like FlexAttention's BlockMask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["EMPTY", "PARTIAL", "FULL", "edges", "kinds_from", "block_minmax", "reduce_allowed", "collapse"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def edges(n: int, blk: int):
+    """First and last (inclusive) index of each block of ``blk`` along a length ``n``."""
+    lo = torch.arange(0, n, blk)
+    return lo, torch.clamp(lo + blk, max=n) - 1
+
+
+def kinds_from(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """int8 kinds from two bool tensors of the same shape (empty wins over full)."""
+    g = torch.full(full.shape, PARTIAL, dtype=torch.int8)
+    g[full] = FULL
+    g[empty] = EMPTY
+    return g
+
+
+def block_minmax(x: torch.Tensor, blk: int):
+    """Per-block min and max over the last dim of ``x (R, n)``: two ``(R, ceil(n/blk))`` tensors."""
+    n = x.shape[-1]
+    pad = (-n) % blk
+    if pad:
+        x = torch.cat([x, x[..., -1:].expand(x.shape[0], pad)], dim=-1)
+    x = x.reshape(x.shape[0], -1, blk)
+    return x.amin(dim=2), x.amax(dim=2)
+
+
+def _reduce_blocks(x: torch.Tensor, blk: int, dim: int, op: str) -> torch.Tensor:
+    """any/all over blocks of ``blk`` along ``dim`` of a bool tensor (a size-1 dim stays 1)."""
+    n = x.shape[dim]
+    if n == 1:
+        return x
+    pad = (-n) % blk
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        x = torch.cat([x, torch.full(shape, op == "all", dtype=torch.bool, device=x.device)], dim=dim)
+    shape = list(x.shape)
+    shape[dim:dim + 1] = [shape[dim] // blk, blk]
+    x = x.reshape(shape)
+    return x.any(dim=dim + 1) if op == "any" else x.all(dim=dim + 1)
+
+
+def reduce_allowed(allowed: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
+    """Kinds ``(Bp, Hp, nq', nk')`` of an evaluated 4-D bool block (True = attend); a size-1
+    row or column dim gives a size-1 kind dim (broadcast)."""
+    a = allowed.cpu()
+    any_ = _reduce_blocks(_reduce_blocks(a, bm, 2, "any"), bn, 3, "any")
+    all_ = _reduce_blocks(_reduce_blocks(a, bm, 2, "all"), bn, 3, "all")
+    return kinds_from(all_, ~any_)
+
+
+def collapse(kinds: torch.Tensor) -> torch.Tensor:
+    """``(nq, nk)`` kinds valid for every (batch, head): EMPTY only where empty for all,
+    FULL only where full for all, PARTIAL otherwise."""
+    if kinds.shape[0] == 1 and kinds.shape[1] == 1:
+        return kinds[0, 0]
+    flat = kinds.reshape(-1, *kinds.shape[-2:])
+    lo, hi = flat.amin(dim=0), flat.amax(dim=0)
+    return torch.where(lo == hi, lo, torch.full_like(lo, PARTIAL))

@@ -1,0 +1,197 @@
+"""Block plans: which tiles of the scores a mask leaves empty, full or partial — built once, reused.
+
+Shape legend: B batch, H query heads, L query length, S key length; a plan cuts the
+``(L, S)`` scores into tiles of ``bm × bn``::
+
+    plan = attnkit.plan(masks.causal(), L=256, S=256, block=(64, 64))
+    print(plan)                     causal, L=256, S=256, tiles 64×64: 10 of 16 computed (62.5%)
+                                         k0 k1 k2 k3
+                                     q0   P  .  .  .        F  full: no mask evaluated
+                                     q1   F  P  .  .        P  partial: mask evaluated on the tile
+                                     q2   F  F  P  .        .  empty: skipped, never computed
+                                     q3   F  F  F  P
+
+    out = attnkit.attention(q, k, v, mask=plan)      # reuses the tile map: no re-planning
+    bm = plan.to_block_mask()                        # FlexAttention's BlockMask, same tiles
+
+Built-in masks give their tile map in closed form from the tile corners (no point of
+the mask is evaluated); a ``mask_mod`` is evaluated once, on chunks of whole query
+blocks, when the plan is built. A plan is an immutable snapshot: an opaque
+``mask_mod`` that reads data is planned with the data of that moment, as
+FlexAttention's ``create_block_mask`` — build a new plan when the data changes
+(attnkit never caches an opaque mod's tiles behind your back; a plan is the explicit,
+visible cache). Memory is O(tiles): ``kinds`` is int8 ``(Bp, Hp, nq, nk)``, with
+``Bp = 1`` / ``Hp = 1`` when the mask does not depend on the batch row / head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _tiling
+from . import masks as _masks
+from ._tiling import EMPTY, FULL, PARTIAL
+
+__all__ = ["BlockPlan", "plan", "EMPTY", "PARTIAL", "FULL"]
+
+_DEFAULT_BLOCK = (64, 64)
+
+
+class BlockPlan:
+    """The tile map of ``mask`` at sizes ``(B, H, L, S)`` with tiles ``block = (bm, bn)``.
+
+    Attributes (read-only): ``mask``, ``B``, ``H``, ``L``, ``S``, ``block``, ``kinds``
+    (int8 ``(Bp, Hp, nq, nk)``: 0 empty, 1 partial, 2 full), ``density`` (fraction of
+    tiles computed), ``partial_fraction``. Pass it as ``mask=`` to :func:`attnkit.attention`.
+    """
+
+    __slots__ = ("_mask", "_sizes", "_block", "_kinds")
+
+    def __init__(self, mask: _masks.Mask, B: int, H: int, L: int, S: int, block: tuple[int, int],
+                 kinds: torch.Tensor):
+        object.__setattr__(self, "_mask", mask)
+        object.__setattr__(self, "_sizes", (B, H, L, S))
+        object.__setattr__(self, "_block", block)
+        kinds = kinds.clone()
+        kinds.requires_grad_(False)
+        object.__setattr__(self, "_kinds", kinds)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a BlockPlan is immutable: build a new one with attnkit.plan(...)")
+
+    mask = property(lambda self: self._mask)
+    B = property(lambda self: self._sizes[0])
+    H = property(lambda self: self._sizes[1])
+    L = property(lambda self: self._sizes[2])
+    S = property(lambda self: self._sizes[3])
+    block = property(lambda self: self._block)
+
+    @property
+    def kinds(self) -> torch.Tensor:
+        """int8 ``(Bp, Hp, nq, nk)`` tile kinds (a copy: the plan itself never changes)."""
+        return self._kinds.clone()
+
+    @property
+    def density(self) -> float:
+        """Fraction of tiles that are computed (partial or full), over every (batch, head)."""
+        k = self._kinds
+        return float((k != EMPTY).float().mean()) if k.numel() else 0.0
+
+    @property
+    def partial_fraction(self) -> float:
+        k = self._kinds
+        return float((k == PARTIAL).float().mean()) if k.numel() else 0.0
+
+    def collapsed(self) -> torch.Tensor:
+        """``(nq, nk)`` kinds valid for every (batch, head) — what the tiled CPU backend runs."""
+        return _tiling.collapse(self._kinds)
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        """Raise ``ValueError`` unless this plan fits a call with these sizes."""
+        pB, pH, pL, pS = self._sizes
+        if (L, S) != (pL, pS):
+            raise ValueError(
+                f"mask: this plan was built for L={pL}, S={pS}, but the call has L={L}, S={S}. "
+                f"Build one for these sizes: attnkit.plan(mask, L={L}, S={S}).")
+        kB, kH = self._kinds.shape[:2]
+        if kB not in (1, B) or kH not in (1, H):
+            raise ValueError(
+                f"mask: this plan has per-batch/head tiles for B={kB}, H={kH}, but the call has B={B}, H={H}. "
+                f"Build one with attnkit.plan(mask, L={L}, S={S}, B={B}, H={H}).")
+
+    def draw(self, b: int = 0, h: int = 0, max_tiles: int = 48) -> str:
+        """ASCII tile map for batch row ``b`` and head ``h``: ``F`` full, ``P`` partial, ``.`` empty."""
+        k = self._kinds[min(b, self._kinds.shape[0] - 1), min(h, self._kinds.shape[1] - 1)]
+        nq, nk = k.shape
+        sym = {EMPTY: ".", PARTIAL: "P", FULL: "F"}
+        wq, wk = len(str(nq - 1)), len(str(nk - 1)) + 1
+        rows = [" " * (wq + 2) + "".join(f"k{j}".rjust(wk + 1) for j in range(min(nk, max_tiles)))]
+        for i in range(min(nq, max_tiles)):
+            rows.append(f"q{i:<{wq}} " + "".join(sym[int(x)].rjust(wk + 1) for x in k[i, :max_tiles]))
+        if nq > max_tiles or nk > max_tiles:
+            rows.append(f"(first {max_tiles} of {nq} × {nk} tiles)")
+        return "\n".join(rows)
+
+    def _summary(self) -> str:
+        bm, bn = self._block
+        nq, nk = self._kinds.shape[-2:]
+        computed = int((self._kinds != EMPTY).sum())
+        total = self._kinds.numel()
+        return (f"{self._mask!r}, L={self.L}, S={self.S}, tiles {bm}×{bn} ({nq}×{nk}): "
+                f"{computed} of {total} computed ({100 * self.density:.1f}%), "
+                f"{int((self._kinds == PARTIAL).sum())} partial")
+
+    def __repr__(self) -> str:
+        return f"BlockPlan({self._summary()})"
+
+    def __str__(self) -> str:
+        return f"BlockPlan: {self._summary()}\n{self.draw()}"
+
+    def to_block_mask(self):
+        """FlexAttention's ``BlockMask`` for the same tiles: partial tiles → ``kv_*`` (the
+        mask_mod is evaluated there), full tiles → ``full_kv_*``, empty tiles left out —
+        the same block mask ``create_block_mask`` builds for this mask, without evaluating
+        a built-in mask at every point. Tiles must match FlexAttention's (``block=(128, 128)``
+        is its default)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        k = self._kinds
+        partial, full = k == PARTIAL, k == FULL
+        # stable argsort of "not wanted": wanted blocks first, ascending, as create_block_mask orders them
+        kv_num = partial.sum(-1).to(torch.int32)
+        kv_idx = torch.argsort((~partial).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        full_num = full.sum(-1).to(torch.int32)
+        full_idx = torch.argsort((~full).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self._block,
+                                        mask_mod=self._mask.flex_mask_mod(self.L, self.S),
+                                        seq_lengths=(self.L, self.S))
+
+
+def _check_block(block) -> tuple[int, int]:
+    if isinstance(block, int) and not isinstance(block, bool):
+        block = (block, block)
+    ok = (isinstance(block, (tuple, list)) and len(block) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in block))
+    if not ok:
+        raise ValueError(f"block: expected (bm, bn), two ints >= 1 (or one int for both), got {block!r}.")
+    return int(block[0]), int(block[1])
+
+
+def _check_size(name: str, value, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1{' or None' if allow_none else ''}, got {value!r}.")
+    return value
+
+
+def plan(mask, L: int, S: int | None = None, *, B: int | None = None, H: int | None = None,
+         block=_DEFAULT_BLOCK) -> BlockPlan:
+    """Build the :class:`BlockPlan` of ``mask`` for query length ``L`` and key length ``S``.
+
+    Args:
+        mask: an :mod:`attnkit.masks` mask, or a ``mask_mod(b, h, q_idx, kv_idx)``.
+        L, S: query and key lengths (``S`` defaults to ``L``).
+        B, H: batch size and heads, for masks that depend on them (``padding``, per-batch
+            ``document``, a mod reading ``b`` or ``h``); None: 1, or the mask's own batch size.
+        block: tile shape ``(bm, bn)``; 64×64 is the tiled CPU backend's, 128×128 FlexAttention's.
+    """
+    if not isinstance(mask, _masks.Mask):
+        if callable(mask):
+            mask = _masks.from_mod(mask)
+        else:
+            raise TypeError(f"mask: expected an attnkit.masks mask or a mask_mod callable, got {type(mask).__name__}.")
+    L = _check_size("L", L)
+    S = L if S is None else _check_size("S", S)
+    B = _check_size("B", B, allow_none=True)
+    H = _check_size("H", H, allow_none=True)
+    bm, bn = _check_block(block)
+    B = B if B is not None else (mask.batch_size or 1)
+    H = 1 if H is None else H
+    mask.validate(B, H, L, S)
+    kinds = mask.tile_kinds(B, H, L, S, bm, bn)
+    nq, nk = math.ceil(L / bm), math.ceil(S / bn)
+    assert kinds.shape[-2:] == (nq, nk), (kinds.shape, nq, nk)
+    return BlockPlan(mask, B, H, L, S, (bm, bn), kinds)
