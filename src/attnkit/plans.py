@@ -137,7 +137,14 @@ class BlockPlan:
         is its default)."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        k = self._kinds
+        k = self._kinds.clone()
+        bm, bn = self._block
+        # FlexAttention pads L and S up to whole blocks and counts the padding as masked, so a
+        # tile reaching past the end is never full there (its mask_mod runs on the real part).
+        if self.L % bm:
+            k[..., -1, :] = torch.where(k[..., -1, :] == FULL, PARTIAL, k[..., -1, :])
+        if self.S % bn:
+            k[..., :, -1] = torch.where(k[..., :, -1] == FULL, PARTIAL, k[..., :, -1])
         partial, full = k == PARTIAL, k == FULL
         # stable argsort of "not wanted": wanted blocks first, ascending, as create_block_mask orders them
         kv_num = partial.sum(-1).to(torch.int32)

@@ -1,0 +1,139 @@
+"""attnkit.plan: the public block plan — tile kinds, reuse in attention, FlexAttention BlockMask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+import attnkit
+from attnkit import masks as M
+from attnkit.plans import EMPTY, FULL, PARTIAL
+
+from conftest import assert_close, budget, golden, rand_qkv
+
+L, S, B, H = 640, 700, 2, 3
+IDS = torch.cat([torch.zeros(150), torch.ones(333), torch.full((217,), 2)]).long()
+IDS2 = torch.stack([IDS, IDS.flip(0)])
+
+
+def _cases():
+    return {
+        "causal": M.causal(),
+        "causal top-left": M.causal("top_left"),
+        "window 100": M.sliding_window(100),
+        "prefix 200": M.prefix_lm(200),
+        "padding": M.padding([700, 311]),
+        "document (S,)": M.document(IDS),
+        "document (B, S)": M.document(IDS2),
+        "window & document": M.sliding_window(300) & M.document(IDS),
+        "causal | prefix": M.causal() | M.prefix_lm(64),
+        "~window": ~M.sliding_window(50),
+        "from_mod band": M.from_mod(lambda b, h, q, kv: (q - kv).abs() <= 90),
+        "from_mod per head": M.from_mod(lambda b, h, q, kv: (kv <= q + 60) & (kv >= h * 100)),
+    }
+
+
+def _dense_kinds(mask, bm, bn):
+    """Tile kinds from the dense mask, the definition the closed forms must match or bound."""
+    d = mask.materialize(B, H, L, S)
+    nq, nk = -(-L // bm), -(-S // bn)
+    out = torch.empty(B, H, nq, nk, dtype=torch.int8)
+    for i in range(nq):
+        for j in range(nk):
+            t = d[:, :, i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+            a, n = t.flatten(2).all(-1), t.flatten(2).any(-1)
+            out[:, :, i, j] = torch.where(a, FULL, torch.where(n, PARTIAL, EMPTY)).to(torch.int8)
+    return out
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_plan_kinds_are_exact_or_conservative(name):
+    mask = _cases()[name]
+    p = attnkit.plan(mask, L, S, B=B, H=H, block=(64, 128))
+    want = _dense_kinds(mask, 64, 128)
+    got = p.kinds.expand_as(want)
+    # never wrong: an EMPTY tile has no visible entry, a FULL tile no hidden one
+    assert not ((got == EMPTY) & (want != EMPTY)).any(), "a tile with visible entries would be skipped"
+    assert not ((got == FULL) & (want != FULL)).any(), "a tile with masked entries would not be masked"
+    if not name.startswith("~") and "&" not in name and "|" not in name:
+        assert torch.equal(got, want), "closed forms of single masks are exact"
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_to_block_mask_equals_create_block_mask(name):
+    mask = _cases()[name]
+    mb = mask.batch_size
+    bsz = mb if mb is not None else B
+    ours = attnkit.plan(mask, L, S, B=bsz, H=H, block=(128, 128)).to_block_mask()
+    theirs = create_block_mask(mask.flex_mask_mod(L, S), bsz, H, L, S, device="cpu", BLOCK_SIZE=128)
+    for a, b in ((ours.kv_num_blocks, theirs.kv_num_blocks), (ours.full_kv_num_blocks, theirs.full_kv_num_blocks)):
+        a, b = a.expand_as(b) if a.dim() == b.dim() else a, b
+        assert torch.equal(a.expand_as(b), b), f"{name}: block counts differ"
+    for idx_a, num_a, idx_b, num_b in ((ours.kv_indices, ours.kv_num_blocks, theirs.kv_indices, theirs.kv_num_blocks),
+                                       (ours.full_kv_indices, ours.full_kv_num_blocks, theirs.full_kv_indices,
+                                        theirs.full_kv_num_blocks)):
+        idx_a = idx_a.expand_as(idx_b)
+        num_b = num_b
+        for pos in torch.cartesian_prod(*(torch.arange(n) for n in num_b.shape)).tolist():
+            n = int(num_b[tuple(pos)])
+            assert sorted(idx_a[tuple(pos)][:n].tolist()) == sorted(idx_b[tuple(pos)][:n].tolist()), (name, pos)
+
+
+@pytest.mark.parametrize("name", ["causal", "window 100", "document (B, S)", "padding", "from_mod band"])
+@pytest.mark.parametrize("backend", ["auto", "tiled", "eager"])
+def test_attention_with_a_plan_equals_the_mask(name, backend):
+    mask = _cases()[name]
+    q, k, v = rand_qkv(B, H, H, L, S, 16)
+    p = attnkit.plan(mask, L, S, B=B, H=H)
+    ref, ref_lse = golden(q, k, v, mask=mask)
+    out, lse = attnkit.attention(q, k, v, mask=p, return_lse=True, backend=backend)
+    assert_close(out, ref, budget(torch.float32, 16, S), f"{name} {backend}")
+    assert_close(lse, ref_lse, budget(torch.float32, 16, S), f"{name} {backend} lse")
+
+
+def test_plan_with_causal_on_top():
+    q, k, v = rand_qkv(1, 2, 2, 300, 300, 8)
+    p = attnkit.plan(M.document(torch.arange(300) // 70), 300)
+    ref, _ = golden(q, k, v, mask=M.document(torch.arange(300) // 70) & M.causal())
+    assert_close(attnkit.attention(q, k, v, mask=p, causal=True, backend="tiled"), ref, budget(torch.float32, 8, 300))
+
+
+def test_plan_is_immutable_and_checked():
+    p = attnkit.plan(M.causal(), 128)
+    with pytest.raises(AttributeError):
+        p.L = 3
+    k = p.kinds
+    k.zero_()
+    assert p.density > 0  # the copy changed, not the plan
+    q, kk, v = rand_qkv(1, 1, 1, 64, 64, 8)
+    with pytest.raises(ValueError, match="built for L=128, S=128"):
+        attnkit.attention(q, kk, v, mask=p)
+    pp = attnkit.plan(M.padding([100, 20]), 128)
+    q, kk, v = rand_qkv(3, 1, 1, 128, 128, 8)
+    with pytest.raises(ValueError, match="B=2"):
+        attnkit.attention(q, kk, v, mask=pp)
+
+
+def test_plan_draws_its_tiles():
+    text = str(attnkit.plan(M.causal(), 256))
+    assert text.splitlines()[-5:] == ["    k0 k1 k2 k3", "q0   P  .  .  .", "q1   F  P  .  .", "q2   F  F  P  .",
+                                      "q3   F  F  F  P"]
+    assert "10 of 16 computed (62.5%)" in text
+
+
+def test_builtin_plan_never_evaluates_the_mask(monkeypatch):
+    def boom(self, L, S):
+        raise AssertionError("evaluated pointwise")
+
+    for cls in (M.Causal, M.SlidingWindow, M.Document, M.Padding, M.PrefixLM):
+        monkeypatch.setattr(cls, "bind", boom)
+    m = M.sliding_window(4096) & M.document(torch.arange(131072) // 5000) & (M.prefix_lm(128) | M.causal())
+    p = attnkit.plan(m, 131072, block=(128, 128))
+    assert 0 < p.density < 0.1
+
+
+@pytest.mark.parametrize("bad", [dict(block=(0, 64)), dict(block="x"), dict(B=0), dict(H=True)])
+def test_plan_bad_arguments(bad):
+    with pytest.raises(ValueError):
+        attnkit.plan(M.causal(), 64, **bad)
