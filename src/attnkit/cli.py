@@ -30,8 +30,6 @@ _COMMANDS = {
 }
 
 
-class CLIError(Exception):
-    """A user error: printed as one line (with the fix), exit code 2, no traceback."""
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from .._bench import BenchArgumentError, run_suite
-    from ..cli import CLIError
+    from . import CLIError
 
     try:
         return run_suite(args)

@@ -48,7 +48,7 @@ def _explain_part():
 
 
 def _model_part(out, model_path):
-    from ..cli import CLIError
+    from . import CLIError
     from .show import show
 
     try:

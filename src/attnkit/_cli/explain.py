@@ -102,7 +102,7 @@ _TEXT_FORMAT = ("a text table of numbers: one row per line, values separated by 
 
 
 def _err(msg):
-    from ..cli import CLIError
+    from . import CLIError
 
     return CLIError(msg)
 

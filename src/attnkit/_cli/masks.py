@@ -42,7 +42,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     from .. import masks
-    from ..cli import CLIError
+    from . import CLIError
 
     L = args.L
     S = L if args.S is None else args.S

@@ -69,7 +69,7 @@ def _progress(msg: str, quiet: bool):
 
 
 def _load(model_path, quiet):
-    from ..cli import CLIError
+    from . import CLIError
     from ..integrations import minilm
 
     try:
@@ -171,7 +171,7 @@ def _table(tokens, rows, heads, top):
 def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_path=None, out="attnkit-out", top=3,
          quiet=False) -> ShowResult:
     """Everything ``attnkit show`` does; returns the table text and the written paths."""
-    from ..cli import CLIError
+    from . import CLIError
 
     sentences = [DEFAULT_SENTENCE] if not sentences else list(sentences)
     for s in sentences:

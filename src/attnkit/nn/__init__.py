@@ -1,7 +1,8 @@
 """Transformer building blocks on top of :func:`attnkit.attention`.
 
 Shape legend: B batch, L query length, S key length, E embed dim, H query heads,
-Hkv key/value heads, D = E / H head dim. Inputs are batch-first ``(B, L, E)``.
+Hkv key/value heads, D = E / H head dim. Inputs are batch-first ``(B, L, E)`` (or
+``(L, B, E)`` with ``batch_first=False``, torch's default layout).
 
 * :class:`MultiHeadAttention` — self/cross attention, GQA/MQA, RoPE/ALiBi, KV cache,
   conversion to and from ``torch.nn.MultiheadAttention``.
@@ -14,6 +15,8 @@ Positional encodings live in :mod:`attnkit.positional`. Bool masks are True = at
 from ._block import TransformerBlock
 from ._kvcache import KVCache
 from ._mha import MultiHeadAttention
-from ._torch_convert import from_torch, to_torch
+from ._torch_convert import to_torch
+
+from_torch = MultiHeadAttention.from_torch  # the classmethod: one implementation, one docstring
 
 __all__ = ["MultiHeadAttention", "KVCache", "TransformerBlock", "from_torch", "to_torch"]

@@ -12,11 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import score_mods as _score_mods
-from .._request import make_request
 from ..api import attention
-from ..backends import eager as _eager
 from ..positional import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding, _check_pos_int,
                           alibi_slopes)
+from . import _torch_convert
 from ._kvcache import KVCache
 
 __all__ = ["MultiHeadAttention"]
@@ -192,8 +191,8 @@ class MultiHeadAttention(nn.Module):
                 ``causal=False`` with a ``kv_cache`` raises ``ValueError``: decoding with a
                 cache is causal by construction (later tokens are not cached yet).
             need_weights: also return the exact per-head weights ``(B, H, L, S)``
-                (before dropout; computed once on the eager math path, which then
-                produces the output from them).
+                (before dropout), recomputed from the log-sum-exp of whichever backend
+                ran (``attention(..., return_weights=True)``).
             kv_cache: a :class:`~attnkit.nn.KVCache` from :meth:`new_cache` (self-attention
                 only; one cache per layer, and decode under ``torch.no_grad()`` — see
                 :class:`~attnkit.nn.KVCache`). The new keys/values are appended and the
@@ -294,8 +293,9 @@ class MultiHeadAttention(nn.Module):
             score_mod = _score_mods.alibi(self.alibi_slopes)
         p = self.dropout if self.training else 0.0
         try:
-            if need_weights:
-                out, weights = self._attend_with_weights(q, k, v, mask, causal, score_mod, p)
+            if need_weights:  # exact weights recomputed from lse by the front door (before dropout)
+                out, weights = attention(q, k, v, mask=mask, causal=causal, score_mod=score_mod, dropout_p=p,
+                                         return_weights=True)
             else:
                 out = attention(q, k, v, mask=mask, causal=causal, score_mod=score_mod, dropout_p=p)
         except Exception:
@@ -304,17 +304,6 @@ class MultiHeadAttention(nn.Module):
             raise
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, L, E)
         return (out, weights) if need_weights else out
-
-    def _attend_with_weights(self, q, k, v, mask, causal, score_mod, p):
-        """Output and exact weights in one pass: the eager path's softmax, then ``w @ v``."""
-        req = make_request(q, k, v, mask=mask, causal=causal, scale=None, score_mod=score_mod,
-                           dropout_p=0.0, return_lse=False, backend="eager")
-        B, H, L, S, D, Dv, Hkv = req.shape
-        w = _eager.weights(req)  # (B, H, L, S); rows sum to 1, fully masked rows 0
-        wd = F.dropout(w, p=p, training=True) if p > 0 else w
-        # GQA without copying V: (B, Hkv, g, L, S) @ (B, Hkv, 1, S, Dv)
-        out = torch.matmul(wd.reshape(B, Hkv, H // Hkv, L, S), v.to(w.dtype).unsqueeze(2))
-        return out.reshape(B, H, L, Dv).to(q.dtype), w
 
     @staticmethod
     def _check_input(name: str, x, features: int, ref: torch.Tensor):
@@ -343,9 +332,7 @@ class MultiHeadAttention(nn.Module):
         True = ignore, so pass ``mask=~key_padding_mask[:, None, None, :]`` (and ``~attn_mask``
         for a bool ``attn_mask``).
         """
-        from ._torch_convert import from_torch
-
-        return from_torch(module)
+        return _torch_convert.from_torch(module, cls)
 
     def to_torch(self, *, batch_first: bool | None = None) -> nn.MultiheadAttention:
         """An equivalent ``torch.nn.MultiheadAttention`` (see :func:`attnkit.nn.to_torch`);
@@ -354,9 +341,7 @@ class MultiHeadAttention(nn.Module):
         **Masks keep their polarity on each side**: an attnkit bool mask (True = attend)
         becomes torch's ``key_padding_mask=~keep`` / ``attn_mask=~mask`` (True = ignore).
         """
-        from ._torch_convert import to_torch
-
-        return to_torch(self, batch_first=self.batch_first if batch_first is None else batch_first)
+        return _torch_convert.to_torch(self, batch_first=self.batch_first if batch_first is None else batch_first)
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"

@@ -23,12 +23,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._mha import MultiHeadAttention
-
 __all__ = ["from_torch", "to_torch"]
 
 
-def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
+def from_torch(module: nn.MultiheadAttention, cls):
+    """``cls`` is :class:`~attnkit.nn.MultiHeadAttention` (passed in, so this module does not
+    import it: the module's classmethod calls here — no import cycle)."""
+    return _from_torch(module, cls)
+
+
+def _from_torch(module: nn.MultiheadAttention, MultiHeadAttention):
     """A :class:`MultiHeadAttention` with the weights of ``module``, same dtype and device.
 
     Handles the packed ``in_proj_weight`` (kdim = vdim = E) and the separate
@@ -68,7 +72,7 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     return mha
 
 
-def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
+def to_torch(mha, *, batch_first: bool = True) -> nn.MultiheadAttention:
     """An equivalent ``torch.nn.MultiheadAttention`` (same weights, dtype, device and train/eval mode).
 
     Only plain multi-head attention converts: ``num_kv_heads == num_heads`` and no
@@ -77,7 +81,7 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
     **Masks keep their polarity on each side**: attnkit's True = attend becomes torch's
     ``attn_mask=~mask`` / ``key_padding_mask=~keep`` (True = ignore).
     """
-    if not isinstance(mha, MultiHeadAttention):
+    if not hasattr(mha, "num_kv_heads") or not isinstance(mha, torch.nn.Module):
         raise TypeError(f"mha: expected an attnkit.nn.MultiHeadAttention, got {type(mha).__name__}.")
     if mha.num_kv_heads != mha.num_heads:
         raise ValueError(
