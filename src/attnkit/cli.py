@@ -17,6 +17,8 @@ import importlib
 import os
 import sys
 
+from ._cli import CLIError
+
 __all__ = ["main", "CLIError", "EXIT_BROKEN_PIPE"]
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE(13)
