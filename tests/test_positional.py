@@ -1,4 +1,4 @@
-"""Positional encodings: sinusoidal (seed 003, corrected), learned, RoPE, ALiBi slopes."""
+"""Positional encodings: sinusoidal (the worked d_model = 4 values, corrected), learned, RoPE, ALiBi slopes."""
 
 import math
 

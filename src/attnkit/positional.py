@@ -78,8 +78,8 @@ def sinusoidal(length: int, d_model: int, *, base: float = 10000.0, dtype=torch.
         PE(pos, 2i)   = sin(pos / base^(2i / d_model))
         PE(pos, 2i+1) = cos(pos / base^(2i / d_model))
 
-    ``i`` counts dimension *pairs*. (Seed 003's code raises base to ``2*i/d_model``
-    while its ``i`` already steps by 2, doubling the exponent; for d_model = 4 the
+    ``i`` counts dimension *pairs*. (Code that raises base to ``2*i/d_model`` while
+    its ``i`` already steps by 2 doubles the exponent; for d_model = 4 the
     correct PE(1, 2) is sin(0.01) ≈ 0.0100, not sin(0.0001).)
 
     Computed in float64 and rounded once to ``dtype``. ``length`` and ``d_model`` are

@@ -1,0 +1,219 @@
+"""The shared core: the backend layer's interface, the decision that names the worker, the
+private-op probe and its fallback, the shared softmax math, and the import structure."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks as M
+from attnkit.backends import NAMES, _flash_cpu, _softmax, get
+
+from conftest import assert_close, budget, golden, rand_qkv
+
+SRC = pathlib.Path(attnkit.__file__).parent
+
+
+def test_every_backend_has_the_same_interface():
+    assert set(NAMES) == {"reference", "eager", "sdpa", "tiled"}
+    q, k, v = rand_qkv(1, 2, 2, 8, 8, 4)
+    req = attnkit._request.make_request(q, k, v, mask=None, causal=False, scale=None, score_mod=None,
+                                        dropout_p=0.0, return_lse=True, backend="auto")
+    for name in NAMES:
+        mod = get(name)
+        assert mod.NAME == name
+        assert mod.unsupported(req) is None
+        worker, why = mod.choose_worker(req)
+        assert isinstance(worker, str) and worker and isinstance(why, str) and why
+        out, lse = mod.run(req, worker)
+        assert out.shape == (1, 2, 8, 4) and lse.shape == (1, 2, 8)
+
+
+def test_dispatch_reports_backend_worker_and_why():
+    q, k, v = rand_qkv(1, 2, 2, 128, 128, 16)
+    d = attnkit.dispatch(q, k, v, mask=M.sliding_window(16))
+    assert (d.backend, d.worker) == ("tiled", "fused") and "flash kernel" in d.worker_reason
+    d = attnkit.dispatch(q, k, v, mask=M.sliding_window(16), score_mod=lambda s, b, h, i, j: s * 0.5)
+    assert (d.backend, d.worker) == ("tiled", "plain") and "score_mod" in d.worker_reason
+    d = attnkit.dispatch(q, k, v, causal=True)
+    assert (d.backend, d.worker) == ("sdpa", "fused")
+    qn = q.clone()
+    qn[0, 0, 3, 0] = float("nan")
+    d = attnkit.dispatch(qn, k, v, causal=True)
+    assert (d.backend, d.worker) == ("sdpa", "math") and "NaN" in d.worker_reason
+    assert "[fused:" in str(attnkit.dispatch(q, k, v, mask=M.sliding_window(16)))
+
+
+def test_probe_failure_disables_the_fused_worker_with_one_warning(monkeypatch):
+    """torch renames its private op: everything still runs, exactly, on the plain paths."""
+    monkeypatch.setattr(_flash_cpu, "_FWD_NAME", "_no_such_op_in_this_torch")
+    monkeypatch.setattr(_flash_cpu, "_state", {})
+    q, k, v = rand_qkv(1, 4, 2, 150, 150, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        d = attnkit.dispatch(q, k, v, mask=M.sliding_window(20))
+        ref, ref_lse = golden(q, k, v, mask=M.sliding_window(20))
+        out, lse = attnkit.attention(q, k, v, mask=M.sliding_window(20), return_lse=True)
+        out2, lse2 = attnkit.attention(q, k, v, causal=True, return_lse=True)  # sdpa can't give lse now
+    ours = [w for w in caught if "private CPU flash kernel is unavailable" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert (d.backend, d.worker) == ("tiled", "plain") and "unavailable" in d.worker_reason
+    assert_close(out, ref, budget(torch.float32, 16, 150), "window without the op")
+    assert_close(lse, ref_lse, budget(torch.float32, 16, 150), "lse without the op")
+    ref2, ref2_lse = golden(q, k, v, causal=True)
+    assert_close(out2, ref2, budget(torch.float32, 16, 150), "causal lse without the op")
+    with pytest.raises(ValueError, match="unavailable"):
+        attnkit.attention(q, k, v, causal=True, return_lse=True, backend="sdpa")
+
+
+def test_probe_checks_values_not_just_presence(monkeypatch):
+    real = _flash_cpu._ops
+
+    def wrong():
+        fwd, bwd = real()
+        return (lambda *a, **kw: tuple(t * 2 for t in fwd(*a, **kw))), bwd
+
+    monkeypatch.setattr(_flash_cpu, "_ops", wrong)
+    monkeypatch.setattr(_flash_cpu, "_state", {})
+    with pytest.warns(RuntimeWarning, match="disagrees"):
+        assert not _flash_cpu.available()
+
+
+def test_merge_of_two_halves_equals_the_whole():
+    torch.manual_seed(0)
+    s = torch.randn(2, 3, 5, 40, dtype=torch.float64)
+    s[0, 0, 1, :25] = float("-inf")  # dead on the first half only
+    s[0, 0, 2] = float("-inf")  # dead on both
+    v = torch.randn(2, 3, 40, 6, dtype=torch.float64)
+    w, lse = _softmax.softmax_lse(s)
+    whole = w @ v
+    halves = []
+    for sl in (slice(0, 25), slice(25, 40)):
+        m_i, l_i, acc = _softmax.online_step(None, None, None, s[..., sl].clone(), v[:, :, sl])
+        halves.append(_softmax.online_finish(m_i, l_i, acc))
+    out, lse_m = _softmax.merge(*halves[0], *halves[1])
+    assert torch.allclose(out, whole, atol=1e-14) and not out.isnan().any()
+    assert torch.equal(torch.isneginf(lse_m), torch.isneginf(lse))
+    fin = torch.isfinite(lse)
+    assert torch.allclose(lse_m[fin], lse[fin], atol=1e-14)
+    assert (out[0, 0, 2] == 0).all()
+
+
+def test_sinks_match_a_float64_formula_and_give_gradients():
+    q, k, v = rand_qkv(1, 2, 1, 6, 7, 4, dtype=torch.float64, requires_grad=True)
+    sinks = torch.tensor([0.3, -1.0], dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(1, 1, 6, 7, dtype=torch.bool)
+    mask[..., 2, :] = False  # a dead row: stays 0, no NaN
+    out, lse, w = attnkit.attention(q, k, v, sinks=sinks, mask=mask, return_lse=True, return_weights=True,
+                                    backend="tiled")
+    s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    full = torch.cat([s, sinks.view(1, 2, 1, 1).expand(1, 2, 6, 1)], -1).softmax(-1)
+    want = full[..., :7] @ v.repeat_interleave(2, 1)
+    assert torch.allclose(out, want, atol=1e-12)
+    assert torch.allclose(w, full[..., :7], atol=1e-12)
+    out.sum().backward()
+    assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
+    assert not q.grad.isnan().any()
+
+
+def test_return_weights_on_every_backend():
+    q, k, v = rand_qkv(2, 4, 2, 33, 40, 8)
+    ref = attnkit.attention(q.double(), k.double(), v.double(), causal=True, return_weights=True, backend="eager")[1]
+    for backend in ("auto", "tiled", "eager", "sdpa", "reference"):
+        out, w = attnkit.attention(q, k, v, causal=True, return_weights=[1, 3], backend=backend)
+        assert w.shape == (2, 2, 33, 40)
+        assert torch.allclose(w.double(), ref[:, [1, 3]], atol=1e-5), backend
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        attnkit.attention(q, k, v, return_weights=[4])
+
+
+# --- structure: one job per file, no import cycles, nothing imports upward ----------------
+
+def _module_imports(path: pathlib.Path) -> set[str]:
+    """attnkit modules imported at module level (function-level lazy imports excluded)."""
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    pkg = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - (node.level - 1)] if node.level else []
+            mod = ".".join(base + (node.module.split(".") if node.module else []))
+            if not mod.startswith("attnkit"):
+                continue
+            for a in node.names:
+                full = f"{mod}.{a.name}"
+                out.add(full if (SRC.parent / full.replace(".", "/")).with_suffix(".py").exists()
+                        or (SRC.parent / full.replace(".", "/") / "__init__.py").exists() else mod)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("attnkit")}
+    return out
+
+
+def _graph():
+    g = {}
+    for p in SRC.rglob("*.py"):
+        rel = p.relative_to(SRC.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        g[name] = {m for m in _module_imports(p) if m != name}
+    return g
+
+
+def test_no_import_cycles():
+    g = _graph()
+    state = {}
+
+    def visit(n, stack):
+        state[n] = 1
+        for m in g.get(n, ()):
+            if state.get(m) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack + [n, m]))
+            if m in g and not state.get(m):
+                visit(m, stack + [n])
+        state[n] = 2
+
+    for n in g:
+        if not state.get(n):
+            visit(n, [])
+
+
+LAYERS = [  # lower layers first; a module may import only its own layer or lower ones
+    {"attnkit._tiling", "attnkit._mods"},
+    {"attnkit.masks", "attnkit.score_mods", "attnkit.positional", "attnkit.plans"},
+    {"attnkit.backends"},  # and its submodules
+    {"attnkit._request", "attnkit._dispatch"},
+    {"attnkit.api"},
+]
+
+
+def _layer(name):
+    for i, layer in enumerate(LAYERS):
+        if name in layer or any(name.startswith(x + ".") for x in layer):
+            return i
+    return None
+
+
+def test_nothing_imports_upward():
+    for mod, deps in _graph().items():
+        lm = _layer(mod)
+        if lm is None:
+            continue
+        for d in deps:
+            ld = _layer(d)
+            assert ld is None or ld <= lm, f"{mod} (layer {lm}) imports {d} (layer {ld})"
+
+
+def test_nn_and_integrations_use_only_public_names():
+    for sub in ("nn", "integrations"):
+        for p in (SRC / sub).glob("*.py"):
+            for d in _module_imports(p):
+                parts = d.split(".")
+                private = [x for x in parts[1:] if x.startswith("_") and x != "__init__"]
+                own = parts[1] == sub
+                assert own or not private, f"{p.name} imports private {d}"
