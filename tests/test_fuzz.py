@@ -25,15 +25,15 @@ Tests:
   chained indexing) that attnkit should accept.
 * ``test_zz_fuzz_report``: prints "fuzz: N cases ..." (visible without ``-s``).
 
-Profiles: the default (250 + 100 + 60 + 50 examples) runs in about a minute and a half
-on 2 cores; ``ATTNKIT_FUZZ=long`` (``make fuzz``) runs 10x the examples.
+Profiles: the default (1000 + 200 + 300 + 200 examples) runs in about 30 s on 2 cores;
+``ATTNKIT_FUZZ=long`` (``make fuzz``) runs 10x the examples.
 ``derandomize=True`` keeps CI deterministic; ``ATTNKIT_FUZZ_BACKENDS=tiled,auto``
 narrows the backends under test (the float64 reference always runs).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import time
 from collections import Counter
@@ -64,7 +64,14 @@ def profile(examples: int) -> settings:
 
 
 STATS: Counter = Counter()
-T0 = time.perf_counter()
+SECONDS = [0.0]  # wall time spent in this file's tests (not the rest of the session)
+
+
+@pytest.fixture(autouse=True)
+def _timed():
+    t0 = time.perf_counter()
+    yield
+    SECONDS[0] += time.perf_counter() - t0
 
 # ATTNKIT_FUZZ_BACKENDS=tiled,auto narrows the backends under test (default: all four).
 BACKENDS = tuple(b for b in os.environ.get("ATTNKIT_FUZZ_BACKENDS", "eager,sdpa,tiled,auto").split(",") if b)
@@ -362,8 +369,8 @@ def problems(draw, grads="values+qkv"):
     S = draw(st.sampled_from(SIZES_LS))
     D = draw(st.sampled_from(SIZES_D))
     Dv = draw(st.sampled_from([D, D, 5, 16]))
-    # keep a case cheap: at most ~150k scores
-    while B * H * L * S > 150_000:
+    # keep a case cheap: at most ~60k scores
+    while B * H * L * S > 60_000:
         if B > 1:
             B -= 1
         elif H > Hkv:
@@ -433,14 +440,14 @@ def _mask_args(mask, B, H, L, S, dtype, gen, rank):
     return t.reshape(shape), None, t.double().expand(B, H, L, S)
 
 
-@profile(250)
+@profile(1000)
 @given(problems("values+qkv"))
 def test_fuzz_backends_match_reference(pb):
     """Outputs, lse and gradients of q, k, v (or none) of every backend against ``ref_attention``."""
     check_problem(pb)
 
 
-@profile(100)
+@profile(200)
 @given(problems("captured"))
 def test_fuzz_backends_match_reference_captured_grads(pb):
     """The same problems with a score_mod whose captured tensors require grad (alone or with
@@ -479,6 +486,12 @@ def check_problem(pb):
                                            for n, t in params.items()}
     ref_mod = None if mod is None else SCORE_MODS[mod][1](r_params)
     ref_out, ref_lse = ref_attention(*(to4(t) for t in r_leaves), score_mod=ref_mod, bias=bias, allowed=allowed)
+    # coverage counters for the report line
+    STATS["with L!=S"] += L != S
+    STATS["with GQA/MQA"] += H != Hkv
+    STATS["with L*S>=4096"] += L * S >= 4096
+    STATS["with fully masked rows"] += bool(torch.isneginf(ref_lse).any())
+    STATS["with last-dim stride!=1"] += any(t.stride(-1) != 1 for t in qkv)
     ref_loss = (ref_out * g_out).sum()
     if g_lse is not None:
         ref_loss = ref_loss + (torch.where(torch.isfinite(ref_lse), ref_lse, 0.0) * g_lse).sum()
@@ -486,14 +499,14 @@ def check_problem(pb):
     ref_grads = torch.autograd.grad(ref_loss, r_wrt, allow_unused=True) if r_wrt else ()
     ref_grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(r_wrt, ref_grads)]
 
-    tol_out = budget(dtype, D, S, max(1.0, max(abs(float(qkv[2].abs().max())), 1.0)))
+    tol_out = budget(dtype, D, S, max(1.0, float(qkv[2].abs().max())))
     fin = ref_lse.detach()[torch.isfinite(ref_lse.detach())]
     tol_lse = 4 * budget(dtype, D, S) * max(1.0, float(fin.abs().max()) if fin.numel() else 1.0)
     shp = lambda t: t.reshape(tuple(qkv[0].shape[:-1]) + tuple(t.shape[3:]))  # back to the input rank
     desc = (f"{dtype} B,H,Hkv,L,S,D,Dv={pb['shape']} rank={pb['rank']} layouts={pb['layouts']} numpy={pb['numpy_in']} "
             f"mask={spec_str(pb['mask'][1]) if pb['mask'][0] == 'spec' else pb['mask'][:2]} causal={pb['causal']} "
             f"mod={mod} grad={grad} lse={pb['return_lse']} blocks={pb['blocks']}")
-    blocks = tiled.block_sizes(*pb["blocks"]) if pb["blocks"] else _nullcontext()
+    blocks = tiled.block_sizes(*pb["blocks"]) if pb["blocks"] else contextlib.nullcontext()
     backends = ("reference",) + BACKENDS
     with blocks:
         for be in backends:
@@ -543,14 +556,6 @@ def check_problem(pb):
                 close(gr, rg, grad_tol(dtype, D, L, S, rg), f"{be} {name} | {desc}")
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 # --------------------------------------------------------------------------- mod data changes
 
 
@@ -588,7 +593,7 @@ def rle(ids):
     return " + ".join(f"[{x}]*{n}" for x, n in runs)
 
 
-@profile(60)
+@profile(300)
 @given(changing())
 def test_fuzz_mod_data_changes_between_calls(pb):
     """A mod closing over data is called, the data changes (mutated in place or the
@@ -602,7 +607,7 @@ def test_fuzz_mod_data_changes_between_calls(pb):
     v = torch.randn(B, H, S, D, generator=gen, dtype=torch.float64).to(dtype)
     ids0, ids1 = (torch.tensor(x) for x in pb["ids"])
     how, change = pb["how"], pb["change"]
-    blocks = lambda: tiled.block_sizes(*pb["blocks"]) if pb["blocks"] else _nullcontext()
+    blocks = lambda: tiled.block_sizes(*pb["blocks"]) if pb["blocks"] else contextlib.nullcontext()
     for be in BACKENDS:
         state = {"ids": ids0.clone()}
         ids = state["ids"]
@@ -677,7 +682,7 @@ def captured(draw):
                 dtype=draw(st.sampled_from([torch.float32, torch.float64])), seed=draw(st.integers(0, 2 ** 20)))
 
 
-@profile(50)
+@profile(200)
 @given(captured())
 def test_fuzz_captured_tensor_gradients(pb):
     """score_mods capturing tensors that require grad: d(captured) matches the float64
@@ -773,7 +778,7 @@ def test_flex_valid_chained_indexing(backend):
 
 def test_zz_fuzz_report(capsys):
     """Runs last in this file: prints how many cases ran (visible without -s)."""
-    took = time.perf_counter() - T0
+    took = SECONDS[0]
     ran = ", ".join(f"{k}={v}" for k, v in sorted(STATS.items()) if k != "cases")
     with capsys.disabled():
         print(f"\nfuzz ({'long' if LONG else 'default'} profile): {STATS['cases']} cases in {took:.1f} s; {ran}")
