@@ -21,6 +21,8 @@ Tests:
   calls (in-place mutation or rebinding); the second call must see the new data.
 * ``test_fuzz_captured_tensor_gradients``: score_mods capturing tensors that
   require grad; the gradient must reach them on every backend that accepts.
+* ``test_fuzz_regression*``: the minimal falsifying examples found so far, run explicitly
+  (hypothesis stops at the first failure of a test, so one bug could hide another).
 * ``test_flex_valid_*``: FlexAttention-valid mods (default-argument binding,
   chained indexing) that attnkit should accept.
 * ``test_zz_fuzz_report``: prints "fuzz: N cases ..." (visible without ``-s``).
@@ -596,6 +598,11 @@ def rle(ids):
 @profile(300)
 @given(changing())
 def test_fuzz_mod_data_changes_between_calls(pb):
+    """See ``check_change``."""
+    check_change(pb)
+
+
+def check_change(pb):
     """A mod closing over data is called, the data changes (mutated in place or the
     closure's name rebound), and it is called again: the second call must use the new data.
     ``masks.document(ids)`` must behave as a value: either copy ``ids`` or track it."""
@@ -685,6 +692,11 @@ def captured(draw):
 @profile(200)
 @given(captured())
 def test_fuzz_captured_tensor_gradients(pb):
+    """See ``check_captured``."""
+    check_captured(pb)
+
+
+def check_captured(pb):
     """score_mods capturing tensors that require grad: d(captured) matches the float64
     reference on every backend that accepts the call; auto never refuses. Also with
     only the captured tensor requiring grad (q, k, v not)."""
@@ -723,6 +735,75 @@ def test_fuzz_captured_tensor_gradients(pb):
             assert gr is not None or not rg.abs().max() > 0, f"{desc}: {name} dropped (None)"
             if gr is not None:
                 close(gr, rg, grad_tol(dtype, D, L, S, rg), f"{name} {desc}")
+
+
+# --------------------------------------------------------------------------- regressions
+# Hypothesis stops at the first failure it finds in a test, so one bug can hide another.
+# The minimal falsifying examples it found on the code of 2026-11-22 run here explicitly,
+# each on its own, whatever the search finds first.
+
+
+def _pb(**kw):
+    base = dict(dtype=torch.float32, shape=(1, 1, 1, 1, 1, 1, 1), numpy_in=False,
+                layouts=("contiguous",) * 3, rank=4, mask=("none",), causal=False, mod=None, grad="none",
+                return_lse=False, blocks=None, seed=0)
+    base.update(kw)
+    return base
+
+
+REGRESSIONS = {
+    # (1) last-dim stride != 1 reaches torch's private CPU flash kernel (tiled's fused worker,
+    # sdpa's lse path), which reads wrong memory: wrong values, sometimes ~1e33
+    "stride-tiled-v-transposed-no-mask": _pb(shape=(1, 1, 1, 1, 2, 3, 3),
+                                             layouts=("contiguous", "contiguous", "transposed_ld")),
+    "stride-causal-L>S": _pb(shape=(2, 1, 1, 3, 2, 8, 8), layouts=("transposed_ld", "stride2_last", "transposed"),
+                                  causal=True, grad="qkv", blocks=(16, 32), seed=2),
+    "stride-window-q-stride2": _pb(shape=(1, 2, 2, 130, 130, 8, 8), layouts=("stride2_last", "contiguous",
+                                                                                 "contiguous"),
+                                        mask=("spec", ("window", 5, "bottom_right"))),
+    "stride-alibi-v-odd": _pb(shape=(2, 1, 1, 1, 1, 3, 3), layouts=("contiguous", "contiguous", "strided_odd"),
+                                   mod="alibi"),
+    "stride-lse-sdpa-path": _pb(shape=(1, 1, 1, 2, 1, 3, 3), layouts=("transposed_ld", "contiguous", "contiguous"),
+                                     return_lse=True),
+    # (3) gradients into tensors a score_mod captures are dropped
+    "captured-alibi-slopes-only": _pb(mod="alibi", grad="captured"),
+    "captured-closure-bias-with-qkv": _pb(shape=(1, 1, 1, 1, 3, 4, 4), mod="closure_bias", grad="qkv+captured"),
+    # found beside the known bugs: eager's lse gradient is NaN on a row a -inf float bias masks
+    "eager-nan-grad-inf-bias-row-lse": _pb(mask=("float_bias", (1, 1), 0.1, True), grad="qkv", return_lse=True),
+    # found beside the known bugs: a tensor mask broadcast over L (size-1 query dim) crashes
+    # tiled/auto once L spans several query blocks (sliced [i0:i0+l] on the size-1 dim)
+    "broadcast-L-mask-causal-crash": _pb(shape=(2, 1, 1, 97, 1, 1, 1), mask=("dense_bool", (1, 1, 1, 1), 0.1, False),
+                                         causal=True),
+}
+
+
+@pytest.mark.parametrize("name", list(REGRESSIONS))
+def test_fuzz_regression(name):
+    check_problem(REGRESSIONS[name])
+
+
+CHANGE_REGRESSIONS = {  # (2) a stale cached block plan after the mod's data changed
+    "from_mod-inplace": dict(B=1, H=1, L=1, S=17, D=8, how="from_mod", change="inplace",
+                             ids=([0] * 17, [0] * 16 + [1]), causal=False, blocks=None, seed=0, dtype=torch.float32),
+    "plain_mod-inplace": dict(B=1, H=1, L=1, S=65, D=8, how="plain_mod", change="inplace",
+                              ids=([0] * 65, [0] * 64 + [1]), causal=False, blocks=None, seed=0, dtype=torch.float32),
+    "from_mod-rebind": dict(B=1, H=1, L=1, S=17, D=8, how="from_mod", change="rebind",
+                            ids=([0] * 17, [0] * 16 + [1]), causal=False, blocks=None, seed=0, dtype=torch.float32),
+    "document-ids-mutated": dict(B=1, H=1, L=97, S=97, D=8, how="document_builtin", change="inplace",
+                                 ids=([0] * 95 + [1] * 2, [0] * 97), causal=False, blocks=(16, 16), seed=0,
+                                 dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(CHANGE_REGRESSIONS))
+def test_fuzz_regression_mod_data_change(name):
+    check_change(CHANGE_REGRESSIONS[name])
+
+
+def test_fuzz_regression_captured_only_closure():
+    """(3) only the captured tensor requires grad: the output must still carry a graph."""
+    check_captured(dict(shape=(1, 1, 1, 1, 1, 4), mod="closure_bias", qkv_grad=False, mask="none",
+                        dtype=torch.float32, seed=0))
 
 
 # --------------------------------------------------------------------------- FlexAttention-valid mods
