@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.attnkit-installed
 PIP     := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test fuzz bench venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The differential fuzz test with 10x the examples (the default profile runs in `make test`).
+fuzz: $(STAMP)
+	ATTNKIT_FUZZ=long $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 bench: $(STAMP)
 	$(BIN)/attnkit bench

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
@@ -12,8 +10,7 @@ import attnkit
 from attnkit import masks, score_mods
 from conftest import assert_close, budget, golden, low_precision_error, rand_qkv
 
-HAS_TILED = importlib.util.find_spec("attnkit.backends.tiled") is not None
-BACKENDS = ["eager", "sdpa"] + (["tiled"] if HAS_TILED else [])
+BACKENDS = ["eager", "sdpa", "tiled"]
 
 # (B, H, Hkv, L, S, D, Dv): awkward sizes, MHA / GQA / MQA, L != S both ways, Dv != D.
 SHAPES = [
@@ -80,7 +77,7 @@ SCORE_MODS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["eager"] + (["tiled"] if HAS_TILED else []))
+@pytest.mark.parametrize("backend", ["eager", "tiled"])
 @pytest.mark.parametrize("mod_name", list(SCORE_MODS))
 @pytest.mark.parametrize("mask", [None, "causal", "window"])
 def test_score_mods_match_reference(backend, mod_name, mask):

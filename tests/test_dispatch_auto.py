@@ -74,9 +74,19 @@ def test_lse_with_grad_goes_tiled(ran):
     assert attnkit.dispatch(q, k, v, return_lse=True).backend == "tiled"
 
 
-def test_named_backend_never_falls_back():
+@pytest.mark.parametrize("backend, kw, auto_runs", [
+    ("sdpa", {"score_mod": SM.softcap(2.0)}, "tiled"),
+    ("tiled", {"dropout_p": 0.5}, "eager"),
+], ids=["sdpa+score_mod", "tiled+dropout"])
+def test_named_backend_raises_where_auto_would_switch(ran, backend, kw, auto_runs):
+    """What auto answers by switching backend, a named backend refuses: it raises before any
+    backend runs (no silent fallback), while auto runs the other backend."""
     q, k, v = rand_qkv(1, 2, 2, 8, 8, 4)
-    with pytest.raises(ValueError, match="score_mod"):
-        attnkit.attention(q, k, v, score_mod=SM.softcap(2.0), backend="sdpa")
-    with pytest.raises(ValueError, match="dropout"):
-        attnkit.attention(q, k, v, dropout_p=0.5, backend="tiled")
+    with pytest.raises(ValueError, match=f"backend={backend!r} cannot honour"):
+        attnkit.attention(q, k, v, backend=backend, **kw)
+    with pytest.raises(ValueError, match=f"backend={backend!r} cannot honour"):
+        attnkit.dispatch(q, k, v, backend=backend, **kw)
+    assert ran == []
+    assert attnkit.dispatch(q, k, v, **kw).backend == auto_runs
+    attnkit.attention(q, k, v, **kw)
+    assert ran == [auto_runs]

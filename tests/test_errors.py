@@ -99,7 +99,8 @@ def test_negative_window_and_too_long_lengths():
         masks.padding([1.5, 2.0])
 
 
-def test_named_backend_never_falls_back():
+def test_cannot_honour_message_names_backend_and_reason():
+    """The refusal message says which backend, 'cannot honour', and the specific reason."""
     q, k, v = qkv(D=8, Dv=6)
     with pytest.raises(ValueError, match="backend='sdpa' cannot honour.*D == Dv"):
         attnkit.attention(q, k, v, backend="sdpa", return_lse=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -11,7 +9,6 @@ import attnkit
 from attnkit import masks, score_mods
 from conftest import rand_qkv
 
-HAS_TILED = importlib.util.find_spec("attnkit.backends.tiled") is not None
 
 MASKS = {
     "none": None,
@@ -38,7 +35,7 @@ def test_eager_bias_gradient_flows():
     assert torch.autograd.gradcheck(fn, (bias,), eps=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", ["sdpa"] + (["tiled"] if HAS_TILED else []))
+@pytest.mark.parametrize("backend", ["sdpa", "tiled"])
 @pytest.mark.parametrize("name", list(MASKS))
 def test_backend_gradients_match_eager(backend, name):
     q, k, v = rand_qkv(2, 4, 2, 6, 6, 8, dtype=torch.float64, requires_grad=True)
@@ -51,7 +48,7 @@ def test_backend_gradients_match_eager(backend, name):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10, msg=f"d{n} {backend} {name}")
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"] + (["tiled"] if HAS_TILED else []))
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "tiled"])
 def test_fully_masked_rows_have_zero_gradients(backend):
     q, k, v = rand_qkv(2, 2, 2, 5, 5, 4, dtype=torch.float64, requires_grad=True)
     mask = masks.padding([3, 0])  # batch row 1 sees nothing

@@ -54,5 +54,7 @@ def test_example_sequence_accuracy_is_eval_mode_without_grad():
     model.register_forward_hook(lambda mod, args, out: seen.append((mod.training, torch.is_grad_enabled())))
     x, y = reverse_batch(8, 4, 5, torch.Generator().manual_seed(0))
     acc = example.sequence_accuracy(model, x, y)
-    assert isinstance(acc, float) and 0.0 <= acc <= 1.0
     assert seen == [(False, False)] and model.training  # evaluated in eval mode, no graph; mode restored
+    with torch.no_grad():  # the value is the eval-mode whole-sequence accuracy (dropout off: deterministic)
+        want = (model.eval()(x).argmax(-1) == y).all(-1).float().mean().item()
+    assert isinstance(acc, float) and acc == want
