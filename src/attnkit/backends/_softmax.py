@@ -82,7 +82,10 @@ def softmax_lse(s: torch.Tensor):
     m = guard(s.detach().amax(dim=-1, keepdim=True))
     p = torch.exp(s - m)
     l_i = p.sum(dim=-1, keepdim=True)
-    return p / torch.where(l_i > 0, l_i, torch.ones_like(l_i)), (m + torch.log(l_i)).squeeze(-1)
+    live = l_i > 0
+    safe = torch.where(live, l_i, torch.ones_like(l_i))  # log(0)'s gradient would be NaN, even masked
+    lse = torch.where(live, m + torch.log(safe), torch.full_like(m, float("-inf")))
+    return p / safe, lse.squeeze(-1)
 
 
 def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
