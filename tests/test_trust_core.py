@@ -160,8 +160,30 @@ def test_item2_unchanged_builtin_mask_plan_is_reused():
     p1 = _blocks.work_list(m, None, 1, 2, 512, 512, 64, 64, 1024)
     p2 = _blocks.work_list(m, None, 1, 2, 512, 512, 64, 64, 1024)
     assert p1 is p2
+    # a pure mask_mod (reads only its indices and constants) is cached by its value key ...
     f = masks.from_mod(lambda b, h, i, j: j <= i)
-    assert _blocks.work_list(f, None, 1, 2, 512, 512, 64, 64, 1024) is not _blocks.work_list(f, None, 1, 2, 512, 512, 64, 64, 1024)
+    w1 = _blocks.work_list(f, None, 1, 2, 512, 512, 64, 64, 1024)
+    assert _blocks.work_list(f, None, 1, 2, 512, 512, 64, 64, 1024) is w1
+    # ... one that reads a tensor is planned afresh on every call (its data may change)
+    ids = torch.zeros(512, dtype=torch.long)
+    g = masks.from_mod(lambda b, h, i, j: ids[i] == ids[j])
+    assert _blocks.work_list(g, None, 1, 2, 512, 512, 64, 64, 1024) is not _blocks.work_list(
+        g, None, 1, 2, 512, 512, 64, 64, 1024)
+    # ... and one reading a global number is keyed by that number's value
+    global _WIDTH
+    _WIDTH = 64
+    h = masks.from_mod(_band_global)
+    d1 = _blocks.work_list(h, None, 1, 1, 512, 512, 64, 64, 1024).density
+    _WIDTH = 300
+    d2 = _blocks.work_list(h, None, 1, 1, 512, 512, 64, 64, 1024).density
+    assert d2 > d1
+
+
+_WIDTH = 64
+
+
+def _band_global(b, h, q, kv):
+    return (q - kv).abs() <= _WIDTH
 
 
 # --- item 3: gradients into tensors a score_mod captures --------------------------------

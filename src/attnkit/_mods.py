@@ -32,7 +32,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["positional_arity", "eval_mask_mod", "eval_score_mod", "captured_grad_tensors", "reads_uncaptured_grad"]
+__all__ = ["positional_arity", "eval_mask_mod", "eval_score_mod", "captured_grad_tensors", "reads_uncaptured_grad",
+           "value_key"]
 
 _P = inspect.Parameter
 
@@ -266,3 +267,61 @@ def reads_uncaptured_grad(fn, captured: list[torch.Tensor], sizes, dtype) -> boo
     for t in captured:
         reach |= _leaves(t)
     return not _leaves(out) <= reach
+
+
+# --- when a mod's result provably depends on nothing but its indices -----------------------
+
+_SCALARS = (int, float, bool, str, bytes, type(None), complex)
+
+
+def _const(x, depth: int):
+    """A hashable stand-in for ``x`` if it is an immutable value (scalars, tuples/frozensets of
+    them, modules, pure functions by their own key); None if it may change under us."""
+    if isinstance(x, _SCALARS):
+        return (type(x).__name__, x)
+    if isinstance(x, (tuple, frozenset)):
+        parts = tuple(_const(y, depth) for y in x)
+        return None if any(p is None for p in parts) else (type(x).__name__, parts)
+    if isinstance(x, types.ModuleType):
+        return ("module", x.__name__)
+    if isinstance(x, types.BuiltinFunctionType):
+        return ("builtin", getattr(x, "__module__", None), x.__qualname__)
+    if isinstance(x, types.FunctionType) and depth < 3:
+        return value_key(x, depth + 1)
+    return None
+
+
+def value_key(fn, depth: int = 0):
+    """A hashable key that determines everything ``fn`` reads besides its arguments, or None.
+
+    ``fn``'s code plus the *values* of its closure cells, defaults and the globals its code
+    names — accepted only when each is an immutable value (ints, floats, strings, tuples of
+    them, modules, other functions with a key of their own). A mod that reads a tensor, an
+    array, a list, a dict or any other object gets None: its data may change between calls,
+    so nothing derived from it may be cached. Used to reuse the tile map of a pure
+    ``mask_mod`` such as ``lambda b, h, q, kv: (q - kv).abs() <= 128`` across calls.
+    """
+    if not isinstance(fn, types.FunctionType):
+        return None
+    code = fn.__code__
+    cells = []
+    for c in fn.__closure__ or ():
+        if not _cell_full(c):
+            return None
+        k = _const(c.cell_contents, depth)
+        if k is None:
+            return None
+        cells.append(k)
+    defaults = _const(tuple(fn.__defaults__ or ()), depth)
+    kwdefaults = _const(tuple(sorted((fn.__kwdefaults__ or {}).items())), depth)
+    g = fn.__globals__
+    names = []
+    for n in code.co_names:
+        if n in g:
+            k = _const(g[n], depth)
+            if k is None:
+                return None
+            names.append((n, k))
+    if defaults is None or kwdefaults is None:
+        return None
+    return (code, tuple(cells), defaults, kwdefaults, tuple(names))

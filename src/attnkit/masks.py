@@ -84,10 +84,14 @@ class Mask:
 
     #: Number of batch rows the mask is specific to (``None``: any batch size).
     batch_size: int | None = None
-    #: Whether the mask is an immutable value, so a block plan computed from it may be
-    #: reused for the same sizes. Built-in masks copy their data at construction; an
-    #: opaque ``mask_mod`` may read data that changes between calls, so it is not.
-    cacheable: bool = True
+    def cache_key(self):
+        """A hashable key that fixes this mask's tiles at given sizes, or None (plan it afresh).
+
+        Built-in masks are immutable values (they copy their data at construction), so the
+        object itself is the key. An opaque ``mask_mod`` has a key only when everything it
+        reads besides its indices is an immutable value (see ``attnkit._mods.value_key``).
+        """
+        return self
 
     def bind(self, L: int, S: int) -> MaskMod:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -400,9 +404,12 @@ class PrefixLM(Mask):
 class FromMod(Mask):
     """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention signature)."""
 
-    #: The function may read data that changes between calls (the next batch's document
-    #: ids): it is evaluated afresh on every call. Hold a plan to reuse its evaluation.
-    cacheable = False
+    def cache_key(self):
+        # A function reading data that may change between calls (the next batch's document
+        # ids in a tensor it closes over) has no key: it is evaluated afresh on every call.
+        # Hold an attnkit.plan(...) to reuse its evaluation explicitly.
+        k = _mods.value_key(self.fn)
+        return None if k is None else ("from_mod", k)
 
     def __init__(self, fn: MaskMod):
         if not callable(fn):
@@ -448,10 +455,13 @@ class _Combined(Mask):
         if len(sizes) > 1:
             raise ValueError(f"mask: cannot combine masks built for different batch sizes {sorted(sizes)}.")
         self.batch_size = sizes.pop() if sizes else None
-        self.cacheable = all(p.cacheable for p in parts)
 
     def _natural_size(self):
         return next((n for n in (p._natural_size() for p in self.parts) if n is not None), None)
+
+    def cache_key(self):
+        keys = tuple(p.cache_key() for p in self.parts)
+        return None if any(k is None for k in keys) else (type(self).__name__, keys)
 
     def validate(self, B, H, L, S):
         for p in self.parts:

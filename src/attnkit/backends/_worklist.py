@@ -18,20 +18,22 @@ a single group).
 
 Caching contract (why no cached work list can be stale):
 
-* a work list is cached per **mask object** only when ``mask.cacheable``: built-in
-  masks are immutable values (they copy their ids/lengths at construction), so the
-  same object at the same sizes always has the same tiles;
-* an opaque ``mask_mod`` (``from_mod``, or any combination containing one) may read
-  data that changes between calls (the next packed batch's document ids): its tiles
-  are evaluated afresh on every call and nothing derived from it is kept — unless the
-  caller passes an explicit :class:`~attnkit.plans.BlockPlan` (the visible cache);
+* a work list is cached under ``mask.cache_key()`` and the sizes. Built-in masks are
+  immutable values (they copy their ids/lengths at construction): the object is the key;
+* an opaque ``mask_mod`` (``from_mod``, or any combination containing one) has a key
+  only when everything it reads besides its indices is an immutable value (its code,
+  and closure / default / global values that are numbers, strings, tuples, modules);
+  one that reads a tensor, array, list or object may see new data on the next call (the
+  next packed batch's document ids): its tiles are evaluated afresh on every call and
+  nothing derived from it is kept — unless the caller passes an explicit
+  :class:`~attnkit.plans.BlockPlan` (the visible cache);
 * a user bool tensor's tile map lives in the request's ``memo`` (one call): ``auto``'s
   look at the mask and the tiled run share one pass over it, and nothing outlives the call.
 """
 
 from __future__ import annotations
 
-import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,8 +45,9 @@ from .._tiling import EMPTY, FULL, PARTIAL
 
 __all__ = ["EMPTY", "PARTIAL", "FULL", "WorkList", "tile_map", "dense_kinds", "work_list"]
 
-# mask object (cacheable only) -> {sizes: WorkList}; dies with the mask object
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# (mask.cache_key(), sizes, options) -> WorkList; least recently used entries are dropped
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -139,11 +142,14 @@ def work_list(mask: _m.Mask | None, dense_mask: torch.Tensor | None, B, H, L, S,
     query blocks with identical runs merge while rows × run keys <= ``max_group_elems``.
     """
     max_run_blocks = max(1, -(-max_run // bn))
-    key = (B, H, L, S, bm, bn, max_run_blocks, max_group_elems, count_all)
-    cacheable = dense_mask is None and given is None and mask is not None and mask.cacheable
-    if cacheable:
-        hit = _CACHE.get(mask, {}).get(key)
+    key = None
+    if dense_mask is None and given is None and mask is not None:
+        mk = mask.cache_key()
+        key = None if mk is None else (mk, B, H, L, S, bm, bn, max_run_blocks, max_group_elems, count_all)
+    if key is not None:
+        hit = _CACHE.get(key)
         if hit is not None:
+            _CACHE.move_to_end(key)
             return hit
     grid = given if given is not None else tile_map(mask, B, H, L, S, bm, bn)
     if dense_mask is not None:
@@ -151,6 +157,8 @@ def work_list(mask: _m.Mask | None, dense_mask: torch.Tensor | None, B, H, L, S,
     runs = _runs_from_grid(grid, L, S, bm, bn, max_run_blocks)
     wl = WorkList(bm, bn, _group(runs, L, bm, max_group_elems, count_all),
                   float((grid > 0).float().mean()) if grid.numel() else 0.0)
-    if cacheable:
-        _CACHE.setdefault(mask, {})[key] = wl
+    if key is not None:
+        _CACHE[key] = wl
+        if len(_CACHE) > _CACHE_MAX:
+            _CACHE.popitem(last=False)
     return wl

@@ -1,0 +1,122 @@
+"""Speed of two attnkit source trees, measured in one sitting, interleaved: "did this change regress?".
+
+    python benchmarks/compare_revisions.py --before /path/to/old/src --after src [--quick]
+
+One long-lived worker process per tree (each imports its own ``attnkit``); for each
+case the two workers are asked in turn, ``--rounds`` times, and each answer is the
+median of ``--repeats`` timed calls after a warm-up. The table reports both medians
+and their ratio (before / after: > 1 means the change is faster). Only ratios from one
+run mean anything on a shared machine; absolute times swing between runs.
+
+FLOPs (for the GFLOP/s column): forward 4·B·H·L·S·D × density (causal ×½ etc. via the
+plan's fraction of computed tiles is not used here: dense count), backward ×2.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+# (name, B, H, Hkv, L, S, D, kwargs as source, mode)
+CASES = [
+    ("window-256 L=4096 fwd", 1, 8, 8, 4096, 4096, 64, "mask=masks.sliding_window(256)", "fwd"),
+    ("window-256 L=4096 fwd+bwd", 1, 8, 8, 4096, 4096, 64, "mask=masks.sliding_window(256)", "fwdbwd"),
+    ("causal L=2048 fwd (auto)", 1, 8, 8, 2048, 2048, 64, "causal=True", "fwd"),
+    ("causal L=2048 fwd (tiled)", 1, 8, 8, 2048, 2048, 64, "causal=True, backend='tiled'", "fwd"),
+    ("causal L=2048 fwd+bwd (tiled)", 1, 8, 8, 2048, 2048, 64, "causal=True, backend='tiled'", "fwdbwd"),
+    ("document 4 docs L=4096 fwd", 1, 8, 8, 4096, 4096, 64, "mask=masks.document(torch.arange(4096) // 1024)", "fwd"),
+    ("alibi causal L=2048 fwd", 1, 8, 8, 2048, 2048, 64,
+     "causal=True, score_mod=score_mods.alibi(torch.linspace(0.5, 0.01, 8))", "fwd"),
+    ("softcap window L=2048 fwd+bwd", 1, 8, 8, 2048, 2048, 64,
+     "mask=masks.sliding_window(256), score_mod=score_mods.softcap(30.0)", "fwdbwd"),
+    ("from_mod band L=2048 fwd (same fn each call)", 1, 8, 8, 2048, 2048, 64, "mask=BAND", "fwd"),
+    ("decode L=1 S=2048 GQA causal", 1, 8, 2, 1, 2048, 64, "causal=True", "fwd"),
+    ("decode L=1 S=128 GQA causal", 1, 8, 2, 1, 128, 64, "causal=True", "fwd"),
+    ("prefill L=S=64 causal", 2, 4, 4, 64, 64, 16, "causal=True", "fwd"),
+    ("prefill L=S=200 GQA causal", 1, 4, 2, 200, 200, 64, "causal=True", "fwd"),
+]
+
+WORKER = r'''
+import json, sys, time, statistics, torch
+torch.set_num_threads(int(sys.argv[1]))
+import attnkit
+from attnkit import masks, score_mods
+def BAND_FN(b, h, q, kv):
+    return (q - kv).abs() <= 128
+BAND = masks.from_mod(BAND_FN)
+for line in sys.stdin:
+    c = json.loads(line)
+    torch.manual_seed(0)
+    B, H, Hkv, L, S, D = c["B"], c["H"], c["Hkv"], c["L"], c["S"], c["D"]
+    grad = c["mode"] == "fwdbwd"
+    q = torch.randn(B, H, L, D, requires_grad=grad)
+    k = torch.randn(B, Hkv, S, D, requires_grad=grad)
+    v = torch.randn(B, Hkv, S, D, requires_grad=grad)
+    kw = eval("dict(" + c["kw"] + ")")
+    def step():
+        if grad:
+            out = attnkit.attention(q, k, v, **kw)
+            out.sum().backward()
+        else:
+            with torch.no_grad():
+                attnkit.attention(q, k, v, **kw)
+    step()
+    ts = []
+    for _ in range(c["repeats"]):
+        t0 = time.perf_counter(); step(); ts.append(time.perf_counter() - t0)
+    print(json.dumps({"median": statistics.median(ts)}), flush=True)
+'''
+
+
+def _worker(src: str, threads: int):
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
+    return subprocess.Popen([sys.executable, "-c", WORKER, str(threads)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _ask(proc, case: dict) -> float:
+    proc.stdin.write(json.dumps(case) + "\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())["median"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True, help="the old tree's src/ directory")
+    ap.add_argument("--after", required=True, help="the new tree's src/ directory")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="small cases only")
+    ap.add_argument("--json", help="also write the results here")
+    a = ap.parse_args(argv)
+    cases = [c for c in CASES if not a.quick or c[4] * c[5] <= 2048 * 2048]
+    procs = {"before": _worker(a.before, a.threads), "after": _worker(a.after, a.threads)}
+    rows = []
+    print(f"| case | before | after | before/after |\n|---|---|---|---|", flush=True)
+    for name, B, H, Hkv, L, S, D, kw, mode in cases:
+        c = dict(B=B, H=H, Hkv=Hkv, L=L, S=S, D=D, kw=kw, mode=mode, repeats=a.repeats)
+        got = {"before": [], "after": []}
+        for r in range(a.rounds):  # interleaved: before, after, before, after, ...
+            order = ("before", "after") if r % 2 == 0 else ("after", "before")
+            for which in order:
+                got[which].append(_ask(procs[which], c))
+        b, f = statistics.median(got["before"]), statistics.median(got["after"])
+        rows.append(dict(case=name, before_s=b, after_s=f, ratio=b / f))
+        unit, k = ("ms", 1e3) if b > 1e-3 else ("µs", 1e6)
+        print(f"| {name} | {b * k:.1f} {unit} | {f * k:.1f} {unit} | {b / f:.2f}× |", flush=True)
+    for p in procs.values():
+        p.stdin.close()
+        p.wait()
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
