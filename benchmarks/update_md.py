@@ -20,10 +20,12 @@ def update(results_path, page_path) -> bool:
     """Splice the section for ``results_path`` into ``page_path``; True if the page changed."""
     page = Path(page_path)
     data = json.loads(Path(results_path).read_text(encoding="utf-8"))
-    old = page.read_text(encoding="utf-8")
+    with open(page, encoding="utf-8", newline="") as f:  # newline="": keep \r\n and every other byte as it is
+        old = f.read()
     new = report.splice(old, report.section(data))
     if new != old:
-        page.write_text(new, encoding="utf-8")
+        with open(page, "w", encoding="utf-8", newline="") as f:
+            f.write(new)
     return new != old
 
 
