@@ -8,9 +8,13 @@ for the page — and token labels, so they work for any model or for
 * :func:`save_heads_png` — one heatmap per head, token labels, a shared 0–1 colour scale.
 * :func:`save_attention_html` — ONE self-contained file (inline JS/CSS, no network):
   pick sentence, layer and head, hover a token to see its attention lines.
+* :func:`show` — a real model's attention on your sentences (what ``attnkit show``
+  runs): a table for one word, the PNG and the page. Needs ``pip install 'attnkit[model]'``;
+  bad arguments raise :class:`ShowInputError` (a ``ValueError`` naming the argument).
 """
 
 from .html import save_attention_html
 from .png import save_heads_png
+from ._show import ShowDependencyError, ShowInputError, ShowResult, show
 
-__all__ = ["save_heads_png", "save_attention_html"]
+__all__ = ["save_heads_png", "save_attention_html", "show", "ShowResult", "ShowInputError", "ShowDependencyError"]
