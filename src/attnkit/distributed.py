@@ -584,10 +584,13 @@ class ContextParallel:
         full = torch.cat([b[:m] for b, m in zip(bufs, self.layout.lengths)], 0)
         return full.index_select(0, self.layout.inverse.to(full.device)).movedim(0, dim)
 
-    def _schedule(self, B, H):
-        key = (_plan_B(self._base, B), _plan_H(self._base, H))
+    def schedule(self, B: int = 1, H: int = 1, causal: bool = False) -> Schedule:
+        """The :class:`Schedule` (which rank pairs are exchanged and computed) of a call with
+        batch ``B``, ``H`` query heads and ``causal`` (cached)."""
+        base, _ = _options(self.seq_len, self.mask, causal, None, None)
+        key = (bool(causal), _plan_B(base, B), _plan_H(base, H))
         if key not in self._scheds:
-            self._scheds[key] = schedule(self.layout, self._base, B=key[0], H=key[1])
+            self._scheds[key] = schedule(self.layout, base, B=key[1], H=key[2])
         return self._scheds[key]
 
     # ----------------------------------------------------------------- communication
@@ -663,9 +666,8 @@ class ContextParallel:
             msg = f"{type(e).__name__}: {e}"
             fields = dict(fields, status=1, call=self._calls)
         self._agree(fields, msg, "signature check")
-        base, opts = _options(self.seq_len, self.mask, causal, scale, score_mod)
-        self._base = base
-        sched = self._schedule(q.shape[0], q.shape[1])
+        _, opts = _options(self.seq_len, self.mask, causal, scale, score_mod)
+        sched = self.schedule(q.shape[0], q.shape[1], causal)
         captured = _captured(score_mod)
         out, lse = _CPFn.apply(self, sched, opts, q, k, v, *captured)
         return (out, lse) if return_lse else out

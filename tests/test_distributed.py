@@ -1,0 +1,337 @@
+"""attnkit.distributed: context parallelism — layouts, the W-rank simulation, and real gloo
+process groups (W = 2, 3, 4 on 127.0.0.1) against the float64 single-process reference.
+
+The process tests spawn ONE group per world size (module-scoped fixture) and feed it the whole
+list of cases; each case below is then one test item reading that run's results. Every spawn is
+bounded in time (the parent kills the group and fails instead of hanging).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import socket
+import time
+import traceback
+import zlib
+from datetime import timedelta
+
+import pytest
+import torch
+
+import attnkit
+import attnkit.distributed as akd
+from attnkit import masks as M
+from attnkit import score_mods as SM
+from attnkit.positional import alibi_slopes
+
+TOL = 2e-5  # fp32 vs the float64 reference at these sizes (unit-scale inputs, L <= 64)
+
+
+# ------------------------------------------------------------------------------------ shared helpers
+
+def _doc_ids(L):
+    g = torch.Generator().manual_seed(L)
+    ids, d = [], 0
+    while len(ids) < L:
+        ids += [d] * int(torch.randint(3, max(4, L // 3), (1,), generator=g))
+        d += 1
+    return torch.tensor(ids[:L])
+
+
+def _band_mod(b, h, q, kv):  # a from_mod that depends on the head: head 0 sees a band, others every 3rd key
+    return ((q - kv).abs() <= 4) | ((h > 0) & ((q - kv) % 3 == 0))
+
+
+def make_mask(name, L):
+    return {
+        "none": lambda: None,
+        "causal": lambda: M.causal(),
+        "causal_tl": lambda: M.causal("top_left"),
+        "window": lambda: M.sliding_window(5),
+        "doc": lambda: M.document(_doc_ids(L)),
+        "doc_causal": lambda: M.document(_doc_ids(L)) & M.causal(),
+        "prefix": lambda: M.prefix_lm(L // 3),
+        "from_mod": lambda: M.from_mod(_band_mod),
+    }[name]()
+
+
+def make_score_mod(name, H):
+    return {None: None, "alibi": lambda: SM.alibi(alibi_slopes(H)), "softcap": lambda: SM.softcap(2.5)}[name]() \
+        if name else None
+
+
+def make_inputs(B, H, Hkv, L, D, Dv, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, L, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, L, Dv, generator=g, dtype=torch.float64)
+    go = torch.randn(B, H, L, Dv, generator=g, dtype=torch.float64)
+    gl = torch.randn(B, H, L, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype), go, gl
+
+
+def reference(q, k, v, go, gl, *, mask, causal, score_mod, with_lse):
+    """float64 out and lse (the NumPy reference backend) and grads of q, k, v (eager, float64)."""
+    up = lambda t: t.detach().to(torch.float64)
+    out, lse = attnkit.attention(up(q), up(k), up(v), mask=mask, causal=causal, score_mod=score_mod,
+                                 backend="reference", return_lse=True)
+    q2, k2, v2 = (up(t).requires_grad_() for t in (q, k, v))
+    o2, l2 = attnkit.attention(q2, k2, v2, mask=mask, causal=causal, score_mod=score_mod, backend="eager",
+                               return_lse=True)
+    loss = (o2 * go).sum()
+    if with_lse:
+        loss = loss + torch.where(torch.isfinite(l2), l2 * gl, 0).sum()
+    grads = torch.autograd.grad(loss, (q2, k2, v2))
+    return out, lse, grads
+
+
+def errors(out, lse, grads, ref, rows=None):
+    """Max abs errors of (out, lse, dq, dk, dv) vs the reference (restricted to ``rows`` on dim 2)."""
+    rout, rlse, rgrads = ref
+    sel = (lambda t: t) if rows is None else (lambda t: t.index_select(2, rows))
+    e = {"out": (out.double() - sel(rout)).abs().max().item()}
+    rl = sel(rlse)
+    if not torch.equal(torch.isneginf(lse), torch.isneginf(rl)):
+        e["lse"] = math.inf
+    else:
+        fin = torch.isfinite(rl)
+        e["lse"] = (lse.double() - rl)[fin].abs().max().item() if fin.any() else 0.0
+    for name, g, r in zip(("dq", "dk", "dv"), grads, rgrads):
+        e[name] = (g.double() - sel(r)).abs().max().item() if g is not None else math.inf
+        if not torch.isfinite(g).all():
+            e[name] = math.inf
+    return e
+
+
+# ------------------------------------------------------------------------------------ the cases
+
+def _case(name, W, L, mask, layout="contiguous", comm="p2p", *, causal=False, score_mod=None, B=2, H=4, Hkv=2,
+          D=8, Dv=6, block=2, with_lse=False, check_stats=None):
+    return dict(name=name, W=W, L=L, mask=mask, layout=layout, comm=comm, causal=causal, score_mod=score_mod, B=B,
+                H=H, Hkv=Hkv, D=D, Dv=Dv, block=block, with_lse=with_lse, check_stats=check_stats)
+
+
+def cases_for(W):
+    L = {2: 37, 3: 41, 4: 50}[W]  # uneven: not divisible by W or 2W
+    out = []
+    for lay in ("contiguous", "zigzag", "balanced"):
+        out.append(_case(f"causal-{lay}", W, L, "causal", lay, with_lse=True))
+    out += [
+        _case("causal-top-left-allgather", W, L, "causal_tl", "balanced", "allgather"),
+        _case("causal-kw", W, L, "none", "zigzag", causal=True),
+        _case("window-contiguous", W, L, "window", "contiguous", check_stats="window"),
+        _case("window-balanced-allgather", W, L, "window", "balanced", "allgather"),
+        _case("doc-balanced", W, L, "doc", "balanced", with_lse=True),
+        _case("doc-causal-zigzag-allgather", W, L, "doc_causal", "zigzag", "allgather"),
+        _case("prefix-zigzag", W, L, "prefix", "zigzag"),
+        _case("prefix-balanced", W, L, "prefix", "balanced", with_lse=True),
+        _case("from_mod-contiguous", W, L, "from_mod", "contiguous"),
+        _case("full-allgather", W, L, "none", "contiguous", "allgather"),
+        _case("alibi-causal-zigzag", W, L, "causal", "zigzag", score_mod="alibi"),
+        _case("softcap-window-balanced", W, L, "window", "balanced", score_mod="softcap", with_lse=True),
+        _case("mqa-causal-balanced", W, L, "causal", "balanced", H=3, Hkv=1, D=4, Dv=10),
+        _case("mha-doc-contiguous", W, L, "doc", "contiguous", H=2, Hkv=2, B=1, block=3),
+        _case("causal-contiguous-stats", W, L, "causal", "contiguous", check_stats="causal"),
+    ]
+    return out
+
+
+def _run_case(c, rank):
+    cp_mask = make_mask(c["mask"], c["L"])
+    sm = make_score_mod(c["score_mod"], c["H"])
+    cp = akd.ContextParallel(c["L"], mask=cp_mask, layout=c["layout"], comm=c["comm"], block=c["block"], timeout=20)
+    q, k, v, go, gl = make_inputs(c["B"], c["H"], c["Hkv"], c["L"], c["D"], c["Dv"], seed=zlib.crc32(c["name"].encode()) % 1000)
+    ref = reference(q, k, v, go, gl, mask=cp_mask, causal=c["causal"], score_mod=sm, with_lse=c["with_lse"])
+    ql, kl, vl = (cp.shard(t).clone().requires_grad_() for t in (q, k, v))
+    out, lse = cp.attention(ql, kl, vl, causal=c["causal"], score_mod=sm, return_lse=True)
+    rows = cp.positions
+    loss = (out.double() * go.index_select(2, rows)).sum()
+    if c["with_lse"]:
+        loss = loss + torch.where(torch.isfinite(lse), lse.double() * gl.index_select(2, rows), 0).sum()
+    loss.backward()
+    res = errors(out, lse, (ql.grad, kl.grad, vl.grad), ref, rows)
+    full = cp.gather(out)
+    res["gather"] = (full.double() - ref[0]).abs().max().item()
+    # the single-process simulation runs the same schedule and merge order
+    sim = akd.simulate(q, k, v, W=c["W"], layout=cp.layout, mask=cp_mask, causal=c["causal"], score_mod=sm)
+    res["sim"] = (sim.index_select(2, rows) - out).abs().max().item()
+    st, sched = cp.stats, cp.schedule(c["B"], c["H"], c["causal"])
+    res["stats"] = dict(vars(st))
+    res["bstats"] = dict(vars(cp.backward_stats))
+    res["expect_send"] = list(sched.send_to[rank])
+    res["expect_recv"] = list(sched.recv_from[rank])
+    kv_row = c["B"] * c["Hkv"] * (c["D"] + c["Dv"]) * 4  # bytes of one K/V position (fp32, real Hkv heads)
+    P = cp.layout.lengths
+    res["expect_bytes_sent"] = kv_row * P[rank] * len(sched.send_to[rank])
+    res["expect_bytes_recv"] = kv_row * sum(P[s] for s in sched.recv_from[rank])
+    res["lengths"] = P
+    return res
+
+
+def _fault_cases(rank, W, out):
+    """Each fault must raise ContextParallelError on every participating rank, quickly."""
+    L = 23
+    q, k, v, _, _ = make_inputs(1, 2, 1, L, 4, 4, seed=1)
+    cp = akd.ContextParallel(L, mask=M.causal(), layout="zigzag", block=1, timeout=3)
+    ql, kl, vl = cp.shard(q), cp.shard(k), cp.shard(v)
+
+    def attempt(name, fn):
+        t = time.time()
+        try:
+            fn()
+            out[name] = ("no error", time.time() - t)
+        except akd.ContextParallelError as e:
+            out[name] = ("ContextParallelError", str(e), time.time() - t)
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            out[name] = (type(e).__name__, str(e), time.time() - t)
+
+    attempt("mismatch", lambda: cp.attention(ql, kl, vl, scale=0.5 if rank == 1 else None))
+    attempt("bad-shape", lambda: cp.attention(ql if rank != 1 else ql[:, :, :-1], kl, vl))
+    attempt("gqa-mismatch", lambda: cp.attention(ql if rank != 1 else ql.repeat(1, 2, 1, 1), kl, vl))
+
+    def boom(score, b, h, qi, kv):
+        if rank == 1:
+            raise RuntimeError("score_mod exploded on purpose")
+        return score
+
+    attempt("compute-error", lambda: cp.attention(ql, kl, vl, score_mod=boom))
+    attempt("ok-after", lambda: cp.attention(ql, kl, vl))  # the group is still usable
+    # last: rank 1 never arrives
+    if rank != 1:
+        attempt("never-arrives", lambda: cp.attention(ql, kl, vl))
+    else:
+        time.sleep(5)
+
+
+def _worker(rank, W, port, cases, faults, q_out):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    res = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,
+                                timeout=timedelta(seconds=30))
+        for c in cases:
+            t = time.time()
+            try:
+                res[c["name"]] = _run_case(c, rank)
+            except Exception:  # noqa: BLE001 - reported to the parent
+                res[c["name"]] = {"error": traceback.format_exc()}
+            res[c["name"]]["time"] = time.time() - t
+        if faults:
+            f = {}
+            _fault_cases(rank, W, f)
+            res["faults"] = f
+    except Exception:  # noqa: BLE001
+        res["fatal"] = traceback.format_exc()
+    q_out.put((rank, res))
+    q_out.close()
+    q_out.join_thread()
+    os._exit(0)  # no destroy_process_group: a fault case may have left a peer's message unmatched
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(W, cases, faults=False, limit=120):
+    """Run ``cases`` on W gloo processes; {rank: results}. Kills the group past ``limit`` seconds."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q_out = ctx.Queue()
+    port = _free_port()
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    procs = [ctx.Process(target=_worker, args=(r, W, port, cases, faults, q_out), daemon=True) for r in range(W)]
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    out, deadline = {}, time.time() + limit
+    try:
+        while len(out) < W:
+            try:
+                r, res = q_out.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                raise AssertionError(f"W={W}: the process group did not finish within {limit}s "
+                                     f"(got ranks {sorted(out)})") from None
+            out[r] = res
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    for r, res in out.items():
+        assert "fatal" not in res, f"rank {r}: {res['fatal']}"
+    return out
+
+
+_RUNS: dict = {}
+
+
+def run_for(W):
+    if W not in _RUNS:
+        _RUNS[W] = spawn(W, cases_for(W), faults=(W == 3))
+    return _RUNS[W]
+
+
+# ------------------------------------------------------------------------------------ process tests
+
+ALL = [(W, c["name"]) for W in (2, 3, 4) for c in cases_for(W)]
+
+
+@pytest.mark.parametrize("W,name", ALL, ids=[f"W{W}-{n}" for W, n in ALL])
+def test_processes_match_float64_reference(W, name):
+    results = run_for(W)
+    for rank, res in sorted(results.items()):
+        r = res[name]
+        assert "error" not in r, f"rank {rank}: {r['error']}"
+        for key in ("out", "lse", "dq", "dk", "dv", "gather"):
+            assert r[key] <= TOL, f"rank {rank}: {key} error {r[key]:.3g} > {TOL}"
+        assert r["sim"] <= 1e-6, f"rank {rank}: differs from the simulation by {r['sim']:.3g}"
+        st = r["stats"]
+        # skipped pairs are neither sent nor computed: traffic is exactly the schedule's
+        if "allgather" not in name:
+            assert list(st["peers_sent"]) == r["expect_send"]
+            assert list(st["peers_received"]) == r["expect_recv"]
+            assert st["bytes_sent"] == r["expect_bytes_sent"], (rank, st, r["expect_bytes_sent"])
+            assert st["bytes_received"] == r["expect_bytes_recv"]
+            assert r["bstats"]["bytes_sent"] == r["expect_bytes_recv"]  # dK/dV partials go back, fp32
+            assert r["bstats"]["bytes_received"] == r["expect_bytes_sent"]
+        assert st["steps"] == st["pairs_computed"] >= len(r["expect_recv"])
+        assert st["pairs_computed"] + st["pairs_skipped"] == W
+        assert st["tiles_computed"] > 0
+        if name == "window-contiguous":
+            # window 5 < every shard: rank r needs only rank r - 1's keys; it sends only to r + 1
+            assert st["peers_received"] == ((rank - 1,) if rank else ())
+            assert st["peers_sent"] == ((rank + 1,) if rank < W - 1 else ())
+            assert st["pairs_skipped"] == W - (2 if rank else 1)
+        if name == "causal-contiguous-stats":
+            assert st["peers_sent"] == tuple(range(rank + 1, W))  # the last rank sends nothing
+            assert st["tiles_skipped"] > 0
+
+
+def test_processes_faults_raise_everywhere_quickly():
+    results = run_for(3)
+    for rank, res in sorted(results.items()):
+        f = res["faults"]
+        for name in ("mismatch", "bad-shape", "gqa-mismatch", "compute-error"):
+            kind, msg, secs = f[name]
+            assert kind == "ContextParallelError", (rank, name, f[name])
+            assert secs < 5, (rank, name, secs)
+        assert "disagree on scale" in f["mismatch"][1] and "rank 1" in f["mismatch"][1]
+        assert "rank 1 failed" in f["bad-shape"][1] and "ValueError" in f["bad-shape"][1]
+        assert "rank 1" in f["gqa-mismatch"][1]
+        assert "rank 1 failed" in f["compute-error"][1] and "exploded on purpose" in f["compute-error"][1]
+        assert f["ok-after"][0] == "no error"
+        if rank != 1:
+            kind, msg, secs = f["never-arrives"]
+            assert kind == "ContextParallelError" and "rank 1" in msg, f["never-arrives"]
+            assert secs < 10, secs
