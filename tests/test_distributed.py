@@ -44,6 +44,10 @@ def _band_mod(b, h, q, kv):  # a from_mod that depends on the head: head 0 sees 
     return ((q - kv).abs() <= 4) | ((h > 0) & ((q - kv) % 3 == 0))
 
 
+def _dead_mod(b, h, q, kv):  # the first 6 query rows see nothing: out 0, lse -inf, zero grads
+    return (kv <= q) & (q >= 6)
+
+
 def make_mask(name, L):
     return {
         "none": lambda: None,
@@ -54,6 +58,7 @@ def make_mask(name, L):
         "doc_causal": lambda: M.document(_doc_ids(L)) & M.causal(),
         "prefix": lambda: M.prefix_lm(L // 3),
         "from_mod": lambda: M.from_mod(_band_mod),
+        "dead": lambda: M.from_mod(_dead_mod),
     }[name]()
 
 
@@ -75,7 +80,9 @@ def make_inputs(B, H, Hkv, L, D, Dv, seed, dtype=torch.float32):
 def reference(q, k, v, go, gl, *, mask, causal, score_mod, with_lse):
     """float64 out and lse (the NumPy reference backend) and grads of q, k, v (eager, float64)."""
     up = lambda t: t.detach().to(torch.float64)
-    out, lse = attnkit.attention(up(q), up(k), up(v), mask=mask, causal=causal, score_mod=score_mod,
+    plain = SM.alibi(score_mod.slopes.detach()) if isinstance(score_mod, SM.ScoreMod) and hasattr(
+        score_mod, "slopes") else score_mod  # the NumPy reference takes no tensor that requires grad
+    out, lse = attnkit.attention(up(q), up(k), up(v), mask=mask, causal=causal, score_mod=plain,
                                  backend="reference", return_lse=True)
     q2, k2, v2 = (up(t).requires_grad_() for t in (q, k, v))
     o2, l2 = attnkit.attention(q2, k2, v2, mask=mask, causal=causal, score_mod=score_mod, backend="eager",
@@ -83,7 +90,8 @@ def reference(q, k, v, go, gl, *, mask, causal, score_mod, with_lse):
     loss = (o2 * go).sum()
     if with_lse:
         loss = loss + torch.where(torch.isfinite(l2), l2 * gl, 0).sum()
-    grads = torch.autograd.grad(loss, (q2, k2, v2))
+    loss.backward()
+    grads = (q2.grad, k2.grad, v2.grad)
     return out, lse, grads
 
 
@@ -108,9 +116,10 @@ def errors(out, lse, grads, ref, rows=None):
 # ------------------------------------------------------------------------------------ the cases
 
 def _case(name, W, L, mask, layout="contiguous", comm="p2p", *, causal=False, score_mod=None, B=2, H=4, Hkv=2,
-          D=8, Dv=6, block=2, with_lse=False, check_stats=None):
+          D=8, Dv=6, block=2, with_lse=False, check_stats=None, keep_kv=True, learn=False):
     return dict(name=name, W=W, L=L, mask=mask, layout=layout, comm=comm, causal=causal, score_mod=score_mod, B=B,
-                H=H, Hkv=Hkv, D=D, Dv=Dv, block=block, with_lse=with_lse, check_stats=check_stats)
+                H=H, Hkv=Hkv, D=D, Dv=Dv, block=block, with_lse=with_lse, check_stats=check_stats, keep_kv=keep_kv,
+                learn=learn)
 
 
 def cases_for(W):
@@ -134,16 +143,24 @@ def cases_for(W):
         _case("mqa-causal-balanced", W, L, "causal", "balanced", H=3, Hkv=1, D=4, Dv=10),
         _case("mha-doc-contiguous", W, L, "doc", "contiguous", H=2, Hkv=2, B=1, block=3),
         _case("causal-contiguous-stats", W, L, "causal", "contiguous", check_stats="causal"),
+        _case("dead-rows-contiguous", W, L, "dead", "contiguous", with_lse=True),
+        _case("causal-zigzag-refetch", W, L, "causal", "zigzag", keep_kv=False),
+        _case("learnable-alibi-window-balanced", W, L, "window", "balanced", score_mod="alibi", learn=True),
     ]
     return out
 
 
 def _run_case(c, rank):
     cp_mask = make_mask(c["mask"], c["L"])
-    sm = make_score_mod(c["score_mod"], c["H"])
-    cp = akd.ContextParallel(c["L"], mask=cp_mask, layout=c["layout"], comm=c["comm"], block=c["block"], timeout=20)
-    q, k, v, go, gl = make_inputs(c["B"], c["H"], c["Hkv"], c["L"], c["D"], c["Dv"], seed=zlib.crc32(c["name"].encode()) % 1000)
-    ref = reference(q, k, v, go, gl, mask=cp_mask, causal=c["causal"], score_mod=sm, with_lse=c["with_lse"])
+    sm = ref_sm = make_score_mod(c["score_mod"], c["H"])
+    if c["learn"]:  # a learnable ALiBi slope: each rank gets its share of the gradient
+        sm = SM.alibi(alibi_slopes(c["H"]).requires_grad_())
+        ref_sm = SM.alibi(alibi_slopes(c["H"], dtype=torch.float64).requires_grad_())
+    cp = akd.ContextParallel(c["L"], mask=cp_mask, layout=c["layout"], comm=c["comm"], block=c["block"], timeout=20,
+                             keep_kv=c["keep_kv"])
+    q, k, v, go, gl = make_inputs(c["B"], c["H"], c["Hkv"], c["L"], c["D"], c["Dv"],
+                                  seed=zlib.crc32(c["name"].encode()) % 1000)
+    ref = reference(q, k, v, go, gl, mask=cp_mask, causal=c["causal"], score_mod=ref_sm, with_lse=c["with_lse"])
     ql, kl, vl = (cp.shard(t).clone().requires_grad_() for t in (q, k, v))
     out, lse = cp.attention(ql, kl, vl, causal=c["causal"], score_mod=sm, return_lse=True)
     rows = cp.positions
@@ -152,6 +169,10 @@ def _run_case(c, rank):
         loss = loss + torch.where(torch.isfinite(lse), lse.double() * gl.index_select(2, rows), 0).sum()
     loss.backward()
     res = errors(out, lse, (ql.grad, kl.grad, vl.grad), ref, rows)
+    if c["learn"]:
+        g = sm.slopes.grad.clone()
+        torch.distributed.all_reduce(g)  # the ranks' shares sum to the whole gradient (as DDP would)
+        res["dslopes"] = (g.double() - ref_sm.slopes.grad).abs().max().item()
     full = cp.gather(out)
     res["gather"] = (full.double() - ref[0]).abs().max().item()
     # the single-process simulation runs the same schedule and merge order
@@ -296,6 +317,8 @@ def test_processes_match_float64_reference(W, name):
         for key in ("out", "lse", "dq", "dk", "dv", "gather"):
             assert r[key] <= TOL, f"rank {rank}: {key} error {r[key]:.3g} > {TOL}"
         assert r["sim"] <= 1e-6, f"rank {rank}: differs from the simulation by {r['sim']:.3g}"
+        if "dslopes" in r:
+            assert r["dslopes"] <= TOL * 10, r["dslopes"]
         st = r["stats"]
         # skipped pairs are neither sent nor computed: traffic is exactly the schedule's
         if "allgather" not in name:
@@ -303,8 +326,10 @@ def test_processes_match_float64_reference(W, name):
             assert list(st["peers_received"]) == r["expect_recv"]
             assert st["bytes_sent"] == r["expect_bytes_sent"], (rank, st, r["expect_bytes_sent"])
             assert st["bytes_received"] == r["expect_bytes_recv"]
-            assert r["bstats"]["bytes_sent"] == r["expect_bytes_recv"]  # dK/dV partials go back, fp32
-            assert r["bstats"]["bytes_received"] == r["expect_bytes_sent"]
+            # backward: dK/dV partials (fp32) go back to their owners; K/V travel again without keep_kv
+            again = "refetch" in name
+            assert r["bstats"]["bytes_sent"] == r["expect_bytes_recv"] + again * r["expect_bytes_sent"]
+            assert r["bstats"]["bytes_received"] == r["expect_bytes_sent"] + again * r["expect_bytes_recv"]
         assert st["steps"] == st["pairs_computed"] >= len(r["expect_recv"])
         assert st["pairs_computed"] + st["pairs_skipped"] == W
         assert st["tiles_computed"] > 0

@@ -306,18 +306,21 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rank_forward(q, kv: dict, qpos, positions, sched_row_full, opts):
-    """Merge the partial results of the key ranks in ``kv`` (ascending) for one rank's queries."""
+def _rank_forward(q, kv: dict, qpos, positions, sched_row_full, opts, partials=None, Dv=None):
+    """Merge the partial results of the key ranks in ``kv`` for one rank's queries, in ascending
+    key-rank order (``partials``: those already computed, e.g. the local pair during the exchange)."""
     acc = _acc_dtype(q.dtype)
+    partials = dict(partials or {})
     out = lse = None
     for s in sorted(kv):
-        k_s, v_s = kv[s]
-        o, l = _pair(q, k_s, v_s, qpos, positions[s], full=bool(sched_row_full[s]), **opts)
+        if s not in partials:
+            partials[s] = _pair(q, kv[s][0], kv[s][1], qpos, positions[s], full=bool(sched_row_full[s]), **opts)
+        o, l = partials.pop(s)
         o, l = o.to(acc), l.to(acc)
         out, lse = (o, l) if out is None else _softmax.merge(out, lse, o, l)
     if out is None:  # no visible key at all
         B, H, n = q.shape[0], q.shape[1], q.shape[2]
-        Dv = next(iter(kv.values()))[1].shape[-1] if kv else q.shape[-1]
+        Dv = next(iter(kv.values()))[1].shape[-1] if kv else (q.shape[-1] if Dv is None else Dv)
         out = q.new_zeros(B, H, n, Dv, dtype=acc)
         lse = q.new_full((B, H, n), float("-inf"), dtype=acc)
     return out, lse
@@ -394,7 +397,7 @@ class _SimFn(torch.autograd.Function):
         for r in range(W):
             qr = q.index_select(2, P[r])
             kv = {s: (k.index_select(2, P[s]), v.index_select(2, P[s])) for s in range(W) if sched.visible[r, s]}
-            o, l = _rank_forward(qr, kv, P[r], P, sched.full[r], opts)
+            o, l = _rank_forward(qr, kv, P[r], P, sched.full[r], opts, Dv=v.shape[-1])
             outs.append(o)
             lses.append(l)
             saved.append((qr, kv))
@@ -611,13 +614,21 @@ class ContextParallel:
                 f"{'' if self.timeout is None else f' within {self.timeout:g}s'}: it failed, hung or skipped this "
                 f"call. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
-    def _p2p(self, send: dict, recv: dict, tag: int, what: str):
-        """isend ``send[peer]`` and irecv into ``recv[peer]``; every handle waited on, per peer."""
+    def _p2p(self, send: dict, recv: dict, tag: int, what: str, meanwhile=None):
+        """isend ``send[peer]`` and irecv into ``recv[peer]``; every handle waited on, per peer
+        (``meanwhile()`` runs while the messages travel)."""
         works = []
         for peer, buf in recv.items():
             works.append((peer, self.dist.irecv(buf, src=self._g(peer), group=self.group, tag=tag), "recv"))
         for peer, t in send.items():
             works.append((peer, self.dist.isend(t, dst=self._g(peer), group=self.group, tag=tag), "send"))
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            finally:
+                for peer, w, kind in works:
+                    self._wait(w, peer, f"{what} ({kind})")
+            return
         for peer, w, kind in works:
             self._wait(w, peer, f"{what} ({kind})")
 
@@ -703,7 +714,7 @@ class ContextParallel:
             score_mod.validate(B, H, self.seq_len, self.seq_len)
         return fields
 
-    def _exchange_kv(self, k, v, what, stats):
+    def _exchange_kv(self, k, v, what, stats, meanwhile=None):
         """This rank's view ``{s: (k_s, v_s)}`` of the K/V shards it needs (its own included)."""
         sched, r, P = self._sched, self.rank, self.layout.positions
         D = k.shape[-1]
@@ -714,7 +725,7 @@ class ContextParallel:
             send = {t: packed for t in sched.send_to[r]}
             recv = {s: packed.new_empty(packed.shape[0], packed.shape[1], len(P[s]), packed.shape[3])
                     for s in sched.recv_from[r]}
-            self._p2p(send, recv, 11, what)
+            self._p2p(send, recv, 11, what, meanwhile)
             stats.bytes_sent += packed.numel() * elt * len(send)
             stats.bytes_received += sum(b.numel() * elt for b in recv.values())
             stats.peers_sent, stats.peers_received = tuple(send), tuple(recv)
@@ -723,7 +734,12 @@ class ContextParallel:
             pad = packed.new_zeros(packed.shape[0], packed.shape[1], n, packed.shape[3])
             pad[:, :, :packed.shape[2]] = packed
             bufs = [torch.empty_like(pad) for _ in range(self.W)]
-            self._wait(self.dist.all_gather(bufs, pad, group=self.group, async_op=True), None, what)
+            work = self.dist.all_gather(bufs, pad, group=self.group, async_op=True)
+            try:
+                if meanwhile is not None:
+                    meanwhile()
+            finally:
+                self._wait(work, None, what)
             recv = {s: bufs[s][:, :, :len(P[s])] for s in range(self.W) if s != r}
             stats.bytes_sent += pad.numel() * elt * (self.W - 1)
             stats.bytes_received += pad.numel() * elt * (self.W - 1)
@@ -751,13 +767,25 @@ class _CPFn(torch.autograd.Function):
         st.tiles_skipped = int(sched.empty[r].sum())
         st.pairs_computed = int(sched.visible[r].sum())
         st.pairs_skipped = cp.W - st.pairs_computed
-        kv = cp._exchange_kv(k, v, "forward K/V exchange", st)
         err = out = lse = None
-        try:
-            out, lse = _rank_forward(q.detach(), kv, P[r], P, sched.full[r], opts)
-            st.steps = len(kv)
-        except Exception as e:
-            err = e
+        local = {}
+
+        def compute_local():  # the local pair runs while the K/V messages travel
+            nonlocal err
+            if sched.visible[r, r] and err is None:
+                try:
+                    local[r] = _pair(q.detach(), k.detach(), v.detach(), P[r], P[r], full=bool(sched.full[r, r]),
+                                     **opts)
+                except Exception as e:
+                    err = e
+
+        kv = cp._exchange_kv(k, v, "forward K/V exchange", st, compute_local)
+        if err is None:
+            try:
+                out, lse = _rank_forward(q.detach(), kv, P[r], P, sched.full[r], opts, local, v.shape[-1])
+                st.steps = len(kv)
+            except Exception as e:
+                err = e
         cp._status(err, "forward")
         ctx.cp, ctx.sched, ctx.opts, ctx.captured = cp, sched, opts, captured
         ctx.kv = kv if cp.keep_kv else None
