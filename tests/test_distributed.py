@@ -360,3 +360,117 @@ def test_processes_faults_raise_everywhere_quickly():
             kind, msg, secs = f["never-arrives"]
             assert kind == "ContextParallelError" and "rank 1" in msg, f["never-arrives"]
             assert secs < 10, secs
+
+
+# ------------------------------------------------------------------------------------ layouts & simulation
+# (one process, no group: fast)
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("L", [37, 64, 101])
+@pytest.mark.parametrize("name", ["contiguous", "zigzag", "balanced"])
+def test_layout_is_a_partition(name, L, W):
+    lay = akd.layout(name, L, W, mask=M.causal(), block=2)
+    allpos = torch.cat(lay.positions)
+    assert torch.equal(allpos.sort().values, torch.arange(L)), "every position owned exactly once"
+    for r, p in enumerate(lay.positions):
+        assert p.numel() > 0 and torch.equal(p, p.sort().values)
+        assert torch.equal(lay.owner[p], torch.full_like(p, r)) and torch.equal(lay.local[p], torch.arange(p.numel()))
+    assert torch.equal(allpos[lay.inverse], torch.arange(L))
+    if name == "contiguous":
+        assert all(lay.is_contiguous(r) for r in range(W))
+        assert max(lay.lengths) - min(lay.lengths) <= 3  # one unit of block=2, and the last unit's shortfall
+    if name == "zigzag":
+        chunks = akd._runs(-(-L // 2), 2 * W)
+        for r in range(W):
+            assert lay.units[r] == sorted(chunks[r] + chunks[2 * W - 1 - r])
+
+
+def _row_work(mask, L):
+    return mask.materialize(1, 1, L, L)[0, 0].sum(-1).double()  # exact keys seen by each query row
+
+
+@pytest.mark.parametrize("W", [4, 8])
+@pytest.mark.parametrize("mname", ["causal", "doc", "doc_causal", "prefix"])
+def test_balanced_layout_within_5_percent(mname, W):
+    L = 2048
+    mask = make_mask(mname, L)
+    work = _row_work(mask, L)
+    loads = {}
+    for name in ("contiguous", "zigzag", "balanced"):
+        lay = akd.layout(name, L, W, mask=mask)  # default block
+        per = torch.stack([work[p].sum() for p in lay.positions])
+        loads[name] = float(per.max() / per.mean())
+    assert loads["balanced"] <= 1.05, loads
+    assert loads["balanced"] <= loads["contiguous"] + 1e-9
+
+
+def test_window_under_contiguous_exchanges_with_neighbours_only():
+    lay = akd.layout("contiguous", 4096, 8, block=64)
+    sched = akd.schedule(lay, M.sliding_window(300))
+    want = torch.eye(8, dtype=torch.bool) | torch.eye(8, dtype=torch.bool).roll(-1, 1).tril()
+    assert torch.equal(sched.visible, want)
+    assert sched.send_to == [[r + 1] for r in range(7)] + [[]]
+    assert int(sched.tiles.sum()) == int((attnkit.plan(M.sliding_window(300), 4096, block=64).kinds != 0).sum())
+
+
+SIM = [
+    ("causal", "zigzag", None, False, {}),
+    ("doc", "balanced", "softcap", True, {}),
+    ("window", "contiguous", "alibi", False, {}),
+    ("from_mod", "balanced", None, True, {}),
+    ("dead", "zigzag", None, True, {}),
+    ("none", "contiguous", None, False, dict(causal=True)),
+    ("prefix", "balanced", None, False, dict(H=3, Hkv=1)),
+]
+
+
+@pytest.mark.parametrize("mname,lay,smod,with_lse,extra", SIM, ids=[f"{m}-{l}" for m, l, *_ in SIM])
+def test_simulation_matches_float64_reference(mname, lay, smod, with_lse, extra):
+    B, H, Hkv, L, D, Dv = 2, extra.get("H", 4), extra.get("Hkv", 2), 45, 8, 5
+    causal = extra.get("causal", False)
+    mask, sm = make_mask(mname, L), make_score_mod(smod, H)
+    q, k, v, go, gl = make_inputs(B, H, Hkv, L, D, Dv, seed=3)
+    ref = reference(q, k, v, go, gl, mask=mask, causal=causal, score_mod=sm, with_lse=with_lse)
+    for W in (2, 3, 4):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = akd.simulate(qq, kk, vv, W=W, layout=lay, mask=mask, causal=causal, score_mod=sm,
+                                return_lse=True, block=2)
+        loss = (out.double() * go).sum()
+        if with_lse:
+            loss = loss + torch.where(torch.isfinite(lse), lse.double() * gl, 0).sum()
+        loss.backward()
+        e = errors(out, lse, (qq.grad, kk.grad, vv.grad), ref)
+        assert max(e.values()) <= TOL, (W, e)
+
+
+def test_simulation_is_deterministic_and_independent_of_W():
+    q, k, v, _, _ = make_inputs(1, 2, 2, 60, 8, 8, seed=5)
+    mask = make_mask("doc_causal", 60)
+    outs = {W: akd.simulate(q, k, v, W=W, layout="balanced", mask=mask, block=3) for W in (1, 2, 3, 5)}
+    again = akd.simulate(q, k, v, W=3, layout="balanced", mask=mask, block=3)
+    assert torch.equal(outs[3], again), "fixed merge order: bitwise reproducible"
+    for W, o in outs.items():
+        assert (o - outs[1]).abs().max() <= 2e-6, W
+
+
+def test_simulation_low_precision_merges_in_fp32():
+    q, k, v, _, _ = make_inputs(1, 2, 1, 64, 16, 16, seed=7, dtype=torch.bfloat16)
+    out = akd.simulate(q, k, v, W=4, layout="zigzag", mask=M.causal(), block=4)
+    assert out.dtype == torch.bfloat16
+    one = attnkit.attention(q, k, v, causal=True)  # single process, same dtype
+    ref = attnkit.attention(q.double(), k.double(), v.double(), causal=True, backend="reference")
+    assert (out.double() - ref).abs().max() <= 2 * (one.double() - ref).abs().max() + 4e-3
+
+
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match="needs at least 8 units"):
+        akd.layout("zigzag", 10, 4, block=2)
+    with pytest.raises(ValueError, match="layout"):
+        akd.layout("ring", 10, 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        akd.ContextParallel(16, mask=M.causal())
+    with pytest.raises(ValueError, match="dropout_p"):
+        akd._check_unsupported({"dropout_p": 0.1})
+    with pytest.raises(ValueError, match="self-attention"):
+        q = torch.randn(1, 1, 8, 4)
+        akd.simulate(q, torch.randn(1, 1, 9, 4), torch.randn(1, 1, 9, 4), W=2)

@@ -142,17 +142,25 @@ def _runs(n: int, parts: int) -> list[list[int]]:
     return out
 
 
-def unit_costs(plan: _plans.BlockPlan) -> torch.Tensor:
-    """Work of each query unit: Σ over its non-empty tiles of rows × cols (averaged over the
-    plan's batch rows and heads). Partial tiles count as full (the mask costs extra there)."""
-    k = plan.kinds  # (Bp, Hp, nq, nk)
-    bm, bn = plan.block
-    rows = torch.full((k.shape[2],), float(bm), dtype=torch.float64)
-    rows[-1] = plan.L - bm * (k.shape[2] - 1)
-    cols = torch.full((k.shape[3],), float(bn), dtype=torch.float64)
-    cols[-1] = plan.S - bn * (k.shape[3] - 1)
-    live = (k != EMPTY).to(torch.float64).mean(dim=(0, 1))  # (nq, nk)
-    return rows * (live @ cols)
+def unit_costs(mask, L: int, block: int, *, B: int | None = None, H: int | None = None,
+               max_grid: int = 2048) -> torch.Tensor:
+    """Estimated work of each query unit of ``block`` rows: from the plan at the finest tile ``fb``
+    dividing ``block`` with at most ``max_grid`` tiles a side (exact when fb = 1),
+    Σ over tiles of rows × cols × (1 full, ½ partial, 0 empty), averaged over batch rows / heads."""
+    n_units = -(-L // block)
+    fb = block
+    for cand in range(1, block + 1):  # the finest divisor of block with at most max_grid tiles a side
+        if block % cand == 0 and -(-L // cand) <= max_grid:
+            fb = cand
+            break
+    k = _plans.plan(mask, L, L, B=B, H=H, block=fb).kinds  # (Bp, Hp, nq, nk)
+    w = (k.to(torch.float32) / 2).mean(dim=(0, 1))  # empty 0, partial 1/2, full 1
+    nq = w.shape[0]
+    sizes = torch.full((nq,), float(fb))
+    sizes[-1] = L - fb * (nq - 1)
+    rows_cost = (w @ sizes.to(torch.float32)).double() * sizes.double()  # (nq,)
+    unit_of = torch.arange(nq) * fb // block
+    return torch.zeros(n_units, dtype=torch.float64).index_add_(0, unit_of, rows_cost)
 
 
 def _contiguous_cuts(costs: list[float], W: int) -> list[list[int]]:
@@ -230,7 +238,7 @@ def layout(name: str, L: int, W: int, *, mask=None, block: int | None = None, B:
         return Layout(name, L, block, [chunks[r] + chunks[2 * W - 1 - r] for r in range(W)])
     if mask is None:
         return Layout(name, L, block, _runs(n, W))
-    costs = unit_costs(_plans.plan(mask, L, L, B=B, H=H, block=block)).tolist()
+    costs = unit_costs(mask, L, block, B=B, H=H).tolist()
     runs = _contiguous_cuts(costs, W)
     if imbalance(costs, runs) > tolerance:
         greedy = _greedy(costs, W)
