@@ -194,15 +194,45 @@ def _contiguous_cuts(costs: list[float], W: int) -> list[list[int]]:
     return runs
 
 
-def _greedy(costs: list[float], W: int) -> list[list[int]]:
-    """Largest unit first to the least-loaded rank (ties: fewest units, then lowest rank)."""
+def _greedy(costs: list[float], W: int, capacity: int | None = None) -> list[list[int]]:
+    """Largest unit first to the least-loaded rank that has room for it (``capacity`` units
+    at most: equal rows; None: no limit). Ties: fewest units, then lowest rank."""
     heap = [(0.0, 0, r) for r in range(W)]
     out = [[] for _ in range(W)]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, cnt, r = heapq.heappop(heap)
+        full = []
+        while True:
+            load, cnt, r = heapq.heappop(heap)
+            if capacity is None or cnt < capacity:
+                break
+            full.append((load, cnt, r))
         out[r].append(i)
         heapq.heappush(heap, (load + costs[i], cnt + 1, r))
+        for item in full:
+            heapq.heappush(heap, item)
     return out
+
+
+def _unit_live(mask, L: int, block: int, B=None, H=None) -> torch.Tensor:
+    """(n, n) bool: unit i's queries see at least one key of unit j (for some batch row / head)."""
+    n = -(-L // block)
+    if mask is None:
+        return torch.ones(n, n, dtype=torch.bool)
+    kinds = _plans.plan(mask, L, L, B=B, H=H, block=block).kinds
+    return (kinds != EMPTY).any(dim=1).any(dim=0)
+
+
+def _max_sent(units: list[list[int]], live: torch.Tensor, block: int) -> float:
+    """The most K/V rows one rank sends under the plan-aware schedule of this assignment."""
+    W, n = len(units), live.shape[0]
+    own = torch.zeros(W, n, dtype=torch.float64)
+    for r, us in enumerate(units):
+        own[r, us] = 1.0
+    vis = (own @ live.double() @ own.T) > 0  # (W, W): query rank t sees key rank s
+    vis.fill_diagonal_(False)
+    peers = vis.sum(dim=0)  # per key rank s: ranks that need it
+    rows = own.sum(dim=1) * block
+    return float((rows * peers).max())
 
 
 def imbalance(costs, units: list[list[int]]) -> float:
@@ -218,7 +248,7 @@ def default_block(L: int, W: int) -> int:
 
 
 def layout(name: str, L: int, W: int, *, mask=None, block: int | None = None, B: int | None = None,
-           H: int | None = None, tolerance: float = 1.05) -> Layout:
+           H: int | None = None, tolerance: float = 1.03) -> Layout:
     """Build layout ``name`` ("contiguous", "zigzag", "balanced") of ``L`` positions over ``W`` ranks.
 
     ``balanced`` needs the mask (None: every query sees every key, so contiguous is balanced).
@@ -239,12 +269,18 @@ def layout(name: str, L: int, W: int, *, mask=None, block: int | None = None, B:
     if mask is None:
         return Layout(name, L, block, _runs(n, W))
     costs = unit_costs(mask, L, block, B=B, H=H).tolist()
-    runs = _contiguous_cuts(costs, W)
-    if imbalance(costs, runs) > tolerance:
-        greedy = _greedy(costs, W)
-        if imbalance(costs, greedy) < imbalance(costs, runs):
-            runs = greedy
-    return Layout(name, L, block, runs)
+    chunks = _runs(n, 2 * W) if n >= 2 * W else None
+    candidates = [_contiguous_cuts(costs, W),  # keeps locality (windows: neighbours only)
+                  _greedy(costs, W, capacity=-(-n // W)),  # equal rows
+                  _greedy(costs, W)]  # the most even work
+    if chunks is not None:
+        candidates.insert(1, [chunks[r] + chunks[2 * W - 1 - r] for r in range(W)])
+    live = _unit_live(mask, L, block, B, H)
+    scored = [(imbalance(costs, c), _max_sent(c, live, block), i) for i, c in enumerate(candidates)]
+    ok = [x for x in scored if x[0] <= tolerance]
+    # within the tolerance: the least traffic on the busiest link; else: the most even work
+    best = min(ok, key=lambda x: (x[1], x[0], x[2])) if ok else min(scored)
+    return Layout(name, L, block, candidates[best[2]])
 
 
 # -------------------------------------------------------------------------------------------- schedule
@@ -276,19 +312,14 @@ def schedule(lay: Layout, mask, *, B: int | None = None, H: int | None = None) -
         kinds = _plans.plan(mask, L, L, B=B, H=H, block=blk).kinds
     live = (kinds != EMPTY).any(dim=1).any(dim=0)  # (n, n): non-empty for some batch row / head
     full = (kinds == 2).all(dim=1).all(dim=0)
-    vis = torch.zeros(W, W, dtype=torch.bool)
-    allfull = torch.zeros(W, W, dtype=torch.bool)
-    tiles = torch.zeros(W, W, dtype=torch.long)
-    empty = torch.zeros(W, W, dtype=torch.long)
-    for r in range(W):
-        ur = torch.tensor(lay.units[r], dtype=torch.long)
-        for s in range(W):
-            us = torch.tensor(lay.units[s], dtype=torch.long)
-            sub = live[ur][:, us]
-            tiles[r, s] = int(sub.sum())
-            empty[r, s] = sub.numel() - int(sub.sum())
-            vis[r, s] = bool(sub.any())
-            allfull[r, s] = bool(full[ur][:, us].all())
+    own = torch.zeros(W, n, dtype=torch.float64)
+    for r, us in enumerate(lay.units):
+        own[r, us] = 1.0
+    tiles = (own @ live.double() @ own.T).round().long()  # (W, W) non-empty tiles per rank pair
+    total = own.sum(1)[:, None] * own.sum(1)[None, :]
+    empty = (total - tiles.double()).round().long()
+    vis = tiles > 0
+    allfull = ((own @ (~full).double() @ own.T) == 0) & vis
     send_to = [[t for t in range(W) if t != s and vis[t, s]] for s in range(W)]
     recv_from = [[s for s in range(W) if s != r and vis[r, s]] for r in range(W)]
     return Schedule(lay, vis, allfull, tiles, empty, send_to, recv_from)
