@@ -191,6 +191,33 @@ def _run_case(c, rank):
     return res
 
 
+def _module_case(rank, W):
+    """attnkit.nn: a TransformerBlock (RoPE, GQA, causal) through block_forward on every layout equals
+    the single-process block on this rank's rows; parameter gradients summed over ranks equal the
+    single-process ones."""
+    from attnkit.nn import TransformerBlock
+    res = {}
+    for lay in ("contiguous", "zigzag", "balanced"):
+        torch.manual_seed(0)
+        blk = TransformerBlock(16, 4, num_kv_heads=2, positional="rope", causal=True, mlp_ratio=2)
+        x = torch.randn(2, 29, 16, generator=torch.Generator().manual_seed(1))
+        ref = blk(x, mask=M.sliding_window(9))
+        ref.pow(2).sum().backward()
+        want = {n: p.grad.clone() for n, p in blk.named_parameters()}
+        blk.zero_grad()
+        cp = akd.ContextParallel(29, mask=M.sliding_window(9), layout=lay, block=1, timeout=20)
+        out = akd.block_forward(blk, cp.shard(x, dim=1), cp)
+        out.pow(2).sum().backward()
+        e_out = (out - ref.index_select(1, cp.positions)).abs().max().item()
+        e_grad = 0.0
+        for n, p in blk.named_parameters():
+            g = p.grad.clone()
+            torch.distributed.all_reduce(g)
+            e_grad = max(e_grad, (g - want[n]).abs().max().item())
+        res[lay] = (e_out, e_grad)
+    return res
+
+
 def _fault_cases(rank, W, out):
     """Each fault must raise ContextParallelError on every participating rank, quickly."""
     L = 23
@@ -240,6 +267,11 @@ def _worker(rank, W, port, cases, faults, q_out):
             except Exception:  # noqa: BLE001 - reported to the parent
                 res[c["name"]] = {"error": traceback.format_exc()}
             res[c["name"]]["time"] = time.time() - t
+        if W == 2:
+            try:
+                res["module"] = _module_case(rank, W)
+            except Exception:  # noqa: BLE001
+                res["module"] = {"error": traceback.format_exc()}
         if faults:
             f = {}
             _fault_cases(rank, W, f)
@@ -474,3 +506,34 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match="self-attention"):
         q = torch.randn(1, 1, 8, 4)
         akd.simulate(q, torch.randn(1, 1, 9, 4), torch.randn(1, 1, 9, 4), W=2)
+
+
+def test_processes_transformer_block_matches_one_process():
+    for rank, res in sorted(run_for(2).items()):
+        m = res["module"]
+        assert "error" not in m, m.get("error")
+        for lay, (e_out, e_grad) in m.items():
+            assert e_out <= 1e-5 and e_grad <= 1e-4, (rank, lay, e_out, e_grad)
+
+
+def test_rope_at_global_positions_equals_rotating_the_full_sequence():
+    from attnkit.positional import RotaryEmbedding
+    for interleaved in (False, True):
+        rot = RotaryEmbedding(8, interleaved=interleaved)
+        x = torch.randn(2, 3, 40, 8)
+        full = rot.rotate(x)
+        lay = akd.layout("zigzag", 40, 3, block=3)
+        for p in lay.positions:
+            assert torch.allclose(akd.rope_at(rot, x.index_select(2, p), p), full.index_select(2, p), atol=1e-6)
+
+
+def test_example_trains_like_one_process():
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_context_parallel.py"), "--nproc", "2",
+                        "--steps", "3", "--seq-len", "24", "--layout", "zigzag", "--block", "2"],
+                       capture_output=True, text=True, timeout=90, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "-> OK" in r.stdout, r.stdout
