@@ -83,7 +83,7 @@ __all__ = ["ContextParallel", "ContextParallelError", "Layout", "Schedule", "Sta
            "simulate", "rope_at", "mha_forward", "block_forward"]
 
 _LAYOUTS = ("contiguous", "zigzag", "balanced")
-_MODES = ("p2p", "allgather")
+_MODES = ("p2p", "allgather", "heads")
 
 
 class ContextParallelError(RuntimeError):
@@ -404,17 +404,22 @@ def _options(seq_len, mask, causal, scale, score_mod):
     return base, dict(gmod=gmod, score_mod=score_mod, scale=scale)
 
 
+_UNSUPPORTED = {"dropout_p": 0.0, "sinks": None, "return_weights": False, "mask": None, "backend": "auto"}
+
+
 def _check_unsupported(kw):
-    for name, default in (("dropout_p", 0.0), ("sinks", None), ("return_weights", False), ("mask", None),
-                          ("backend", "auto")):
-        if name in kw and kw[name] is not default and kw[name] != default:
-            raise ValueError(f"{name}: not supported by context-parallel attention (got {kw[name]!r}); the mask "
+    """Refuse the single-process options context parallelism does not take (defaults pass)."""
+    extra = sorted(set(kw) - set(_UNSUPPORTED))
+    if extra:
+        raise TypeError(f"attention: unexpected keyword(s) {extra}.")
+    for name, value in kw.items():
+        default = _UNSUPPORTED[name]
+        same = value is default if default is None or isinstance(default, bool) else (
+            isinstance(value, (int, float, str)) and not isinstance(value, bool) and value == default)
+        if not same:
+            raise ValueError(f"{name}: not supported by context-parallel attention (got {value!r}); the mask "
                              "is fixed at construction (ContextParallel(mask=...)); dropout, sinks, weights and "
                              "named backends are single-process options.")
-    if kw:
-        extra = sorted(set(kw) - {"dropout_p", "sinks", "return_weights", "mask", "backend"})
-        if extra:
-            raise TypeError(f"attention: unexpected keyword(s) {extra}.")
 
 
 def _captured(score_mod):
@@ -719,7 +724,10 @@ class ContextParallel:
         _, opts = _options(self.seq_len, self.mask, causal, scale, score_mod)
         sched = self.schedule(q.shape[0], q.shape[1], causal)
         captured = _captured(score_mod)
-        out, lse = _CPFn.apply(self, sched, opts, q, k, v, *captured)
+        if self.comm == "heads":
+            out, lse = self._heads_attention(q, k, v, sched, causal, scale, score_mod, return_lse)
+        else:
+            out, lse = _CPFn.apply(self, sched, opts, q, k, v, *captured)
         return (out, lse) if return_lse else out
 
     def _validate(self, q, k, v, causal, scale, score_mod, return_lse):
@@ -747,6 +755,9 @@ class ContextParallel:
                              "k (B, Hkv, L_r, D), v (B, Hkv, L_r, Dv) with H % Hkv == 0.")
         if not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+        if self.comm == "heads" and H % self.W:
+            raise ValueError(f"comm='heads': the H={H} query heads must split evenly over W={self.W} ranks; "
+                             "use comm='p2p' or 'allgather'.")
         if self.mask is not None:
             self.mask.validate(B, H, self.seq_len, self.seq_len)
         if score_mod is not None and hasattr(score_mod, "validate"):
@@ -787,6 +798,83 @@ class ContextParallel:
             if sched.visible[r, s]:
                 kv[s] = (buf[..., :D], buf[..., D:])
         return kv
+
+    # ----------------------------------------------------------------- heads (Ulysses)
+    def _heads_attention(self, q, k, v, sched, causal, scale, score_mod, return_lse):
+        """All-to-all over heads: rank p gets the whole sequence for query heads [p·H/W, (p+1)·H/W) and
+        the kv heads they read; one :func:`attnkit.attention` there; the output goes back by rows."""
+        W, r, L = self.W, self.rank, self.seq_len
+        B, H = q.shape[:2]
+        Hkv = k.shape[1]
+        g = H // Hkv
+        qr = [(p * H // W, (p + 1) * H // W) for p in range(W)]
+        kr = [(a // g, (b - 1) // g + 1) for a, b in qr]
+        st = self.stats = Stats()
+        st.tiles_computed = int(sched.tiles.sum())
+        st.tiles_skipped = int(sched.empty.sum())
+        st.pairs_computed, st.pairs_skipped = W, 0
+        st.peers_sent = st.peers_received = tuple(p for p in range(W) if p != r)
+        self.backward_stats = Stats()
+        qh = _HeadsToSeq.apply(self, q, qr, 21)  # (B, H/W, L, D) in global order
+        kh = _HeadsToSeq.apply(self, k, kr, 22)
+        vh = _HeadsToSeq.apply(self, v, kr, 23)
+        h0, kh0 = qr[r][0], kr[r][0]
+        idx = [(h0 + i) // g - kh0 for i in range(qh.shape[1])]
+        if idx != [i // (qh.shape[1] // kh.shape[1]) if qh.shape[1] % kh.shape[1] == 0 else -1
+                   for i in range(qh.shape[1])]:
+            sel = torch.tensor(idx, device=kh.device)
+            kh, vh = kh.index_select(1, sel), vh.index_select(1, sel)  # GQA groups split unevenly here
+        base, _ = _options(L, self.mask, causal, None, None)
+        mask = base
+        if base is not None and _needs_bh(base):
+            gmod = base.bind(L, L)
+            mask = _masks.from_mod(lambda b, h, qi, ki: gmod(b, h + h0, qi, ki))
+        sm = None
+        if score_mod is not None:
+            def sm(score, b, h, qi, ki):
+                return score_mod(score, b, h + h0, qi, ki)
+        err = out = lse = None
+        try:
+            out, lse = _attention(qh, kh, vh, mask=mask, score_mod=sm, scale=scale, return_lse=True)
+            st.steps = 1
+        except Exception as e:
+            err = e
+        self._status(err, "forward")
+        out = _SeqToHeads.apply(self, out, qr, H, 24)
+        if return_lse:  # only then does lse travel back
+            lse = _SeqToHeads.apply(self, lse.unsqueeze(-1), qr, H, 25).squeeze(-1)
+        return out, lse
+
+    def _h2s(self, x, ranges, tag, st):
+        """(B, Hx, L_r, ·) this rank's rows of every head → (B, heads of ranges[rank], L, ·) every row."""
+        r, P = self.rank, self.layout.positions
+        a, b = ranges[r]
+        peers = [p for p in range(self.W) if p != r]
+        send = {p: x[:, ranges[p][0]:ranges[p][1]].contiguous() for p in peers}
+        recv = {p: x.new_empty(x.shape[0], b - a, len(P[p]), x.shape[3]) for p in peers}
+        self._p2p(send, recv, tag, "head all-to-all")
+        st.bytes_sent += sum(t.numel() * t.element_size() for t in send.values())
+        st.bytes_received += sum(t.numel() * t.element_size() for t in recv.values())
+        parts = [x[:, a:b] if p == r else recv[p] for p in range(self.W)]
+        return torch.cat(parts, 2).index_select(2, self.layout.inverse.to(x.device))
+
+    def _s2h(self, y, ranges, Hx, tag, st):
+        """The inverse of :meth:`_h2s`: (B, heads of ranges[rank], L, ·) → (B, Hx, L_r, ·), summing
+        the contributions of ranks whose head ranges overlap (kv heads shared under MQA)."""
+        r, P = self.rank, self.layout.positions
+        yy = y.index_select(2, self.layout.order.to(y.device))
+        pieces = list(torch.split(yy, self.layout.lengths, dim=2))
+        peers = [p for p in range(self.W) if p != r]
+        send = {p: pieces[p].contiguous() for p in peers}
+        recv = {p: y.new_empty(y.shape[0], ranges[p][1] - ranges[p][0], len(P[r]), y.shape[3]) for p in peers}
+        self._p2p(send, recv, tag, "head all-to-all (back)")
+        st.bytes_sent += sum(t.numel() * t.element_size() for t in send.values())
+        st.bytes_received += sum(t.numel() * t.element_size() for t in recv.values())
+        out = y.new_zeros(y.shape[0], Hx, len(P[r]), y.shape[3])
+        for p in range(self.W):
+            a, b = ranges[p]
+            out[:, a:b] += pieces[r] if p == r else recv[p]
+        return out
 
     def _status(self, err, what):
         """After local compute: every rank learns whether any rank failed."""
@@ -926,3 +1014,25 @@ def block_forward(block, x: torch.Tensor, cp: ContextParallel, *, causal: bool |
     causal = bool(block.causal) if causal is None else causal
     x = x + block.drop(mha_forward(block.attn, block.norm1(x), cp, causal=causal))
     return x + block.drop(block.mlp(block.norm2(x)))
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cp, x, ranges, tag):
+        ctx.cp, ctx.ranges, ctx.tag, ctx.Hx = cp, ranges, tag, x.shape[1]
+        return cp._h2s(x.detach(), ranges, tag, cp.stats)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, ctx.cp._s2h(g.contiguous(), ctx.ranges, ctx.Hx, ctx.tag + 10, ctx.cp.backward_stats), None, None
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cp, y, ranges, Hx, tag):
+        ctx.cp, ctx.ranges, ctx.tag = cp, ranges, tag
+        return cp._s2h(y.detach(), ranges, Hx, tag, cp.stats)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, ctx.cp._h2s(g.contiguous(), ctx.ranges, ctx.tag + 10, ctx.cp.backward_stats), None, None, None
