@@ -59,6 +59,8 @@ def make_mask(name, L):
         "prefix": lambda: M.prefix_lm(L // 3),
         "from_mod": lambda: M.from_mod(_band_mod),
         "dead": lambda: M.from_mod(_dead_mod),
+        "padding": lambda: M.padding([L, L - 7]) & M.causal(),  # per batch row (B = 2)
+        "doc_per_batch": lambda: M.document(torch.stack([_doc_ids(L), _doc_ids(L + 1)[:L]])),
     }[name]()
 
 
@@ -460,6 +462,8 @@ SIM = [
     ("dead", "zigzag", None, True, {}),
     ("none", "contiguous", None, False, dict(causal=True)),
     ("prefix", "balanced", None, False, dict(H=3, Hkv=1)),
+    ("padding", "balanced", None, True, {}),
+    ("doc_per_batch", "zigzag", None, False, {}),
 ]
 
 

@@ -22,9 +22,11 @@ a layout gives each rank a sorted set of units, the same for q and k/v. W = 2, L
 
     contiguous   0 0 0 0 1 1 1 1      rank 0 owns positions 0-7, rank 1 owns 8-15
     zigzag       0 0 1 1 1 1 0 0      2W chunks: rank r holds chunks r and 2W-1-r
-    balanced     chosen from the plan's per-unit cost: contiguous cuts by prefix sums when
-                 those are within 5% of the mean work, else greedy (largest unit first to the
-                 least loaded rank). Causal at W = 2 looks like zigzag.
+    balanced     from the plan's per-unit cost (non-empty tiles × their size, partial = ½):
+                 candidates are contiguous cuts by prefix sums, zigzag, greedy with equal rows
+                 and free greedy (largest unit first to the least loaded rank); of those within
+                 3% of even work, the one whose busiest rank sends least (else the most even).
+                 Causal gets a zigzag-like mirror; a window contiguous cuts (neighbours only).
 
 **Which pairs are exchanged.** The mask's :class:`attnkit.plans.BlockPlan` at ``block`` tiles
 says, for each (query rank r, key rank s), whether r's queries see at least one of s's keys.
@@ -49,14 +51,37 @@ dq stays local, the dK/dV partials (fp32) go back to the rank that owns those ke
 them in ascending rank order. Only the pairs that were computed travel.
 
 **Modes.** ``comm="p2p"`` (default): point-to-point isend/irecv of exactly the needed K/V
-shards (K and V packed in one message, the real Hkv heads only). ``comm="allgather"``: every
-rank all-gathers all K/V (shards padded to the longest) and all-reduces dK/dV; better for short
-sequences; the compute still skips invisible pairs.
+shards (K and V packed in one message, the real Hkv heads only; gloo has no all_to_all); the
+local pair is computed while the messages travel. ``comm="allgather"``: every rank all-gathers
+all K/V (shards padded to the longest) and all-reduces dK/dV; for short sequences; the compute
+still skips invisible pairs. ``comm="heads"`` (Ulysses): an all-to-all over heads (p2p) gives
+rank p the whole sequence for query heads ``[p·H/W, (p+1)·H/W)`` (and the kv heads they read),
+one :func:`attnkit.attention` runs there, and the output goes back by rows; needs
+``H % W == 0``; every rank computes every non-empty tile of its heads::
+
+    before (rows)        after (heads)             W = 2, H = 4
+    rank 0: rows 0-7     rank 0: heads 0-1, rows 0-15
+    rank 1: rows 8-15    rank 1: heads 2-3, rows 0-15
+
+**Gradients.** q, k, v get exact gradients on their owners. Tensors a score_mod captures (a
+learnable ALiBi slope) get this rank's share: sum them over ranks as for any replicated
+parameter (DDP does). ``keep_kv=True`` keeps the received K/V for backward (memory: the visible
+K/V); ``keep_kv=False`` exchanges them again (traffic ×2, memory: the local shard).
 
 **Faults.** Every call first exchanges a small signature with every peer (shapes, dtypes,
-options, layout, call counter). A mismatch, an exception raised on one rank before or during the
-compute, or a peer that does not arrive within ``timeout`` seconds gives every participating
-rank a :class:`ContextParallelError` naming the rank and what went wrong — never a hang.
+options, layout, call counter), and a status after the local compute. A mismatch, an exception
+raised on one rank before or during the compute, or a peer that does not arrive within
+``timeout`` seconds gives every participating rank a :class:`ContextParallelError` naming the
+rank and what went wrong — never a hang. (A signature costs W − 1 tiny messages per rank.)
+
+**Modules.** :func:`mha_forward` / :func:`block_forward` run an :class:`attnkit.nn.MultiHeadAttention`
+/ :class:`attnkit.nn.TransformerBlock` on a shard ``(B, L_r, E)`` with its own weights, RoPE at the
+layout's global positions (:func:`rope_at`) and ALiBi at global positions.
+``examples/train_context_parallel.py`` trains a tiny model both ways and prints both loss curves.
+
+**Stats.** ``cp.stats`` (last forward) and ``cp.backward_stats`` (last backward): see :class:`Stats`.
+:meth:`ContextParallel.schedule` and :func:`schedule` say which pairs travel, before any call;
+``benchmarks/context_parallel.py`` tabulates bytes and balance on paper for W up to 64.
 
 Not supported: ``dropout_p``, ``sinks``, ``return_weights``, bias/tensor masks (give the mask
 as an :mod:`attnkit.masks` object at construction), cross-attention (L ≠ S).
@@ -564,7 +589,7 @@ class ContextParallel:
         seq_len: the global sequence length L (= S).
         mask: an :mod:`attnkit.masks` mask at global positions (None: full attention).
         layout: "contiguous", "zigzag", "balanced" (see the module docstring), or a :class:`Layout`.
-        comm: "p2p" (send K/V only to the ranks that see it) or "allgather".
+        comm: "p2p" (send K/V only to the ranks that see it), "allgather", or "heads" (Ulysses).
         group: the process group (None: WORLD).
         block: the layout unit and plan tile (default :func:`default_block`).
         timeout: seconds to wait for a peer before raising (None: the group's timeout).
