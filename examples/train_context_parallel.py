@@ -104,7 +104,13 @@ def run(rank, world, port, args, report):
                                     for p, r in zip(model.parameters(), ref.parameters()))
             ref_opt.step()
             curve.append((total, ref_loss.item()))
+    import resource
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])  # MiB (Linux: KiB)
+    all_rss = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(all_rss, rss)
     if rank == 0:
+        print("peak RSS per rank (MiB; rank 0 also trains the one-process copy): "
+              + ", ".join(f"{float(x):.0f}" for x in all_rss))
         print(f"W={world} layout={args.layout} L={L} rows per rank={cp.layout.lengths} "
               f"last forward stats (rank 0): {cp.stats}")
         print(f"{'step':>5} {'context-parallel':>17} {'one process':>12} {'rel diff':>9}")

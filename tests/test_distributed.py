@@ -336,8 +336,14 @@ _RUNS: dict = {}
 
 
 def run_for(W):
+    """The results of the one spawn for this world size (a failed spawn fails every test of it once)."""
     if W not in _RUNS:
-        _RUNS[W] = spawn(W, cases_for(W), faults=(W == 3))
+        try:
+            _RUNS[W] = spawn(W, cases_for(W), faults=(W == 3))
+        except AssertionError as e:
+            _RUNS[W] = e
+    if isinstance(_RUNS[W], AssertionError):
+        raise _RUNS[W]
     return _RUNS[W]
 
 
