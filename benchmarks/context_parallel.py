@@ -9,7 +9,8 @@ masks, against a plain ring (every rank's K/V visits every other rank, W - 1 ste
 
 Columns:
     sent/rank   forward K/V bytes a rank sends: max over ranks (mean in brackets), MiB, for
-                B = 1, Hkv = 8, D = Dv = 128, bf16 (4 KiB per position)
+                B = 1, Hkv = 8, D = Dv = 128, bf16 (4 KiB per position); heads (Ulysses) also
+                moves q and the output (H = 32: 8 KiB each per position)
     peers       max number of ranks one rank sends to
     work        busiest rank's attended (query, key) pairs over the mean (1.00 = perfect);
                 exact per-row counts of the mask, not tiles
@@ -27,6 +28,8 @@ from attnkit import masks as M
 import attnkit.distributed as akd
 
 BYTES_PER_POS = 1 * 8 * (128 + 128) * 2
+# heads (Ulysses) moves q (H = 32 heads) and k, v out, and the output back: per position and rank
+Q_BYTES_PER_POS = OUT_BYTES_PER_POS = 1 * 32 * 128 * 2
 
 
 def doc_ids(L: int, seed: int = 0) -> torch.Tensor:
@@ -83,7 +86,19 @@ def measure(L: int, W: int, mname: str, mask, ids):
             computed = 1.0
         mib = [x * BYTES_PER_POS / 2**20 for x in sent]
         rows.append((scheme, max(mib), sum(mib) / W, peers, balance, computed))
+    # heads: every rank sends (W-1)/W of its rows of q, k, v and of the output; work is even by heads
+    lay = akd.layout("contiguous", L, W)
+    per_pos = Q_BYTES_PER_POS + BYTES_PER_POS + OUT_BYTES_PER_POS
+    mib = [n * (W - 1) / W * per_pos / 2**20 for n in lay.lengths]
+    if 32 % W == 0:  # needs H % W == 0
+        rows.append(("heads (Ulysses, H = 32)", max(mib), sum(mib) / W, W - 1, 1.0, 1.0))
+    else:
+        rows.append(("heads (Ulysses, H = 32)", float("nan"), float("nan"), W - 1, float("nan"), 1.0))
     return rows
+
+
+def _f(x, fmt):
+    return "n/a (H % W ≠ 0)" if x != x else format(x, fmt)
 
 
 def table(L: int, W: int):
@@ -92,21 +107,23 @@ def table(L: int, W: int):
     print("|---|---|---|---|---|---|")
     for mname, mask, ids in masks_for(L):
         for scheme, mx, mean, peers, bal, comp in measure(L, W, mname, mask, ids):
-            print(f"| {mname} | {scheme} | {mx:,.0f} ({mean:,.0f}) | {peers} | {bal:.3f} | {comp:.0%} |")
+            sent = _f(mx, ",.0f") + ("" if mx != mx else f" ({mean:,.0f})")
+            print(f"| {mname} | {scheme} | {sent} | {peers} | {_f(bal, '.3f')} | {comp:.0%} |")
 
 
 def scaling(Ls, Ws):
     print("\n### Scaling (plan-aware balanced vs plain ring; counting only)\n")
-    print("| L | W | mask | ring sent/rank MiB | balanced sent/rank MiB max | ring work busiest/mean "
-          "| balanced work busiest/mean | plan+layout s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| L | W | mask | ring sent/rank MiB | balanced sent/rank MiB max | heads sent/rank MiB "
+          "| ring work busiest/mean | balanced work busiest/mean | plan+layout s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for L in Ls:
         for mname, mask, ids in masks_for(L):
             for W in Ws:
                 t = time.time()
                 r = {s[0]: s for s in measure(L, W, mname, mask, ids)}
-                ring, bal = r["ring, contiguous"], r["plan-aware, balanced"]
-                print(f"| {L:,} | {W} | {mname} | {ring[1]:,.0f} | {bal[1]:,.0f} | {ring[4]:.3f} | {bal[4]:.3f} "
+                ring, bal, heads = r["ring, contiguous"], r["plan-aware, balanced"], r["heads (Ulysses, H = 32)"]
+                print(f"| {L:,} | {W} | {mname} | {ring[1]:,.0f} | {bal[1]:,.0f} | {_f(heads[1], ',.0f')} "
+                      f"| {ring[4]:.3f} | {bal[4]:.3f} "
                       f"| {time.time() - t:.1f} |")
 
 

@@ -554,3 +554,21 @@ def test_example_trains_like_one_process():
                        capture_output=True, text=True, timeout=90, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "-> OK" in r.stdout, r.stdout
+
+
+def test_benchmark_counts_smoke(capsys, monkeypatch):
+    import runpy
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setattr(sys, "argv", ["context_parallel.py", "--quick"])
+    n = torch.get_num_threads()
+    try:
+        runpy.run_path(os.path.join(root, "benchmarks", "context_parallel.py"), run_name="__main__")
+    finally:
+        torch.set_num_threads(n)
+    out = capsys.readouterr().out
+    assert "plan-aware, balanced" in out and "heads (Ulysses" in out
+    # window under a contiguous plan-aware layout sends to one neighbour only
+    assert "| window 4096 | plan-aware, contiguous |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| window 4096 | plan-aware, contiguous |"))
+    assert row.split("|")[4].strip() == "1"

@@ -268,8 +268,8 @@ def imbalance(costs, units: list[list[int]]) -> float:
 
 
 def default_block(L: int, W: int) -> int:
-    """Layout unit: about 16 units per rank, at most 4096 units in all."""
-    return max(1, -(-L // (16 * W)), -(-L // 4096))
+    """Layout unit: about 32 units per rank, at most 4096 units in all."""
+    return max(1, -(-L // (32 * W)), -(-L // 4096))
 
 
 def layout(name: str, L: int, W: int, *, mask=None, block: int | None = None, B: int | None = None,
