@@ -251,6 +251,17 @@ def _fault_cases(rank, W, out):
         return score
 
     attempt("compute-error", lambda: cp.attention(ql, kl, vl, score_mod=boom))
+
+    def boom_backward(score, b, h, qi, kv):  # only in backward's recompute (grad mode on)
+        if rank == 1 and torch.is_grad_enabled():
+            raise RuntimeError("backward exploded on purpose")
+        return score
+
+    def fwd_bwd():
+        qq = ql.clone().requires_grad_()
+        cp.attention(qq, kl, vl, score_mod=boom_backward).sum().backward()
+
+    attempt("backward-error", fwd_bwd)
     attempt("ok-after", lambda: cp.attention(ql, kl, vl))  # the group is still usable
     # last: rank 1 never arrives
     if rank != 1:
@@ -402,6 +413,9 @@ def test_processes_faults_raise_everywhere_quickly():
         assert "rank 1 failed" in f["bad-shape"][1] and "ValueError" in f["bad-shape"][1]
         assert "rank 1" in f["gqa-mismatch"][1]
         assert "rank 1 failed" in f["compute-error"][1] and "exploded on purpose" in f["compute-error"][1]
+        kind, msg, secs = f["backward-error"]
+        assert kind == "ContextParallelError" and "backward" in msg and "rank 1 failed" in msg, f["backward-error"]
+        assert secs < 5
         assert f["ok-after"][0] == "no error"
         if rank != 1:
             kind, msg, secs = f["never-arrives"]
