@@ -352,9 +352,20 @@ def schedule(lay: Layout, mask, *, B: int | None = None, H: int | None = None) -
 
 # ----------------------------------------------------------------------------------------- pair math
 
-def _pair(q, k, v, qpos, kpos, *, gmod, full, score_mod, scale):
-    """Partial ``(out, lse)`` of local queries at global positions ``qpos`` against the keys at ``kpos``."""
+def _pair(q, k, v, qpos, kpos, *, gmod, full, score_mod, scale, pure_causal=False):
+    """Partial ``(out, lse)`` of local queries at global positions ``qpos`` against the keys at ``kpos``.
+
+    The mask is the global one at those positions (a ``from_mod`` on the index maps), except: a
+    pair whose tiles are all full gets no mask, and a causal mask on a rank's own pair (``qpos`` is
+    ``kpos``: the same sorted positions) is plain ``causal=True`` (j ≤ i ⇔ kpos[j] ≤ qpos[i]), so it
+    takes the fused path."""
     mask = None
+    if pure_causal and not full and qpos is kpos:
+        sm = None
+        if score_mod is not None:
+            def sm(score, b, h, qi, ki):
+                return score_mod(score, b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
+        return _attention(q, k, v, causal=True, score_mod=sm, scale=scale, return_lse=True)
     if gmod is not None and not full:
         def pair_mask(b, h, qi, ki):
             return gmod(b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
@@ -426,7 +437,8 @@ def _options(seq_len, mask, causal, scale, score_mod):
     if causal:
         base = _masks.causal() if base is None else (base & _masks.causal())
     gmod = None if base is None else base.bind(seq_len, seq_len)
-    return base, dict(gmod=gmod, score_mod=score_mod, scale=scale)
+    # with L = S both alignments of causal are the same mask
+    return base, dict(gmod=gmod, score_mod=score_mod, scale=scale, pure_causal=isinstance(base, _masks.Causal))
 
 
 _UNSUPPORTED = {"dropout_p": 0.0, "sinks": None, "return_weights": False, "mask": None, "backend": "auto"}
