@@ -148,6 +148,11 @@ def cases_for(W):
         _case("dead-rows-contiguous", W, L, "dead", "contiguous", with_lse=True),
         _case("causal-zigzag-refetch", W, L, "causal", "zigzag", keep_kv=False),
         _case("learnable-alibi-window-balanced", W, L, "window", "balanced", score_mod="alibi", learn=True),
+        # D == Dv and no lse gradient: full pairs and a rank's own causal pair take the fused FA2 backward
+        _case("fused-bwd-causal-zigzag-gqa", W, L, "causal", "zigzag", D=8, Dv=8),
+        _case("fused-bwd-causal-balanced-mha", W, L, "causal", "balanced", H=2, Hkv=2, D=8, Dv=8),
+        _case("fused-bwd-full-contiguous-mqa", W, L, "none", "contiguous", H=3, Hkv=1, D=8, Dv=8),
+        _case("fused-bwd-doc-causal-allgather", W, L, "doc_causal", "balanced", "allgather", D=8, Dv=8),
         _case("heads-causal-zigzag", W, L, "causal", "zigzag", "heads", H=12, Hkv=4, with_lse=True),
         _case("heads-mqa-doc-balanced", W, L, "doc", "balanced", "heads", H=12, Hkv=1, score_mod="softcap"),
         _case("heads-from_mod-alibi-contiguous", W, L, "from_mod", "contiguous", "heads", H=12, Hkv=6,
@@ -484,12 +489,14 @@ SIM = [
     ("prefix", "balanced", None, False, dict(H=3, Hkv=1)),
     ("padding", "balanced", None, True, {}),
     ("doc_per_batch", "zigzag", None, False, {}),
+    ("causal", "balanced", None, False, dict(Dv=8)),  # the fused FA2 backward (D == Dv, no lse grad)
+    ("none", "zigzag", None, False, dict(Dv=8, H=4, Hkv=1)),
 ]
 
 
 @pytest.mark.parametrize("mname,lay,smod,with_lse,extra", SIM, ids=[f"{m}-{l}" for m, l, *_ in SIM])
 def test_simulation_matches_float64_reference(mname, lay, smod, with_lse, extra):
-    B, H, Hkv, L, D, Dv = 2, extra.get("H", 4), extra.get("Hkv", 2), 45, 8, 5
+    B, H, Hkv, L, D, Dv = 2, extra.get("H", 4), extra.get("Hkv", 2), 45, 8, extra.get("Dv", 5)
     causal = extra.get("causal", False)
     mask, sm = make_mask(mname, L), make_score_mod(smod, H)
     q, k, v, go, gl = make_inputs(B, H, Hkv, L, D, Dv, seed=3)

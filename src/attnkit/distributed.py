@@ -401,6 +401,41 @@ def _rank_forward(q, kv: dict, qpos, positions, sched_row_full, opts, partials=N
     return out, lse
 
 
+def _pair_backward_fused(q, k, v, qpos, kpos, full, opts, out, lse_b, dout):
+    """FlashAttention-2's decomposition on torch's CPU flash backward kernel: given the rows'
+    *global* ``out`` and ``lse`` (+inf on dead rows), the kernel's ``p = exp(s - lse)`` and
+    ``D = rowsum(dout·out)`` make its (dq, dk, dv) exactly this pair's share. Used when the pair
+    needs no mask (full) or is a rank's own causal pair, with no score_mod, D == Dv, fp32/fp64 and
+    no gradient on lse; None otherwise (the caller recomputes the pair with autograd)."""
+    from .backends import _flash_cpu
+    causal = opts["pure_causal"] and not full and qpos is kpos
+    if not (full or causal) or opts["score_mod"] is not None or q.shape[-1] != v.shape[-1]:
+        return None
+    if q.dtype not in (torch.float32, torch.float64) or out.dtype != q.dtype or q.device.type != "cpu":
+        return None
+    if not _flash_cpu.available():
+        return None
+    B, H, n, D = q.shape
+    Hkv, m = k.shape[1], k.shape[2]
+    g = H // Hkv
+    scale = opts["scale"] if opts["scale"] is not None else 1.0 / math.sqrt(D)
+    _, bwd = _flash_cpu._ops()
+    fit = _flash_cpu.fit
+    if g == 1 or causal:  # causal rows cannot be folded (the kernel's diagonal would move): expand K/V
+        kk = k if g == 1 else k.repeat_interleave(g, dim=1)
+        vv = v if g == 1 else v.repeat_interleave(g, dim=1)
+        dq, dk, dv = bwd(fit(dout.contiguous()), fit(q.contiguous()), fit(kk.contiguous()), fit(vv.contiguous()),
+                         fit(out.contiguous()), lse_b.contiguous(), 0.0, causal, attn_mask=None, scale=scale)
+        if g > 1:
+            dk = dk.view(B, Hkv, g, m, D).sum(2)
+            dv = dv.view(B, Hkv, g, m, v.shape[-1]).sum(2)
+        return dq, dk, dv
+    fold = lambda t: t.contiguous().view(B, Hkv, g * n, t.shape[-1])  # the g query heads of a kv head as rows
+    dq, dk, dv = bwd(fold(dout), fold(q), fit(k.contiguous()), fit(v.contiguous()), fold(out),
+                     lse_b.contiguous().view(B, Hkv, g * n), 0.0, False, attn_mask=None, scale=scale)
+    return dq.view(B, H, n, D), dk, dv
+
+
 def _rank_backward(q, kv: dict, qpos, positions, sched_row_full, opts, out, lse, dout, dlse, captured):
     """dq of this rank, the (dk, dv) partials for each key rank in ``kv`` (acc dtype), and the
     gradients of the score_mod's captured tensors (local share)."""
@@ -411,6 +446,14 @@ def _rank_backward(q, kv: dict, qpos, positions, sched_row_full, opts, out, lse,
     parts, cap = {}, [None] * len(captured)
     for s in sorted(kv):
         k_s, v_s = kv[s]
+        fast = None
+        if dlse is None:
+            fast = _pair_backward_fused(q, k_s, v_s, qpos, positions[s], bool(sched_row_full[s]), opts, out, lse_b,
+                                        dout)
+        if fast is not None:
+            dq += fast[0].to(acc)
+            parts[s] = (fast[1].to(acc), fast[2].to(acc))
+            continue
         with torch.enable_grad():
             qq = q.detach().requires_grad_()
             kk = k_s.detach().requires_grad_()
@@ -473,6 +516,7 @@ def _captured(score_mod):
 class _SimFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lay, sched, opts, q, k, v, *captured):
+        ctx.set_materialize_grads(False)
         W, P = lay.W, lay.positions
         outs, lses, saved = [], [], []
         for r in range(W):
@@ -924,6 +968,7 @@ class ContextParallel:
 class _CPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cp, sched, opts, q, k, v, *captured):
+        ctx.set_materialize_grads(False)  # an unused lse has no gradient (None), not zeros
         r, P = cp.rank, cp.layout.positions
         cp._sched = sched
         st = cp.stats = Stats()
