@@ -135,6 +135,19 @@ class Layout:
         self.inverse = torch.argsort(self.order)  # global position -> index in concatenated shards
         self.lengths = [int(p.numel()) for p in self.positions]
         self.key = zlib.crc32(self.owner.to(torch.int32).numpy().tobytes())
+        # runs of consecutive units per rank: (first local row, end local row, first unit, end unit)
+        self.runs = []
+        for us in self.units:
+            runs, row = [], 0
+            for u in us:
+                size = min(L, (u + 1) * block) - u * block
+                if runs and runs[-1][3] == u:
+                    a, b, ua, _ = runs[-1]
+                    runs[-1] = (a, b + size, ua, u + 1)
+                else:
+                    runs.append((row, row + size, u, u + 1))
+                row += size
+            self.runs.append(runs)
 
     def is_contiguous(self, r: int) -> bool:
         p = self.positions[r]
@@ -325,6 +338,47 @@ class Schedule:
     empty: torch.Tensor
     send_to: list = field(default_factory=list)
     recv_from: list = field(default_factory=list)
+    unit_live: torch.Tensor | None = None  # (n, n) units
+    unit_full: torch.Tensor | None = None
+    pure_causal: bool = False
+    _blocks: dict = field(default_factory=dict, repr=False)
+
+    #: above this many (query run × key run) blocks a pair is computed as one block
+    MAX_BLOCKS = 64
+
+    def blocks(self, r: int, s: int) -> list:
+        """The blocks of pair (r, s), in order: ``(qa, qb, ka, kb, kind)`` with local row ranges of
+        r's queries and s's keys (one per pair of runs of consecutive units that holds a visible
+        tile) and ``kind`` "full" (no mask), "causal" (a run against itself under a causal mask:
+        plain ``causal=True``) or "mask" (the global mask at those positions)."""
+        key = (r, s)
+        if key in self._blocks:
+            return self._blocks[key]
+        lay = self.layout
+        out = []
+        if bool(self.visible[r, s]):
+            runs_r, runs_s = lay.runs[r], lay.runs[s]
+            if len(runs_r) * len(runs_s) > self.MAX_BLOCKS:
+                kind = "full" if bool(self.full[r, s]) else ("causal" if self.pure_causal and r == s else "mask")
+                out = [(0, lay.lengths[r], 0, lay.lengths[s], kind)]
+            else:
+                for qa, qb, ua, ub in runs_r:
+                    for ka, kb, va, vb in runs_s:
+                        if not bool(self.unit_live[ua:ub, va:vb].any()):
+                            continue
+                        if bool(self.unit_full[ua:ub, va:vb].all()):
+                            kind = "full"
+                        elif self.pure_causal and r == s and (ua, ub) == (va, vb):
+                            kind = "causal"
+                        else:
+                            kind = "mask"
+                        out.append((qa, qb, ka, kb, kind))
+        self._blocks[key] = out
+        return out
+
+    def row_blocks(self, r: int) -> dict:
+        """``{s: blocks(r, s)}`` for every key rank s."""
+        return {s: self.blocks(r, s) for s in range(self.layout.W)}
 
 
 def schedule(lay: Layout, mask, *, B: int | None = None, H: int | None = None) -> Schedule:
@@ -347,26 +401,20 @@ def schedule(lay: Layout, mask, *, B: int | None = None, H: int | None = None) -
     allfull = ((own @ (~full).double() @ own.T) == 0) & vis
     send_to = [[t for t in range(W) if t != s and vis[t, s]] for s in range(W)]
     recv_from = [[s for s in range(W) if s != r and vis[r, s]] for r in range(W)]
-    return Schedule(lay, vis, allfull, tiles, empty, send_to, recv_from)
+    return Schedule(lay, vis, allfull, tiles, empty, send_to, recv_from, live, full,
+                    isinstance(mask, _masks.Causal))
 
 
 # ----------------------------------------------------------------------------------------- pair math
 
-def _pair(q, k, v, qpos, kpos, *, gmod, full, score_mod, scale, pure_causal=False):
-    """Partial ``(out, lse)`` of local queries at global positions ``qpos`` against the keys at ``kpos``.
-
-    The mask is the global one at those positions (a ``from_mod`` on the index maps), except: a
-    pair whose tiles are all full gets no mask, and a causal mask on a rank's own pair (``qpos`` is
-    ``kpos``: the same sorted positions) is plain ``causal=True`` (j ≤ i ⇔ kpos[j] ≤ qpos[i]), so it
-    takes the fused path."""
+def _block(q, k, v, qpos, kpos, kind, *, gmod, score_mod, scale, pure_causal=False):
+    """Partial ``(out, lse)`` of local queries at global positions ``qpos`` against keys at ``kpos``
+    (one block of a pair, see :meth:`Schedule.blocks`): "full" no mask, "causal" plain causal
+    (the same positions on both sides: j ≤ i ⇔ kpos[j] ≤ qpos[i]), "mask" the global mask at those
+    positions (a ``from_mod`` on the index maps). A score_mod always sees global positions."""
     mask = None
-    if pure_causal and not full and qpos is kpos:
-        sm = None
-        if score_mod is not None:
-            def sm(score, b, h, qi, ki):
-                return score_mod(score, b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
-        return _attention(q, k, v, causal=True, score_mod=sm, scale=scale, return_lse=True)
-    if gmod is not None and not full:
+    causal = kind == "causal"
+    if kind == "mask" and gmod is not None:
         def pair_mask(b, h, qi, ki):
             return gmod(b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
         mask = _masks.from_mod(pair_mask)
@@ -374,14 +422,36 @@ def _pair(q, k, v, qpos, kpos, *, gmod, full, score_mod, scale, pure_causal=Fals
     if score_mod is not None:
         def sm(score, b, h, qi, ki):
             return score_mod(score, b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
-    return _attention(q, k, v, mask=mask, score_mod=sm, scale=scale, return_lse=True)
+    return _attention(q, k, v, mask=mask, causal=causal, score_mod=sm, scale=scale, return_lse=True)
+
+
+def _pair(q, k, v, qpos, kpos, blocks, opts):
+    """Partial ``(out, lse)`` of a pair from its blocks: one block is returned as it is; several are
+    merged per query run in key order (fp32) and placed in their rows (rows seeing no block: 0, -inf)."""
+    if len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2]):
+        return _block(q, k, v, qpos, kpos, blocks[0][4], **opts)
+    acc = _acc_dtype(q.dtype)
+    B, H, n = q.shape[:3]
+    out = q.new_zeros(B, H, n, v.shape[-1], dtype=acc)
+    lse = q.new_full((B, H, n), float("-inf"), dtype=acc)
+    cur = None
+    for qa, qb, ka, kb, kind in blocks + [(None,) * 5]:
+        if cur is not None and (qa, qb) != cur[:2]:
+            out[:, :, cur[0]:cur[1]], lse[:, :, cur[0]:cur[1]] = cur[2], cur[3]
+            cur = None
+        if qa is None:
+            break
+        o, l = _block(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], qpos[qa:qb], kpos[ka:kb], kind, **opts)
+        o, l = o.to(acc), l.to(acc)
+        cur = (qa, qb, o, l) if cur is None else (qa, qb, *_softmax.merge(cur[2], cur[3], o, l))
+    return out, lse
 
 
 def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rank_forward(q, kv: dict, qpos, positions, sched_row_full, opts, partials=None, Dv=None):
+def _rank_forward(q, kv: dict, qpos, positions, blocks: dict, opts, partials=None, Dv=None):
     """Merge the partial results of the key ranks in ``kv`` for one rank's queries, in ascending
     key-rank order (``partials``: those already computed, e.g. the local pair during the exchange)."""
     acc = _acc_dtype(q.dtype)
@@ -389,7 +459,7 @@ def _rank_forward(q, kv: dict, qpos, positions, sched_row_full, opts, partials=N
     out = lse = None
     for s in sorted(kv):
         if s not in partials:
-            partials[s] = _pair(q, kv[s][0], kv[s][1], qpos, positions[s], full=bool(sched_row_full[s]), **opts)
+            partials[s] = _pair(q, kv[s][0], kv[s][1], qpos, positions[s], blocks[s], opts)
         o, l = partials.pop(s)
         o, l = o.to(acc), l.to(acc)
         out, lse = (o, l) if out is None else _softmax.merge(out, lse, o, l)
@@ -401,15 +471,15 @@ def _rank_forward(q, kv: dict, qpos, positions, sched_row_full, opts, partials=N
     return out, lse
 
 
-def _pair_backward_fused(q, k, v, qpos, kpos, full, opts, out, lse_b, dout):
+def _block_backward_fused(q, k, v, kind, opts, out, lse_b, dout):
     """FlashAttention-2's decomposition on torch's CPU flash backward kernel: given the rows'
     *global* ``out`` and ``lse`` (+inf on dead rows), the kernel's ``p = exp(s - lse)`` and
-    ``D = rowsum(dout·out)`` make its (dq, dk, dv) exactly this pair's share. Used when the pair
-    needs no mask (full) or is a rank's own causal pair, with no score_mod, D == Dv, fp32/fp64 and
-    no gradient on lse; None otherwise (the caller recomputes the pair with autograd)."""
+    ``D = rowsum(dout·out)`` make its (dq, dk, dv) exactly this block's share. For "full" and
+    "causal" blocks with no score_mod, D == Dv, fp32/fp64 and no gradient on lse; None otherwise
+    (the caller recomputes the block with autograd)."""
     from .backends import _flash_cpu
-    causal = opts["pure_causal"] and not full and qpos is kpos
-    if not (full or causal) or opts["score_mod"] is not None or q.shape[-1] != v.shape[-1]:
+    causal = kind == "causal"
+    if kind not in ("full", "causal") or opts["score_mod"] is not None or q.shape[-1] != v.shape[-1]:
         return None
     if q.dtype not in (torch.float32, torch.float64) or out.dtype != q.dtype or q.device.type != "cpu":
         return None
@@ -420,25 +490,27 @@ def _pair_backward_fused(q, k, v, qpos, kpos, full, opts, out, lse_b, dout):
     g = H // Hkv
     scale = opts["scale"] if opts["scale"] is not None else 1.0 / math.sqrt(D)
     _, bwd = _flash_cpu._ops()
-    fit = _flash_cpu.fit
+    c = lambda t: _flash_cpu.fit(t.contiguous())
     if g == 1 or causal:  # causal rows cannot be folded (the kernel's diagonal would move): expand K/V
         kk = k if g == 1 else k.repeat_interleave(g, dim=1)
         vv = v if g == 1 else v.repeat_interleave(g, dim=1)
-        dq, dk, dv = bwd(fit(dout.contiguous()), fit(q.contiguous()), fit(kk.contiguous()), fit(vv.contiguous()),
-                         fit(out.contiguous()), lse_b.contiguous(), 0.0, causal, attn_mask=None, scale=scale)
+        dq, dk, dv = bwd(c(dout), c(q), c(kk), c(vv), c(out), lse_b.contiguous(), 0.0, causal, attn_mask=None,
+                         scale=scale)
         if g > 1:
-            dk = dk.view(B, Hkv, g, m, D).sum(2)
-            dv = dv.view(B, Hkv, g, m, v.shape[-1]).sum(2)
+            dk = dk.reshape(B, Hkv, g, m, D).sum(2)
+            dv = dv.reshape(B, Hkv, g, m, v.shape[-1]).sum(2)
         return dq, dk, dv
     fold = lambda t: t.contiguous().view(B, Hkv, g * n, t.shape[-1])  # the g query heads of a kv head as rows
-    dq, dk, dv = bwd(fold(dout), fold(q), fit(k.contiguous()), fit(v.contiguous()), fold(out),
-                     lse_b.contiguous().view(B, Hkv, g * n), 0.0, False, attn_mask=None, scale=scale)
-    return dq.view(B, H, n, D), dk, dv
+    dq, dk, dv = bwd(fold(dout), fold(q), c(k), c(v), fold(out), lse_b.contiguous().view(B, Hkv, g * n), 0.0,
+                     False, attn_mask=None, scale=scale)
+    return dq.reshape(B, H, n, D), dk, dv
 
 
-def _rank_backward(q, kv: dict, qpos, positions, sched_row_full, opts, out, lse, dout, dlse, captured):
+def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse, dout, dlse, captured):
     """dq of this rank, the (dk, dv) partials for each key rank in ``kv`` (acc dtype), and the
-    gradients of the score_mod's captured tensors (local share)."""
+    gradients of the score_mod's captured tensors (local share). Block by block: the fused FA2
+    kernel where it applies, else the block recomputed with autograd and weighted by the global
+    lse (``w = exp(lse_block - lse)``: its share of each row)."""
     acc = _acc_dtype(q.dtype)
     lse_b = _softmax.lse_for_backward(lse)
     dout = dout.to(acc) if dout is not None else torch.zeros_like(out)
@@ -446,32 +518,34 @@ def _rank_backward(q, kv: dict, qpos, positions, sched_row_full, opts, out, lse,
     parts, cap = {}, [None] * len(captured)
     for s in sorted(kv):
         k_s, v_s = kv[s]
-        fast = None
-        if dlse is None:
-            fast = _pair_backward_fused(q, k_s, v_s, qpos, positions[s], bool(sched_row_full[s]), opts, out, lse_b,
-                                        dout)
-        if fast is not None:
-            dq += fast[0].to(acc)
-            parts[s] = (fast[1].to(acc), fast[2].to(acc))
-            continue
-        with torch.enable_grad():
-            qq = q.detach().requires_grad_()
-            kk = k_s.detach().requires_grad_()
-            vv = v_s.detach().requires_grad_()
-            o, l = _pair(qq, kk, vv, qpos, positions[s], full=bool(sched_row_full[s]), **opts)
-            w = torch.exp(l.detach().to(acc) - lse_b)  # this pair's share of each row (0 on dead rows)
-            g_l = w * (dout * (o.detach().to(acc) - out)).sum(-1)
-            if dlse is not None:
-                g_l = g_l + w * dlse.to(acc)
-            g_o = dout * w.unsqueeze(-1)
-            grads = torch.autograd.grad([o, l], [qq, kk, vv, *captured], [g_o.to(o.dtype), g_l.to(l.dtype)],
-                                        allow_unused=True)
-        dq += grads[0].to(acc) if grads[0] is not None else 0
-        z = lambda g, t: torch.zeros(t.shape, dtype=acc, device=t.device) if g is None else g.to(acc)
-        parts[s] = (z(grads[1], k_s), z(grads[2], v_s))
-        for i, g in enumerate(grads[3:]):
-            if g is not None:
-                cap[i] = g if cap[i] is None else cap[i] + g
+        dk = torch.zeros(k_s.shape, dtype=acc, device=k_s.device)
+        dv = torch.zeros(v_s.shape, dtype=acc, device=v_s.device)
+        for qa, qb, ka, kb, kind in blocks[s]:
+            qs, ks, vs = q[:, :, qa:qb], k_s[:, :, ka:kb], v_s[:, :, ka:kb]
+            o_g, l_g, d_g = out[:, :, qa:qb], lse_b[:, :, qa:qb], dout[:, :, qa:qb]
+            fast = None if dlse is not None else _block_backward_fused(qs, ks, vs, kind, opts, o_g, l_g, d_g)
+            if fast is not None:
+                dq[:, :, qa:qb] += fast[0].to(acc)
+                dk[:, :, ka:kb] += fast[1].to(acc)
+                dv[:, :, ka:kb] += fast[2].to(acc)
+                continue
+            with torch.enable_grad():
+                qq, kk, vv = (t.detach().requires_grad_() for t in (qs, ks, vs))
+                o, l = _block(qq, kk, vv, qpos[qa:qb], positions[s][ka:kb], kind, **opts)
+                w = torch.exp(l.detach().to(acc) - l_g)  # this block's share of each row (0 on dead rows)
+                g_l = w * (d_g * (o.detach().to(acc) - o_g)).sum(-1)
+                if dlse is not None:
+                    g_l = g_l + w * dlse[:, :, qa:qb].to(acc)
+                g_o = d_g * w.unsqueeze(-1)
+                grads = torch.autograd.grad([o, l], [qq, kk, vv, *captured], [g_o.to(o.dtype), g_l.to(l.dtype)],
+                                            allow_unused=True)
+            for t, g, sl in ((dq, grads[0], (qa, qb)), (dk, grads[1], (ka, kb)), (dv, grads[2], (ka, kb))):
+                if g is not None:
+                    t[:, :, sl[0]:sl[1]] += g.to(acc)
+            for i, g in enumerate(grads[3:]):
+                if g is not None:
+                    cap[i] = g if cap[i] is None else cap[i] + g
+        parts[s] = (dk, dv)
     return dq, parts, cap
 
 
@@ -522,7 +596,7 @@ class _SimFn(torch.autograd.Function):
         for r in range(W):
             qr = q.index_select(2, P[r])
             kv = {s: (k.index_select(2, P[s]), v.index_select(2, P[s])) for s in range(W) if sched.visible[r, s]}
-            o, l = _rank_forward(qr, kv, P[r], P, sched.full[r], opts, Dv=v.shape[-1])
+            o, l = _rank_forward(qr, kv, P[r], P, sched.row_blocks(r), opts, Dv=v.shape[-1])
             outs.append(o)
             lses.append(l)
             saved.append((qr, kv))
@@ -542,7 +616,7 @@ class _SimFn(torch.autograd.Function):
         dqs, parts_by_owner, capg = [], [dict() for _ in range(W)], [None] * len(ctx.captured)
         for r in range(W):
             qr, kv = ctx.saved[r]
-            dq, parts, cap = _rank_backward(qr, kv, P[r], P, sched.full[r], opts, ctx.outs[r], ctx.lses[r],
+            dq, parts, cap = _rank_backward(qr, kv, P[r], P, sched.row_blocks(r), opts, ctx.outs[r], ctx.lses[r],
                                             None if dout is None else dout.index_select(2, P[r]),
                                             None if dlse is None else dlse.index_select(2, P[r]),
                                             list(ctx.captured))
@@ -983,15 +1057,14 @@ class _CPFn(torch.autograd.Function):
             nonlocal err
             if sched.visible[r, r] and err is None:
                 try:
-                    local[r] = _pair(q.detach(), k.detach(), v.detach(), P[r], P[r], full=bool(sched.full[r, r]),
-                                     **opts)
+                    local[r] = _pair(q.detach(), k.detach(), v.detach(), P[r], P[r], sched.blocks(r, r), opts)
                 except Exception as e:
                     err = e
 
         kv = cp._exchange_kv(k, v, "forward K/V exchange", st, compute_local)
         if err is None:
             try:
-                out, lse = _rank_forward(q.detach(), kv, P[r], P, sched.full[r], opts, local, v.shape[-1])
+                out, lse = _rank_forward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, local, v.shape[-1])
                 st.steps = len(kv)
             except Exception as e:
                 err = e
@@ -1013,7 +1086,7 @@ class _CPFn(torch.autograd.Function):
         kv = ctx.kv if ctx.kv is not None else cp._exchange_kv(k, v, "backward K/V exchange", st)
         err, dq, parts, cap = None, None, {}, []
         try:
-            dq, parts, cap = _rank_backward(q.detach(), kv, P[r], P, sched.full[r], opts, ctx.out, ctx.lse,
+            dq, parts, cap = _rank_backward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, ctx.out, ctx.lse,
                                             dout, dlse, list(ctx.captured))
             st.steps = len(kv)
         except Exception as e:
