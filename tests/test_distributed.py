@@ -593,3 +593,15 @@ def test_benchmark_counts_smoke(capsys, monkeypatch):
     assert "| window 4096 | plan-aware, contiguous |" in out
     row = next(line for line in out.splitlines() if line.startswith("| window 4096 | plan-aware, contiguous |"))
     assert row.split("|")[4].strip() == "1"
+
+
+def test_zigzag_causal_blocks_need_no_mask():
+    lay = akd.layout("zigzag", 40, 2, block=5)
+    sc = akd.schedule(lay, M.causal())
+    assert sc.blocks(0, 0) == [(0, 10, 0, 10, "causal"), (10, 20, 0, 10, "full"), (10, 20, 10, 20, "causal")]
+    assert sc.blocks(0, 1) == [(10, 20, 0, 20, "full")] and sc.blocks(1, 0) == [(0, 20, 0, 10, "full")]
+    assert sc.blocks(1, 1) == [(0, 20, 0, 20, "causal")]
+    for W in (3, 4):  # any W: every block of zigzag causal is full or causal
+        sc = akd.schedule(akd.layout("zigzag", 64, W, block=2), M.causal())
+        kinds = {b[4] for r in range(W) for s in range(W) for b in sc.blocks(r, s)}
+        assert kinds <= {"full", "causal"}, kinds

@@ -45,9 +45,22 @@ results of rank r are merged with :func:`attnkit.backends._softmax.merge` in fp3
 inputs) in ascending key-rank order (deterministic; independent of W up to rounding), and cast
 once at the end.
 
-**Backward** (an autograd.Function): each visible pair is recomputed with autograd and weighted
-by the *global* lse (``w = exp(lse_pair − lse)``, so ``p = exp(s − lse)`` as in FlashAttention-2);
-dq stays local, the dK/dV partials (fp32) go back to the rank that owns those keys, which sums
+**Blocks.** Within a pair, each (query run, key run) of consecutive units is one block
+(:meth:`Schedule.blocks`): a block whose tiles are all full gets no mask, a run against itself
+under a causal mask is plain ``causal=True`` (the fused kernels), the rest evaluates the global
+mask at the block's positions. Zigzag under causal has no masked block at all::
+
+    zigzag W = 2, chunks c0..c3; rank 0 owns c0 c3, rank 1 owns c1 c2 (one run)
+    pair (0, 0):  c0×c0 causal   c3×c0 full   c3×c3 causal      (c0×c3: empty, skipped)
+    pair (0, 1):  c3×(c1 c2) full                               (c0×(c1 c2): empty)
+    pair (1, 0):  (c1 c2)×c0 full                               ((c1 c2)×c3: empty)
+    pair (1, 1):  (c1 c2)×(c1 c2) causal
+
+**Backward** (an autograd.Function), block by block with the rows' *global* out and lse
+(FlashAttention-2's decomposition, ``p = exp(s − lse)``, ``D = rowsum(dout·out)``): full and
+causal blocks run torch's fused CPU flash backward directly (no score_mod, D == Dv, fp32/fp64, lse
+unused); other blocks are recomputed with autograd and weighted by ``w = exp(lse_block − lse)``.
+dq stays local; the dK/dV partials (fp32) go back to the rank that owns those keys, which sums
 them in ascending rank order. Only the pairs that were computed travel.
 
 **Modes.** ``comm="p2p"`` (default): point-to-point isend/irecv of exactly the needed K/V
