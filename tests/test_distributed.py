@@ -233,7 +233,7 @@ def _fault_cases(rank, W, out):
     """Each fault must raise ContextParallelError on every participating rank, quickly."""
     L = 23
     q, k, v, _, _ = make_inputs(1, 2, 1, L, 4, 4, seed=1)
-    cp = akd.ContextParallel(L, mask=M.causal(), layout="zigzag", block=1, timeout=3)
+    cp = akd.ContextParallel(L, mask=M.causal(), layout="zigzag", block=1, timeout=2)
     ql, kl, vl = cp.shard(q), cp.shard(k), cp.shard(v)
 
     def attempt(name, fn):
@@ -272,7 +272,7 @@ def _fault_cases(rank, W, out):
     if rank != 1:
         attempt("never-arrives", lambda: cp.attention(ql, kl, vl))
     else:
-        time.sleep(5)
+        time.sleep(3)  # longer than the timeout: the others must give up first
 
 
 def _worker(rank, W, port, cases, faults, q_out):

@@ -719,6 +719,7 @@ _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 _FIELDS = ("status", "call", "B", "H", "Hkv", "D", "Dv", "rows", "dtype", "causal", "scale", "score_mod",
            "return_lse", "grad", "layout", "seq_len", "mask", "comm")
 _MSG = 384
+_HASHED = ("dtype", "scale", "score_mod", "mask", "layout", "comm")
 
 
 def _crc(s: str) -> int:
@@ -867,6 +868,10 @@ class ContextParallel:
         for p in sorted(sigs):
             for name, a, b in zip(_FIELDS, ref, sigs[p][0]):
                 if a != b and name != "rows":
+                    if name in _HASHED:  # show what was hashed
+                        key = "score_mod" if name == "score_mod" else name
+                        pick = lambda m: next((x.strip() for x in m.split("; ") if x.strip().startswith(key + "=")), m)
+                        a, b = pick(sigs[0][1]), pick(sigs[p][1])
                     raise ContextParallelError(
                         f"context parallel {what}: ranks disagree on {name}: rank 0 has {a}, rank {p} has {b} "
                         f"(every rank must call attention with the same shapes, dtype and options"
@@ -885,6 +890,9 @@ class ContextParallel:
         try:
             _check_unsupported(unsupported)
             fields = self._validate(q, k, v, causal, scale, score_mod, return_lse)
+            # readable values of the hashed fields, for a mismatch message
+            msg = (f"dtype={q.dtype}; scale={scale!r}; score_mod={score_mod!r}"[:200] + f"; mask={self.mask!r}"[:120]
+                   + f"; layout={self.layout.name}; comm={self.comm}")
         except Exception as e:  # tell the peers before raising here
             msg = f"{type(e).__name__}: {e}"
             fields = dict(fields, status=1, call=self._calls)
