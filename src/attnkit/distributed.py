@@ -914,11 +914,11 @@ class ContextParallel:
         B, H, n, D = q.shape
         Hkv, Dv = k.shape[1], v.shape[-1]
         rows = self.layout.lengths[self.rank]
+        sm_id = (type(score_mod).__qualname__ + repr(score_mod) if hasattr(score_mod, "validate")
+                 else getattr(score_mod, "__qualname__", repr(type(score_mod))))  # a function: by its name
         fields = dict(status=0, call=self._calls, B=B, H=H, Hkv=Hkv, D=D, Dv=Dv, rows=n,
                       dtype=_DTYPES.index(q.dtype) if q.dtype in _DTYPES else 99, causal=int(bool(causal)),
-                      scale=_crc(repr(scale)), score_mod=_crc(type(score_mod).__qualname__ + repr(score_mod)
-                                                              if hasattr(score_mod, "validate") else
-                                                              getattr(score_mod, "__qualname__", repr(type(score_mod)))),
+                      scale=_crc(repr(scale)), score_mod=_crc(sm_id),
                       return_lse=int(bool(return_lse)),
                       grad=int(q.requires_grad) + 2 * int(k.requires_grad) + 4 * int(v.requires_grad),
                       layout=self.layout.key, seq_len=self.seq_len, mask=_crc(repr(self.mask)),
