@@ -1146,50 +1146,20 @@ class _CPFn(torch.autograd.Function):
 
 def rope_at(rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """RoPE of ``x (..., L_r, D)`` whose rows sit at the global ``positions (L_r,)`` (any order, gaps
-    allowed: a zigzag or balanced shard). The same math as
-    :meth:`attnkit.positional.RotaryEmbedding.rotate` (angles in float64, rounded once)."""
-    fdt = torch.float32 if x.device.type == "mps" else torch.float64
-    ang = rotary._angles(positions.to(device=x.device, dtype=fdt))  # (L_r, D/2)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    if rotary.interleaved:
-        a, b = x[..., 0::2], x[..., 1::2]
-        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    half = rotary.head_dim // 2
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    allowed: a zigzag or balanced shard): ``rotary.rotate(x, positions=positions)``."""
+    return rotary.rotate(x, positions=positions)
 
 
 def mha_forward(mha, x: torch.Tensor, cp: ContextParallel, *, causal: bool = False) -> torch.Tensor:
     """Self-attention of an :class:`attnkit.nn.MultiHeadAttention` on this rank's rows
-    ``x (B, L_r, E)`` (batch first; ``cp.shard(x, dim=1)``) → ``(B, L_r, E)``: the module's own
-    projections and weights, RoPE at the layout's global positions, ALiBi as a score_mod at global
-    positions, the mask of ``cp`` (and ``causal``), attention by :meth:`ContextParallel.attention`.
-    Equal to ``mha(x_full, causal=causal)`` restricted to this rank's rows."""
-    if not mha.batch_first:
-        raise ValueError("mha_forward: expects a batch_first module; x is (B, L_r, E).")
-    if mha.training and mha.dropout:
-        raise ValueError("mha_forward: attention dropout is not supported under context parallelism "
-                         "(build the module with dropout=0 or call it in eval mode).")
-    B, n, _ = x.shape
-    H, Hkv, D = mha.num_heads, mha.num_kv_heads, mha.head_dim
-    q = mha.q_proj(x).reshape(B, n, H, D).transpose(1, 2)
-    k = mha.k_proj(x).reshape(B, n, Hkv, D).transpose(1, 2)
-    v = mha.v_proj(x).reshape(B, n, Hkv, D).transpose(1, 2)
-    if mha.rotary is not None:
-        q, k = rope_at(mha.rotary, q, cp.positions), rope_at(mha.rotary, k, cp.positions)
-    score_mod = None
-    if mha.positional == "alibi":
-        from . import score_mods
-        score_mod = score_mods.alibi(mha.alibi_slopes)
-    out = cp.attention(q, k, v, causal=causal, score_mod=score_mod)
-    return mha.out_proj(out.transpose(1, 2).reshape(B, n, mha.embed_dim))
+    ``x (B, L_r, E)``: ``mha(x, causal=causal, context_parallel=cp)``."""
+    return mha(x, causal=causal, context_parallel=cp)
 
 
 def block_forward(block, x: torch.Tensor, cp: ContextParallel, *, causal: bool | None = None) -> torch.Tensor:
-    """An :class:`attnkit.nn.TransformerBlock` on this rank's rows ``x (B, L_r, E)`` (see :func:`mha_forward`)."""
-    causal = bool(block.causal) if causal is None else causal
-    x = x + block.drop(mha_forward(block.attn, block.norm1(x), cp, causal=causal))
-    return x + block.drop(block.mlp(block.norm2(x)))
+    """An :class:`attnkit.nn.TransformerBlock` on this rank's rows ``x (B, L_r, E)``:
+    ``block(x, causal=causal, context_parallel=cp)``."""
+    return block(x, causal=causal, context_parallel=cp)
 
 
 class _HeadsToSeq(torch.autograd.Function):
