@@ -502,20 +502,19 @@ def _block_backward_fused(q, k, v, kind, opts, out, lse_b, dout):
     Hkv, m = k.shape[1], k.shape[2]
     g = H // Hkv
     scale = opts["scale"] if opts["scale"] is not None else 1.0 / math.sqrt(D)
-    _, bwd = _flash_cpu._ops()
-    c = lambda t: _flash_cpu.fit(t.contiguous())
+    c = lambda t: t.contiguous()
     if g == 1 or causal:  # causal rows cannot be folded (the kernel's diagonal would move): expand K/V
         kk = k if g == 1 else k.repeat_interleave(g, dim=1)
         vv = v if g == 1 else v.repeat_interleave(g, dim=1)
-        dq, dk, dv = bwd(c(dout), c(q), c(kk), c(vv), c(out), lse_b.contiguous(), 0.0, causal, attn_mask=None,
-                         scale=scale)
+        dq, dk, dv = _flash_cpu.backward(c(dout), c(q), c(kk), c(vv), c(out), lse_b.contiguous(), is_causal=causal,
+                                         scale=scale)
         if g > 1:
             dk = dk.reshape(B, Hkv, g, m, D).sum(2)
             dv = dv.reshape(B, Hkv, g, m, v.shape[-1]).sum(2)
         return dq, dk, dv
     fold = lambda t: t.contiguous().view(B, Hkv, g * n, t.shape[-1])  # the g query heads of a kv head as rows
-    dq, dk, dv = bwd(fold(dout), fold(q), c(k), c(v), fold(out), lse_b.contiguous().view(B, Hkv, g * n), 0.0,
-                     False, attn_mask=None, scale=scale)
+    dq, dk, dv = _flash_cpu.backward(fold(dout), fold(q), c(k), c(v), fold(out),
+                                     lse_b.contiguous().view(B, Hkv, g * n), scale=scale)
     return dq.reshape(B, H, n, D), dk, dv
 
 
