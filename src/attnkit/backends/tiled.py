@@ -162,6 +162,8 @@ class _TiledAttention(torch.autograd.Function):
         if c.fused and dlse is None:
             dq, dk, dv = _tiled_fused.backward(c, q, k, v, out, lse, dout)
         else:
+            if c.fused:  # a gradient into lse: the plain loop, on a work list cut for it (O(L + S) memory)
+                c.plan = _work_list(c.req, "plain", c.plan_bm_bn, c.given)
             dq, dk, dv, dbias, dcap = _tiled_plain.backward(c, *_tiled_plain.prepare(c, q, k, v), out, lse, dout, dlse)
         if dbias is not None:
             dbias = dbias.to(c.req.bias.dtype)
@@ -179,14 +181,24 @@ def _launch(req: Request, worker: str):
         if req.plan_extra is not None:  # causal=True on top of the plan: closed form, intersected
             given = torch.minimum(given, _worklist.tile_map(req.plan_extra, B, H, L, S, bm, bn))
     c = TileContext(req, worker)
-    if c.fused:  # the kernel tiles internally: no cap on run length, merge identical query blocks
-        c.plan = _worklist.work_list(req.mask, req.dense_mask, B, H, L, S, bm, bn, max(S, bn),
-                                     max_group_elems=FUSED_MASK_ELEMS, count_all=req.bias is not None or c.additive,
-                                     memo=req.memo, given=given)
-    else:
-        c.plan = _worklist.work_list(req.mask, req.dense_mask, B, H, L, S, bm, bn, max(max_run, bn),
-                                     max_group_elems=bm * max_run, memo=req.memo, given=given)
+    c.plan_bm_bn, c.given = (bm, bn), given
+    c.plan = _work_list(req, worker, (bm, bn), given)
     return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)
+
+
+def _work_list(req: Request, worker: str, block, given):
+    """The work list for ``worker``: the fused kernel tiles internally (uncapped runs, identical
+    query blocks merged); the plain loop keeps each score tile at most bm × MAX_RUN per group."""
+    B, H, L, S, *_ = req.shape
+    bm, bn = block
+    if worker == "fused":
+        additive = req.score_mod is not None and additive_mod(req.score_mod)
+        return _worklist.work_list(req.mask, req.dense_mask, B, H, L, S, bm, bn, max(S, bn),
+                                   max_group_elems=FUSED_MASK_ELEMS, count_all=req.bias is not None or additive,
+                                   memo=req.memo, given=given)
+    _, _, max_run = _sizes()
+    return _worklist.work_list(req.mask, req.dense_mask, B, H, L, S, bm, bn, max(max_run, bn),
+                               max_group_elems=bm * max_run, memo=req.memo, given=given)
 
 
 def run(req: Request, worker: str | None = None):
