@@ -73,10 +73,10 @@ def test_hover_score_highlights_its_query_and_key(pages, browser, tmp_path):  # 
         "Q", "K", "matmul1"}
     shot = _shot(drv, tmp_path, "attnkit-explain-hover-score.png")
 
-    # output[q0, v·d0] = 0.4011×10 + 0.4011×0 + 0.1978×5 = 5
+    # output[q0, dv0] = 0.4011×10 + 0.4011×0 + 0.1978×5 = 5
     out = drv.find_element(By.CSS_SELECTOR, '#output td[data-i="0"][data-j="0"]')
     ActionChains(drv).move_to_element(out).perform()
-    assert readout() == ("output[q0, v·d0] = Σ_j weight[q0, j] × V[j, d0] = 0.4011×10.0000 + 0.4011×0.0000 + "
+    assert readout() == ("output[q0, dv0] = Σ_j weight[q0, j] × V[j, dv0] = 0.4011×10.0000 + 0.4011×0.0000 + "
                          "0.1978×5.0000 = 5.0000")
     v_hl = [(c.get_attribute("data-i"), c.get_attribute("data-j")) for c in drv.find_elements(By.CSS_SELECTOR, "#V td.hl")]
     assert v_hl == [("0", "0"), ("1", "0"), ("2", "0")]

@@ -47,7 +47,7 @@ def test_trace_html_masked_step_and_heads():
     assert "Masked scores" in html and "-inf" in _cells(html)
     assert "head 0 of H=2" in html
     assert f"{t.weights[0, 2, 4]:.4f}" in _cells(html)
-    assert "v2" in html  # output columns named by the value dims (Dv = 3)
+    assert "dv2" in html  # output columns named by the value dims (Dv = 3)
 
 
 def test_trace_repr_is_short_and_plain():

@@ -382,7 +382,7 @@ def run(args) -> int:
     print(title)
     print(f"Q {q.shape}, K {k.shape}, V {v.shape}; scale = 1/√d_k = {t.scale:.6f}\n")
     q_tokens, k_tokens = tokens if isinstance(tokens, tuple) else (tokens, tokens)
-    print(format_trace(t, q_tokens=q_tokens, k_tokens=k_tokens, prec=args.precision))
+    print(format_trace(t, q_tokens=q_tokens, k_tokens=k_tokens, prec=args.precision, inputs=True))
     if note:
         masked = bool(args.causal or args.mask)
         print("\nNote: " + note(t, masked, args.precision, q, k, v))

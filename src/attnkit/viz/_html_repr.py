@@ -107,7 +107,7 @@ def trace_html(t, b: int = 0, h: int = 0, prec: int = 4, q_tokens=None, k_tokens
     D, Dv = q.shape[-1], v.shape[-1]
     ql = list(q_tokens) if q_tokens is not None and len(q_tokens) == L else [f"q{i}" for i in range(L)]
     kl = list(k_tokens) if k_tokens is not None and len(k_tokens) == S else [f"k{j}" for j in range(S)]
-    dl, vl = [f"d{j}" for j in range(D)], [f"v{j}" for j in range(Dv)]
+    dl, vl = [f"d{j}" for j in range(D)], [f"dv{j}" for j in range(Dv)]
     where = ""
     lead = np.shape(t.scores)[:-2]
     if len(lead) == 2 and lead[0] * lead[1] > 1:

@@ -107,7 +107,7 @@ def explain_page(trace, *, b: int = 0, h: int = 0, title: str = "Attention, step
     ql = [str(x) for x in q_tokens] if q_tokens is not None and len(q_tokens) == L else [f"q{i}" for i in range(L)]
     kl = [str(x) for x in k_tokens] if k_tokens is not None and len(k_tokens) == S else [f"k{j}" for j in range(S)]
     dl = [f"d{j}" for j in range(D)]
-    vl = [f"v·d{j}" for j in range(Dv)]  # output columns are the value dimensions
+    vl = [f"dv{j}" for j in range(Dv)]  # V's and the output's columns are the value dimensions
     has_mask = bool(trace.has_mask) or not np.array_equal(msk, scl)
     is_default = abs(trace.scale - D ** -0.5) < 1e-12
     scale_txt = f"× {trace.scale:.6g}" + (f" = 1/√{D}" if is_default else "")
@@ -130,7 +130,7 @@ def explain_page(trace, *, b: int = 0, h: int = 0, title: str = "Attention, step
          f'V are what gets blended. d_k = {D}, d_v = {Dv}.</p><div class="row3">'
          + _table("Q", q, ql, dl, prec, caption=f"Q ({L} × {D})")
          + _table("K", k, kl, dl, prec, caption=f"K ({S} × {D})")
-         + _table("V", v, kl, [f"d{j}" for j in range(Dv)], prec, caption=f"V ({S} × {Dv})") + "</div></section>"),
+         + _table("V", v, kl, vl, prec, caption=f"V ({S} × {Dv})") + "</div></section>"),
         ('<section><h2>2. Scores Q·Kᵀ</h2><p>score[i, j] = q_i · k_j. <b>Hover a score</b> to see the query '
          "row and key row that made it.</p>" + _table("scores", sc, ql, kl, prec) + "</section>"),
         (f'<section><h2>3. Scale {esc(scale_txt)}</h2><p>'
@@ -256,7 +256,7 @@ _JS = r"""
       var h = document.querySelector('#V th.col[data-j="' + c + '"]'); if (h) h.classList.add("hl");
       flow(["softmax", "matmul2", "V", "out"]);
       var terms = D.weights[i].map(function (w, j) { return f(w) + "×" + f(D.v[j][c]); });
-      say("output[" + D.ql[i] + ", " + D.vl[c] + "] = Σ_j weight[" + D.ql[i] + ", j] × V[j, d" + c + "] = " +
+      say("output[" + D.ql[i] + ", " + D.vl[c] + "] = Σ_j weight[" + D.ql[i] + ", j] × V[j, " + D.vl[c] + "] = " +
           terms.join(" + ") + " = " + f(D.output[i][c]));
     });
   });
