@@ -62,7 +62,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         NaN in an input propagates to the rows it touches.
 
     Raises:
-        TypeError / ValueError naming the argument, what was expected and got.
+        TypeError: a wrong kind of argument; the message names it, what was expected and what was got.
+        ValueError: a wrong value or shape; the message names it, what was expected and what was got.
     """
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                        dropout_p=dropout_p, return_lse=return_lse, backend=backend,

@@ -392,7 +392,7 @@ def run(args) -> int:
 
 
 def _write_page(path: Path, t, title, q_tokens, k_tokens, prec):
-    from ..viz.explain_page import explain_page
+    from ..viz.explain_html import explain_page
 
     text = explain_page(t, title=title, prec=prec, q_tokens=q_tokens, k_tokens=k_tokens)
     try:

@@ -12,7 +12,7 @@ for the page — and token labels, so they work for any model or for
   numbers (``attnkit explain --html FILE``): hover a score or an output to see how it is made.
 """
 
-from .explain_page import explain_page, save_explain_page
+from .explain_html import explain_page, save_explain_page
 from .html import save_attention_html
 from .png import save_heads_png
 
