@@ -113,3 +113,14 @@ def test_page_escapes_labels():
 def test_html_for_positional_is_a_user_error(tmp_path, capsys):
     assert main(["explain", "--example", "positional", "--html", str(tmp_path / "p.html")]) == 2
     assert "--html" in capsys.readouterr().err
+
+
+def test_html_for_too_many_tokens_is_a_user_error(tmp_path, capsys):
+    for n in "qkv":
+        np.save(tmp_path / f"{n}.npy", np.ones((65, 2)))
+    rc = main(["explain", "--q", str(tmp_path / "q.npy"), "--k", str(tmp_path / "k.npy"), "--v",
+               str(tmp_path / "v.npy"), "--html", str(tmp_path / "p.html")])
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before anything is printed
+    assert rc == 2 and "--html: the page shows every number, so at most 64" in err and "L=65" in err
+    assert not (tmp_path / "p.html").exists()

@@ -378,6 +378,13 @@ def run(args) -> int:
         msg = str(e)
         name = msg.split(":", 1)[0]
         raise _err(f"--{msg}" if name in ("q", "k", "v", "mask") else f"--q/--k/--v/--mask: {msg}") from None
+    if args.html:  # checked before anything is printed
+        from ..viz.explain_html import MAX_TOKENS
+
+        sizes = dict(L=q.shape[0], S=k.shape[0], D=q.shape[1], Dv=v.shape[1])
+        if max(sizes.values()) > MAX_TOKENS:
+            raise _err(f"--html: the page shows every number, so at most {MAX_TOKENS} queries, keys and dims; got "
+                       + ", ".join(f"{n}={x}" for n, x in sizes.items()) + ". Pass a slice of your Q, K, V.")
     t = explain(q, k, v, mask=mask, causal=args.causal)  # (L, S) / (L, Dv) arrays: 2-D in, 2-D out
     print(title)
     print(f"Q {q.shape}, K {k.shape}, V {v.shape}; scale = 1/√d_k = {t.scale:.6f}\n")
@@ -394,7 +401,10 @@ def run(args) -> int:
 def _write_page(path: Path, t, title, q_tokens, k_tokens, prec):
     from ..viz.explain_html import explain_page
 
-    text = explain_page(t, title=title, prec=prec, q_tokens=q_tokens, k_tokens=k_tokens)
+    try:
+        text = explain_page(t, title=title, prec=prec, q_tokens=q_tokens, k_tokens=k_tokens)
+    except ValueError as e:
+        raise _err(f"--html: {str(e).split(': ', 1)[1]}") from None
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as e:

@@ -21,7 +21,9 @@ import numpy as np
 
 from ._html_repr import _slice, esc, fmt
 
-__all__ = ["explain_page", "save_explain_page"]
+__all__ = ["explain_page", "save_explain_page", "MAX_TOKENS"]
+
+MAX_TOKENS = 64  # queries or keys: the page shows every number, so it stays small enough to read
 
 
 def _table(tid, m, rows, cols, prec, heat=False, caption=""):
@@ -104,6 +106,9 @@ def explain_page(trace, *, b: int = 0, h: int = 0, title: str = "Attention, step
     msk, w, out = _slice(trace.masked, 2, b, h), _slice(trace.weights, 2, b, h), _slice(trace.output, 2, b, h)
     L, S = sc.shape
     D, Dv = q.shape[-1], v.shape[-1]
+    if max(L, S, D, Dv) > MAX_TOKENS:
+        raise ValueError(f"trace: the page shows every number, so at most {MAX_TOKENS} queries, keys and dims; "
+                         f"got L={L}, S={S}, D={D}, Dv={Dv}. Explain a slice (e.g. the first {MAX_TOKENS} rows).")
     ql = [str(x) for x in q_tokens] if q_tokens is not None and len(q_tokens) == L else [f"q{i}" for i in range(L)]
     kl = [str(x) for x in k_tokens] if k_tokens is not None and len(k_tokens) == S else [f"k{j}" for j in range(S)]
     dl = [f"d{j}" for j in range(D)]
