@@ -44,8 +44,12 @@ def test_dispatch_reports_backend_worker_and_why():
     assert (d.backend, d.worker) == ("sdpa", "fused")
     qn = q.clone()
     qn[0, 0, 3, 0] = float("nan")
-    d = attnkit.dispatch(qn, k, v, causal=True)
+    d = attnkit.dispatch(qn, k, v, mask=torch.rand(128, 128) > 0.5)
     assert (d.backend, d.worker) == ("sdpa", "math") and "NaN" in d.worker_reason
+    d = attnkit.dispatch(qn, k, v, causal=True)  # no row can be empty: the NaN check comes after the kernel
+    assert (d.backend, d.worker) == ("sdpa", "fused") and "re-checked for NaN" in d.worker_reason
+    out = attnkit.attention(qn, k, v, causal=True)
+    assert out[0, 0, 3].isnan().all() and not out[0, 0, :3].isnan().any() and not out[0, 1].isnan().any()
     assert "[fused:" in str(attnkit.dispatch(q, k, v, mask=M.sliding_window(16)))
 
 

@@ -60,8 +60,24 @@ def test_auto_choice(ran, name, kw, want):
     assert ran == [want]
 
 
+def test_decode_sized_structured_mask_goes_sdpa_over_reachable_keys(ran):
+    from attnkit.backends import sdpa
+    q, k, v = rand_qkv(1, 4, 2, 3, 300, 8)
+    for kw in (dict(causal=True), dict(mask=M.sliding_window(50)), dict(mask=M.document(torch.arange(300) // 90))):
+        ran.clear()
+        d = attnkit.dispatch(q, k, v, **kw)
+        assert d.backend == "sdpa" and "decode-sized" in d.reason
+        out = attnkit.attention(q, k, v, **kw)
+        assert ran == ["sdpa"]
+        ref = attnkit.attention(q.double(), k.double(), v.double(), backend="reference", **kw)
+        assert torch.allclose(out.double(), ref, atol=1e-5), kw
+    req = attnkit._request.make_request(q, k, v, mask=M.sliding_window(50), causal=False, scale=None, score_mod=None,
+                                        dropout_p=0.0, return_lse=False, backend="auto")
+    assert sdpa.key_range(req) == (192, 300)  # only the window's keys (block-aligned) reach SDPA
+
+
 def test_bottom_right_causal_l_ne_s_goes_tiled(ran):
-    q, k, v = rand_qkv(1, 2, 2, 7, 50, 8)
+    q, k, v = rand_qkv(1, 2, 2, 40, 90, 8)
     assert attnkit.dispatch(q, k, v, causal=True).backend == "tiled"
     out = attnkit.attention(q, k, v, causal=True)
     assert ran == ["tiled"]

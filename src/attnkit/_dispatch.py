@@ -71,6 +71,8 @@ def _sdpa_fits(req: Request) -> str | None:
         return "a score_mod"
     if req.mask is None and req.dense_mask is None:
         return None  # no mask, or only a float bias: nothing to skip, SDPA applies it in one fused pass
+    if L <= get("sdpa").DECODE_MAX_L and req.plan is None:
+        return None  # decoding: SDPA over the keys the mask can reach, with an (L × n) mask built per call
     if req.dense_mask is not None and req.mask is None:
         partial = _dense_partial_fraction(req)
         if partial > DENSE_PARTIAL_MAX:
@@ -102,6 +104,9 @@ def _decide_backend(req: Request, backend: str) -> Decision:
     tiled_why = _tiled_unsupported(req)
     sdpa_no = _sdpa_fits(req)
     if sdpa_no is None and get("sdpa").unsupported(req) is None:
+        if req.q.shape[2] <= get("sdpa").DECODE_MAX_L and (req.mask is not None or req.dense_mask is not None):
+            return Decision("sdpa", f"decode-sized L <= {get('sdpa').DECODE_MAX_L}: torch's fused kernel over the "
+                                    "keys the mask can reach, with a small dense mask built per call")
         if req.dense_mask is not None:
             return Decision("sdpa", "bool mask with almost every tile partial: nothing to skip, "
                                     "torch's fused kernel applies it in one pass")

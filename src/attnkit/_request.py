@@ -84,6 +84,21 @@ _RANK_NAMES = {2: "(L, D)", 3: "(H, L, D)", 4: "(B, H, L, D)"}
 
 
 def _check_qkv(q, k, v):
+    # The common case in a few attribute reads (4-D torch tensors that fit together); anything
+    # else, including every error, takes the full checks below with their messages.
+    T = torch.Tensor
+    if type(q) is T and type(k) is T and type(v) is T and q.dim() == 4 and k.dim() == 4 and v.dim() == 4:
+        dt = q.dtype
+        if dt in _FLOATS and k.dtype == dt and v.dtype == dt and q.device == k.device == v.device:
+            B, H, L, D = q.shape
+            Bk, Hkv, S, Dk = k.shape
+            Bv, Hv, Sv, _ = v.shape
+            if B == Bk == Bv and D == Dk and S == Sv and Hkv == Hv and Hkv and H % Hkv == 0 and S and D:
+                return q, k, v, 4, False
+    return _check_qkv_full(q, k, v)
+
+
+def _check_qkv_full(q, k, v):
     kinds = {_kind(q), _kind(k), _kind(v)}
     if not kinds <= {"torch", "numpy"}:
         bad = [n for n, x in (("q", q), ("k", k), ("v", v)) if _kind(x) not in ("torch", "numpy")][0]
@@ -234,7 +249,7 @@ def make_request(
 
     structured: list[_masks.Mask] = []
     if causal:
-        structured.append(_masks.causal())
+        structured.append(_CAUSAL)
     if mask is None:
         pass
     elif isinstance(mask, _masks.Mask):
@@ -258,6 +273,8 @@ def make_request(
             f"mask: expected None, a bool/float array or tensor, an attnkit.masks mask, an attnkit.plan(...), "
             f"or a mask_mod(b, h, q_idx, kv_idx) callable, got {type(mask).__name__}."
         )
+    if req.plan is None:  # an explicit plan is used as given
+        structured = [m for m in (_simplify(m, L, S) for m in structured) if m is not None]
     if len(structured) == 1:
         req.mask = structured[0]
     elif len(structured) > 1:
@@ -269,6 +286,28 @@ def make_request(
     if score_mod is not None and torch.is_grad_enabled():
         _find_score_mod_tensors(req)
     return req
+
+
+_CAUSAL = _masks.causal()  # an immutable value: one object, so its tile maps are cached once
+
+
+def _simplify(m: _masks.Mask, L: int, S: int) -> _masks.Mask | None:
+    """The same mask in a cheaper form for these sizes (None: it lets every key through).
+
+    A bottom-right causal mask with L = 1 is no mask (the one query sees the whole cache,
+    the decoding step); a sliding window at least as wide as every query's visible prefix
+    is plain causal::
+
+        L = 1, S = 4:  causal  k0 k1 k2 k3   = no mask
+                          q0    #  #  #  #
+    """
+    if isinstance(m, _masks.Causal):
+        return None if (m.align == "bottom_right" and L == 1) or (m.align == "top_left" and S == 1) else m
+    if isinstance(m, _masks.SlidingWindow):
+        widest = L + S if m.align == "top_left" else S  # keys a query can see at most
+        if m.size >= widest:
+            return _simplify(_masks.causal(m.align), L, S)
+    return m
 
 
 def _check_weight_heads(return_weights, H: int):

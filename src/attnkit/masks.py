@@ -259,6 +259,9 @@ class Causal(Mask):
     def tile_kinds(self, B, H, L, S, bm, bn):
         return _band_kinds(_offset(self.align, L, S), None, L, S, bm, bn)
 
+    def cache_key(self):
+        return ("causal", self.align)  # a value: every causal mask of one alignment has the same tiles
+
     def __repr__(self):
         return f"causal(align={self.align!r})"
 
@@ -276,6 +279,9 @@ class SlidingWindow(Mask):
 
     def tile_kinds(self, B, H, L, S, bm, bn):
         return _band_kinds(_offset(self.align, L, S), self.size, L, S, bm, bn)
+
+    def cache_key(self):
+        return ("sliding_window", self.size, self.align)
 
     def __repr__(self):
         return f"sliding_window({self.size}, align={self.align!r})"

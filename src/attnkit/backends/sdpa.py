@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import _flash_cpu, eager
 from ._base import Request
-from ._tiles import allowed_tile, has_nan
+from ._tiles import allowed_tile, has_nan, tile_of
 
 __all__ = ["NAME", "unsupported", "choose_worker", "run"]
 
@@ -49,42 +49,92 @@ def _is_causal_only(req: Request) -> bool:
             and (req.causal_align == "top_left" or L == S))
 
 
-def _attn_mask(req: Request):
-    """Dense mask for SDPA: bool (True = attend) or float bias, or None."""
+# Up to this many query rows, a structured mask is handed to SDPA as a dense (L, n) mask built
+# per call over only the keys it can reach (decoding and short chunks: see key_range).
+DECODE_MAX_L = 16
+
+
+def key_range(req: Request) -> tuple[int, int]:
+    """``[j0, j1)``: the keys any query can see, from the mask's closed-form tile kinds
+    (one block of all L rows × 64 keys); the whole ``[0, S)`` without a structured mask.
+
+        sliding_window(4), L = 2, S = 10, bottom-right:   only keys 5..9 are reachable
+            k0 .. k4 k5 k6 k7 k8 k9
+        q0   .     .  #  #  #  #  .
+        q1   .     .  .  #  #  #  #
+    """
     B, H, L, S, *_ = req.shape
-    allowed = None if _is_causal_only(req) else allowed_tile(req, 0, L, 0, S)
+    if req.mask is None or req.plan is not None:
+        return 0, S
+    kinds = req.mask.tile_kinds(B, H, L, S, L, 64)
+    live = (kinds != 0).flatten(0, 2).any(dim=0).nonzero()
+    if live.numel() == 0:
+        return 0, 0
+    return int(live[0]) * 64, min(S, (int(live[-1]) + 1) * 64)
+
+
+def _attn_mask(req: Request, j0: int, j1: int):
+    """Dense mask over keys ``[j0, j1)`` for SDPA: bool (True = attend) or float bias, or None."""
+    B, H, L, S, *_ = req.shape
+    allowed = None if _is_causal_only(req) else allowed_tile(req, 0, L, j0, j1 - j0)
     if req.bias is None:
         return allowed
-    bias = req.bias.to(req.q.dtype)
+    bias = tile_of(req.bias, 0, L, j0, j1 - j0).to(req.q.dtype)
     if allowed is not None:
         bias = bias.masked_fill(~allowed, float("-inf"))
     return bias
 
 
+def _no_empty_rows(req: Request) -> bool:
+    """No mask, or causal alone (the diagonal is always visible): no row is fully masked, so an
+    all-zero output row can only be the kernel hiding a NaN (or V rows that are all zero)."""
+    return not req.has_mask or _is_causal_only(req)
+
+
 def choose_worker(req: Request) -> tuple[str, str]:
     """``fused``: torch's SDPA kernels; ``math``: the same formula in plain ops, for inputs
-    holding NaN (torch's CPU kernel turns a row whose scores hold NaN into zeros)."""
-    if has_nan(req.q, req.k, req.v):
+    holding NaN (torch's CPU kernel turns some rows whose scores hold NaN into zeros).
+
+    Without a mask (or causal alone) no row can be fully masked, so the NaN scan of q, k, v
+    — a memory pass over K/V as long as the decode step itself — is deferred: only when the
+    fused output has an all-zero row are the inputs scanned, and the call recomputed on
+    the math path if they hold NaN. With other masks the inputs are scanned first.
+    """
+    if not _no_empty_rows(req) and has_nan(req.q, req.k, req.v):
         return "math", "NaN in q, k or v: torch's fused CPU kernel would output 0 there, plain ops propagate it"
-    return "fused", "torch.nn.functional.scaled_dot_product_attention" + (
-        " (lse from its CPU flash kernel)" if req.need_lse else "")
+    why = "torch.nn.functional.scaled_dot_product_attention" + (" (lse from its CPU flash kernel)" if req.need_lse else "")
+    if _no_empty_rows(req):
+        why += "; an all-zero output row is re-checked for NaN (then recomputed by plain ops)"
+    return "fused", why
 
 
 def run(req: Request, worker: str | None = None):
-    B, H, L, S, D, Dv, Hkv = req.shape
     if worker is None:
         worker, _ = choose_worker(req)
     if worker == "math":  # the same formula in plain ops (see choose_worker)
         out, lse = eager.run(req)
         return out, (lse if req.need_lse else None)
+    out, lse = _fused(req)
+    # some element exactly 0 (one op, cheap) -> look for an all-zero row -> scan for NaN
+    if (_no_empty_rows(req) and int(torch.count_nonzero(out)) < out.numel()
+            and bool((out == 0).all(dim=-1).any()) and has_nan(req.q, req.k, req.v)):
+        return run(req, "math")  # the kernel hid a NaN (see choose_worker)
+    return out, lse
+
+
+def _fused(req: Request):
+    B, H, L, S, D, Dv, Hkv = req.shape
     is_causal = _is_causal_only(req)
-    attn_mask = _attn_mask(req)
+    j0, j1 = key_range(req) if (L <= DECODE_MAX_L and not is_causal) else (0, S)
+    if j1 <= j0:  # no query sees any key: keep the whole (masked) problem, so gradients stay defined
+        j0, j1 = 0, S
+    attn_mask = _attn_mask(req, j0, j1)
+    k, v = req.k[:, :, j0:j1], req.v[:, :, j0:j1]  # views: only the keys the mask can reach
     if not req.need_lse:
         out = F.scaled_dot_product_attention(
-            req.q, req.k, req.v, attn_mask=attn_mask, dropout_p=req.dropout_p, is_causal=is_causal,
+            req.q, k, v, attn_mask=attn_mask, dropout_p=req.dropout_p, is_causal=is_causal,
             scale=req.scale, enable_gqa=H != Hkv)
         return out, None
-    k, v = req.k, req.v
     if H != Hkv:  # the private kernel has no GQA switch
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
