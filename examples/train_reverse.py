@@ -4,13 +4,16 @@
     python examples/train_reverse.py --out maps.png --seq-len 16
 
 Reversal needs attention (output i copies input L-1-i), so the trained model's
-attention maps show an anti-diagonal. The model and the training loop are
-``attnkit.nn._toy`` (also used by the test suite); this script adds the CLI and the picture.
+attention maps show an anti-diagonal. The model, data and training loop are
+``reverse_task.py`` next to this script (also used by the test suite); this script adds
+the CLI and the picture.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import time
 
 import matplotlib
@@ -19,9 +22,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-# attnkit.nn._toy is the package's example helper (model + training loop), shared with the test
-# suite; the underscore marks it as not public API, not as off-limits to the examples.
-from attnkit.nn._toy import accuracy, reverse_batch, train_reverse  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # reverse_task.py sits next to this script
+from reverse_task import accuracy, reverse_batch, train_reverse  # noqa: E402
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from attnkit._cli import show as show_cli
+from attnkit.viz import _show as show_cli
 from attnkit.cli import main
 from attnkit.viz.png import short_title
 
@@ -92,11 +92,16 @@ def test_reverse_example_png_has_a_colour_bar(tmp_path):
     import importlib.util
     import pathlib
 
+    import sys
+
     import torch
 
-    from attnkit.nn._toy import TinyTransformer
+    examples = pathlib.Path(__file__).resolve().parents[1] / "examples"
+    if str(examples) not in sys.path:
+        sys.path.insert(0, str(examples))  # the toy task is example code (examples/reverse_task.py)
+    from reverse_task import TinyTransformer
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_reverse.py"
+    path = examples / "train_reverse.py"
     spec = importlib.util.spec_from_file_location("train_reverse_example_cb", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

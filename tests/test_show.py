@@ -141,7 +141,7 @@ def _page_data(page):
 
 @needs_model
 def test_left_padding_gives_the_same_table_tokens_and_page_as_right_padding(tmp_path, monkeypatch, no_png):
-    from attnkit._cli import show as show_mod
+    from attnkit.viz import _show as show_mod
     from attnkit.integrations import minilm
     from transformers import AutoTokenizer
 
@@ -195,7 +195,7 @@ def test_html_title_with_slot_markers_pulls_nothing_into_the_heading():
 
 @needs_model
 def test_bundled_model_load_failure_names_its_path(monkeypatch, capsys):
-    from attnkit._cli import show as show_mod
+    from attnkit.viz import _show as show_mod
     from attnkit.integrations import minilm
 
     def broken(path):
@@ -211,7 +211,7 @@ def test_bundled_model_load_failure_names_its_path(monkeypatch, capsys):
 @needs_model
 @pytest.mark.parametrize("n_tokens, noted", [(128, False), (129, True)])
 def test_truncation_note_exactly_past_128_tokens(tmp_path, capsys, no_png, n_tokens, noted):
-    from attnkit._cli import show as show_mod
+    from attnkit.viz import _show as show_mod
 
     tok, _ = show_mod._load_cached(None)
     sentence = "river " * (n_tokens - 2)  # [CLS] + words + [SEP]
@@ -263,7 +263,7 @@ def test_a_genuine_bug_keeps_its_traceback(monkeypatch, capsys, tmp_path):
 
 @needs_model
 def test_words_and_positions_follow_the_attention_mask_with_left_padding():
-    from attnkit._cli import show as show_mod
+    from attnkit.viz import _show as show_mod
     from attnkit.integrations import minilm
     from transformers import AutoTokenizer
 
@@ -275,3 +275,54 @@ def test_words_and_positions_follow_the_attention_mask_with_left_padding():
     assert L == 10 and pos == [6, 7, 8, 9]  # 6 pads on the left
     assert left.convert_ids_to_tokens(enc["input_ids"][0][pos]) == ["[CLS]", "hi", "there", "[SEP]"]
     assert show_mod._words(enc, 0, sents[0], pos) == [("Hi", [1]), ("there", [2])]
+
+
+# ----------------------------------------------------------------------------------------------
+# show() is a library function: it raises library errors; only the CLI turns them into one line
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"sentences": ["   "]}, "sentences"),
+    ({"sentences": "one string"}, "sentences"),
+    ({"top": 0}, "top"),
+    ({"layer": "2"}, "layer"),
+    ({"head": 1.5}, "head"),
+])
+def test_library_show_raises_show_input_error_naming_the_argument(kwargs, param, tmp_path):
+    from attnkit._cli import CLIError
+    from attnkit.viz import ShowInputError, show
+
+    with pytest.raises(ShowInputError) as info:  # checked up front: no model is loaded for these
+        show(**{"out": str(tmp_path), "quiet": True, **kwargs})
+    assert isinstance(info.value, ValueError) and not isinstance(info.value, CLIError)
+    assert info.value.param == param and str(info.value).startswith(f"{param}: ")
+    assert "--" not in str(info.value).split(":", 1)[0]
+
+
+def test_library_show_without_transformers_raises_import_error(monkeypatch, tmp_path):
+    from attnkit.integrations.minilm import ModelUnavailable
+    from attnkit.viz import show
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ModelUnavailable, match=r"pip install 'attnkit\[model\]'") as info:
+        show(out=str(tmp_path), quiet=True)
+    assert isinstance(info.value, ImportError)
+
+
+@needs_model
+def test_library_show_bad_layer_is_a_value_error_and_the_cli_names_the_flag(tmp_path, capsys):
+    from attnkit.viz import ShowInputError, show
+
+    with pytest.raises(ShowInputError, match=r"^layer: expected 0\.\.5") as info:
+        show(layer=6, out=str(tmp_path), quiet=True)
+    assert info.value.param == "layer"
+    rc, out, err = _cli(capsys, "--layer", "6", "--out", str(tmp_path))
+    assert rc == 2 and _one_line_error(err).startswith("attnkit show: error: --layer: expected 0..5")
+
+
+def test_cli_show_module_only_parses_and_prints():
+    from attnkit._cli import show as cli_show
+    import attnkit.viz
+
+    assert cli_show.show is attnkit.viz.show  # one implementation, in the library
+    assert "CLIError" not in open(attnkit.viz._show.__file__, encoding="utf-8").read()

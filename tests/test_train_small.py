@@ -2,12 +2,16 @@
 
 import importlib.util
 import pathlib
+import sys
 import time
 
 import pytest
 import torch
 
-from attnkit.nn._toy import TinyTransformer, accuracy, reverse_batch, train_reverse
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # the toy task is example code (examples/reverse_task.py), not the library
+
+from reverse_task import TinyTransformer, accuracy, reverse_batch, train_reverse  # noqa: E402
 
 
 @pytest.fixture
@@ -45,7 +49,7 @@ def test_tiny_transformer_shapes():
 
 def test_example_sequence_accuracy_is_eval_mode_without_grad():
     pytest.importorskip("matplotlib", reason="saving attention maps needs matplotlib: pip install 'attnkit[viz]'")
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_reverse.py"
+    path = EXAMPLES / "train_reverse.py"
     spec = importlib.util.spec_from_file_location("train_reverse_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

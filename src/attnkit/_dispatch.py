@@ -99,8 +99,16 @@ def _decide_backend(req: Request, backend: str) -> Decision:
         if why is not None:
             raise ValueError(f"backend={backend!r} cannot honour this call: {why}.")
         return Decision(backend, "asked for by name")
+    return auto_backend(req, req.q.device.type)
+
+
+def auto_backend(req: Request, device_type: str) -> Decision:
+    """``auto``'s choice for ``req`` on a device of this type (a parameter so the GPU table
+    can be exercised on a machine without one)."""
     if req.dropout_p > 0:
         return Decision("eager", "dropout_p > 0: only the eager path implements dropout")
+    if device_type == "cuda":
+        return _auto_cuda(req)
     tiled_why = _tiled_unsupported(req)
     sdpa_no = _sdpa_fits(req)
     if sdpa_no is None and get("sdpa").unsupported(req) is None:
@@ -118,6 +126,29 @@ def _decide_backend(req: Request, backend: str) -> Decision:
         reason = f"block-sparse tiled kernel for {sdpa_no}" if sdpa_no else "torch SDPA cannot return what was asked"
         return Decision("tiled", reason)
     return Decision("eager", f"tiled backend unavailable ({tiled_why}); eager math path")
+
+
+def _auto_cuda(req: Request) -> Decision:
+    """On a GPU the best kernels exist already: SDPA (FlashAttention / cuDNN / efficient, as
+    torch chooses) for dense, causal and what it expresses without a dense mask; FlexAttention
+    driven by attnkit's BlockMask for structured masks and score_mods; the tiled plain worker
+    for anything neither honours."""
+    L, S = req.q.shape[2], req.k.shape[2]
+    sdpa_ok = get("sdpa").unsupported(req) is None
+    plain = (req.score_mod is None and req.dense_mask is None and req.bias is None
+             and (req.mask is None or (req.causal and (req.causal_align == "top_left" or L == S))))
+    if plain and sdpa_ok:
+        kind = "causal" if req.causal else "dense"
+        return Decision("sdpa", f"{kind} attention on a GPU: torch SDPA's fused kernels (flash / cuDNN / efficient)")
+    why_flex = get("flex").unsupported(req)
+    if why_flex is None:
+        what = "a score_mod" if req.score_mod is not None else f"mask {req.mask!r}" if req.mask is not None else "a tensor mask"
+        return Decision("flex", f"{what} on a GPU: FlexAttention's kernel with attnkit's BlockMask (no dense mask)")
+    if (req.bias is not None or req.dense_mask is not None) and req.mask is None and req.score_mod is None and sdpa_ok:
+        return Decision("sdpa", f"a tensor mask on a GPU, FlexAttention unavailable ({why_flex}): SDPA applies it")
+    if get("tiled").unsupported(req) is None:
+        return Decision("tiled", f"FlexAttention cannot honour this ({why_flex}): the tiled plain worker runs on any device")
+    return Decision("eager", f"neither FlexAttention ({why_flex}) nor tiled can honour this: eager math path")
 
 
 def _dense_partial_fraction(req: Request) -> float:

@@ -33,7 +33,7 @@ from .backends._base import Request
 
 __all__ = ["Request", "make_request", "BACKENDS"]
 
-BACKENDS = ("auto", "reference", "eager", "sdpa", "tiled")
+BACKENDS = ("auto", "reference", "eager", "sdpa", "tiled", "flex")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

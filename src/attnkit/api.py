@@ -51,7 +51,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
 
             Gradients reach ``sinks``.
         backend: ``"auto"`` (see :func:`dispatch`), ``"reference"``, ``"eager"``,
-            ``"sdpa"`` or ``"tiled"``. A named backend that cannot honour the
+            ``"sdpa"``, ``"tiled"`` or ``"flex"`` (FlexAttention with attnkit's BlockMask;
+            inference only on a CPU). A named backend that cannot honour the
             arguments raises; it never falls back silently.
 
     Returns:

@@ -211,6 +211,21 @@ class RotaryEmbedding(nn.Module):
             raise TypeError(f"interleaved: expected True or False, got {interleaved!r}.")
         self.base = float(base)
         self.interleaved = interleaved
+        # cos/sin of positions 0..n-1, grown on demand (decoding reads one row per step). Keyed
+        # by everything the values depend on (head_dim, base, dtype, device), so a changed
+        # attribute can never read a stale table; each row is computed exactly as rotate would.
+        self._tables: dict = {}
+
+    def _table(self, n: int, dtype, device):
+        key = (self.head_dim, self.base, dtype, str(device))
+        hit = self._tables.get(key)
+        if hit is None or hit[0].shape[0] < n:
+            size = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 256)
+            fdt = torch.float32 if torch.device(device).type == "mps" else torch.float64
+            ang = self._angles(torch.arange(size, dtype=fdt, device=device))
+            hit = (ang.cos().to(dtype), ang.sin().to(dtype))
+            self._tables = {key: hit}
+        return hit
 
     def _angles(self, positions: torch.Tensor) -> torch.Tensor:
         """``positions (...)`` float64 -> angles ``(..., D/2)``."""
@@ -235,8 +250,8 @@ class RotaryEmbedding(nn.Module):
         L = x.shape[-2]
         # float64 angles where the device has it (MPS does not)
         fdt = torch.float32 if x.device.type == "mps" else torch.float64
-        steps = torch.arange(L, dtype=fdt, device=x.device)
         if isinstance(offset, torch.Tensor):
+            steps = torch.arange(L, dtype=fdt, device=x.device)
             if offset.is_floating_point() or offset.dtype == torch.bool or offset.dim() != 1 or x.dim() != 4 \
                     or offset.shape[0] != x.shape[0]:
                 raise ValueError(
@@ -247,10 +262,11 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"offset: expected offsets >= 0, got {offset.tolist()}.")
             pos = offset.to(device=x.device, dtype=fdt).unsqueeze(1) + steps  # (B, L)
             ang = self._angles(pos).unsqueeze(1)  # (B, 1, L, D/2)
+            cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
         else:
-            pos = steps + _check_offset(offset)
-            ang = self._angles(pos)  # (L, D/2)
-        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+            off = _check_offset(offset)
+            cos, sin = self._table(off + L, x.dtype, x.device)
+            cos, sin = cos[off:off + L], sin[off:off + L]  # (L, D/2), the rows rotate would compute
         if self.interleaved:
             a, b = x[..., 0::2], x[..., 1::2]
             return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)

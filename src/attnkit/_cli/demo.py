@@ -48,13 +48,16 @@ def _explain_part():
 
 
 def _model_part(out, model_path):
-    from . import CLIError
-    from .show import show
+    from ..integrations.minilm import ModelUnavailable
+    from ..viz import ShowDependencyError, ShowInputError, show
 
     try:
         res = show(None, out=out, model_path=model_path)
-    except CLIError as e:
+    except (ModelUnavailable, ShowDependencyError) as e:  # no model extra (or no matplotlib): say how to install
         print(f"skipped: {e}")
+        return
+    except ShowInputError as e:  # --model or --out unusable: the tour goes on without this part
+        print(f"skipped: {'--model' if e.param == 'model_path' else '--' + e.param}: {e.message}")
         return
     print(res.table)
     print(f"\nwrote {res.png}\nwrote {res.html}  (offline page: pick layer and head, hover a token)")

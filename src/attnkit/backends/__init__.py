@@ -13,11 +13,11 @@ choices; it never reaches into a backend's internals.
 
 from __future__ import annotations
 
-from . import eager, reference, sdpa, tiled
+from . import eager, flex, reference, sdpa, tiled
 
 __all__ = ["get", "NAMES"]
 
-_BACKENDS = {m.NAME: m for m in (reference, eager, sdpa, tiled)}
+_BACKENDS = {m.NAME: m for m in (reference, eager, sdpa, tiled, flex)}
 NAMES = tuple(_BACKENDS)
 
 

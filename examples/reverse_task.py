@@ -8,7 +8,10 @@ so a trained model shows the anti-diagonal in its attention maps::
                                                             i=1   . . . # .
                                                             i=2   . . # . .
 
-Used by ``examples/train_reverse.py`` and by the test that checks the blocks learn.
+An example application of :mod:`attnkit.nn`, not part of the library: the model, the
+data and the training loop. Used by ``examples/train_reverse.py`` (the script: CLI and
+picture) and by ``tests/test_train_small.py`` (the check that the blocks learn), which
+put ``examples/`` on ``sys.path``. Needs only attnkit and torch.
 Shape legend: B batch, L sequence length, E embed dim, H heads, V vocabulary size.
 """
 
@@ -23,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..positional import LearnedPositionalEmbedding
-from ._block import TransformerBlock
+from attnkit.nn import TransformerBlock
+from attnkit.positional import LearnedPositionalEmbedding
 
 __all__ = ["reverse_batch", "TinyTransformer", "TrainResult", "accuracy", "train_reverse"]
 

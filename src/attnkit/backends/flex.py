@@ -1,0 +1,136 @@
+"""``backend="flex"``: FlexAttention's kernels driven by attnkit's block plan.
+
+``torch.nn.attention.flex_attention`` generates a fused kernel (Triton on a GPU, C++ on
+the CPU) from a ``mask_mod`` / ``score_mod`` and skips the tiles a ``BlockMask`` marks
+empty. attnkit hands it:
+
+* the ``BlockMask`` built from its own plan (``attnkit.plan(...).to_block_mask()``,
+  128 × 128 tiles): closed form for built-in masks, no per-point evaluation — the part
+  ``create_block_mask`` spends its time on (and at long context its memory: it holds the
+  whole L × S mask);
+* the ``score_mod`` as given (attnkit's mods have FlexAttention's signature);
+* a float mask as a ``score_mod`` that adds it, a bool tensor mask as a ``mask_mod`` that reads it.
+
+The compiled function is built once per process (``torch.compile(flex_attention,
+dynamic=False)``: a specialisation per shape is what the CPU code generator handles reliably); torch's own compile cache then holds one specialisation per mod and
+shape signature. Block masks of cacheable masks (built-in ones, pure mask_mods) are
+cached per (mask key, sizes, device). torch keeps at most
+``torch._dynamo.config.recompile_limit`` specialisations of one function; past that it
+runs FlexAttention's unfused implementation (exact, slower, and torch warns).
+
+Limits (``unsupported`` says which applies): no dropout; on the CPU FlexAttention
+compiles for **inference only** and returns no lse, so a call that needs a gradient or
+lse (``return_lse``, ``return_weights``, ``sinks``) raises when named, and ``auto`` never
+picks flex on a CPU. Fully masked rows give 0 (FlexAttention's rule, the same as attnkit's).
+
+Shape legend: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) → (B, H, L, Dv);
+GQA through FlexAttention's ``enable_gqa`` (no copy of K/V).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .. import masks as _masks
+from .. import plans as _plans
+from ._base import Request
+
+__all__ = ["NAME", "unsupported", "choose_worker", "run", "BLOCK"]
+
+NAME = "flex"
+BLOCK = 128  # FlexAttention's default tile
+
+_compiled: dict = {}  # "fn": the compiled flex_attention (one per process)
+_BLOCK_MASKS: OrderedDict = OrderedDict()  # (mask key, B, H, L, S, device) -> BlockMask
+_BLOCK_MASKS_MAX = 64
+
+
+def _flex_attention():
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:  # pragma: no cover - torch without FlexAttention
+        return None
+    return flex_attention
+
+
+def unsupported(req: Request) -> str | None:
+    if _flex_attention() is None:
+        return "this torch has no torch.nn.attention.flex_attention (torch >= 2.5 needed)"
+    if req.dropout_p > 0:
+        return "FlexAttention has no dropout (use backend='eager')"
+    if req.q.device.type == "cpu":
+        if req.requires_grad():
+            return ("FlexAttention compiles for inference only on the CPU; a gradient is wanted here "
+                    "(use backend='tiled' or 'auto', which train on the CPU)")
+        if req.need_lse:
+            return ("FlexAttention's compiled CPU kernel returns no lse (needed for return_lse, return_weights "
+                    "or sinks); use backend='tiled' or 'auto'")
+    if req.grad_tensors or req.grad_hidden:
+        return "gradients into tensors a score_mod captures are not wired through FlexAttention here (use 'tiled')"
+    if req.bias is not None and req.bias.requires_grad:
+        return "gradients into a float mask are not wired through FlexAttention here (use 'tiled' or 'sdpa')"
+    return None
+
+
+def choose_worker(req: Request) -> tuple[str, str]:
+    return "compiled", ("torch.compile(flex_attention) with attnkit's BlockMask"
+                        + (" (CPU: inference only)" if req.q.device.type == "cpu" else ""))
+
+
+def _compiled_flex():
+    fn = _compiled.get("fn")
+    if fn is None:
+        fn = _compiled["fn"] = torch.compile(_flex_attention(), dynamic=False)
+    return fn
+
+
+def _block_mask(req: Request):
+    """FlexAttention BlockMask for the request's structured mask and user bool tensor, or None."""
+    B, H, L, S, *_ = req.shape
+    mask = req.mask
+    if req.dense_mask is not None:
+        dense = req.dense_mask.expand(B, H, L, S)  # a view: read per point by the mask_mod
+        tensor_mask = _masks.from_mod(lambda b, h, q, kv: dense[b, h, q, kv])
+        mask = tensor_mask if mask is None else (mask & tensor_mask)
+    if mask is None:
+        return None
+    device = req.q.device
+    if req.plan is not None and req.plan.block == (BLOCK, BLOCK) and req.dense_mask is None and req.plan_extra is None:
+        return req.plan.to_block_mask().to(device)
+    key = mask.cache_key()
+    full_key = None if key is None else (key, B, H, L, S, str(device))
+    if full_key is not None and full_key in _BLOCK_MASKS:
+        _BLOCK_MASKS.move_to_end(full_key)
+        return _BLOCK_MASKS[full_key]
+    bsz = mask.batch_size or (B if req.dense_mask is not None and req.dense_mask.shape[0] != 1 else None)
+    heads = H if req.dense_mask is not None and req.dense_mask.shape[1] != 1 else None
+    bm = _plans.plan(mask, L, S, B=bsz, H=heads, block=(BLOCK, BLOCK)).to_block_mask().to(device)
+    if full_key is not None:
+        _BLOCK_MASKS[full_key] = bm
+        if len(_BLOCK_MASKS) > _BLOCK_MASKS_MAX:
+            _BLOCK_MASKS.popitem(last=False)
+    return bm
+
+
+def _score_mod(req: Request):
+    """The user's score_mod, then the float mask added (attnkit's order), as one score_mod."""
+    mod, bias = req.score_mod, req.bias
+    if bias is None:
+        return mod
+    B, H, L, S, *_ = req.shape
+    b4 = bias.expand(B, H, L, S)  # a view, read per point
+    if mod is None:
+        return lambda s, b, h, q, kv: s + b4[b, h, q, kv].to(s.dtype)
+    return lambda s, b, h, q, kv: mod(s, b, h, q, kv) + b4[b, h, q, kv].to(s.dtype)
+
+
+def run(req: Request, worker: str | None = None):
+    B, H, L, S, D, Dv, Hkv = req.shape
+    fn = _compiled_flex()
+    kw = dict(score_mod=_score_mod(req), block_mask=_block_mask(req), scale=req.scale, enable_gqa=H != Hkv)
+    if req.need_lse:  # GPU only (see unsupported)
+        out, lse = fn(req.q, req.k, req.v, return_lse=True, **kw)
+        return out, lse
+    return fn(req.q, req.k, req.v, **kw), None

@@ -1,0 +1,100 @@
+"""backend="flex": FlexAttention's compiled kernel driven by attnkit's BlockMask (CPU: inference
+only), against the float64 reference; auto's GPU table, simulated on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import _dispatch, _request
+from attnkit import masks as M
+from attnkit import score_mods as SM
+
+from conftest import assert_close, budget, golden, rand_qkv
+
+L, S = 200, 260  # awkward: neither divides the 128 tile
+IDS = torch.arange(S) // 70
+
+
+def _doc_mod(b, h, q, kv):
+    return (q - kv).abs() <= 40
+
+
+CASES = {  # one compiled specialisation each (about 5 s apiece on 2 cores): keep the list short
+    "none": dict(),
+    "causal (bottom-right, L != S)": dict(causal=True),
+    "sliding window": dict(mask=M.sliding_window(50)),
+    "document": dict(mask=M.document(IDS)),
+    "prefix-LM": dict(mask=M.prefix_lm(30)),
+    "padding": dict(mask=M.padding([260, 90])),
+    "window & document": dict(mask=M.sliding_window(100) & M.document(IDS)),
+    "from_mod": dict(mask=_doc_mod),
+    "alibi causal": dict(causal=True, score_mod=SM.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625]))),
+    "softcap window": dict(mask=M.sliding_window(64), score_mod=SM.softcap(5.0)),
+    "bool tensor": dict(mask=torch.rand(2, 1, L, S) > 0.3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_flex_forward_matches_float64(name):
+    q, k, v = rand_qkv(2, 4, 2, L, S, 32, scale=2.0)
+    kw = CASES[name]
+    ref, _ = golden(q, k, v, **kw)
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v, backend="flex", **kw)
+    assert_close(out, ref, budget(torch.float32, 32, S) * 4, name)
+
+
+def test_flex_refuses_what_it_cannot_do_on_cpu():
+    q, k, v = rand_qkv(1, 2, 2, 64, 64, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="inference only"):
+        attnkit.attention(q, k, v, causal=True, backend="flex")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="no lse"):
+            attnkit.attention(q, k, v, causal=True, return_lse=True, backend="flex")
+        with pytest.raises(ValueError, match="no dropout"):
+            attnkit.attention(q, k, v, dropout_p=0.1, backend="flex")
+        assert attnkit.dispatch(q, k, v, mask=M.sliding_window(8)).backend != "flex"  # auto never picks it on CPU
+
+
+def _req(**kw):
+    q, k, v = rand_qkv(1, 4, 2, 256, 256, 16)
+    full = dict(mask=None, causal=False, scale=None, score_mod=None, dropout_p=0.0, return_lse=False, backend="auto")
+    full.update(kw)
+    with torch.no_grad():
+        return _request.make_request(q, k, v, **full)
+
+
+@pytest.mark.parametrize("kw,backend", [
+    (dict(), "sdpa"),
+    (dict(causal=True), "sdpa"),
+    (dict(mask=M.sliding_window(64)), "flex"),
+    (dict(mask=M.document(torch.arange(256) // 64)), "flex"),
+    (dict(causal=True, score_mod=SM.softcap(20.0)), "flex"),
+    (dict(mask=torch.randn(1, 1, 256, 256)), "flex"),
+    (dict(dropout_p=0.1), "eager"),
+])
+def test_auto_decision_table_on_cuda_simulated(kw, backend):
+    d = _dispatch.auto_backend(_req(**kw), "cuda")
+    assert d.backend == backend, d
+    assert d.reason
+
+
+def test_auto_on_cuda_falls_back_when_flex_cannot():
+    # a score_mod reading a tensor hidden where attnkit cannot see it: flex cannot wire its gradient
+    holder = type("H", (), {})()
+    holder.w = torch.ones(1, requires_grad=True)
+    box = [holder]
+    q, k, v = rand_qkv(1, 2, 2, 64, 64, 8)
+    req = _request.make_request(q, k, v, mask=M.sliding_window(8), causal=False, scale=None,
+                                score_mod=lambda s, b, h, i, j: s * box[0].w, dropout_p=0.0, return_lse=False,
+                                backend="auto")
+    d = _dispatch.auto_backend(req, "cuda")
+    assert d.backend == "eager" and "neither FlexAttention" in d.reason  # tiled cannot either: eager
+    req2 = _request.make_request(q, k, v, mask=M.sliding_window(8), causal=False, scale=None,
+                                 score_mod=SM.alibi(torch.ones(2, requires_grad=True)), dropout_p=0.0,
+                                 return_lse=False, backend="auto")
+    d2 = _dispatch.auto_backend(req2, "cuda")  # learnable slopes: tiled differentiates them, flex is not wired
+    assert d2.backend == "tiled" and "FlexAttention cannot" in d2.reason
