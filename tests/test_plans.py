@@ -137,3 +137,18 @@ def test_builtin_plan_never_evaluates_the_mask(monkeypatch):
 def test_plan_bad_arguments(bad):
     with pytest.raises(ValueError):
         attnkit.plan(M.causal(), 64, **bad)
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+@pytest.mark.parametrize("L,S_", [(1, 700), (3, 700), (16, 700), (640, 700)])
+def test_key_span_covers_every_visible_key(name, L, S_):
+    """The decode path hands SDPA only keys [j0, j1): every key some query sees must be inside."""
+    mask = _cases()[name]
+    if isinstance(mask, M.Document) or "document" in name:
+        S_ = S  # the ids fix S
+    Bm = mask.batch_size or 1
+    d = mask.materialize(Bm, H, L, S_).flatten(0, 2).any(0)
+    j0, j1 = mask.key_span(Bm, H, L, S_)
+    nz = d.nonzero()
+    if nz.numel():
+        assert j0 <= int(nz[0]) and int(nz[-1]) < j1, (name, j0, j1, int(nz[0]), int(nz[-1]))

@@ -101,6 +101,15 @@ class Mask:
         ``BlockMask``). Built-in masks' ``bind`` already is one."""
         return self.bind(L, S)
 
+    def key_span(self, B: int, H: int, L: int, S: int) -> tuple[int, int]:
+        """``[j0, j1)`` containing every key some query can see (conservative). Built-in masks
+        answer in closed form; this default reads it off the tile kinds of 64-key blocks."""
+        kinds = self.tile_kinds(B, H, L, S, L, 64)
+        live = (kinds != EMPTY).flatten(0, 2).any(dim=0).nonzero()
+        if live.numel() == 0:
+            return 0, 0
+        return int(live[0]) * 64, min(S, (int(live[-1]) + 1) * 64)
+
     def tile_kinds(self, B: int, H: int, L: int, S: int, bm: int, bn: int) -> torch.Tensor:
         """int8 kinds ``(Bp, Hp, ceil(L/bm), ceil(S/bn))`` of EMPTY / PARTIAL / FULL tiles
         (see :mod:`attnkit._tiling`). Built-in masks answer in closed form from the tile
@@ -262,6 +271,9 @@ class Causal(Mask):
     def cache_key(self):
         return ("causal", self.align)  # a value: every causal mask of one alignment has the same tiles
 
+    def key_span(self, B, H, L, S):
+        return 0, max(0, min(S, L - 1 + _offset(self.align, L, S) + 1))
+
     def __repr__(self):
         return f"causal(align={self.align!r})"
 
@@ -282,6 +294,10 @@ class SlidingWindow(Mask):
 
     def cache_key(self):
         return ("sliding_window", self.size, self.align)
+
+    def key_span(self, B, H, L, S):
+        off = _offset(self.align, L, S)  # query i sees keys off + i - size < j <= off + i
+        return max(0, off - self.size + 1), max(0, min(S, L - 1 + off + 1))
 
     def __repr__(self):
         return f"sliding_window({self.size}, align={self.align!r})"
@@ -333,6 +349,9 @@ class Padding(Mask):
     def _natural_size(self):
         S = max(8, int(self.key_lengths.max()) if self.key_lengths.numel() else 0)
         return (S, S)
+
+    def key_span(self, B, H, L, S):
+        return 0, min(S, int(self.key_lengths.max()) if self.key_lengths.numel() else 0)
 
     def __repr__(self):
         return f"padding({self.key_lengths.tolist()})"

@@ -66,11 +66,7 @@ def key_range(req: Request) -> tuple[int, int]:
     B, H, L, S, *_ = req.shape
     if req.mask is None or req.plan is not None:
         return 0, S
-    kinds = req.mask.tile_kinds(B, H, L, S, L, 64)
-    live = (kinds != 0).flatten(0, 2).any(dim=0).nonzero()
-    if live.numel() == 0:
-        return 0, 0
-    return int(live[0]) * 64, min(S, (int(live[-1]) + 1) * 64)
+    return req.mask.key_span(B, H, L, S)
 
 
 def _attn_mask(req: Request, j0: int, j1: int):
@@ -86,9 +82,12 @@ def _attn_mask(req: Request, j0: int, j1: int):
 
 
 def _no_empty_rows(req: Request) -> bool:
-    """No mask, or causal alone (the diagonal is always visible): no row is fully masked, so an
-    all-zero output row can only be the kernel hiding a NaN (or V rows that are all zero)."""
-    return not req.has_mask or _is_causal_only(req)
+    """Whether a NaN the kernel hides can be told apart after the call: no mask, or causal alone
+    (the diagonal is always visible: no row is fully masked), or a decode-sized bool mask whose
+    fully masked rows are read off the small (L × n) mask itself. Then an all-zero output row
+    outside those is the kernel hiding a NaN (or V rows that are all zero: a rescan says which)."""
+    return (not req.has_mask or _is_causal_only(req)
+            or (req.q.shape[2] <= DECODE_MAX_L and req.bias is None and not req.need_lse))
 
 
 def choose_worker(req: Request) -> tuple[str, str]:
@@ -114,11 +113,14 @@ def run(req: Request, worker: str | None = None):
     if worker == "math":  # the same formula in plain ops (see choose_worker)
         out, lse = eager.run(req)
         return out, (lse if req.need_lse else None)
-    out, lse = _fused(req)
-    # some element exactly 0 (one op, cheap) -> look for an all-zero row -> scan for NaN
-    if (_no_empty_rows(req) and int(torch.count_nonzero(out)) < out.numel()
-            and bool((out == 0).all(dim=-1).any()) and has_nan(req.q, req.k, req.v)):
-        return run(req, "math")  # the kernel hid a NaN (see choose_worker)
+    out, lse, allowed = _fused(req)
+    # some element exactly 0 (one op, cheap) -> an all-zero row the mask does not empty -> NaN scan
+    if _no_empty_rows(req) and int(torch.count_nonzero(out)) < out.numel():
+        zero_rows = (out == 0).all(dim=-1)  # (B, H, L)
+        if allowed is not None:
+            zero_rows = zero_rows & allowed.any(dim=-1).expand_as(zero_rows)
+        if bool(zero_rows.any()) and has_nan(req.q, req.k, req.v):
+            return run(req, "math")  # the kernel hid a NaN (see choose_worker)
     return out, lse
 
 
@@ -134,7 +136,7 @@ def _fused(req: Request):
         out = F.scaled_dot_product_attention(
             req.q, k, v, attn_mask=attn_mask, dropout_p=req.dropout_p, is_causal=is_causal,
             scale=req.scale, enable_gqa=H != Hkv)
-        return out, None
+        return out, None, (attn_mask if attn_mask is not None and attn_mask.dtype == torch.bool else None)
     if H != Hkv:  # the private kernel has no GQA switch
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
@@ -142,4 +144,4 @@ def _fused(req: Request):
         attn_mask = torch.zeros(attn_mask.shape, dtype=req.q.dtype).masked_fill(~attn_mask, float("-inf"))
     # is_causal is the kernel's top-left causal: _is_causal_only allows it only then (or L == S)
     out, lse = _flash_cpu.forward(req.q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=req.scale)
-    return out, lse
+    return out, lse, None
