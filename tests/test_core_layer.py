@@ -225,3 +225,12 @@ def test_nn_and_integrations_use_only_public_names():
                 private = [x for x in parts[1:] if x.startswith("_") and x != "__init__"]
                 own = parts[1] == sub
                 assert own or not private, f"{p.name} imports private {d}"
+
+
+def test_the_private_torch_op_is_named_in_one_module_only():
+    for p in SRC.rglob("*.py"):
+        if p.name == "_flash_cpu.py":
+            continue
+        text = p.read_text()
+        assert "_scaled_dot_product_flash_attention_for_cpu" not in text, p
+        assert "_flash_cpu._ops" not in text, p

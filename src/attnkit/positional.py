@@ -233,11 +233,12 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.base ** (-two_i / self.head_dim)  # θ_i, (D/2,)
         return positions.unsqueeze(-1) * inv_freq
 
-    def rotate(self, x: torch.Tensor, offset=0) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, offset=0, *, positions=None) -> torch.Tensor:
         """Rotate ``x (..., L, D)`` as if its rows sat at positions ``offset + 0 .. offset + L - 1``.
 
         ``offset`` is an int, or an integer tensor ``(B,)`` (one start per batch row,
-        for left-padded batches) when ``x`` is ``(B, H, L, D)``.
+        for left-padded batches) when ``x`` is ``(B, H, L, D)``. ``positions``: an integer
+        tensor ``(L,)`` of arbitrary positions instead (a context-parallel shard's rows).
         """
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x: expected a floating torch.Tensor (B, H, L, D), got {type(x).__name__}"
@@ -250,7 +251,15 @@ class RotaryEmbedding(nn.Module):
         L = x.shape[-2]
         # float64 angles where the device has it (MPS does not)
         fdt = torch.float32 if x.device.type == "mps" else torch.float64
-        if isinstance(offset, torch.Tensor):
+        if positions is not None:
+            if (not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dim() != 1
+                    or positions.shape[0] != L or offset != 0):
+                raise ValueError(f"positions: expected an integer tensor of shape (L,) = ({L},) and no offset, got "
+                                 f"{getattr(positions, 'dtype', type(positions).__name__)} "
+                                 f"{tuple(getattr(positions, 'shape', ()))}.")
+            ang = self._angles(positions.to(device=x.device, dtype=fdt))  # (L, D/2)
+            cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        elif isinstance(offset, torch.Tensor):
             steps = torch.arange(L, dtype=fdt, device=x.device)
             if offset.is_floating_point() or offset.dtype == torch.bool or offset.dim() != 1 or x.dim() != 4 \
                     or offset.shape[0] != x.shape[0]:

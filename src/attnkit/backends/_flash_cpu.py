@@ -110,13 +110,13 @@ def forward(q, k, v, *, attn_mask=None, is_causal: bool = False, scale: float, d
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, *, attn_mask=None, scale: float):
+def backward(dout, q, k, v, out, lse, *, attn_mask=None, is_causal: bool = False, scale: float):
     """``(dq, dk, dv)`` given the *global* ``out`` and ``lse`` of the rows (FA2's decomposition).
 
     A row with lse = -inf must be passed with lse = +inf so the kernel's p = exp(s - lse) is 0.
     """
     _, bwd = _ops()
-    return bwd(fit(dout), fit(q), fit(k), fit(v), fit(out), fit(lse), 0.0, False,
+    return bwd(fit(dout), fit(q), fit(k), fit(v), fit(out), fit(lse), 0.0, is_causal,
                attn_mask=fit(attn_mask), scale=scale)
 
 

@@ -60,16 +60,19 @@ class TransformerBlock(nn.Module):
         return self.attn.new_cache(batch_size, max_length)
 
     def forward(self, x: torch.Tensor, *, mask=None, causal: bool | None = None, need_weights: bool = False,
-                kv_cache: KVCache | None = None):
+                kv_cache: KVCache | None = None, context_parallel=None):
         """``x (B, L, E)`` → ``(B, L, E)``, or ``(out, weights (B, H, L, S))`` with ``need_weights``.
 
         ``causal=None`` uses the block's default (see the class docstring); ``mask`` and
         ``kv_cache`` go to the attention unchanged (``causal=None`` there means causal
         exactly when a cache is given, and ``causal=False`` with a cache raises; see
         :meth:`MultiHeadAttention.forward`). Each block needs its own cache (:meth:`new_cache`).
+        ``context_parallel``: an :class:`attnkit.distributed.ContextParallel`; ``x`` is then this
+        rank's rows ``(B, L_r, E)`` (``cp.shard(x, dim=1)``) and the attention runs across ranks.
         """
         causal = self.causal if causal is None else causal
-        a = self.attn(self.norm1(x), mask=mask, causal=causal, need_weights=need_weights, kv_cache=kv_cache)
+        a = self.attn(self.norm1(x), mask=mask, causal=causal, need_weights=need_weights, kv_cache=kv_cache,
+                      context_parallel=context_parallel)
         a, weights = a if need_weights else (a, None)
         x = x + self.drop(a)
         x = x + self.drop(self.mlp(self.norm2(x)))

@@ -161,7 +161,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                 *, mask=None, causal: bool | None = None, need_weights: bool = False,
-                kv_cache: KVCache | None = None):
+                kv_cache: KVCache | None = None, context_parallel=None):
         r"""Attend from ``query (B, L, E)`` to ``key (B, S, kdim)`` / ``value (B, S, vdim)``
         (self-attention when both are None, or both are ``query`` itself as in ``m(x, x, x)``).
 
@@ -204,9 +204,17 @@ class MultiHeadAttention(nn.Module):
                                               n0   #  #  #  #  .
                                               n1   #  #  #  #  #
 
+            context_parallel: an :class:`attnkit.distributed.ContextParallel` (one sequence split
+                across processes): ``query`` is this rank's rows ``(B, L_r, E)`` (``cp.shard(x, dim=1)``),
+                self-attention only; RoPE and ALiBi use the layout's global positions, the mask is the
+                one ``cp`` was built with (plus ``causal``). No ``kv_cache``, ``need_weights`` or dropout.
+
         Returns:
             ``output (B, L, E)``, or ``(output, weights (B, H, L, S))`` with ``need_weights=True``.
         """
+        if context_parallel is not None:
+            return self._context_parallel(query, key, value, context_parallel, mask=mask, causal=causal,
+                                          need_weights=need_weights, kv_cache=kv_cache)
         if key is None and value is not None:
             raise TypeError("key: got value but no key. Pass key= as well (value defaults to key, not the reverse).")
         if not self.batch_first:  # (L, B, E) in and out, as torch's default layout
@@ -304,6 +312,33 @@ class MultiHeadAttention(nn.Module):
             raise
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, L, E)
         return (out, weights) if need_weights else out
+
+    def _context_parallel(self, x, key, value, cp, *, mask, causal, need_weights, kv_cache):
+        """Self-attention over a sequence sharded by ``cp`` (duck-typed: ``positions``,
+        ``attention``), so ``attnkit.nn`` never imports ``attnkit.distributed``."""
+        if not (key is None or key is x) or not (value is None or value is x):
+            raise ValueError("context_parallel: self-attention only (key/value None or the query itself).")
+        for name, bad in (("kv_cache", kv_cache is not None), ("need_weights", need_weights),
+                          ("mask", mask is not None)):
+            if bad:
+                raise ValueError(f"context_parallel: {name} is not supported with a context-parallel call "
+                                 "(the mask is fixed when the ContextParallel is built).")
+        if self.training and self.dropout:
+            raise ValueError("context_parallel: attention dropout is not supported; use dropout=0 or eval mode.")
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        B, n = self._check_input("query", x, self.embed_dim, self.q_proj.weight)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(B, n, H, D).transpose(1, 2)  # (B, H, L_r, D)
+        k = self.k_proj(x).reshape(B, n, Hkv, D).transpose(1, 2)  # (B, Hkv, L_r, D)
+        v = self.v_proj(x).reshape(B, n, Hkv, D).transpose(1, 2)
+        if self.rotary is not None:  # rows sit at the layout's global positions
+            q = self.rotary.rotate(q, positions=cp.positions)
+            k = self.rotary.rotate(k, positions=cp.positions)
+        score_mod = _score_mods.alibi(self.alibi_slopes) if self.positional == "alibi" else None
+        out = cp.attention(q, k, v, causal=bool(causal), score_mod=score_mod)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, n, self.embed_dim))  # (B, L_r, E)
+        return out if self.batch_first else out.transpose(0, 1)
 
     @staticmethod
     def _check_input(name: str, x, features: int, ref: torch.Tensor):

@@ -1,0 +1,80 @@
+"""Per-rank peak memory of context parallelism vs one process (measured, not argued).
+
+    python benchmarks/context_parallel_rss.py [--L 131072] [--W 4] [--window 4096]
+
+Forward + backward of self-attention with a sliding window over one sequence of length L
+(B = 1, H = Hkv = 2, D = 64, fp32): once in a single process (``attnkit.attention``, the
+tiled backend), once split over W gloo processes on 127.0.0.1 (``attnkit.distributed``,
+contiguous layout, plan-aware p2p). Each process reports its peak RSS (``ru_maxrss``) and
+the time of the call; the table compares them. Every process starts fresh, so the peaks are
+its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+_CHILD = r'''
+import json, os, resource, sys, time, torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+import attnkit, attnkit.distributed as akd
+from attnkit import masks
+L, W, window, rank = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+if W == 1:
+    q, k, v = (torch.randn(1, 2, L, 64, requires_grad=True) for _ in range(3))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    attnkit.attention(q, k, v, mask=masks.sliding_window(window)).sum().backward()
+else:
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[5], rank=rank, world_size=W)
+    cp = akd.ContextParallel(seq_len=L, mask=masks.sliding_window(window), layout="contiguous")
+    n = len(cp.positions)  # each rank holds only its own rows, as it would in a real model
+    q, k, v = (torch.randn(1, 2, n, 64, requires_grad=True) for _ in range(3))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    cp.attention(q, k, v).sum().backward()
+    sent = cp.stats.bytes_sent
+t = time.perf_counter() - t0
+print(json.dumps({"rank": rank, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "inputs_mib": base / 1024, "seconds": t,
+                  "sent_mib": (sent / 2**20) if W > 1 else 0.0}), flush=True)
+if W > 1:
+    dist.destroy_process_group()
+'''
+
+
+def _run(L, W, window, port):
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(L), str(W), str(window), str(r), str(port)],
+                              stdout=subprocess.PIPE, text=True) for r in range(W)]
+    return [json.loads(p.communicate(timeout=1800)[0].strip().splitlines()[-1]) for p in procs]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--L", type=int, default=131072)
+    ap.add_argument("--W", type=int, default=4)
+    ap.add_argument("--window", type=int, default=4096)
+    ap.add_argument("--port", type=int, default=29533)
+    a = ap.parse_args(argv)
+    one = _run(a.L, 1, a.window, a.port)[0]
+    many = _run(a.L, a.W, a.window, a.port)
+    print(f"L={a.L}, window {a.window}, B=1, H=Hkv=2, D=64, fp32, fwd+bwd, 1 torch thread per process\n")
+    print("| run | rank | peak RSS MiB | RSS before the call (torch + inputs) MiB | K/V sent MiB | seconds |")
+    print("|---|---|---|---|---|---|")
+    print(f"| one process | - | {one['peak_mib']:.0f} | {one['inputs_mib']:.0f} | - | {one['seconds']:.1f} |")
+    for r in many:
+        print(f"| W={a.W} | {r['rank']} | {r['peak_mib']:.0f} | {r['inputs_mib']:.0f} | {r['sent_mib']:.1f} | "
+              f"{r['seconds']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

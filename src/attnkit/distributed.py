@@ -1,0 +1,1183 @@
+r"""Context parallelism: one exact attention over a sequence sharded across processes.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, L = S = ``seq_len`` (self-attention),
+D head dim, Dv value head dim, W world size (ranks of the group), L_r rows owned by rank r::
+
+    q (B, H, L_r, D)   k (B, Hkv, L_r, D)   v (B, Hkv, L_r, Dv)   →   out (B, H, L_r, Dv),  lse (B, H, L_r)
+
+Usage (``torchrun --nproc-per-node 4 train.py``)::
+
+    import torch.distributed as dist, attnkit.distributed as akd
+    from attnkit import masks
+    dist.init_process_group("gloo")
+    cp = akd.ContextParallel(seq_len=L, mask=masks.sliding_window(4096), layout="balanced")
+    q, k, v = cp.shard(q), cp.shard(k), cp.shard(v)   # this rank's rows (dim 2)
+    out = cp.attention(q, k, v)                       # autograd works; return_lse=True for lse
+    full = cp.gather(out)                             # every rank gets (B, H, L, Dv) in global order
+    cp.stats                                          # this rank, last forward: bytes, pairs, tiles
+
+**Layouts.** The sequence is cut into *units* of ``block`` positions (the last may be shorter);
+a layout gives each rank a sorted set of units, the same for q and k/v. W = 2, L = 16, block = 2
+(8 units, ``0``/``1`` = owning rank)::
+
+    contiguous   0 0 0 0 1 1 1 1      rank 0 owns positions 0-7, rank 1 owns 8-15
+    zigzag       0 0 1 1 1 1 0 0      2W chunks: rank r holds chunks r and 2W-1-r
+    balanced     from the plan's per-unit cost (non-empty tiles × their size, partial = ½):
+                 candidates are contiguous cuts by prefix sums, zigzag, greedy with equal rows
+                 and free greedy (largest unit first to the least loaded rank); of those within
+                 3% of even work, the one whose busiest rank sends least (else the most even).
+                 Causal gets a zigzag-like mirror; a window contiguous cuts (neighbours only).
+
+**Which pairs are exchanged.** The mask's :class:`attnkit.plans.BlockPlan` at ``block`` tiles
+says, for each (query rank r, key rank s), whether r's queries see at least one of s's keys.
+Only those pairs are sent and computed. Sliding window under a contiguous layout, W = 4
+(``#`` computed, ``.`` neither sent nor computed; the diagonal never travels)::
+
+               keys of rank  0 1 2 3
+    queries of rank 0        # . . .
+                    1        # # . .        rank 1 receives K/V from rank 0 only,
+                    2        . # # .        rank 2 from rank 1 only, ...
+                    3        . . # #
+
+Each pair's partial result (out, lse) comes from :func:`attnkit.attention` on the local rows,
+with the mask and score_mod evaluated at the **global** positions of those rows; the partial
+results of rank r are merged with :func:`attnkit.backends._softmax.merge` in fp32 (fp64 for fp64
+inputs) in ascending key-rank order (deterministic; independent of W up to rounding), and cast
+once at the end.
+
+**Blocks.** Within a pair, each (query run, key run) of consecutive units is one block
+(:meth:`Schedule.blocks`): a block whose tiles are all full gets no mask, a run against itself
+under a causal mask is plain ``causal=True`` (the fused kernels), the rest evaluates the global
+mask at the block's positions. Zigzag under causal has no masked block at all::
+
+    zigzag W = 2, chunks c0..c3; rank 0 owns c0 c3, rank 1 owns c1 c2 (one run)
+    pair (0, 0):  c0×c0 causal   c3×c0 full   c3×c3 causal      (c0×c3: empty, skipped)
+    pair (0, 1):  c3×(c1 c2) full                               (c0×(c1 c2): empty)
+    pair (1, 0):  (c1 c2)×c0 full                               ((c1 c2)×c3: empty)
+    pair (1, 1):  (c1 c2)×(c1 c2) causal
+
+**Backward** (an autograd.Function), block by block with the rows' *global* out and lse
+(FlashAttention-2's decomposition, ``p = exp(s − lse)``, ``D = rowsum(dout·out)``): full and
+causal blocks run torch's fused CPU flash backward directly (no score_mod, D == Dv, fp32/fp64, lse
+unused); other blocks are recomputed with autograd and weighted by ``w = exp(lse_block − lse)``.
+dq stays local; the dK/dV partials (fp32) go back to the rank that owns those keys, which sums
+them in ascending rank order. Only the pairs that were computed travel.
+
+**Modes.** ``comm="p2p"`` (default): point-to-point isend/irecv of exactly the needed K/V
+shards (K and V packed in one message, the real Hkv heads only; gloo has no all_to_all); the
+local pair is computed while the messages travel. ``comm="allgather"``: every rank all-gathers
+all K/V (shards padded to the longest) and all-reduces dK/dV; for short sequences; the compute
+still skips invisible pairs. ``comm="heads"`` (Ulysses): an all-to-all over heads (p2p) gives
+rank p the whole sequence for query heads ``[p·H/W, (p+1)·H/W)`` (and the kv heads they read),
+one :func:`attnkit.attention` runs there, and the output goes back by rows; needs
+``H % W == 0``; every rank computes every non-empty tile of its heads::
+
+    before (rows)        after (heads)             W = 2, H = 4
+    rank 0: rows 0-7     rank 0: heads 0-1, rows 0-15
+    rank 1: rows 8-15    rank 1: heads 2-3, rows 0-15
+
+**Gradients.** q, k, v get exact gradients on their owners. Tensors a score_mod captures (a
+learnable ALiBi slope) get this rank's share: sum them over ranks as for any replicated
+parameter (DDP does). ``keep_kv=True`` keeps the received K/V for backward (memory: the visible
+K/V); ``keep_kv=False`` exchanges them again (traffic ×2, memory: the local shard).
+
+**Faults.** Every call first exchanges a small signature with every peer (shapes, dtypes,
+options, layout, call counter), and a status after the local compute. A mismatch, an exception
+raised on one rank before or during the compute, or a peer that does not arrive within
+``timeout`` seconds gives every participating rank a :class:`ContextParallelError` naming the
+rank and what went wrong — never a hang. (A signature costs W − 1 tiny messages per rank.)
+
+**Modules.** :func:`mha_forward` / :func:`block_forward` run an :class:`attnkit.nn.MultiHeadAttention`
+/ :class:`attnkit.nn.TransformerBlock` on a shard ``(B, L_r, E)`` with its own weights, RoPE at the
+layout's global positions (:func:`rope_at`) and ALiBi at global positions.
+``examples/train_context_parallel.py`` trains a tiny model both ways and prints both loss curves.
+
+**Stats.** ``cp.stats`` (last forward) and ``cp.backward_stats`` (last backward): see :class:`Stats`.
+:meth:`ContextParallel.schedule` and :func:`schedule` say which pairs travel, before any call;
+``benchmarks/context_parallel.py`` tabulates bytes and balance on paper for W up to 64.
+
+Not supported: ``dropout_p``, ``sinks``, ``return_weights``, bias/tensor masks (give the mask
+as an :mod:`attnkit.masks` object at construction), cross-attention (L ≠ S).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import struct
+import zlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from . import masks as _masks
+from . import plans as _plans
+from ._tiling import EMPTY
+from .api import attention as _attention
+from .backends import _softmax
+
+__all__ = ["ContextParallel", "ContextParallelError", "Layout", "Schedule", "Stats", "layout", "schedule",
+           "simulate", "rope_at", "mha_forward", "block_forward"]
+
+_LAYOUTS = ("contiguous", "zigzag", "balanced")
+_MODES = ("p2p", "allgather", "heads")
+
+
+class ContextParallelError(RuntimeError):
+    """A context-parallel call failed on some rank (mismatch, exception, timeout); raised on every rank."""
+
+
+# --------------------------------------------------------------------------------------------- layouts
+
+class Layout:
+    """Which global positions each rank owns: ``positions[r]`` (sorted long tensor), built from
+    units of ``block`` positions. ``owner (L,)`` and ``local (L,)`` invert it."""
+
+    def __init__(self, name: str, L: int, block: int, units: list[list[int]]):
+        self.name, self.L, self.block, self.W = name, L, block, len(units)
+        self.units = [sorted(u) for u in units]
+        self.positions = [torch.cat([torch.arange(u * block, min(L, (u + 1) * block)) for u in us])
+                          if us else torch.zeros(0, dtype=torch.long) for us in self.units]
+        self.owner = torch.empty(L, dtype=torch.long)
+        self.local = torch.empty(L, dtype=torch.long)
+        for r, p in enumerate(self.positions):
+            self.owner[p] = r
+            self.local[p] = torch.arange(p.numel())
+        self.order = torch.cat(self.positions)  # concatenated shards -> global position
+        self.inverse = torch.argsort(self.order)  # global position -> index in concatenated shards
+        self.lengths = [int(p.numel()) for p in self.positions]
+        self.key = zlib.crc32(self.owner.to(torch.int32).numpy().tobytes())
+        # runs of consecutive units per rank: (first local row, end local row, first unit, end unit)
+        self.runs = []
+        for us in self.units:
+            runs, row = [], 0
+            for u in us:
+                size = min(L, (u + 1) * block) - u * block
+                if runs and runs[-1][3] == u:
+                    a, b, ua, _ = runs[-1]
+                    runs[-1] = (a, b + size, ua, u + 1)
+                else:
+                    runs.append((row, row + size, u, u + 1))
+                row += size
+            self.runs.append(runs)
+
+    def is_contiguous(self, r: int) -> bool:
+        p = self.positions[r]
+        return p.numel() == 0 or int(p[-1] - p[0]) + 1 == p.numel()
+
+    def draw(self, width: int = 64) -> str:
+        """One character per unit: the owning rank (0-9, then a-z)."""
+        sym = "0123456789abcdefghijklmnopqrstuvwxyz"
+        own = [0] * (-(-self.L // self.block))
+        for r, us in enumerate(self.units):
+            for u in us:
+                own[u] = r
+        s = "".join(sym[o % len(sym)] for o in own[:width])
+        return s + ("…" if len(own) > width else "")
+
+    def __repr__(self):
+        return f"Layout({self.name!r}, L={self.L}, W={self.W}, block={self.block}, rows={self.lengths})"
+
+
+def _split(n: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` runs covering n items, the first ``n % parts`` one larger."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def _runs(n: int, parts: int) -> list[list[int]]:
+    out, start = [], 0
+    for size in _split(n, parts):
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def unit_costs(mask, L: int, block: int, *, B: int | None = None, H: int | None = None,
+               max_grid: int = 2048) -> torch.Tensor:
+    """Estimated work of each query unit of ``block`` rows: from the plan at the finest tile ``fb``
+    dividing ``block`` with at most ``max_grid`` tiles a side (exact when fb = 1),
+    Σ over tiles of rows × cols × (1 full, ½ partial, 0 empty), averaged over batch rows / heads."""
+    n_units = -(-L // block)
+    fb = block
+    for cand in range(1, block + 1):  # the finest divisor of block with at most max_grid tiles a side
+        if block % cand == 0 and -(-L // cand) <= max_grid:
+            fb = cand
+            break
+    k = _plans.plan(mask, L, L, B=B, H=H, block=fb).kinds  # (Bp, Hp, nq, nk)
+    w = (k.to(torch.float32) / 2).mean(dim=(0, 1))  # empty 0, partial 1/2, full 1
+    nq = w.shape[0]
+    sizes = torch.full((nq,), float(fb))
+    sizes[-1] = L - fb * (nq - 1)
+    rows_cost = (w @ sizes.to(torch.float32)).double() * sizes.double()  # (nq,)
+    unit_of = torch.arange(nq) * fb // block
+    return torch.zeros(n_units, dtype=torch.float64).index_add_(0, unit_of, rows_cost)
+
+
+def _contiguous_cuts(costs: list[float], W: int) -> list[list[int]]:
+    """Contiguous runs (each non-empty) minimising the largest run cost (binary search on the bound)."""
+    n = len(costs)
+
+    def cuts(bound):
+        runs, cur, tot = [], [], 0.0
+        for i, c in enumerate(costs):
+            left = n - i  # units left including this one
+            if cur and (tot + c > bound or left < W - len(runs)):
+                runs.append(cur)
+                cur, tot = [], 0.0
+            cur.append(i)
+            tot += c
+        runs.append(cur)
+        return runs
+
+    lo, hi = max(costs), sum(costs)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if len(cuts(mid)) <= W:
+            hi = mid
+        else:
+            lo = mid
+    runs = cuts(hi)
+    while len(runs) < W:  # split the largest run (only with ties at the bound)
+        i = max(range(len(runs)), key=lambda j: len(runs[j]))
+        r = runs.pop(i)
+        runs[i:i] = [r[:len(r) // 2], r[len(r) // 2:]]
+    return runs
+
+
+def _greedy(costs: list[float], W: int, capacity: int | None = None) -> list[list[int]]:
+    """Largest unit first to the least-loaded rank that has room for it (``capacity`` units
+    at most: equal rows; None: no limit). Ties: fewest units, then lowest rank."""
+    heap = [(0.0, 0, r) for r in range(W)]
+    out = [[] for _ in range(W)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        full = []
+        while True:
+            load, cnt, r = heapq.heappop(heap)
+            if capacity is None or cnt < capacity:
+                break
+            full.append((load, cnt, r))
+        out[r].append(i)
+        heapq.heappush(heap, (load + costs[i], cnt + 1, r))
+        for item in full:
+            heapq.heappush(heap, item)
+    return out
+
+
+def _unit_live(mask, L: int, block: int, B=None, H=None) -> torch.Tensor:
+    """(n, n) bool: unit i's queries see at least one key of unit j (for some batch row / head)."""
+    n = -(-L // block)
+    if mask is None:
+        return torch.ones(n, n, dtype=torch.bool)
+    kinds = _plans.plan(mask, L, L, B=B, H=H, block=block).kinds
+    return (kinds != EMPTY).any(dim=1).any(dim=0)
+
+
+def _max_sent(units: list[list[int]], live: torch.Tensor, block: int) -> float:
+    """The most K/V rows one rank sends under the plan-aware schedule of this assignment."""
+    W, n = len(units), live.shape[0]
+    own = torch.zeros(W, n, dtype=torch.float64)
+    for r, us in enumerate(units):
+        own[r, us] = 1.0
+    vis = (own @ live.double() @ own.T) > 0  # (W, W): query rank t sees key rank s
+    vis.fill_diagonal_(False)
+    peers = vis.sum(dim=0)  # per key rank s: ranks that need it
+    rows = own.sum(dim=1) * block
+    return float((rows * peers).max())
+
+
+def imbalance(costs, units: list[list[int]]) -> float:
+    """Busiest rank's work over the mean (1.0 = perfect)."""
+    loads = [sum(float(costs[i]) for i in us) for us in units]
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def default_block(L: int, W: int) -> int:
+    """Layout unit: about 32 units per rank, at most 4096 units in all."""
+    return max(1, -(-L // (32 * W)), -(-L // 4096))
+
+
+def layout(name: str, L: int, W: int, *, mask=None, block: int | None = None, B: int | None = None,
+           H: int | None = None, tolerance: float = 1.03) -> Layout:
+    """Build layout ``name`` ("contiguous", "zigzag", "balanced") of ``L`` positions over ``W`` ranks.
+
+    ``balanced`` needs the mask (None: every query sees every key, so contiguous is balanced).
+    """
+    if name not in _LAYOUTS:
+        raise ValueError(f"layout: expected one of {_LAYOUTS}, got {name!r}.")
+    block = default_block(L, W) if block is None else block
+    n = -(-L // block)
+    need = 2 * W if name == "zigzag" else W
+    if n < need:
+        raise ValueError(f"layout {name!r}: needs at least {need} units of block={block} for W={W}, but "
+                         f"seq_len={L} gives {n}. Pass a smaller block (or use fewer ranks).")
+    if name == "contiguous":
+        return Layout(name, L, block, _runs(n, W))
+    if name == "zigzag":
+        chunks = _runs(n, 2 * W)
+        return Layout(name, L, block, [chunks[r] + chunks[2 * W - 1 - r] for r in range(W)])
+    if mask is None:
+        return Layout(name, L, block, _runs(n, W))
+    costs = unit_costs(mask, L, block, B=B, H=H).tolist()
+    chunks = _runs(n, 2 * W) if n >= 2 * W else None
+    candidates = [_contiguous_cuts(costs, W),  # keeps locality (windows: neighbours only)
+                  _greedy(costs, W, capacity=-(-n // W)),  # equal rows
+                  _greedy(costs, W)]  # the most even work
+    if chunks is not None:
+        candidates.insert(1, [chunks[r] + chunks[2 * W - 1 - r] for r in range(W)])
+    live = _unit_live(mask, L, block, B, H)
+    scored = [(imbalance(costs, c), _max_sent(c, live, block), i) for i, c in enumerate(candidates)]
+    ok = [x for x in scored if x[0] <= tolerance]
+    # within the tolerance: the least traffic on the busiest link; else: the most even work
+    best = min(ok, key=lambda x: (x[1], x[0], x[2])) if ok else min(scored)
+    return Layout(name, L, block, candidates[best[2]])
+
+
+# -------------------------------------------------------------------------------------------- schedule
+
+@dataclass
+class Schedule:
+    """Which (query rank r, key rank s) pairs hold a visible tile, from the plan at the layout's units.
+
+    ``visible (W, W)`` bool; ``full (W, W)``: every tile of the pair is full (no mask needed);
+    ``tiles (W, W)`` non-empty tiles; ``empty (W, W)`` empty tiles. ``send_to[s]``: the ranks
+    that need s's K/V; ``recv_from[r]``: the ranks whose K/V r needs (both without r itself).
+    """
+    layout: Layout
+    visible: torch.Tensor
+    full: torch.Tensor
+    tiles: torch.Tensor
+    empty: torch.Tensor
+    send_to: list = field(default_factory=list)
+    recv_from: list = field(default_factory=list)
+    unit_live: torch.Tensor | None = None  # (n, n) units
+    unit_full: torch.Tensor | None = None
+    pure_causal: bool = False
+    _blocks: dict = field(default_factory=dict, repr=False)
+
+    #: above this many (query run × key run) blocks a pair is computed as one block
+    MAX_BLOCKS = 64
+
+    def blocks(self, r: int, s: int) -> list:
+        """The blocks of pair (r, s), in order: ``(qa, qb, ka, kb, kind)`` with local row ranges of
+        r's queries and s's keys (one per pair of runs of consecutive units that holds a visible
+        tile) and ``kind`` "full" (no mask), "causal" (a run against itself under a causal mask:
+        plain ``causal=True``) or "mask" (the global mask at those positions)."""
+        key = (r, s)
+        if key in self._blocks:
+            return self._blocks[key]
+        lay = self.layout
+        out = []
+        if bool(self.visible[r, s]):
+            runs_r, runs_s = lay.runs[r], lay.runs[s]
+            if len(runs_r) * len(runs_s) > self.MAX_BLOCKS:
+                kind = "full" if bool(self.full[r, s]) else ("causal" if self.pure_causal and r == s else "mask")
+                out = [(0, lay.lengths[r], 0, lay.lengths[s], kind)]
+            else:
+                for qa, qb, ua, ub in runs_r:
+                    for ka, kb, va, vb in runs_s:
+                        if not bool(self.unit_live[ua:ub, va:vb].any()):
+                            continue
+                        if bool(self.unit_full[ua:ub, va:vb].all()):
+                            kind = "full"
+                        elif self.pure_causal and r == s and (ua, ub) == (va, vb):
+                            kind = "causal"
+                        else:
+                            kind = "mask"
+                        out.append((qa, qb, ka, kb, kind))
+        self._blocks[key] = out
+        return out
+
+    def row_blocks(self, r: int) -> dict:
+        """``{s: blocks(r, s)}`` for every key rank s."""
+        return {s: self.blocks(r, s) for s in range(self.layout.W)}
+
+
+def schedule(lay: Layout, mask, *, B: int | None = None, H: int | None = None) -> Schedule:
+    """The :class:`Schedule` of ``mask`` (None: full attention) under ``lay``."""
+    W, L, blk = lay.W, lay.L, lay.block
+    n = -(-L // blk)
+    if mask is None:
+        kinds = torch.full((1, 1, n, n), 2, dtype=torch.int8)
+    else:
+        kinds = _plans.plan(mask, L, L, B=B, H=H, block=blk).kinds
+    live = (kinds != EMPTY).any(dim=1).any(dim=0)  # (n, n): non-empty for some batch row / head
+    full = (kinds == 2).all(dim=1).all(dim=0)
+    own = torch.zeros(W, n, dtype=torch.float64)
+    for r, us in enumerate(lay.units):
+        own[r, us] = 1.0
+    tiles = (own @ live.double() @ own.T).round().long()  # (W, W) non-empty tiles per rank pair
+    total = own.sum(1)[:, None] * own.sum(1)[None, :]
+    empty = (total - tiles.double()).round().long()
+    vis = tiles > 0
+    allfull = ((own @ (~full).double() @ own.T) == 0) & vis
+    send_to = [[t for t in range(W) if t != s and vis[t, s]] for s in range(W)]
+    recv_from = [[s for s in range(W) if s != r and vis[r, s]] for r in range(W)]
+    return Schedule(lay, vis, allfull, tiles, empty, send_to, recv_from, live, full,
+                    isinstance(mask, _masks.Causal))
+
+
+# ----------------------------------------------------------------------------------------- pair math
+
+def _block(q, k, v, qpos, kpos, kind, *, gmod, score_mod, scale, pure_causal=False):
+    """Partial ``(out, lse)`` of local queries at global positions ``qpos`` against keys at ``kpos``
+    (one block of a pair, see :meth:`Schedule.blocks`): "full" no mask, "causal" plain causal
+    (the same positions on both sides: j ≤ i ⇔ kpos[j] ≤ qpos[i]), "mask" the global mask at those
+    positions (a ``from_mod`` on the index maps). A score_mod always sees global positions."""
+    mask = None
+    causal = kind == "causal"
+    if kind == "mask" and gmod is not None:
+        def pair_mask(b, h, qi, ki):
+            return gmod(b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
+        mask = _masks.from_mod(pair_mask)
+    sm = None
+    if score_mod is not None:
+        def sm(score, b, h, qi, ki):
+            return score_mod(score, b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
+    return _attention(q, k, v, mask=mask, causal=causal, score_mod=sm, scale=scale, return_lse=True)
+
+
+def _pair(q, k, v, qpos, kpos, blocks, opts):
+    """Partial ``(out, lse)`` of a pair from its blocks: one block is returned as it is; several are
+    merged per query run in key order (fp32) and placed in their rows (rows seeing no block: 0, -inf)."""
+    if len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2]):
+        return _block(q, k, v, qpos, kpos, blocks[0][4], **opts)
+    acc = _acc_dtype(q.dtype)
+    B, H, n = q.shape[:3]
+    out = q.new_zeros(B, H, n, v.shape[-1], dtype=acc)
+    lse = q.new_full((B, H, n), float("-inf"), dtype=acc)
+    cur = None
+    for qa, qb, ka, kb, kind in blocks + [(None,) * 5]:
+        if cur is not None and (qa, qb) != cur[:2]:
+            out[:, :, cur[0]:cur[1]], lse[:, :, cur[0]:cur[1]] = cur[2], cur[3]
+            cur = None
+        if qa is None:
+            break
+        o, l = _block(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], qpos[qa:qb], kpos[ka:kb], kind, **opts)
+        o, l = o.to(acc), l.to(acc)
+        cur = (qa, qb, o, l) if cur is None else (qa, qb, *_softmax.merge(cur[2], cur[3], o, l))
+    return out, lse
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rank_forward(q, kv: dict, qpos, positions, blocks: dict, opts, partials=None, Dv=None):
+    """Merge the partial results of the key ranks in ``kv`` for one rank's queries, in ascending
+    key-rank order (``partials``: those already computed, e.g. the local pair during the exchange)."""
+    acc = _acc_dtype(q.dtype)
+    partials = dict(partials or {})
+    out = lse = None
+    for s in sorted(kv):
+        if s not in partials:
+            partials[s] = _pair(q, kv[s][0], kv[s][1], qpos, positions[s], blocks[s], opts)
+        o, l = partials.pop(s)
+        o, l = o.to(acc), l.to(acc)
+        out, lse = (o, l) if out is None else _softmax.merge(out, lse, o, l)
+    if out is None:  # no visible key at all
+        B, H, n = q.shape[0], q.shape[1], q.shape[2]
+        Dv = next(iter(kv.values()))[1].shape[-1] if kv else (q.shape[-1] if Dv is None else Dv)
+        out = q.new_zeros(B, H, n, Dv, dtype=acc)
+        lse = q.new_full((B, H, n), float("-inf"), dtype=acc)
+    return out, lse
+
+
+def _block_backward_fused(q, k, v, kind, opts, out, lse_b, dout):
+    """FlashAttention-2's decomposition on torch's CPU flash backward kernel: given the rows'
+    *global* ``out`` and ``lse`` (+inf on dead rows), the kernel's ``p = exp(s - lse)`` and
+    ``D = rowsum(dout·out)`` make its (dq, dk, dv) exactly this block's share. For "full" and
+    "causal" blocks with no score_mod, D == Dv, fp32/fp64 and no gradient on lse; None otherwise
+    (the caller recomputes the block with autograd)."""
+    from .backends import _flash_cpu
+    causal = kind == "causal"
+    if kind not in ("full", "causal") or opts["score_mod"] is not None or q.shape[-1] != v.shape[-1]:
+        return None
+    if q.dtype not in (torch.float32, torch.float64) or out.dtype != q.dtype or q.device.type != "cpu":
+        return None
+    if not _flash_cpu.available():
+        return None
+    B, H, n, D = q.shape
+    Hkv, m = k.shape[1], k.shape[2]
+    g = H // Hkv
+    scale = opts["scale"] if opts["scale"] is not None else 1.0 / math.sqrt(D)
+    c = lambda t: t.contiguous()
+    if g == 1 or causal:  # causal rows cannot be folded (the kernel's diagonal would move): expand K/V
+        kk = k if g == 1 else k.repeat_interleave(g, dim=1)
+        vv = v if g == 1 else v.repeat_interleave(g, dim=1)
+        dq, dk, dv = _flash_cpu.backward(c(dout), c(q), c(kk), c(vv), c(out), lse_b.contiguous(), is_causal=causal,
+                                         scale=scale)
+        if g > 1:
+            dk = dk.reshape(B, Hkv, g, m, D).sum(2)
+            dv = dv.reshape(B, Hkv, g, m, v.shape[-1]).sum(2)
+        return dq, dk, dv
+    fold = lambda t: t.contiguous().view(B, Hkv, g * n, t.shape[-1])  # the g query heads of a kv head as rows
+    dq, dk, dv = _flash_cpu.backward(fold(dout), fold(q), c(k), c(v), fold(out),
+                                     lse_b.contiguous().view(B, Hkv, g * n), scale=scale)
+    return dq.reshape(B, H, n, D), dk, dv
+
+
+def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse, dout, dlse, captured):
+    """dq of this rank, the (dk, dv) partials for each key rank in ``kv`` (acc dtype), and the
+    gradients of the score_mod's captured tensors (local share). Block by block: the fused FA2
+    kernel where it applies, else the block recomputed with autograd and weighted by the global
+    lse (``w = exp(lse_block - lse)``: its share of each row)."""
+    acc = _acc_dtype(q.dtype)
+    lse_b = _softmax.lse_for_backward(lse)
+    dout = dout.to(acc) if dout is not None else torch.zeros_like(out)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    parts, cap = {}, [None] * len(captured)
+    for s in sorted(kv):
+        k_s, v_s = kv[s]
+        dk = torch.zeros(k_s.shape, dtype=acc, device=k_s.device)
+        dv = torch.zeros(v_s.shape, dtype=acc, device=v_s.device)
+        for qa, qb, ka, kb, kind in blocks[s]:
+            qs, ks, vs = q[:, :, qa:qb], k_s[:, :, ka:kb], v_s[:, :, ka:kb]
+            o_g, l_g, d_g = out[:, :, qa:qb], lse_b[:, :, qa:qb], dout[:, :, qa:qb]
+            fast = None if dlse is not None else _block_backward_fused(qs, ks, vs, kind, opts, o_g, l_g, d_g)
+            if fast is not None:
+                dq[:, :, qa:qb] += fast[0].to(acc)
+                dk[:, :, ka:kb] += fast[1].to(acc)
+                dv[:, :, ka:kb] += fast[2].to(acc)
+                continue
+            with torch.enable_grad():
+                qq, kk, vv = (t.detach().requires_grad_() for t in (qs, ks, vs))
+                o, l = _block(qq, kk, vv, qpos[qa:qb], positions[s][ka:kb], kind, **opts)
+                w = torch.exp(l.detach().to(acc) - l_g)  # this block's share of each row (0 on dead rows)
+                g_l = w * (d_g * (o.detach().to(acc) - o_g)).sum(-1)
+                if dlse is not None:
+                    g_l = g_l + w * dlse[:, :, qa:qb].to(acc)
+                g_o = d_g * w.unsqueeze(-1)
+                grads = torch.autograd.grad([o, l], [qq, kk, vv, *captured], [g_o.to(o.dtype), g_l.to(l.dtype)],
+                                            allow_unused=True)
+            for t, g, sl in ((dq, grads[0], (qa, qb)), (dk, grads[1], (ka, kb)), (dv, grads[2], (ka, kb))):
+                if g is not None:
+                    t[:, :, sl[0]:sl[1]] += g.to(acc)
+            for i, g in enumerate(grads[3:]):
+                if g is not None:
+                    cap[i] = g if cap[i] is None else cap[i] + g
+        parts[s] = (dk, dv)
+    return dq, parts, cap
+
+
+def _options(seq_len, mask, causal, scale, score_mod):
+    base = mask
+    if causal:
+        base = _masks.causal() if base is None else (base & _masks.causal())
+    gmod = None if base is None else base.bind(seq_len, seq_len)
+    # with L = S both alignments of causal are the same mask
+    return base, dict(gmod=gmod, score_mod=score_mod, scale=scale, pure_causal=isinstance(base, _masks.Causal))
+
+
+_UNSUPPORTED = {"dropout_p": 0.0, "sinks": None, "return_weights": False, "mask": None, "backend": "auto"}
+
+
+def _check_unsupported(kw):
+    """Refuse the single-process options context parallelism does not take (defaults pass)."""
+    extra = sorted(set(kw) - set(_UNSUPPORTED))
+    if extra:
+        raise TypeError(f"attention: unexpected keyword(s) {extra}.")
+    for name, value in kw.items():
+        default = _UNSUPPORTED[name]
+        same = value is default if default is None or isinstance(default, bool) else (
+            isinstance(value, (int, float, str)) and not isinstance(value, bool) and value == default)
+        if not same:
+            raise ValueError(f"{name}: not supported by context-parallel attention (got {value!r}); the mask "
+                             "is fixed at construction (ContextParallel(mask=...)); dropout, sinks, weights and "
+                             "named backends are single-process options.")
+
+
+def _captured(score_mod):
+    if score_mod is None:
+        return []
+    if hasattr(score_mod, "tensors"):
+        return [t for t in score_mod.tensors() if isinstance(t, torch.Tensor) and t.requires_grad]
+    from . import _mods
+    return _mods.captured_grad_tensors(score_mod)
+
+
+# ---------------------------------------------------------------------------------------- simulation
+
+class _SimFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lay, sched, opts, q, k, v, *captured):
+        ctx.set_materialize_grads(False)
+        W, P = lay.W, lay.positions
+        outs, lses, saved = [], [], []
+        for r in range(W):
+            qr = q.index_select(2, P[r])
+            kv = {s: (k.index_select(2, P[s]), v.index_select(2, P[s])) for s in range(W) if sched.visible[r, s]}
+            o, l = _rank_forward(qr, kv, P[r], P, sched.row_blocks(r), opts, Dv=v.shape[-1])
+            outs.append(o)
+            lses.append(l)
+            saved.append((qr, kv))
+        out = torch.cat(outs, 2).index_select(2, lay.inverse)
+        lse = torch.cat(lses, 2).index_select(2, lay.inverse)
+        ctx.lay, ctx.sched, ctx.opts, ctx.saved, ctx.outs, ctx.lses = lay, sched, opts, saved, outs, lses
+        ctx.shapes = (q, k, v)
+        ctx.captured = captured
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        lay, sched, opts = ctx.lay, ctx.sched, ctx.opts
+        q, k, v = ctx.shapes
+        W, P = lay.W, lay.positions
+        acc = _acc_dtype(q.dtype)
+        dqs, parts_by_owner, capg = [], [dict() for _ in range(W)], [None] * len(ctx.captured)
+        for r in range(W):
+            qr, kv = ctx.saved[r]
+            dq, parts, cap = _rank_backward(qr, kv, P[r], P, sched.row_blocks(r), opts, ctx.outs[r], ctx.lses[r],
+                                            None if dout is None else dout.index_select(2, P[r]),
+                                            None if dlse is None else dlse.index_select(2, P[r]),
+                                            list(ctx.captured))
+            dqs.append(dq)
+            for s, pr in parts.items():
+                parts_by_owner[s][r] = pr
+            for i, g in enumerate(cap):
+                if g is not None:
+                    capg[i] = g if capg[i] is None else capg[i] + g
+        dks, dvs = [], []
+        for s in range(W):
+            dk, dv = _sum_parts(parts_by_owner[s], k.index_select(2, P[s]), v.index_select(2, P[s]), acc)
+            dks.append(dk)
+            dvs.append(dv)
+        cat = lambda xs, like: torch.cat(xs, 2).index_select(2, lay.inverse).to(like.dtype)
+        return (None, None, None, cat(dqs, q), cat(dks, k), cat(dvs, v), *capg)
+
+
+def _sum_parts(parts: dict, k_own, v_own, acc):
+    """The owner's dK, dV: its partials summed in ascending source-rank order (deterministic)."""
+    dk = torch.zeros(k_own.shape, dtype=acc, device=k_own.device)
+    dv = torch.zeros(v_own.shape, dtype=acc, device=v_own.device)
+    for t in sorted(parts):
+        dk += parts[t][0]
+        dv += parts[t][1]
+    return dk, dv
+
+
+def simulate(q, k, v, *, W: int, layout="contiguous", mask=None, causal=False, scale=None, score_mod=None,
+             return_lse=False, block=None):
+    """Context-parallel attention over ``W`` *virtual* ranks in one process: the same layout,
+    schedule, pair math and merge order as :class:`ContextParallel`, on full tensors
+    ``q (B, H, L, D)`` etc.; returns the full result in global order (autograd works).
+    ``layout`` is a name or a :class:`Layout`."""
+    L = q.shape[2]
+    if k.shape[2] != L:
+        raise ValueError(f"k: context parallelism is self-attention (S = L = {L}), got S={k.shape[2]}.")
+    base, opts = _options(L, mask, causal, scale, score_mod)
+    if score_mod is not None and hasattr(score_mod, "validate"):
+        score_mod.validate(q.shape[0], q.shape[1], L, L)
+    lay = layout if isinstance(layout, Layout) else globals()["layout"](
+        layout, L, W, mask=base, block=block, B=_plan_B(base, q.shape[0]), H=None)
+    sched = schedule(lay, base, B=_plan_B(base, q.shape[0]), H=_plan_H(base, q.shape[1]))
+    out, lse = _SimFn.apply(lay, sched, opts, q, k, v, *_captured(score_mod))
+    return (out, lse) if return_lse else out
+
+
+def _plan_B(mask, B):
+    return None if mask is None else (mask.batch_size or (B if _needs_bh(mask) else None))
+
+
+def _plan_H(mask, H):
+    return H if mask is not None and _needs_bh(mask) else None
+
+
+def _needs_bh(mask) -> bool:
+    """Whether the tile map may depend on the batch row / head (an opaque mask_mod somewhere)."""
+    if isinstance(mask, _masks.FromMod):
+        return True
+    return any(_needs_bh(p) for p in getattr(mask, "parts", ()))
+
+
+# ---------------------------------------------------------------------------------------- processes
+
+@dataclass
+class Stats:
+    """This rank's last forward (``stats``) or backward (``backward_stats``) call.
+
+    ``steps``: partial results computed and merged (pairs, the local one included);
+    ``bytes_sent`` / ``bytes_received``: K/V (forward) or K/V + dK/dV (backward) payload bytes of this
+    rank (all_gather/all_reduce: the bytes this rank's shard contributes to / receives from the others);
+    ``tiles_computed`` / ``tiles_skipped``: non-empty / empty tiles (the layout's ``block`` grid) of this
+    rank's query rows; ``pairs_computed`` / ``pairs_skipped``: key ranks computed / skipped;
+    ``peers_sent`` / ``peers_received``: ranks this one sent to / received from."""
+    steps: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    tiles_computed: int = 0
+    tiles_skipped: int = 0
+    pairs_computed: int = 0
+    pairs_skipped: int = 0
+    peers_sent: tuple = ()
+    peers_received: tuple = ()
+
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+_FIELDS = ("status", "call", "B", "H", "Hkv", "D", "Dv", "rows", "dtype", "causal", "scale", "score_mod",
+           "return_lse", "grad", "layout", "seq_len", "mask", "comm")
+_MSG = 384
+_HASHED = ("dtype", "scale", "score_mod", "mask", "layout", "comm")
+
+
+def _crc(s: str) -> int:
+    return zlib.crc32(s.encode())
+
+
+class ContextParallel:
+    """Exact attention over a sequence sharded along dim 2 across the ranks of ``group``.
+
+    Args:
+        seq_len: the global sequence length L (= S).
+        mask: an :mod:`attnkit.masks` mask at global positions (None: full attention).
+        layout: "contiguous", "zigzag", "balanced" (see the module docstring), or a :class:`Layout`.
+        comm: "p2p" (send K/V only to the ranks that see it), "allgather", or "heads" (Ulysses).
+        group: the process group (None: WORLD).
+        block: the layout unit and plan tile (default :func:`default_block`).
+        timeout: seconds to wait for a peer before raising (None: the group's timeout).
+        keep_kv: keep the received K/V for backward (True) or exchange it again (False: less memory).
+        batch, heads: sizes for a mask whose tiles depend on the batch row / head (an opaque mask_mod).
+    """
+
+    def __init__(self, seq_len: int, mask=None, layout="contiguous", *, comm: str = "p2p", group=None,
+                 block: int | None = None, timeout: float | None = None, keep_kv: bool = True,
+                 batch: int | None = None, heads: int | None = None):
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ContextParallel: call torch.distributed.init_process_group(...) first.")
+        if mask is not None and not isinstance(mask, _masks.Mask):
+            if callable(mask):
+                mask = _masks.from_mod(mask)
+            else:
+                raise TypeError(f"mask: expected an attnkit.masks mask, a mask_mod or None, got {type(mask).__name__}.")
+        if comm not in _MODES:
+            raise ValueError(f"comm: expected one of {_MODES}, got {comm!r}.")
+        self.dist, self.group = dist, group
+        self.W = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.seq_len, self.mask, self.comm = seq_len, mask, comm
+        self.timeout = timeout
+        self.keep_kv = keep_kv
+        self._B, self._H = batch, heads
+        if isinstance(layout, Layout):
+            if layout.W != self.W or layout.L != seq_len:
+                raise ValueError(f"layout: built for W={layout.W}, L={layout.L}; this group has W={self.W}, "
+                                 f"seq_len={seq_len}.")
+            self.layout = layout
+        else:
+            self.layout = globals()["layout"](layout, seq_len, self.W, mask=mask, block=block, B=batch, H=heads)
+        self._scheds = {}
+        self._calls = 0
+        self.stats = Stats()
+        self.backward_stats = Stats()
+
+    # ----------------------------------------------------------------- layout helpers
+    @property
+    def positions(self) -> torch.Tensor:
+        """Global positions of this rank's rows (for RoPE, position ids, labels)."""
+        return self.layout.positions[self.rank]
+
+    def shard(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        """This rank's rows of a full-sequence tensor along ``dim`` (autograd-friendly)."""
+        if x.shape[dim] != self.seq_len:
+            raise ValueError(f"shard: expected size seq_len={self.seq_len} on dim {dim}, got {tuple(x.shape)}.")
+        if self.layout.is_contiguous(self.rank):
+            p = self.positions
+            return x.narrow(dim, int(p[0]), p.numel())
+        return x.index_select(dim, self.positions.to(x.device))
+
+    def gather(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        """All ranks' shards of ``x`` (this rank's rows on ``dim``) in global order, on every rank
+        (not differentiable: compute losses on the local shard)."""
+        x = x.detach().movedim(dim, 0).contiguous()
+        n = max(self.layout.lengths)
+        pad = x.new_zeros((n,) + tuple(x.shape[1:]))
+        pad[:x.shape[0]] = x
+        bufs = [torch.empty_like(pad) for _ in range(self.W)]
+        self._wait(self.dist.all_gather(bufs, pad, group=self.group, async_op=True), None, "gather")
+        full = torch.cat([b[:m] for b, m in zip(bufs, self.layout.lengths)], 0)
+        return full.index_select(0, self.layout.inverse.to(full.device)).movedim(0, dim)
+
+    def schedule(self, B: int = 1, H: int = 1, causal: bool = False) -> Schedule:
+        """The :class:`Schedule` (which rank pairs are exchanged and computed) of a call with
+        batch ``B``, ``H`` query heads and ``causal`` (cached)."""
+        base, _ = _options(self.seq_len, self.mask, causal, None, None)
+        key = (bool(causal), _plan_B(base, B), _plan_H(base, H))
+        if key not in self._scheds:
+            self._scheds[key] = schedule(self.layout, base, B=key[1], H=key[2])
+        return self._scheds[key]
+
+    # ----------------------------------------------------------------- communication
+    def _g(self, r: int) -> int:
+        return r if self.group is None else self.dist.get_global_rank(self.group, r)
+
+    def _wait(self, work, peer, what):
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=self.timeout))
+        except Exception as e:  # gloo raises RuntimeError on timeout / a closed peer
+            who = f"rank {peer}" if peer is not None else "some rank"
+            raise ContextParallelError(
+                f"context parallel (rank {self.rank} of {self.W}, call #{self._calls}): no answer from {who} "
+                f"during {what}"
+                f"{'' if self.timeout is None else f' within {self.timeout:g}s'}: it failed, hung or skipped this "
+                f"call. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+    def _p2p(self, send: dict, recv: dict, tag: int, what: str, meanwhile=None):
+        """isend ``send[peer]`` and irecv into ``recv[peer]``; every handle waited on, per peer
+        (``meanwhile()`` runs while the messages travel)."""
+        works = []
+        for peer, buf in recv.items():
+            works.append((peer, self.dist.irecv(buf, src=self._g(peer), group=self.group, tag=tag), "recv"))
+        for peer, t in send.items():
+            works.append((peer, self.dist.isend(t, dst=self._g(peer), group=self.group, tag=tag), "send"))
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            finally:
+                for peer, w, kind in works:
+                    self._wait(w, peer, f"{what} ({kind})")
+            return
+        for peer, w, kind in works:
+            self._wait(w, peer, f"{what} ({kind})")
+
+    def _agree(self, fields: dict, msg: str, what: str):
+        """Exchange a signature (fields + status message) with every peer; raise on any mismatch or
+        error, on every rank."""
+        vals = [int(fields.get(f, 0)) for f in _FIELDS]
+        raw = struct.pack(f"<{len(vals)}q", *vals) + msg.encode()[:_MSG].ljust(_MSG, b"\0")
+        mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+        peers = [p for p in range(self.W) if p != self.rank]
+        bufs = {p: torch.empty_like(mine) for p in peers}
+        self._p2p({p: mine for p in peers}, bufs, 7, what)
+        sigs = {self.rank: (vals, msg)}
+        for p, b in bufs.items():
+            raw = bytes(b.numpy().tobytes())
+            v = list(struct.unpack(f"<{len(_FIELDS)}q", raw[:8 * len(_FIELDS)]))
+            sigs[p] = (v, raw[8 * len(_FIELDS):].rstrip(b"\0").decode(errors="replace"))
+        failed = [(p, m) for p, (v, m) in sorted(sigs.items()) if v[0] != 0]
+        if failed:
+            p, m = failed[0]
+            raise ContextParallelError(f"context parallel {what}, call #{self._calls}: rank {p} failed: {m}"
+                                       + (f" (and ranks {[f[0] for f in failed[1:]]})" if len(failed) > 1 else ""))
+        ref = sigs[0][0]
+        for p in sorted(sigs):
+            for name, a, b in zip(_FIELDS, ref, sigs[p][0]):
+                if a != b and name != "rows":
+                    if name in _HASHED:  # show what was hashed
+                        key = "score_mod" if name == "score_mod" else name
+                        pick = lambda m: next((x.strip() for x in m.split("; ") if x.strip().startswith(key + "=")), m)
+                        a, b = pick(sigs[0][1]), pick(sigs[p][1])
+                    raise ContextParallelError(
+                        f"context parallel {what}: ranks disagree on {name}: rank 0 has {a}, rank {p} has {b} "
+                        f"(every rank must call attention with the same shapes, dtype and options"
+                        f"{'; a rank skipped or repeated a call' if name == 'call' else ''}).")
+
+    # ----------------------------------------------------------------- the call
+    def attention(self, q, k, v, *, causal: bool = False, scale=None, score_mod=None, return_lse: bool = False,
+                  **unsupported):
+        """Exact attention of this rank's query rows against the whole sequence.
+
+        ``q (B, H, L_r, D)``, ``k (B, Hkv, L_r, D)``, ``v (B, Hkv, L_r, Dv)`` are this rank's rows
+        (:meth:`shard`); returns ``out (B, H, L_r, Dv)`` (and ``lse (B, H, L_r)`` with ``return_lse``).
+        Options as :func:`attnkit.attention`; every rank must pass the same ones."""
+        self._calls += 1
+        msg, fields = "", {}
+        try:
+            _check_unsupported(unsupported)
+            fields = self._validate(q, k, v, causal, scale, score_mod, return_lse)
+            # readable values of the hashed fields, for a mismatch message
+            msg = (f"dtype={q.dtype}; scale={scale!r}; score_mod={score_mod!r}"[:200] + f"; mask={self.mask!r}"[:120]
+                   + f"; layout={self.layout.name}; comm={self.comm}")
+        except Exception as e:  # tell the peers before raising here
+            msg = f"{type(e).__name__}: {e}"
+            fields = dict(fields, status=1, call=self._calls)
+        self._agree(fields, msg, "signature check")
+        _, opts = _options(self.seq_len, self.mask, causal, scale, score_mod)
+        sched = self.schedule(q.shape[0], q.shape[1], causal)
+        captured = _captured(score_mod)
+        if self.comm == "heads":
+            out, lse = self._heads_attention(q, k, v, sched, causal, scale, score_mod, return_lse)
+        else:
+            out, lse = _CPFn.apply(self, sched, opts, q, k, v, *captured)
+        return (out, lse) if return_lse else out
+
+    def _validate(self, q, k, v, causal, scale, score_mod, return_lse):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name}: expected a 4-D tensor (B, heads, L_r, dim), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}.")
+        B, H, n, D = q.shape
+        Hkv, Dv = k.shape[1], v.shape[-1]
+        rows = self.layout.lengths[self.rank]
+        sm_id = (type(score_mod).__qualname__ + repr(score_mod) if hasattr(score_mod, "validate")
+                 else getattr(score_mod, "__qualname__", repr(type(score_mod))))  # a function: by its name
+        fields = dict(status=0, call=self._calls, B=B, H=H, Hkv=Hkv, D=D, Dv=Dv, rows=n,
+                      dtype=_DTYPES.index(q.dtype) if q.dtype in _DTYPES else 99, causal=int(bool(causal)),
+                      scale=_crc(repr(scale)), score_mod=_crc(sm_id),
+                      return_lse=int(bool(return_lse)),
+                      grad=int(q.requires_grad) + 2 * int(k.requires_grad) + 4 * int(v.requires_grad),
+                      layout=self.layout.key, seq_len=self.seq_len, mask=_crc(repr(self.mask)),
+                      comm=_MODES.index(self.comm))
+        if n != rows or k.shape[2] != rows or v.shape[2] != rows:
+            raise ValueError(f"rank {self.rank} owns {rows} rows under layout {self.layout.name!r}, got q/k/v with "
+                             f"{n}/{k.shape[2]}/{v.shape[2]} on dim 2. Pass cp.shard(x) of the full sequence.")
+        if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Hkv or k.shape[3] != D or H % Hkv:
+            raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected q (B, H, L_r, D), "
+                             "k (B, Hkv, L_r, D), v (B, Hkv, L_r, Dv) with H % Hkv == 0.")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+        if self.comm == "heads" and H % self.W:
+            raise ValueError(f"comm='heads': the H={H} query heads must split evenly over W={self.W} ranks; "
+                             "use comm='p2p' or 'allgather'.")
+        if self.mask is not None:
+            self.mask.validate(B, H, self.seq_len, self.seq_len)
+        if score_mod is not None and hasattr(score_mod, "validate"):
+            score_mod.validate(B, H, self.seq_len, self.seq_len)
+        return fields
+
+    def _exchange_kv(self, k, v, what, stats, meanwhile=None):
+        """This rank's view ``{s: (k_s, v_s)}`` of the K/V shards it needs (its own included)."""
+        sched, r, P = self._sched, self.rank, self.layout.positions
+        D = k.shape[-1]
+        kv = {r: (k, v)} if sched.visible[r, r] else {}
+        packed = torch.cat([k.detach(), v.detach()], -1).contiguous()
+        elt = packed.element_size()
+        if self.comm == "p2p":
+            send = {t: packed for t in sched.send_to[r]}
+            recv = {s: packed.new_empty(packed.shape[0], packed.shape[1], len(P[s]), packed.shape[3])
+                    for s in sched.recv_from[r]}
+            self._p2p(send, recv, 11, what, meanwhile)
+            stats.bytes_sent += packed.numel() * elt * len(send)
+            stats.bytes_received += sum(b.numel() * elt for b in recv.values())
+            stats.peers_sent, stats.peers_received = tuple(send), tuple(recv)
+        else:
+            n = max(self.layout.lengths)
+            pad = packed.new_zeros(packed.shape[0], packed.shape[1], n, packed.shape[3])
+            pad[:, :, :packed.shape[2]] = packed
+            bufs = [torch.empty_like(pad) for _ in range(self.W)]
+            work = self.dist.all_gather(bufs, pad, group=self.group, async_op=True)
+            try:
+                if meanwhile is not None:
+                    meanwhile()
+            finally:
+                self._wait(work, None, what)
+            recv = {s: bufs[s][:, :, :len(P[s])] for s in range(self.W) if s != r}
+            stats.bytes_sent += pad.numel() * elt * (self.W - 1)
+            stats.bytes_received += pad.numel() * elt * (self.W - 1)
+            stats.peers_sent = stats.peers_received = tuple(s for s in range(self.W) if s != r)
+        for s, buf in recv.items():
+            if sched.visible[r, s]:
+                kv[s] = (buf[..., :D], buf[..., D:])
+        return kv
+
+    # ----------------------------------------------------------------- heads (Ulysses)
+    def _heads_attention(self, q, k, v, sched, causal, scale, score_mod, return_lse):
+        """All-to-all over heads: rank p gets the whole sequence for query heads [p·H/W, (p+1)·H/W) and
+        the kv heads they read; one :func:`attnkit.attention` there; the output goes back by rows."""
+        W, r, L = self.W, self.rank, self.seq_len
+        B, H = q.shape[:2]
+        Hkv = k.shape[1]
+        g = H // Hkv
+        qr = [(p * H // W, (p + 1) * H // W) for p in range(W)]
+        kr = [(a // g, (b - 1) // g + 1) for a, b in qr]
+        st = self.stats = Stats()
+        st.tiles_computed = int(sched.tiles.sum())
+        st.tiles_skipped = int(sched.empty.sum())
+        st.pairs_computed, st.pairs_skipped = W, 0
+        st.peers_sent = st.peers_received = tuple(p for p in range(W) if p != r)
+        self.backward_stats = Stats()
+        qh = _HeadsToSeq.apply(self, q, qr, 21)  # (B, H/W, L, D) in global order
+        kh = _HeadsToSeq.apply(self, k, kr, 22)
+        vh = _HeadsToSeq.apply(self, v, kr, 23)
+        h0, kh0 = qr[r][0], kr[r][0]
+        idx = [(h0 + i) // g - kh0 for i in range(qh.shape[1])]
+        if idx != [i // (qh.shape[1] // kh.shape[1]) if qh.shape[1] % kh.shape[1] == 0 else -1
+                   for i in range(qh.shape[1])]:
+            sel = torch.tensor(idx, device=kh.device)
+            kh, vh = kh.index_select(1, sel), vh.index_select(1, sel)  # GQA groups split unevenly here
+        base, _ = _options(L, self.mask, causal, None, None)
+        mask = base
+        if base is not None and _needs_bh(base):
+            gmod = base.bind(L, L)
+            mask = _masks.from_mod(lambda b, h, qi, ki: gmod(b, h + h0, qi, ki))
+        sm = None
+        if score_mod is not None:
+            def sm(score, b, h, qi, ki):
+                return score_mod(score, b, h + h0, qi, ki)
+        err = out = lse = None
+        try:
+            out, lse = _attention(qh, kh, vh, mask=mask, score_mod=sm, scale=scale, return_lse=True)
+            st.steps = 1
+        except Exception as e:
+            err = e
+        self._status(err, "forward")
+        out = _SeqToHeads.apply(self, out, qr, H, 24)
+        if return_lse:  # only then does lse travel back
+            lse = _SeqToHeads.apply(self, lse.unsqueeze(-1), qr, H, 25).squeeze(-1)
+        return out, lse
+
+    def _h2s(self, x, ranges, tag, st):
+        """(B, Hx, L_r, ·) this rank's rows of every head → (B, heads of ranges[rank], L, ·) every row."""
+        r, P = self.rank, self.layout.positions
+        a, b = ranges[r]
+        peers = [p for p in range(self.W) if p != r]
+        send = {p: x[:, ranges[p][0]:ranges[p][1]].contiguous() for p in peers}
+        recv = {p: x.new_empty(x.shape[0], b - a, len(P[p]), x.shape[3]) for p in peers}
+        self._p2p(send, recv, tag, "head all-to-all")
+        st.bytes_sent += sum(t.numel() * t.element_size() for t in send.values())
+        st.bytes_received += sum(t.numel() * t.element_size() for t in recv.values())
+        parts = [x[:, a:b] if p == r else recv[p] for p in range(self.W)]
+        return torch.cat(parts, 2).index_select(2, self.layout.inverse.to(x.device))
+
+    def _s2h(self, y, ranges, Hx, tag, st):
+        """The inverse of :meth:`_h2s`: (B, heads of ranges[rank], L, ·) → (B, Hx, L_r, ·), summing
+        the contributions of ranks whose head ranges overlap (kv heads shared under MQA)."""
+        r, P = self.rank, self.layout.positions
+        yy = y.index_select(2, self.layout.order.to(y.device))
+        pieces = list(torch.split(yy, self.layout.lengths, dim=2))
+        peers = [p for p in range(self.W) if p != r]
+        send = {p: pieces[p].contiguous() for p in peers}
+        recv = {p: y.new_empty(y.shape[0], ranges[p][1] - ranges[p][0], len(P[r]), y.shape[3]) for p in peers}
+        self._p2p(send, recv, tag, "head all-to-all (back)")
+        st.bytes_sent += sum(t.numel() * t.element_size() for t in send.values())
+        st.bytes_received += sum(t.numel() * t.element_size() for t in recv.values())
+        out = y.new_zeros(y.shape[0], Hx, len(P[r]), y.shape[3])
+        for p in range(self.W):
+            a, b = ranges[p]
+            out[:, a:b] += pieces[r] if p == r else recv[p]
+        return out
+
+    def _status(self, err, what):
+        """After local compute: every rank learns whether any rank failed."""
+        msg = "" if err is None else f"{type(err).__name__}: {err}"
+        self._agree({"status": int(err is not None), "call": self._calls}, msg, what)
+        if err is not None:
+            raise err
+
+
+class _CPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cp, sched, opts, q, k, v, *captured):
+        ctx.set_materialize_grads(False)  # an unused lse has no gradient (None), not zeros
+        r, P = cp.rank, cp.layout.positions
+        cp._sched = sched
+        st = cp.stats = Stats()
+        st.tiles_computed = int(sched.tiles[r].sum())
+        st.tiles_skipped = int(sched.empty[r].sum())
+        st.pairs_computed = int(sched.visible[r].sum())
+        st.pairs_skipped = cp.W - st.pairs_computed
+        err = out = lse = None
+        local = {}
+
+        def compute_local():  # the local pair runs while the K/V messages travel
+            nonlocal err
+            if sched.visible[r, r] and err is None:
+                try:
+                    local[r] = _pair(q.detach(), k.detach(), v.detach(), P[r], P[r], sched.blocks(r, r), opts)
+                except Exception as e:
+                    err = e
+
+        kv = cp._exchange_kv(k, v, "forward K/V exchange", st, compute_local)
+        if err is None:
+            try:
+                out, lse = _rank_forward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, local, v.shape[-1])
+                st.steps = len(kv)
+            except Exception as e:
+                err = e
+        cp._status(err, "forward")
+        ctx.cp, ctx.sched, ctx.opts, ctx.captured = cp, sched, opts, captured
+        ctx.kv = kv if cp.keep_kv else None
+        ctx.save_for_backward(q, k, v)
+        ctx.out, ctx.lse = out, lse
+        ctx.call = cp._calls
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        cp, sched, opts = ctx.cp, ctx.sched, ctx.opts
+        q, k, v = ctx.saved_tensors
+        r, P = cp.rank, cp.layout.positions
+        cp._sched = sched
+        st = cp.backward_stats = Stats()
+        kv = ctx.kv if ctx.kv is not None else cp._exchange_kv(k, v, "backward K/V exchange", st)
+        err, dq, parts, cap = None, None, {}, []
+        try:
+            dq, parts, cap = _rank_backward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, ctx.out, ctx.lse,
+                                            dout, dlse, list(ctx.captured))
+            st.steps = len(kv)
+        except Exception as e:
+            err = e
+        cp._status(err, "backward")
+        acc = _acc_dtype(q.dtype)
+        D = k.shape[-1]
+        mine = {}
+        if r in parts:
+            mine[r] = parts.pop(r)
+        if cp.comm == "p2p":
+            send = {s: torch.cat(parts[s], -1).contiguous() for s in sched.recv_from[r]}
+            recv = {t: torch.empty(k.shape[0], k.shape[1], k.shape[2], D + v.shape[-1], dtype=acc)
+                    for t in sched.send_to[r]}
+            cp._p2p(send, recv, 13, "backward dK/dV return")
+            st.bytes_sent += sum(t.numel() * t.element_size() for t in send.values())
+            st.bytes_received += sum(t.numel() * t.element_size() for t in recv.values())
+            for t, buf in recv.items():
+                mine[t] = (buf[..., :D], buf[..., D:])
+            dk, dv = _sum_parts(mine, k, v, acc)
+        else:
+            full = torch.zeros(k.shape[0], k.shape[1], cp.seq_len, D + v.shape[-1], dtype=acc)
+            for s, (pk, pv) in list(parts.items()) + list(mine.items()):
+                full[:, :, P[s]] += torch.cat([pk, pv], -1)
+            cp._wait(cp.dist.all_reduce(full, group=cp.group, async_op=True), None, "backward dK/dV all_reduce")
+            nbytes = full.numel() * full.element_size()
+            st.bytes_sent += 2 * (cp.W - 1) * nbytes // cp.W  # ring all-reduce traffic per rank
+            st.bytes_received += 2 * (cp.W - 1) * nbytes // cp.W
+            own = full[:, :, P[r]]
+            dk, dv = own[..., :D], own[..., D:]
+        grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+        return (None, None, None, *grads, *cap)
+
+
+# ------------------------------------------------------------------------------------------ modules
+
+def rope_at(rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x (..., L_r, D)`` whose rows sit at the global ``positions (L_r,)`` (any order, gaps
+    allowed: a zigzag or balanced shard): ``rotary.rotate(x, positions=positions)``."""
+    return rotary.rotate(x, positions=positions)
+
+
+def mha_forward(mha, x: torch.Tensor, cp: ContextParallel, *, causal: bool = False) -> torch.Tensor:
+    """Self-attention of an :class:`attnkit.nn.MultiHeadAttention` on this rank's rows
+    ``x (B, L_r, E)``: ``mha(x, causal=causal, context_parallel=cp)``."""
+    return mha(x, causal=causal, context_parallel=cp)
+
+
+def block_forward(block, x: torch.Tensor, cp: ContextParallel, *, causal: bool | None = None) -> torch.Tensor:
+    """An :class:`attnkit.nn.TransformerBlock` on this rank's rows ``x (B, L_r, E)``:
+    ``block(x, causal=causal, context_parallel=cp)``."""
+    return block(x, causal=causal, context_parallel=cp)
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cp, x, ranges, tag):
+        ctx.cp, ctx.ranges, ctx.tag, ctx.Hx = cp, ranges, tag, x.shape[1]
+        return cp._h2s(x.detach(), ranges, tag, cp.stats)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, ctx.cp._s2h(g.contiguous(), ctx.ranges, ctx.Hx, ctx.tag + 10, ctx.cp.backward_stats), None, None
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cp, y, ranges, Hx, tag):
+        ctx.cp, ctx.ranges, ctx.tag = cp, ranges, tag
+        return cp._s2h(y.detach(), ranges, Hx, tag, cp.stats)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, ctx.cp._h2s(g.contiguous(), ctx.ranges, ctx.tag + 10, ctx.cp.backward_stats), None, None, None
