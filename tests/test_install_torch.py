@@ -85,3 +85,17 @@ def test_unreachable_index_fails_at_once(bare_python, tmp_path):
 def test_bad_settings_are_reported(bare_python, tmp_path, mode, needle):
     r, _ = _run(bare_python, tmp_path, TORCH=mode)
     assert r.returncode in (1, 2) and needle in r.stderr
+
+
+def test_makefile_installs_torch_through_the_script(tmp_path):
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    r = subprocess.run(["make", "-n", "venv", f"VENV={tmp_path / 'v'}", "TORCH=cuda"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any("tools/install-torch.sh" in ln for ln in lines)
+    assert not any("torch==" in ln for ln in lines)  # never a bare `pip install torch` (the CUDA stack)
+    assert any("[2/3] torch 2.13.0 (TORCH=cuda)" in ln for ln in lines)
