@@ -19,7 +19,12 @@ import attnkit
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# no PYTHONPATH anywhere: a checkout on it (with its egg-info) would look like an installed attnkit
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def _run(*cmd, **kw):
+    kw.setdefault("env", CLEAN_ENV)
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=240, **kw)
     assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr}"
     return r
@@ -46,11 +51,12 @@ def test_wheel_builds_installs_and_runs(tmp_path):
     venv_site = Path(_run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
     # the dependencies (torch, numpy) come from this interpreter's site-packages, added AFTER the
     # clean venv's own: the attnkit that runs is the wheel's, never a checkout or an editable install
+    # (written after the install: pip must not see an attnkit installed elsewhere and skip the wheel)
+    _run(sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", built[0])
     deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()}
     (venv_site / "zz_deps.pth").write_text("\n".join(sorted(deps)) + "\n", encoding="utf-8")
-    _run(sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", built[0])
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = CLEAN_ENV
     where = _run(py, "-c", "import attnkit; print(attnkit.__file__)", env=env, cwd=tmp_path).stdout.strip()
     assert Path(where).resolve().is_relative_to(venv_site.resolve()), where
     exe = venv / ("Scripts/attnkit.exe" if os.name == "nt" else "bin/attnkit")
