@@ -47,11 +47,12 @@ def plot_attention(model, tokens: torch.Tensor, path: str) -> None:
     pred = logits.argmax(-1)[0].tolist()
     layers, heads = len(maps), maps[0].shape[1]
     labels = [str(t) for t in tokens.tolist()]
-    fig, axes = plt.subplots(layers, heads, figsize=(2.6 * heads, 2.7 * layers), squeeze=False)
+    fig, axes = plt.subplots(layers, heads, figsize=(2.6 * heads + 0.8, 2.7 * layers), squeeze=False)
+    im = None
     for li, w in enumerate(maps):
         for h in range(heads):
             ax = axes[li][h]
-            ax.imshow(w[0, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+            im = ax.imshow(w[0, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
             ax.set_title(f"layer {li} head {h}", fontsize=9)
             ax.set_xticks(range(len(labels)), labels, fontsize=6)
             ax.set_yticks(range(len(labels)), [str(p) for p in pred], fontsize=6)
@@ -59,7 +60,11 @@ def plot_attention(model, tokens: torch.Tensor, path: str) -> None:
             if h == 0:
                 ax.set_ylabel("query (predicted token)", fontsize=7)
     fig.suptitle(f"attention of a model trained to reverse {tokens.tolist()}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.9, 1))
+    cax = fig.add_axes((0.915, 0.15, 0.012, 0.7))  # one colour bar for every panel (shared 0..1 scale)
+    cb = fig.colorbar(im, cax=cax)
+    cb.set_label("attention weight", fontsize=8)
+    cb.ax.tick_params(labelsize=7)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -93,10 +93,19 @@ def test_pick_head_and_hover_token_updates_the_page(page, browser, tmp_path):
     lines = lambda: drv.find_elements(By.CSS_SELECTOR, "#lines line")  # noqa: E731
     # opened on the word `show` explains ("bank", pinned), mean of heads
     assert readout().startswith(f'layer {LAYER}, mean of heads: "bank" attends to:')
+    heading = lambda: drv.find_element(By.ID, "heattitle").text  # noqa: E731
+    assert heading() == f"Attention weights: layer {LAYER}, mean of heads"
+    # the heatmap names its axes and has a colour legend from 0 to 1
+    assert drv.find_element(By.ID, "keyaxis").text.startswith("keys")
+    assert drv.find_element(By.ID, "queryaxis").text.startswith("queries")
+    legend = drv.find_element(By.ID, "legend")
+    assert legend.text.split()[:2] == ["0", "1"] and "attention weight" in legend.text
+    assert "linear-gradient" in drv.find_element(By.ID, "legendbar").value_of_css_property("background-image")
 
     Select(drv.find_element(By.ID, "layer")).select_by_value(str(LAYER))
     Select(drv.find_element(By.ID, "head")).select_by_value(str(HEAD))
     assert readout().startswith(f'layer {LAYER}, head {HEAD}: "bank" attends to: river 0.')
+    assert heading() == f"Attention weights: layer {LAYER}, head {HEAD}"
 
     # hover another query token: its own row of weights appears, as lines and as text
     i = tokens.index("er")

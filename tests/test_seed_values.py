@@ -64,7 +64,8 @@ def test_softmax_is_stable_for_huge_scores():
 def test_cli_explain_default_prints_corrected_numbers(capsys):
     assert main(["explain"]) == 0
     out = capsys.readouterr().out
-    q0_rows = [l.split("│")[1].split() for l in out.splitlines() if l.strip().startswith("q0 │")]
+    steps = out[out.index("1. Raw scores"):]  # after the inputs (step 0)
+    q0_rows = [l.split("│")[1].split() for l in steps.splitlines() if l.strip().startswith("q0 │")]
     # raw scores, scaled scores, weights, output: the 3-token example's first row at every step
     assert q0_rows == [["1.0000", "1.0000", "0.0000"], ["0.7071", "0.7071", "0.0000"],
                        ["0.4011", "0.4011", "0.1978"], ["5.0000", "5.0000"]]

@@ -58,6 +58,11 @@ class Decision:
         w = f" [{self.worker}: {self.worker_reason}]" if self.worker else ""
         return f"{self.backend}: {self.reason}{w}"
 
+    def _repr_html_(self) -> str:
+        from .viz._html_repr import decision_html
+
+        return decision_html(self)
+
 
 def _sdpa_fits(req: Request) -> str | None:
     """Why auto should not use SDPA for this request (None: SDPA is the right choice)."""

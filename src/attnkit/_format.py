@@ -42,13 +42,17 @@ def _as_rank4(t):
     if lead == 0:
         return t
     up = lambda a: np.asarray(a).reshape((1,) * lead + np.shape(a))  # noqa: E731
-    return SimpleNamespace(q=up(t.q), scale=t.scale, scores=up(t.scores), scaled=up(t.scaled),
+    return SimpleNamespace(q=up(t.q), k=up(t.k), v=up(t.v), scale=t.scale, scores=up(t.scores), scaled=up(t.scaled),
                            masked=up(t.masked), weights=up(t.weights), output=up(t.output),
                            has_mask=t.has_mask)
 
 
-def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4, q_tokens=None, k_tokens=None) -> str:
+def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4, q_tokens=None, k_tokens=None,
+                 inputs: bool = False) -> str:
     """The trace of batch ``b``, head ``h`` as numbered tables (tokens label rows/columns).
+
+    ``inputs``: first show Q, K and V (step 0). Q and K columns are the head dims ``d0…``;
+    V's and the output's columns are the value dims ``dv0…``.
 
     ``t``'s arrays may have any rank the rank rule gives: scores (L, S), (H, L, S) or
     (B, H, L, S) with output (…, L, Dv); ``b`` and ``h`` pick from the dims that exist.
@@ -68,6 +72,13 @@ def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4, q_tokens
         parts.append(f"(head {h} of H={t.scores.shape[1]})")
     elif rank == 4 and t.scores.shape[0] * t.scores.shape[1] > 1:
         parts.append(f"(batch {b}, head {h} of B={t.scores.shape[0]}, H={t.scores.shape[1]})")
+    dv = [f"dv{j}" for j in range(Dv)]
+    if inputs:
+        dl = [f"d{j}" for j in range(dk)]
+        parts += [f"0. Inputs  Q ({L}×{dk}), K ({S}×{dk}), V ({S}×{Dv})",
+                  "Q", format_matrix(t.q[b, h], qlab, dl, prec),
+                  "K", format_matrix(t.k[b, h], klab or [f"k{j}" for j in range(S)], dl, prec),
+                  "V", format_matrix(t.v[b, h], klab or [f"k{j}" for j in range(S)], dv, prec), ""]
     parts += [
         "1. Raw scores  Q·Kᵀ", format_matrix(t.scores[b, h], qlab, klab, prec),
         f"2. Scaled scores  Q·Kᵀ × {t.scale:.6g}" + (f"  (= 1/√{dk})" if abs(t.scale - dk ** -0.5) < 1e-12 else ""),
@@ -75,8 +86,8 @@ def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4, q_tokens
     ]
     if t.has_mask or not np.array_equal(t.masked, t.scaled):
         parts += ["3. Masked / modified scores  (-inf = not attended)", format_matrix(t.masked[b, h], qlab, klab, prec)]
-    n = 4 if len(parts) > 5 else 3
+    n = 4 if any(p.startswith("3. Masked") for p in parts) else 3
     parts += [f"{n}. Weights  softmax per row (each row sums to 1; a fully masked row is 0)",
               format_matrix(t.weights[b, h], qlab, klab, prec),
-              f"{n + 1}. Output  weights · V", format_matrix(t.output[b, h], qlab, [f"v{j}" for j in range(Dv)], prec)]
+              f"{n + 1}. Output  weights · V", format_matrix(t.output[b, h], qlab, dv, prec)]
     return "\n".join(parts)

@@ -63,7 +63,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         NaN in an input propagates to the rows it touches.
 
     Raises:
-        TypeError / ValueError naming the argument, what was expected and got.
+        TypeError: a wrong kind of argument; the message names it, what was expected and what was got.
+        ValueError: a wrong value or shape; the message names it, what was expected and what was got.
     """
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                        dropout_p=dropout_p, return_lse=return_lse, backend=backend,
@@ -98,8 +99,12 @@ def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dr
              return_lse=False, return_weights=False, sinks=None, backend="auto") -> Decision:
     """The backend ``attention`` would run for these arguments, and why (runs nothing).
 
-    >>> attnkit.dispatch(q, k, v, mask=attnkit.masks.sliding_window(256))
-    Decision(backend='tiled', reason="block-sparse tiled kernel for mask sliding_window(256, ...)")
+    >>> q = k = v = torch.randn(1, 2, 1024, 64)
+    >>> d = attnkit.dispatch(q, k, v, mask=attnkit.masks.sliding_window(256))
+    >>> d.backend, d.worker
+    ('tiled', 'fused')
+    >>> d.reason
+    "block-sparse tiled kernel for mask sliding_window(256, align='bottom_right') (SDPA would need a dense (B, H, L, S) mask)"
     """
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                        dropout_p=dropout_p, return_lse=return_lse, backend=backend,

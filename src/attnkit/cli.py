@@ -34,9 +34,22 @@ _COMMANDS = {
 
 
 
+def _version() -> str:
+    """The installed distribution's version (the package's own when run from a source tree)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("attnkit")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnkit", description="Exact Transformer attention: run it, see it, build with it.",
                                 epilog="exit status: 0 ok, 2 bad input, 141 when stdout's reader goes away (| head).")
+    p.add_argument("--version", action="version", version=f"attnkit {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in _COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)

@@ -174,6 +174,11 @@ class Mask:
             rows.append(f"q{i:<{len(str(L - 1))}} {cells}")
         return "\n".join(rows)
 
+    def _repr_html_(self) -> str:
+        from .viz._html_repr import mask_html
+
+        return mask_html(self)
+
     def __str__(self) -> str:
         try:
             return f"{self!r}\n{self.draw()}"

@@ -129,6 +129,11 @@ class BlockPlan:
     def __str__(self) -> str:
         return f"BlockPlan: {self._summary()}\n{self.draw()}"
 
+    def _repr_html_(self) -> str:
+        from .viz._html_repr import plan_html
+
+        return plan_html(self)
+
     def to_block_mask(self):
         """FlexAttention's ``BlockMask`` for the same tiles: partial tiles → ``kv_*`` (the
         mask_mod is evaluated there), full tiles → ``full_kv_*``, empty tiles left out —

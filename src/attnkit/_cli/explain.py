@@ -82,6 +82,9 @@ def add_arguments(p):
     p.add_argument("--v", type=Path, metavar="FILE", help="V, shape (S, Dv)")
     p.add_argument("--causal", action="store_true", help="look-ahead mask (bottom-right aligned when L ≠ S)")
     p.add_argument("--mask", metavar="SPEC", help=f"mask: {MASK_SPECS}. See the mask file rules below.")
+    p.add_argument("--html", type=Path, metavar="FILE",
+                   help="also write one self-contained offline page for these numbers: hover a score or an "
+                        "output to see how it is made")
     p.add_argument("--precision", type=_nonneg_int("a number of decimals", MAX_PRECISION), default=4,
                    help=f"decimals shown, 0..{MAX_PRECISION} (default 4)")
 
@@ -345,6 +348,9 @@ def run(args) -> int:
     from .._request import make_request
 
     if args.example == "positional" and not (args.q or args.k or args.v):
+        if args.html:
+            raise _err("--html: the page walks through attention; --example positional has none. "
+                       "Use --example 3-token, cat or random, or --q/--k/--v.")
         return _positional(args)
     own = [args.q, args.k, args.v]
     tokens, note = None, None
@@ -372,12 +378,35 @@ def run(args) -> int:
         msg = str(e)
         name = msg.split(":", 1)[0]
         raise _err(f"--{msg}" if name in ("q", "k", "v", "mask") else f"--q/--k/--v/--mask: {msg}") from None
+    if args.html:  # checked before anything is printed
+        from ..viz.explain_html import MAX_TOKENS
+
+        sizes = dict(L=q.shape[0], S=k.shape[0], D=q.shape[1], Dv=v.shape[1])
+        if max(sizes.values()) > MAX_TOKENS:
+            raise _err(f"--html: the page shows every number, so at most {MAX_TOKENS} queries, keys and dims; got "
+                       + ", ".join(f"{n}={x}" for n, x in sizes.items()) + ". Pass a slice of your Q, K, V.")
     t = explain(q, k, v, mask=mask, causal=args.causal)  # (L, S) / (L, Dv) arrays: 2-D in, 2-D out
     print(title)
     print(f"Q {q.shape}, K {k.shape}, V {v.shape}; scale = 1/√d_k = {t.scale:.6f}\n")
     q_tokens, k_tokens = tokens if isinstance(tokens, tuple) else (tokens, tokens)
-    print(format_trace(t, q_tokens=q_tokens, k_tokens=k_tokens, prec=args.precision))
+    print(format_trace(t, q_tokens=q_tokens, k_tokens=k_tokens, prec=args.precision, inputs=True))
     if note:
         masked = bool(args.causal or args.mask)
         print("\nNote: " + note(t, masked, args.precision, q, k, v))
+    if args.html:
+        _write_page(args.html, t, title, q_tokens, k_tokens, args.precision)
     return 0
+
+
+def _write_page(path: Path, t, title, q_tokens, k_tokens, prec):
+    from ..viz.explain_html import explain_page
+
+    try:
+        text = explain_page(t, title=title, prec=prec, q_tokens=q_tokens, k_tokens=k_tokens)
+    except ValueError as e:
+        raise _err(f"--html: {str(e).split(': ', 1)[1]}") from None
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise _err(f"--html: could not write {str(path)!r}: {e.strerror or e}.") from None
+    print(f"\nPage: {path} (one offline file; open it in a browser)")

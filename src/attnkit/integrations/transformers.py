@@ -3,12 +3,14 @@
 Shape legend: B batch, H query heads, Hkv key/value heads, L query length,
 S key length, D head dim, Dv value head dim.
 
-    >>> from attnkit.integrations import transformers as ak_hf
-    >>> ak_hf.register()                                   # once per process
-    >>> model = AutoModel.from_pretrained(path, attn_implementation="attnkit")
+    >>> from attnkit.integrations import minilm, transformers as ak_hf
+    >>> ak_hf.register()                                   # once per process: the name to load with
+    'attnkit'
+    >>> tok, model = minilm.load()     # = AutoModel.from_pretrained(path, attn_implementation="attnkit")
     >>> weights = ak_hf.capture_attention(model, tok(["The river bank."], return_tensors="pt"),
     ...                                   layers=[2], heads=[0, 5])
-    >>> weights[2].shape                                   # (B, 2 heads, L, S)
+    >>> tuple(weights[2].shape)                            # (B, 2 heads, L, S)
+    (1, 2, 6, 6)
 
 How the pieces fit::
 

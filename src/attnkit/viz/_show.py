@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import numbers
 import string
+import unicodedata
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,23 +142,34 @@ def _n_tokens(tok, sentences):
     return [len(ids) for ids in tok(list(sentences), truncation=False, verbose=False)["input_ids"]]
 
 
-def _is_content(text):
-    return text.lower() not in _STOP and not all(c in string.punctuation for c in text)
+_SPECIAL = frozenset({"[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]", "<unk>", "<s>", "</s>", "<pad>", "<mask>"})
 
 
-def _pick_word(words, layer_w):
-    """Default word: see WORD_RULE. layer_w (H, L, S) for sentence 0."""
+def _is_content(text, pieces=()):
+    """A content word: not a stop word, not punctuation (or symbols) only, and not only special tokens
+    such as [UNK] (``pieces``: the word's token strings)."""
+    t = text.strip()
+    if not t or t.lower() in _STOP or all(unicodedata.category(c)[0] in "PZC" or c in string.punctuation for c in t):
+        return False
+    if t in _SPECIAL or (pieces and all(p in _SPECIAL for p in pieces)):
+        return False
+    return True
+
+
+def _pick_word(words, layer_w, tokens=None):
+    """Default word: see WORD_RULE. layer_w (H, L, S) for sentence 0. Returns (text, idx, is_content)."""
     p = layer_w.mean(0)  # (L, S) mean over heads
-    content = [(t, idx) for t, idx in words if _is_content(t)]
+    pieces = (lambda idx: [tokens[i] for i in idx]) if tokens is not None else (lambda idx: ())
+    content = [(t, idx) for t, idx in words if _is_content(t, pieces(idx))]
     if not content:
-        return words[0]
+        return words[0][0], words[0][1], False
     best, best_score = content[0], -1.0
     for t, idx in content:
         others = [j for t2, idx2 in content if idx2 != idx for j in idx2]
         score = float(p[idx].mean(0)[others].sum()) if others else 0.0
         if score > best_score:
             best, best_score = (t, idx), score
-    return best
+    return best[0], best[1], True
 
 
 def _table(tokens, rows, heads, top):
@@ -168,11 +180,11 @@ def _table(tokens, rows, heads, top):
     width = max(len(t) for t in tokens)
     for label, r in [(str(h), rows[k]) for k, h in enumerate(heads)] + ([("mean", rows.mean(0))] if len(heads) > 1 else []):
         order = np.argsort(-r, kind="stable")[:top]
-        ent = float(-(r[r > 0] * np.log(r[r > 0])).sum())
+        ent = float(-(r[r > 0] * np.log(r[r > 0])).sum())  # natural log: nats (ln S for a uniform row)
         cells = "   ".join(f"{tokens[j]:>{width}} {r[j]:.2f}" for j in order)
         lines.append(f"{label:>4} │ {cells} │ {ent:5.2f}")
-    head = f"head │ {'attends most to (weight)':<{len(lines[0].split('│')[1]) - 1}}│ entropy"
-    rule = "─" * 5 + "┼" + "─" * (len(lines[0].split("│")[1])) + "┼" + "─" * 8
+    head = f"head │ {'attends most to (weight)':<{len(lines[0].split('│')[1]) - 1}}│ entropy (nats)"
+    rule = "─" * 5 + "┼" + "─" * (len(lines[0].split("│")[1])) + "┼" + "─" * 15
     return "\n".join([head, rule] + lines)
 
 
@@ -241,9 +253,13 @@ def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_pat
                              'drops); pass some text, e.g. "The river bank was eroding."')
     lw = weights[layer][0][:, pos0][:, :, pos0]  # (H, L, S) for sentence 0, its real tokens only
     if word is None:
-        wtext, widx = _pick_word(words, lw)
-        how = ("picked by the default rule: the content word that attends most to the other content words "
-               "in this layer (see --help); choose another with --word")
+        wtext, widx, is_content = _pick_word(words, lw, tokens)
+        if is_content:
+            how = ("picked by the default rule: the content word that attends most to the other content words "
+                   "in this layer (see --help); choose another with --word")
+        else:
+            how = ("the first word: the sentence has no content word (only stop words, punctuation or special "
+                   "tokens such as [UNK]); choose another with --word")
     else:
         want = word.strip().lower().strip(string.punctuation) or word.strip().lower()
         hits = [(t, idx) for t, idx in words if t.lower() == want]
@@ -272,7 +288,8 @@ def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_pat
         raise ShowInputError("out", f"cannot create {str(out_dir)!r} ({e.strerror}); pick a writable "
                              "directory") from e
     _progress("drawing attention.png", quiet)
-    title = f'{name} · layer {layer}' + (f" · head {head}" if head is not None else "") + f' · "{sentences[0]}"'
+    shown = sentences[0] if len(sentences[0]) <= 80 else sentences[0][:79].rstrip() + "…"
+    title = f'{name} · layer {layer}' + (f" · head {head}" if head is not None else "") + f' · "{shown}"'
     try:
         png = save_heads_png(out_dir / "attention.png", lw[heads], tokens, title=title, heads=heads,
                              highlight_row=widx[0])

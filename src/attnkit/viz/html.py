@@ -13,11 +13,12 @@ Page layout::
     bank   ═══════════════╲────────────────────────── river
     ...                                                 ...
     readout: "bank" → river 0.69 · [SEP] 0.12 · ...
-    heatmap of the selected head (rows = queries, columns = keys)
+    heatmap of the selected head or the mean of heads (rows = queries, columns = keys), colour legend
 
 DOM hooks (stable, used by the browser test): ``#item``, ``#layer``, ``#head``
 selects; ``.tok.q[data-i]`` / ``.tok.k[data-j]`` tokens; ``#lines line`` with
-``data-i``, ``data-j``, ``data-w``; ``#readout``; ``#heatmap td[data-i][data-j]``.
+``data-i``, ``data-j``, ``data-w``; ``#readout``; ``#heatmap td[data-i][data-j]``; ``#heattitle`` (names the
+layer and "head h" or "mean of heads"); ``#legend`` (the colour scale, 0 to 1).
 """
 
 from __future__ import annotations
@@ -141,7 +142,11 @@ _PAGE = """<!DOCTYPE html>
     <div class="col" id="kcol" aria-label="keys"></div>
   </section>
   <p id="readout" aria-live="polite"></p>
-  <section id="heatwrap"><h2>Weights of the selected head</h2><div id="heatmap"></div></section>
+  <section id="heatwrap"><h2 id="heattitle">Attention weights</h2>
+    <div id="heatgrid"><div id="keyaxis">keys (attended to) &#8594;</div>
+      <div id="queryaxis">queries (attending) &#8594;</div><div id="heatmap"></div></div>
+    <div id="legend" aria-label="colour scale"><span>0</span><span id="legendbar"></span><span>1</span>
+      <span class="lname">attention weight (colour opacity = weight)</span></div></section>
 </main>
 <script type="application/json" id="attn-data">%DATA%</script>
 <script>%JS%</script>
@@ -177,6 +182,14 @@ select { font: inherit; padding: 2px 6px; margin-left: 4px; }
 #heatmap thead th { writing-mode: vertical-rl; transform: rotate(180deg); text-align: left; height: 70px; }
 #heatmap td { width: 22px; height: 18px; border: 1px solid #fff; }
 #heatmap tr.active th { color: var(--accent); font-weight: 700; }
+#heatgrid { display: grid; grid-template-columns: auto auto; grid-template-rows: auto auto; justify-content: start; }
+#keyaxis { grid-column: 2; grid-row: 1; color: var(--muted); font-size: 12px; padding-left: 60px; }
+#queryaxis { grid-column: 1; grid-row: 2; writing-mode: vertical-rl; color: var(--muted);
+             font-size: 12px; padding-top: 80px; }
+#heatmap { grid-column: 2; grid-row: 2; }
+#legend { display: flex; align-items: center; gap: 6px; margin-top: 8px; font-size: 12px; color: var(--muted); }
+#legendbar { display: inline-block; width: 160px; height: 12px; border: 1px solid #ced4da; }
+#legend .lname { margin-left: 8px; }
 """
 
 _JS = r"""
@@ -293,6 +306,9 @@ _JS = r"""
 
   function heatmap(t, m, f) {
     var L = t.length;
+    el("heattitle").textContent = "Attention weights: layer " + S.layer + ", " +
+      (S.head >= 0 ? "head " + S.head : "mean of heads");
+    el("legendbar").style.background = "linear-gradient(to right, " + tint(0) + ", " + tint(1) + ")";
     if (L > 80) { el("heatmap").textContent = "(" + L + " tokens: too many for a readable table)"; return; }
     var h = ["<table><thead><tr><th></th>"];
     t.forEach(function (tok) { h.push("<th>" + esc(tok) + "</th>"); });

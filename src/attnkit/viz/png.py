@@ -19,9 +19,25 @@ import textwrap
 
 import numpy as np
 
-__all__ = ["save_heads_png"]
+__all__ = ["save_heads_png", "short_title"]
+
+MAX_TITLE_LINES = 2
 
 _HIGHLIGHT = "#e8590c"
+
+
+def short_title(title: str, width: int, max_lines: int = MAX_TITLE_LINES) -> str:
+    """``title`` wrapped at ``width`` characters, at most ``max_lines`` lines; a longer title is cut
+    at a word boundary and ends with an ellipsis (…) — a long sentence never becomes a page of title."""
+    lines = textwrap.wrap(" ".join(str(title).split()), width=width) or [""]
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    kept = lines[:max_lines]
+    last = kept[-1]
+    if len(last) > width - 2:
+        last = last[:width - 2].rsplit(" ", 1)[0] if " " in last[:width - 2] else last[:width - 2]
+    kept[-1] = last.rstrip() + " …"
+    return "\n".join(kept)
 
 
 def _pyplot():
@@ -111,11 +127,15 @@ def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=No
     fig.supxlabel("keys (attended to)", fontsize=fs + 1)
     fig.supylabel("queries (attending)", fontsize=fs + 1)
     if title:
-        fig.suptitle(textwrap.fill(title, width=max(40, int(fig_w * 100 / (fs + 4)))), fontsize=fs + 4)
+        fig.suptitle(short_title(title, width=max(40, int(fig_w * 100 / (fs + 4)))), fontsize=fs + 4)
     cb = fig.colorbar(im, ax=axes, shrink=0.5, pad=0.02, aspect=30)
     cb.set_label("attention weight (square-root scale)", fontsize=fs)
     cb.set_ticks([0, 0.05, 0.2, 0.4, 0.6, 0.8, 1.0])
     cb.ax.tick_params(labelsize=fs)
-    fig.savefig(path, dpi=dpi, facecolor="white")
+    import warnings
+
+    with warnings.catch_warnings():  # a token the font cannot draw (an emoji) is drawn as a box, not a warning
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", category=UserWarning)
+        fig.savefig(path, dpi=dpi, facecolor="white")
     plt.close(fig)
     return str(path)
