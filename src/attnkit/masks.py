@@ -500,70 +500,46 @@ class _Combined(Mask):
             p.validate(B, H, L, S)
 
 
-class And(_Combined):
+def _fold(mods, op):
+    """One mask_mod combining ``mods`` with ``op`` (``&`` or ``|``), left to right."""
+    def mod(b, h, q, kv):
+        out = mods[0](b, h, q, kv)
+        for m in mods[1:]:
+            out = op(out, m(b, h, q, kv))
+        return out
+
+    return mod
+
+
+class _Fold(_Combined):
+    """A mask combining its parts pointwise with ``_op`` and their tile kinds with ``_kinds``."""
+
     def tile_kinds(self, B, H, L, S, bm, bn):
         out = self.parts[0].tile_kinds(B, H, L, S, bm, bn)
         for p in self.parts[1:]:
-            out = torch.minimum(out, p.tile_kinds(B, H, L, S, bm, bn))  # both must allow
+            out = self._kinds(out, p.tile_kinds(B, H, L, S, bm, bn))
         return out
 
     def flex_mask_mod(self, L, S):
-        mods = [p.flex_mask_mod(L, S) for p in self.parts]
-
-        def mod(b, h, q, kv):
-            out = mods[0](b, h, q, kv)
-            for m in mods[1:]:
-                out = out & m(b, h, q, kv)
-            return out
-
-        return mod
+        return _fold([p.flex_mask_mod(L, S) for p in self.parts], self._op)
 
     def bind(self, L, S):
-        mods = [p.bind(L, S) for p in self.parts]
-
-        def mod(b, h, q, kv):
-            out = mods[0](b, h, q, kv)
-            for m in mods[1:]:
-                out = out & m(b, h, q, kv)
-            return out
-
-        return mod
+        return _fold([p.bind(L, S) for p in self.parts], self._op)
 
     def __repr__(self):
-        return "(" + " & ".join(map(repr, self.parts)) + ")"
+        return "(" + f" {self._sym} ".join(map(repr, self.parts)) + ")"
 
 
-class Or(_Combined):
-    def tile_kinds(self, B, H, L, S, bm, bn):
-        out = self.parts[0].tile_kinds(B, H, L, S, bm, bn)
-        for p in self.parts[1:]:
-            out = torch.maximum(out, p.tile_kinds(B, H, L, S, bm, bn))  # either may allow
-        return out
+class And(_Fold):
+    """Both allow: tile kinds combine by min (EMPTY < PARTIAL < FULL)."""
 
-    def flex_mask_mod(self, L, S):
-        mods = [p.flex_mask_mod(L, S) for p in self.parts]
+    _op, _kinds, _sym = staticmethod(lambda a, b: a & b), staticmethod(torch.minimum), "&"
 
-        def mod(b, h, q, kv):
-            out = mods[0](b, h, q, kv)
-            for m in mods[1:]:
-                out = out | m(b, h, q, kv)
-            return out
 
-        return mod
+class Or(_Fold):
+    """Either allows: tile kinds combine by max."""
 
-    def bind(self, L, S):
-        mods = [p.bind(L, S) for p in self.parts]
-
-        def mod(b, h, q, kv):
-            out = mods[0](b, h, q, kv)
-            for m in mods[1:]:
-                out = out | m(b, h, q, kv)
-            return out
-
-        return mod
-
-    def __repr__(self):
-        return "(" + " | ".join(map(repr, self.parts)) + ")"
+    _op, _kinds, _sym = staticmethod(lambda a, b: a | b), staticmethod(torch.maximum), "|"
 
 
 class Not(_Combined):
