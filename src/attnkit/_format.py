@@ -7,7 +7,8 @@ import numpy as np
 __all__ = ["format_matrix", "format_trace"]
 
 
-def _cell(x: float, prec: int) -> str:
+def format_number(x: float, prec: int = 4) -> str:
+    """A score or weight as text: fixed ``prec`` decimals, or -inf / inf / nan (tables and pages alike)."""
     if np.isneginf(x):
         return "-inf"
     if np.isposinf(x):
@@ -25,7 +26,7 @@ def format_matrix(m, row_labels=None, col_labels=None, prec: int = 4) -> str:
         return f"(empty {m.shape[0]}×{m.shape[1]} matrix)"
     rows = row_labels or [f"q{i}" for i in range(m.shape[0])]
     cols = col_labels or [f"k{j}" for j in range(m.shape[1])]
-    cells = [[_cell(x, prec) for x in r] for r in m]
+    cells = [[format_number(x, prec) for x in r] for r in m]
     w = max([len(c) for c in cols] + [len(c) for r in cells for c in r])
     rw = max(len(r) for r in rows)
     out = [" " * rw + " │ " + " ".join(c.rjust(w) for c in cols), "─" * rw + "─┼─" + "─" * ((w + 1) * len(cols) - 1)]

@@ -29,6 +29,17 @@ def tile_of(t: torch.Tensor, i0: int, l: int, j0: int, s: int) -> torch.Tensor:
     return t[..., rows, cols]
 
 
+def _tensor_tile(t: torch.Tensor, i0: int, l: int, j0: int, s: int, heads=None, batch=None) -> torch.Tensor:
+    """The tile of a user mask tensor (bool or bias), restricted to the selected heads / batch rows
+    where it has those dims (a size-1 dim broadcasts and is kept)."""
+    t = tile_of(t, i0, l, j0, s)
+    if heads is not None and t.shape[1] != 1:
+        t = t[:, heads]
+    if batch is not None and t.shape[0] != 1:
+        t = t[batch]
+    return t
+
+
 def apply_score_mod(req: Request, s: torch.Tensor, b, h, q, kv) -> torch.Tensor:
     """``req.score_mod`` on a tile of scaled scores ``s`` with broadcasting indices.
 
@@ -68,11 +79,7 @@ def allowed_tile(req: Request, i0: int, l: int, j0: int, s: int, heads=None, bat
             b = b[batch]
         allowed = req.mask.bind(L, S)(b, h, q, kv)
     if req.dense_mask is not None:
-        dm = tile_of(req.dense_mask, i0, l, j0, s)
-        if heads is not None and dm.shape[1] != 1:
-            dm = dm[:, heads]
-        if batch is not None and dm.shape[0] != 1:
-            dm = dm[batch]
+        dm = _tensor_tile(req.dense_mask, i0, l, j0, s, heads, batch)
         allowed = dm if allowed is None else allowed & dm
     return allowed
 
@@ -87,12 +94,7 @@ def modify_scores(req: Request, s_tile: torch.Tensor, i0: int, j0: int, heads=No
             b = b[batch]
         s_tile = apply_score_mod(req, s_tile, b, h, q, kv)
     if req.bias is not None:
-        bt = tile_of(req.bias, i0, l, j0, s)
-        if heads is not None and bt.shape[1] != 1:
-            bt = bt[:, heads]
-        if batch is not None and bt.shape[0] != 1:
-            bt = bt[batch]
-        s_tile = s_tile + bt.to(s_tile.dtype)
+        s_tile = s_tile + _tensor_tile(req.bias, i0, l, j0, s, heads, batch).to(s_tile.dtype)
     allowed = allowed_tile(req, i0, l, j0, s, heads, batch)
     if allowed is not None:
         s_tile = s_tile.masked_fill(~allowed, NEG_INF)

@@ -12,6 +12,8 @@ import html as _html
 
 import numpy as np
 
+from .._format import format_number
+
 __all__ = ["trace_html", "mask_html", "plan_html", "decision_html", "matrix_table", "trace_repr"]
 
 _BOX = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;line-height:1.3"
@@ -25,14 +27,7 @@ def esc(x) -> str:
     return _html.escape(str(x), quote=True)
 
 
-def fmt(x: float, prec: int = 4) -> str:
-    if np.isneginf(x):
-        return "-inf"
-    if np.isposinf(x):
-        return "inf"
-    if np.isnan(x):
-        return "nan"
-    return f"{x:.{prec}f}"
+fmt = format_number  # one number format for text tables and HTML
 
 
 def _blue(frac: float) -> tuple[str, str]:
