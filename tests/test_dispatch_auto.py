@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit import _fast
 from attnkit import masks as M
 from attnkit import score_mods as SM
 from attnkit.backends import eager, sdpa, tiled
@@ -16,7 +17,7 @@ from conftest import rand_qkv
 
 @pytest.fixture
 def ran(monkeypatch):
-    """Records which backend module's run() was called."""
+    """Records which backend module's run() was called (the fast path counts as sdpa's)."""
     calls = []
     for mod in (eager, sdpa, tiled):
         orig = mod.run
@@ -26,6 +27,15 @@ def ran(monkeypatch):
             return _orig(req, worker)
 
         monkeypatch.setattr(mod, "run", spy)
+    real_fast = _fast.attention
+
+    def fast_spy(*a):  # the fast path answers only calls auto sends to sdpa (see attnkit._fast)
+        out = real_fast(*a)
+        if out is not None:
+            calls.append("sdpa")
+        return out
+
+    monkeypatch.setattr(_fast, "attention", fast_spy)
     return calls
 
 

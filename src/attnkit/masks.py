@@ -110,6 +110,14 @@ class Mask:
             return 0, 0
         return int(live[0]) * 64, min(S, (int(live[-1]) + 1) * 64)
 
+    def decode_tile(self, B: int, L: int, S: int, device) -> tuple[int, int, torch.Tensor] | None:
+        """For a decode-sized call (a few query rows): ``(j0, j1, allowed)``, the keys ``[j0, j1)``
+        some query can see and a bool tensor broadcastable to ``(B, 1, L, j1 - j0)`` over them
+        (True = attend), built in closed form in one or two ops; or None: not offered by this
+        mask, these sizes are not valid for it, or some query row would see no key (the caller
+        then takes the general path, which validates and handles empty rows)."""
+        return None
+
     def tile_kinds(self, B: int, H: int, L: int, S: int, bm: int, bn: int) -> torch.Tensor:
         """int8 kinds ``(Bp, Hp, ceil(L/bm), ceil(S/bn))`` of EMPTY / PARTIAL / FULL tiles
         (see :mod:`attnkit._tiling`). Built-in masks answer in closed form from the tile
@@ -276,6 +284,13 @@ class Causal(Mask):
     def key_span(self, B, H, L, S):
         return 0, max(0, min(S, L - 1 + _offset(self.align, L, S) + 1))
 
+    def decode_tile(self, B, L, S, device):
+        off = _offset(self.align, L, S)
+        if off < 0:  # bottom-right with L > S: the first rows see no key
+            return None
+        j1 = min(S, L + off)  # row i sees keys j <= i + off
+        return 0, j1, torch.ones(L, j1, dtype=torch.bool, device=device).tril_(off)
+
     def __repr__(self):
         return f"causal(align={self.align!r})"
 
@@ -301,6 +316,15 @@ class SlidingWindow(Mask):
         off = _offset(self.align, L, S)  # query i sees keys off + i - size < j <= off + i
         return max(0, off - self.size + 1), max(0, min(S, L - 1 + off + 1))
 
+    def decode_tile(self, B, L, S, device):
+        if L > S:  # some row would see no key (bottom-right: the first ones; top-left: the last ones)
+            return None
+        off, w = _offset(self.align, L, S), self.size
+        j0, j1 = max(0, off - w + 1), min(S, L + off)
+        # local column c = j - j0; row i keeps off + i - w < j <= off + i
+        t = torch.ones(L, j1 - j0, dtype=torch.bool, device=device)
+        return j0, j1, t.tril_(off - j0).triu_(off - j0 - w + 1)
+
     def __repr__(self):
         return f"sliding_window({self.size}, align={self.align!r})"
 
@@ -324,6 +348,9 @@ class Padding(Mask):
         if (self.key_lengths < 0).any():
             raise ValueError(f"key_lengths: expected lengths >= 0, got {self.key_lengths.tolist()}.")
         self.batch_size = int(self.key_lengths.numel())
+        # Python ints of the immutable lengths: validation and key spans without a tensor op
+        self._max = int(self.key_lengths.max()) if self.batch_size else 0
+        self._min = int(self.key_lengths.min()) if self.batch_size else 0
 
     def validate(self, B, H, L, S):
         if self.batch_size != B:
@@ -331,9 +358,9 @@ class Padding(Mask):
                 f"key_lengths: expected one length per batch row ({B}), got {self.batch_size}. "
                 "Pass a length for every sequence in the batch."
             )
-        if self.key_lengths.numel() and int(self.key_lengths.max()) > S:
+        if self._max > S:
             raise ValueError(
-                f"key_lengths: lengths must be <= S={S}, got max {int(self.key_lengths.max())}. "
+                f"key_lengths: lengths must be <= S={S}, got max {self._max}. "
                 "A length longer than the keys would be silently truncated; fix the lengths."
             )
 
@@ -353,7 +380,14 @@ class Padding(Mask):
         return (S, S)
 
     def key_span(self, B, H, L, S):
-        return 0, min(S, int(self.key_lengths.max()) if self.key_lengths.numel() else 0)
+        return 0, min(S, self._max)
+
+    def decode_tile(self, B, L, S, device):
+        if self.batch_size != B or self._max > S or self._min < 1:  # invalid, or a row sees no key
+            return None
+        n = self._max
+        allowed = torch.arange(n, device=device) < self.key_lengths.to(device).view(B, 1, 1, 1)
+        return 0, n, allowed  # (B, 1, 1, n)
 
     def __repr__(self):
         return f"padding({self.key_lengths.tolist()})"

@@ -22,7 +22,7 @@ from . import _flash_cpu, eager
 from ._base import Request
 from ._tiles import allowed_tile, has_nan, tile_of
 
-__all__ = ["NAME", "unsupported", "choose_worker", "run"]
+__all__ = ["NAME", "unsupported", "choose_worker", "run", "may_hide_nan"]
 
 NAME = "sdpa"
 
@@ -75,6 +75,12 @@ def _attn_mask(req: Request, j0: int, j1: int):
     allowed = None if _is_causal_only(req) else allowed_tile(req, 0, L, j0, j1 - j0)
     if req.bias is None:
         return allowed
+    return _with_bias(req, allowed, j0, j1)
+
+
+def _with_bias(req: Request, allowed, j0: int, j1: int):
+    """The float bias over keys ``[j0, j1)``, -inf where ``allowed`` (if any) is False."""
+    L = req.q.shape[2]
     bias = tile_of(req.bias, 0, L, j0, j1 - j0).to(req.q.dtype)
     if allowed is not None:
         bias = bias.masked_fill(~allowed, float("-inf"))
@@ -88,6 +94,18 @@ def _no_empty_rows(req: Request) -> bool:
     outside those is the kernel hiding a NaN (or V rows that are all zero: a rescan says which)."""
     return (not req.has_mask or _is_causal_only(req)
             or (req.q.shape[2] <= DECODE_MAX_L and req.bias is None and not req.need_lse))
+
+
+def may_hide_nan(out: torch.Tensor) -> bool:
+    """Whether the fused output may have an all-zero row (where torch's CPU kernel may have
+    hidden a NaN/inf; the caller then looks closer). Conservative and cheap: small outputs
+    count their zeros, big ones only the first column (a zero row has a zero first element),
+    a pass over 1/Dv of the output instead of all of it."""
+    n = out.numel()
+    if n <= 4096:
+        return int(torch.count_nonzero(out)) < n
+    col = out[..., 0]
+    return int(torch.count_nonzero(col)) < col.numel()
 
 
 def choose_worker(req: Request) -> tuple[str, str]:
@@ -114,8 +132,8 @@ def run(req: Request, worker: str | None = None):
         out, lse = eager.run(req)
         return out, (lse if req.need_lse else None)
     out, lse, allowed = _fused(req)
-    # some element exactly 0 (one op, cheap) -> an all-zero row the mask does not empty -> NaN scan
-    if _no_empty_rows(req) and int(torch.count_nonzero(out)) < out.numel():
+    # maybe an all-zero row (cheap) -> an all-zero row the mask does not empty -> NaN scan
+    if _no_empty_rows(req) and may_hide_nan(out):
         zero_rows = (out == 0).all(dim=-1)  # (B, H, L)
         if allowed is not None:
             zero_rows = zero_rows & allowed.any(dim=-1).expand_as(zero_rows)
@@ -127,10 +145,17 @@ def run(req: Request, worker: str | None = None):
 def _fused(req: Request):
     B, H, L, S, D, Dv, Hkv = req.shape
     is_causal = _is_causal_only(req)
-    j0, j1 = key_range(req) if (L <= DECODE_MAX_L and not is_causal) else (0, S)
-    if j1 <= j0:  # no query sees any key: keep the whole (masked) problem, so gradients stay defined
-        j0, j1 = 0, S
-    attn_mask = _attn_mask(req, j0, j1)
+    tile = None
+    if L <= DECODE_MAX_L and not is_causal and req.mask is not None and req.plan is None and req.dense_mask is None:
+        tile = req.mask.decode_tile(B, L, S, req.q.device)  # closed form, or None (see Mask.decode_tile)
+    if tile is not None:
+        j0, j1, allowed = tile
+        attn_mask = allowed if req.bias is None else _with_bias(req, allowed, j0, j1)
+    else:
+        j0, j1 = key_range(req) if (L <= DECODE_MAX_L and not is_causal) else (0, S)
+        if j1 <= j0:  # no query sees any key: keep the whole (masked) problem, so gradients stay defined
+            j0, j1 = 0, S
+        attn_mask = _attn_mask(req, j0, j1)
     k, v = req.k[:, :, j0:j1], req.v[:, :, j0:j1]  # views: only the keys the mask can reach
     if not req.need_lse:
         out = F.scaled_dot_product_attention(

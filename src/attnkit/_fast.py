@@ -1,0 +1,103 @@
+"""The common call in a few attribute reads: ``attention(q, k, v)`` or ``attention(q, k, v, causal=True)``
+on 4-D torch tensors, which ``auto`` sends to torch SDPA unchanged.
+
+A decode step or a short prompt runs a kernel of 10-100 µs; the full path (``make_request`` →
+``decide`` → ``backends.sdpa.run``) costs 20-40 µs of Python around it. This module answers
+the common case directly, and *only* it.
+
+Contract (checked here and nowhere else; anything outside it returns ``None`` and the caller
+takes the full path, so every error message, warning and decision is the full path's):
+
+* ``q``, ``k``, ``v`` are exactly ``torch.Tensor`` (no subclass, no NumPy), 4-D, one floating
+  dtype, one device (CPU or CUDA), shapes that fit: ``(B, H, L, D)``, ``(B, Hkv, S, D)``,
+  ``(B, Hkv, S, Dv)`` with ``H % Hkv == 0``, ``S ≥ 1``, ``D ≥ 1``;
+* no score_mod, no dropout, no lse / weights / sinks, ``backend="auto"``, ``scale`` None or a
+  finite Python float/int, ``causal`` exactly True or False;
+* the mask (``causal=True`` is a bottom-right ``causal()``; at most one of the two), after the
+  full path's own simplification (``_request._simplify``: causal with L = 1 is no mask, a
+  window as wide as S is causal), is one of:
+  - none;
+  - ``causal()`` with L = S, or ``causal("top_left")``: SDPA's ``is_causal`` (CPU or CUDA);
+  - on the CPU with L ≤ ``sdpa.DECODE_MAX_L``: a built-in ``causal`` / ``sliding_window`` /
+    ``padding`` mask whose ``Mask.decode_tile`` gives the ``(L, n)`` mask over the keys it
+    can reach, with no row left empty (what the sdpa backend builds for such a call; on CUDA
+    ``auto`` sends these to FlexAttention, so the fast path leaves them alone);
+* the ``attnkit`` logger is not at DEBUG (the full path logs every decision).
+
+These are exactly the calls for which ``auto`` decides ``sdpa`` with the ``fused`` worker and
+the same arguments to ``F.scaled_dot_product_attention`` (``tests/test_fast_path.py`` checks
+the decision and the output against the full path). The NaN guarantee is kept: an output
+with an all-zero row (torch's CPU kernel writes zeros where a row's scores hold NaN/inf) is
+thrown away and the call redone on the full path, which rescans and recomputes. Nothing is
+cached here, so nothing can be stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import masks as _masks
+from ._request import _CAUSAL, _simplify
+from .backends.sdpa import DECODE_MAX_L, may_hide_nan
+
+_T = torch.Tensor
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_log = logging.getLogger("attnkit")
+
+
+# Built-in masks whose decode_tile is closed form (immutable values: see attnkit.masks).
+MASKS = frozenset((_masks.Causal, _masks.SlidingWindow, _masks.Padding))
+
+
+def attention(q, k, v, mask, causal, scale):
+    """``out`` for a call inside the contract above, else None (take the full path)."""
+    if type(q) is not _T or type(k) is not _T or type(v) is not _T:
+        return None
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None
+    dt = q.dtype
+    if dt not in _FLOATS or k.dtype != dt or v.dtype != dt:
+        return None
+    dev = q.device
+    if k.device != dev or v.device != dev:
+        return None
+    B, H, L, D = q.shape
+    Bk, Hkv, S, Dk = k.shape
+    Bv, Hv, Sv, _ = v.shape
+    if not (B == Bk == Bv and D == Dk and S == Sv and Hkv == Hv and Hkv and H % Hkv == 0 and S and D):
+        return None
+    if scale is not None:
+        if (type(scale) is not float and type(scale) is not int) or not math.isfinite(scale):
+            return None
+    if _log.isEnabledFor(logging.DEBUG):
+        return None
+    if causal is True:
+        if mask is not None:
+            return None
+        mask = _CAUSAL
+    elif causal is not False:
+        return None
+    if mask is not None:
+        mask = _simplify(mask, L, S)  # the full path's simplification (e.g. causal with L = 1: no mask)
+    attn_mask, is_causal = None, False
+    if mask is not None:
+        if type(mask) is _masks.Causal and (L == S or mask.align == "top_left"):
+            is_causal = True  # SDPA's own causal mask is top-left (= bottom-right when L = S)
+        else:
+            if dev.type != "cpu" or L > DECODE_MAX_L:
+                return None
+            tile = mask.decode_tile(B, L, S, dev)
+            if tile is None:
+                return None
+            j0, j1, attn_mask = tile
+            if j1 - j0 < S:
+                k, v = k[:, :, j0:j1], v[:, :, j0:j1]  # views: only the keys the mask can reach
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                         scale=None if scale is None else float(scale), enable_gqa=H != Hkv)
+    if may_hide_nan(out):
+        return None  # the full path tells a hidden NaN from zero values and recomputes
+    return out

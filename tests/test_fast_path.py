@@ -1,0 +1,227 @@
+"""The fast path of ``attention()`` (``attnkit._fast``) against the full path and the float64 golden.
+
+Its contract: it answers only calls for which ``auto`` decides ``sdpa`` (fused), with the same
+kernel arguments; everything else, every error included, goes through the full path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit import _fast, masks
+
+from conftest import budget, golden
+
+SPY = []
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Record what the fast path answered (None = handed over to the full path)."""
+    real = _fast.attention
+    SPY.clear()
+
+    def wrapped(*a):
+        out = real(*a)
+        SPY.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_fast, "attention", wrapped)
+    return SPY
+
+
+@pytest.fixture
+def full_path_only(monkeypatch):
+    monkeypatch.setattr(_fast, "attention", lambda *a: None)
+
+
+def _full(q, k, v, **kw):
+    """The same call through the full path (make_request -> decide -> backend)."""
+    real = _fast.attention
+    _fast.attention = lambda *a: None
+    try:
+        return attnkit.attention(q, k, v, **kw)
+    finally:
+        _fast.attention = real
+
+
+def _layout(t: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "contiguous":
+        return t
+    if how == "step2":  # last-dim stride 2
+        return torch.stack([t, torch.full_like(t, 99.0)], dim=-1).flatten(-2)[..., ::2]
+    if how == "bshd":  # (B, S, H, D) memory viewed as (B, H, S, D), as models hand it over
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    raise AssertionError(how)
+
+
+CASES = [  # (B, H, Hkv, L, S, D, kwargs) inside the contract
+    (1, 8, 2, 1, 128, 64, dict(causal=True)),
+    (1, 8, 2, 1, 37, 64, dict()),
+    (2, 4, 4, 64, 64, 16, dict(causal=True)),
+    (1, 4, 2, 33, 33, 24, dict(causal=True)),
+    (1, 4, 1, 4, 50, 16, dict(causal=True)),  # bottom-right decode chunk, L < S
+    (2, 2, 2, 16, 17, 8, dict(causal=True)),
+    (1, 2, 2, 5, 3, 8, dict(mask=masks.causal("top_left"))),  # L > S, top-left: SDPA's is_causal
+    (1, 4, 2, 3, 40, 16, dict(mask=masks.sliding_window(7))),
+    (1, 4, 2, 16, 16, 16, dict(mask=masks.sliding_window(5, "top_left"))),
+    (1, 4, 2, 1, 40, 16, dict(mask=masks.sliding_window(400))),  # as wide as S: no mask at L = 1
+    (3, 4, 2, 2, 30, 16, dict(mask=masks.padding([30, 9, 1]))),
+    (1, 2, 1, 1, 1, 4, dict(causal=True)),
+    (2, 3, 3, 7, 7, 5, dict(scale=0.3)),
+    (1, 2, 2, 6, 6, 8, dict(causal=True, scale=2)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}H{c[1]}/{c[2]}L{c[3]}S{c[4]}D{c[5]}-{sorted(c[6])}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "step2", "bshd"])
+def test_fast_path_matches_golden_and_full_path(case, dtype, layout, spy):
+    B, H, Hkv, L, S, D, kw = case
+    g = torch.Generator().manual_seed(L * 131 + S)
+    q, k, v = (torch.randn(B, h, n, D, generator=g, dtype=torch.float64)
+               for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    q, k, v = (_layout(t.to(dtype), layout) for t in (q, k, v))
+    out = attnkit.attention(q, k, v, **kw)
+    assert spy == [True], "this call is inside the fast path's contract"
+    d = attnkit.dispatch(q, k, v, **kw)
+    assert (d.backend, d.worker) == ("sdpa", "fused"), d  # what auto decides for the same call
+    ref, _ = golden(q, k, v, **kw)
+    full = _full(q, k, v, **kw)
+    assert out.dtype == dtype and out.shape == ref.shape == full.shape
+    if dtype == torch.bfloat16:
+        tol = 4e-2  # bf16 inputs and output: a few output ulps at |out| <~ 2
+        assert (full.double() - ref).abs().max().item() <= tol
+    else:
+        tol = budget(dtype, D, S)
+    assert (out.double() - ref).abs().max().item() <= tol
+    assert (out.double() - full.double()).abs().max().item() <= tol
+
+
+def test_fast_path_gradients_equal_golden(spy):
+    g = torch.Generator().manual_seed(3)
+    for kw in (dict(causal=True), dict(mask=masks.sliding_window(5)), dict()):
+        L, S = (3, 20) if "mask" in kw else (12, 12)
+        q, k, v = (torch.randn(2, h, n, 16, generator=g, dtype=torch.float64).requires_grad_()
+                   for h, n in ((4, L), (2, S), (2, S)))
+        spy.clear()
+        out = attnkit.attention(q, k, v, **kw)
+        assert spy == [True]
+        go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        grads = torch.autograd.grad(out, (q, k, v), go)
+        qd, kd, vd = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        ref = attnkit.attention(qd, kd, vd, backend="eager", **kw)
+        refs = torch.autograd.grad(ref, (qd, kd, vd), go)
+        for a, b in zip(grads, refs):
+            assert (a - b).abs().max().item() <= 1e-12
+
+
+OUTSIDE = [  # calls the fast path must hand over (and what makes them so)
+    ("numpy inputs", lambda q, k, v: ((q.numpy(), k.numpy(), v.numpy()), {})),
+    ("3-D inputs", lambda q, k, v: ((q[0], k[0], v[0]), {})),
+    ("return_lse", lambda q, k, v: ((q, k, v), dict(return_lse=True))),
+    ("return_weights", lambda q, k, v: ((q, k, v), dict(return_weights=True))),
+    ("bool tensor mask", lambda q, k, v: ((q, k, v), dict(mask=torch.ones(8, 8, dtype=torch.bool)))),
+    ("score_mod", lambda q, k, v: ((q, k, v), dict(score_mod=lambda s, b, h, i, j: s))),
+    ("named backend", lambda q, k, v: ((q, k, v), dict(backend="sdpa"))),
+    ("mask_mod", lambda q, k, v: ((q, k, v), dict(mask=lambda b, h, i, j: i >= j))),
+    ("window at L = S > 16", lambda q, k, v: ((q.repeat(1, 1, 3, 1), k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1)),
+                                              dict(mask=masks.sliding_window(3)))),
+    ("document mask", lambda q, k, v: ((q, k, v), dict(mask=masks.document([0] * 4 + [1] * 4)))),
+    ("padding with an empty row", lambda q, k, v: ((q, k, v), dict(mask=masks.padding([0])))),
+    ("causal and a mask", lambda q, k, v: ((q, k, v), dict(causal=True, mask=masks.sliding_window(3)))),
+    ("bottom-right causal with L > S", lambda q, k, v: ((q, k[:, :, :5], v[:, :, :5]), dict(causal=True))),
+    ("numpy float64 scale", lambda q, k, v: ((q, k, v), dict(scale=np.float64(0.5)))),
+]
+
+
+@pytest.mark.parametrize("name, make", OUTSIDE, ids=[o[0] for o in OUTSIDE])
+def test_calls_outside_the_contract_take_the_full_path(name, make, spy):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    args, kw = make(q, k, v)
+    out = attnkit.attention(*args, **kw)
+    assert not any(spy), f"{name}: the fast path answered a call outside its contract"
+    assert SPY == [] or SPY == [False]
+    ref, _ = golden(*args, **{k_: v_ for k_, v_ in kw.items() if k_ not in ("return_lse", "return_weights", "backend")})
+    got = out[0] if isinstance(out, tuple) else out
+    assert np.abs(np.asarray(got, dtype=np.float64) - np.asarray(ref)).max() <= 1e-12
+
+
+BAD = [  # (what, call) -- each must raise exactly what the full path raises
+    ("k head dim", lambda q, k, v: attnkit.attention(q, k[..., :7], v)),
+    ("Hkv not dividing H", lambda q, k, v: attnkit.attention(q.repeat(1, 3, 1, 1), k.repeat(1, 2, 1, 1),
+                                                               v.repeat(1, 2, 1, 1))),
+    ("batch", lambda q, k, v: attnkit.attention(q, k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1))),
+    ("dtype", lambda q, k, v: attnkit.attention(q, k.float(), v)),
+    ("scale nan", lambda q, k, v: attnkit.attention(q, k, v, scale=float("nan"))),
+    ("scale bool", lambda q, k, v: attnkit.attention(q, k, v, scale=True)),
+    ("causal string", lambda q, k, v: attnkit.attention(q, k, v, causal="yes")),
+    ("padding batch", lambda q, k, v: attnkit.attention(q[:, :, :1], k, v, mask=masks.padding([3, 4]))),
+    ("padding too long", lambda q, k, v: attnkit.attention(q[:, :, :1], k, v, mask=masks.padding([9]))),
+    ("backend name", lambda q, k, v: attnkit.attention(q, k, v, backend="fast")),
+    ("dropout", lambda q, k, v: attnkit.attention(q, k, v, dropout_p=1.5)),
+]
+
+
+@pytest.mark.parametrize("what, call", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs_get_the_full_paths_error(what, call, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    with pytest.raises((TypeError, ValueError)) as fast_err:
+        call(q, k, v)
+    monkeypatch.setattr(_fast, "attention", lambda *a: None)
+    with pytest.raises(type(fast_err.value)) as full_err:
+        call(q, k, v)
+    assert str(fast_err.value) == str(full_err.value)
+    assert any(w in str(fast_err.value) for w in ("expected", "must be")), str(fast_err.value)
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_row_the_kernel_zeroes_is_recomputed_not_returned_as_zero(where, value, spy):
+    """torch's CPU kernel writes an all-zero row where a causal row's scores hold inf; the
+    documented result is NaN there (as the golden). The fast path hands such outputs over."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    dict(q=q, k=k)[where][0, 0, 0, 3] = value
+    out = attnkit.attention(q, k, v, causal=True)
+    ref, _ = golden(q, k, v, causal=True)
+    assert torch.equal(out.isnan(), torch.as_tensor(ref).isnan())
+    fin = ~out.isnan()
+    assert (out[fin].double() - ref[fin]).abs().max().item() <= budget(torch.float32, 16, 64)
+
+
+def test_debug_logging_still_logs_every_decision(caplog, spy):
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with caplog.at_level(logging.DEBUG, logger="attnkit"):
+        attnkit.attention(q, k, v, causal=True)
+    assert spy == [False]
+    assert any("attnkit.attention -> sdpa" in r.getMessage() for r in caplog.records)
+
+
+def test_decode_tile_equals_the_mask_it_stands_for():
+    """Mask.decode_tile (closed form) against materialize, over every size near the edges."""
+    for mask, B in [(masks.causal(), 1), (masks.causal("top_left"), 1), (masks.sliding_window(1), 1),
+                    (masks.sliding_window(3), 1), (masks.sliding_window(4, "top_left"), 1),
+                    (masks.padding([5, 1, 3]), 3)]:
+        for L, S in itertools.product(range(1, 7), range(1, 9)):
+            tile = mask.decode_tile(B, L, S, "cpu")
+            try:
+                dense = mask.materialize(B, 1, L, S)
+            except ValueError:
+                assert tile is None, (mask, L, S)
+                continue
+            if tile is None:  # offered away when a row would see no key (windows: whenever L > S)
+                assert not dense.any(-1).all() or (isinstance(mask, masks.SlidingWindow) and L > S), (mask, L, S)
+                continue
+            j0, j1, allowed = tile
+            assert dense.any(-1).all(), (mask, L, S)
+            assert not dense[..., :j0].any() and not dense[..., j1:].any(), (mask, L, S)
+            assert torch.equal(allowed.expand(B, 1, L, j1 - j0), dense[..., j0:j1]), (mask, L, S)
