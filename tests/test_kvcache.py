@@ -259,3 +259,26 @@ def test_kvcache_bad_dims():
     with pytest.raises(ValueError, match="batch_size"):
         KVCache(0, 1, 4, 8)
     assert KVCache(1, 1, 4, 8, value_dim=3).v.shape == (1, 1, 4, 3)
+
+
+def test_append_checks_values_too_and_fast_append_equals_checked_append():
+    """The decoding append (one expression of checks under no_grad) writes what the checked
+    path writes; values of another dtype or head count are refused, never cast or broadcast."""
+    c1, c2 = KVCache(2, 2, 8, 4), KVCache(2, 2, 8, 4)
+    k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+    with torch.no_grad():
+        a = c1.append(k, v)
+        a2 = c1.append(k[:, :, :1], v[:, :, :1])
+    b = c2.append(k, v)  # grad enabled: the checked path
+    b2 = c2.append(k[:, :, :1], v[:, :, :1])
+    assert all(torch.equal(x, y) for x, y in zip(a + a2, b + b2)) and c1.length == c2.length == 4
+    with torch.no_grad():
+        with pytest.raises(TypeError, match=r"values of torch.float64"):
+            c1.append(k[:, :, :1], v[:, :, :1].double())
+        with pytest.raises(ValueError, match=r"kv_cache: holds k \(2, 2, 8, 4\)"):
+            c1.append(k[:, :, :1], v[:, :1, :1])  # one value head: would broadcast
+        with pytest.raises(ValueError, match=r"kv_cache: holds k \(2, 2, 8, 4\)"):
+            c1.append(k[:, :1, :1], v[:, :1, :1])
+        with pytest.raises(ValueError, match="overflow"):
+            c1.append(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4))
+    assert c1.length == 4

@@ -223,3 +223,17 @@ def test_sinusoidal_bad_input_function_and_module_agree():
     with pytest.raises(ValueError, match=r"base: expected a finite float > 1"):
         RotaryEmbedding(8, base=1.0)
     assert not torch.isnan(sinusoidal(4, 8, base=0.5)).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("offset, L", [(0, 1), (255, 1), (3, 7), (300, 2)])
+def test_rope_int_offset_fast_path_is_bitwise_the_general_formula(dtype, offset, L):
+    """rotate(x, int) (cached [cos, cos] / [-sin, sin] rows, 4 ops) gives exactly the bits of the
+    general path (angles from explicit positions, cat of a·cos − b·sin and a·sin + b·cos)."""
+    rope = RotaryEmbedding(16)
+    x = torch.randn(2, 3, L, 16, dtype=torch.float64).to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    fast = rope.rotate(x, offset)
+    general = rope.rotate(x, positions=torch.arange(offset, offset + L))
+    assert fast.dtype == dtype and torch.equal(fast, general)
+    ref = rope.rotate(x.double(), positions=torch.arange(offset, offset + L))
+    assert (fast.double() - ref).abs().max().item() <= 4 * torch.finfo(dtype).eps * x.double().abs().max().item()

@@ -217,13 +217,16 @@ class RotaryEmbedding(nn.Module):
         self._tables: dict = {}
 
     def _table(self, n: int, dtype, device):
-        key = (self.head_dim, self.base, dtype, str(device))
+        """``(cos, sin)`` rows ``(≥ n, D/2)`` and, for the half-split layout, ``(C, S)`` rows
+        ``(≥ n, D)`` with ``C = [cos, cos]``, ``S = [-sin, sin]`` (see :meth:`rotate`)."""
+        key = (self.head_dim, self.base, dtype, device)
         hit = self._tables.get(key)
         if hit is None or hit[0].shape[0] < n:
             size = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 256)
             fdt = torch.float32 if torch.device(device).type == "mps" else torch.float64
             ang = self._angles(torch.arange(size, dtype=fdt, device=device))
-            hit = (ang.cos().to(dtype), ang.sin().to(dtype))
+            cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+            hit = (cos, sin, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
             self._tables = {key: hit}
         return hit
 
@@ -249,6 +252,14 @@ class RotaryEmbedding(nn.Module):
                 "RotaryEmbedding(head_dim) must be built with the head dim of q and k."
             )
         L = x.shape[-2]
+        if positions is None and type(offset) is int and offset >= 0 and not self.interleaved:
+            # the decoding case: rows off .. off + L - 1 of the cached table, in 4 ops;
+            # x·[cos, cos] + [b, a]·[-sin, sin] = [a cos - b sin, b cos + a sin], the same
+            # products and sums (negation is exact) as the general path below
+            _, _, C, Sn = self._table(offset + L, x.dtype, x.device)
+            half = self.head_dim // 2
+            swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # [b, a]
+            return x * C[offset:offset + L] + swapped * Sn[offset:offset + L]
         # float64 angles where the device has it (MPS does not)
         fdt = torch.float32 if x.device.type == "mps" else torch.float64
         if positions is not None:
@@ -274,7 +285,7 @@ class RotaryEmbedding(nn.Module):
             cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
         else:
             off = _check_offset(offset)
-            cos, sin = self._table(off + L, x.dtype, x.device)
+            cos, sin, _, _ = self._table(off + L, x.dtype, x.device)
             cos, sin = cos[off:off + L], sin[off:off + L]  # (L, D/2), the rows rotate would compute
         if self.interleaved:
             a, b = x[..., 0::2], x[..., 1::2]

@@ -98,6 +98,22 @@ class KVCache:
         ``owner`` (the calling layer) is not the layer that appended first, or if this is
         not the first append and autograd is recording (see the class docstring).
         """
+        sk, sv = self.k, self.v
+        if (type(k) is torch.Tensor and type(v) is torch.Tensor and k.dim() == 4 and v.dim() == 4
+                and k.shape[:2] == sk.shape[:2] and k.shape[3] == sk.shape[3] and v.shape[:3] == k.shape[:3]
+                and v.shape[3] == sv.shape[3] and k.dtype == sk.dtype and v.dtype == sv.dtype
+                and k.device == sk.device and v.device == sv.device and self.length + k.shape[2] <= sk.shape[2]
+                and (owner is None or self._owner is None or self._owner() in (None, owner))
+                and not torch.is_grad_enabled()):
+            # the decoding step under no_grad, every check below passed in one expression
+            start = self.length
+            end = start + k.shape[2]
+            sk[:, :, start:end] = k
+            sv[:, :, start:end] = v
+            self.length = end
+            if owner is not None and self._owner is None:
+                self._owner = weakref.ref(owner)
+            return (k, v) if start == 0 else (sk[:, :, :end], sv[:, :, :end])
         if owner is not None:
             self.check_owner(owner)
         B, Hkv, L, D = k.shape
@@ -109,9 +125,10 @@ class KVCache:
                 f"got new k {tuple(k.shape)}, v {tuple(v.shape)}. Each attention layer needs its own cache "
                 "(layer.new_cache(...))."
             )
-        if k.dtype != self.k.dtype or k.device != self.k.device:
+        if k.dtype != self.k.dtype or k.device != self.k.device or v.dtype != self.v.dtype or v.device != self.v.device:
             raise TypeError(
-                f"kv_cache: holds {self.k.dtype} on {self.k.device}, got keys of {k.dtype} on {k.device}. "
+                f"kv_cache: holds {self.k.dtype} on {self.k.device}, got keys of {k.dtype} on {k.device} and values "
+                f"of {v.dtype} on {v.device}. "
                 "Build the cache after moving the module (new_cache uses the module's dtype and device)."
             )
         end = self.length + L
