@@ -81,26 +81,61 @@ def test_left_padding_falls_back_to_the_dense_mask_and_stays_exact(models):
     assert (a - b)[valid].abs().max().item() <= TOL
 
 
-def test_mask_hook_tags_right_padding_with_its_structured_twin():
+def _mask_functions(mu, B, S):
+    ids = torch.tensor([[0] * (S // 2) + [1] * (S - S // 2)] * B)  # two packed documents per row
+    pos = torch.cat([torch.arange(S // 2), torch.arange(S - S // 2)]).expand(B, -1)
+    return {
+        "causal": mu.causal_mask_function,
+        "bidirectional": mu.bidirectional_mask_function,
+        "sliding 3": mu.sliding_window_causal_mask_function(3),
+        "chunked 4": mu.chunked_causal_mask_function(4, torch.zeros(B, dtype=torch.long)),
+        "chunked 4, left padding": mu.chunked_causal_mask_function(4, torch.tensor([0, 2][:B])),
+        "packed causal": mu.packed_sequence_compatibility_function(mu.causal_mask_function, pos, ids),
+        "packed sliding 3": mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function(3),
+                                                                      pos, ids),
+        "bidirectional window 2": mu.sliding_window_bidirectional_mask_function(2),
+    }
+
+
+def _pads(B, n):
+    right = torch.ones(B, n, dtype=torch.long)
+    right[-1, n - 3:] = 0
+    left = torch.ones(B, n, dtype=torch.long)
+    left[-1, :3] = 0
+    holes = torch.ones(B, n, dtype=torch.long)
+    holes[0, 1::3] = 0
+    return {"none": None, "all ones": torch.ones(B, n, dtype=torch.long), "right": right, "left": left,
+            "holes": holes}
+
+
+def test_mask_hook_returns_structured_masks_equal_to_transformers_dense_ones():
+    """Every mask the hook returns as an attnkit mask materialises to exactly transformers'
+    sdpa_mask for the same arguments: prefill (offsets 0), a cached step (q_offset = past) and a
+    sliding cache (kv_offset > 0); the common patterns are structured, the rest dense."""
     from transformers import masking_utils as mu
 
-    am = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
-    for fn, want in ((mu.bidirectional_mask_function, masks.padding([5, 2])),
-                     (mu.causal_mask_function, masks.causal("top_left") & masks.padding([5, 2]))):
-        dense = ak_hf.attnkit_mask(2, 5, 5, mask_function=fn, attention_mask=am, allow_is_causal_skip=False)
-        ref = mu.sdpa_mask(2, 5, 5, mask_function=fn, attention_mask=am, allow_is_causal_skip=False)
-        assert torch.equal(dense, ref)  # the same mask transformers' sdpa path builds
-        tagged, shape = getattr(dense, ak_hf._TAG)
-        assert shape == (2, 1, 5, 5)
-        assert repr(tagged) == repr(want)
-    # left padding: no structured twin, the dense bool mask is used as is
-    left = ak_hf.attnkit_mask(2, 5, 5, mask_function=mu.bidirectional_mask_function,
-                              attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]))
-    assert left.dtype == torch.bool and getattr(left, ak_hf._TAG, None) is None
-    # no padding at all: no mask
-    assert ak_hf.attnkit_mask(2, 5, 5, mask_function=mu.bidirectional_mask_function,
-                              attention_mask=torch.ones(2, 5, dtype=torch.long),
-                              allow_is_bidirectional_skip=True) is None
+    structured = set()
+    B = 2
+    for L, S, q_off, kv_off in [(7, 7, 0, 0), (1, 9, 8, 0), (3, 11, 8, 0), (1, 5, 12, 8), (12, 12, 0, 0)]:
+        for fname, fn in _mask_functions(mu, B, S).items():
+            if fname.startswith("packed") and not (L == S and q_off == kv_off == 0):
+                continue  # transformers packs only without a cache (L == S)
+            for pname, am in _pads(B, S + kv_off).items():
+                got = ak_hf.attnkit_mask(B, L, S, q_offset=q_off, kv_offset=kv_off, mask_function=fn,
+                                         attention_mask=am, allow_is_causal_skip=False)
+                ref = mu.sdpa_mask(B, L, S, q_offset=q_off, kv_offset=kv_off, mask_function=fn,
+                                   attention_mask=None if am is None else am.bool(), allow_is_causal_skip=False)
+                ref = ref.expand(B, 1, L, S)
+                what = f"{fname}, {pname} padding, L={L} S={S} q_offset={q_off} kv_offset={kv_off}"
+                if isinstance(got, masks.Mask):
+                    assert torch.equal(got.materialize(B, 1, L, S), ref), what
+                    structured.add((fname, pname))
+                else:
+                    assert torch.equal(got, ref), what
+    for fname in ("causal", "bidirectional", "sliding 3", "chunked 4", "packed causal", "packed sliding 3"):
+        for pname in ("none", "all ones", "right", "left", "holes"):
+            assert (fname, pname) in structured, (fname, pname)
+    assert not any(f in ("chunked 4, left padding", "bidirectional window 2") for f, _ in structured)
 
 
 @pytest.mark.parametrize("n", [1, len(SENTENCES)], ids=["single", "padded-batch"])

@@ -464,3 +464,44 @@ def test_bart_cross_attention_with_padding_equals_eager():
     for x, y in zip(a.cross_attentions, b.cross_attentions):
         assert _maxdiff(x, y, dam.bool()[:, None, :, None].expand_as(y)) <= 1e-6
 
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "llama"])
+def test_generating_builds_no_dense_mask_and_equals_eager(family, monkeypatch):
+    """Prefill and every cached decoding step (left-padded batch, sliding-window layers) get
+    structured attnkit masks from the mask hook: transformers' dense sdpa_mask is never called,
+    no (B, 1, L, S) tensor reaches attention, and the greedy tokens equal the eager model's."""
+    from transformers import masking_utils as mu
+
+    eager, ak = _pair(_decoder(family))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 64, (2, 9), generator=g)
+    am = torch.ones(2, 9, dtype=torch.long)
+    am[1, :3] = 0  # left padding, as batched generation pads
+    with torch.no_grad():
+        want = eager.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, min_new_tokens=8,
+                              do_sample=False, pad_token_id=0)
+    returned = []
+    hook = mu.ALL_MASK_ATTENTION_FUNCTIONS[ak_hf.NAME]
+
+    def recording(*a, **kw):
+        out = hook(*a, **kw)
+        returned.append(out)
+        return out
+
+    def dense_built(*a, **kw):
+        raise AssertionError("attnkit's mask hook built transformers' dense sdpa mask")
+
+    monkeypatch.setattr(mu, "sdpa_mask", dense_built)
+    mu.AttentionMaskInterface.register(ak_hf.NAME, recording)
+    try:
+        with torch.no_grad():
+            got = ak.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, min_new_tokens=8,
+                              do_sample=False, pad_token_id=0)
+    finally:
+        mu.AttentionMaskInterface.register(ak_hf.NAME, hook)
+    assert torch.equal(got, want)
+    assert len(returned) >= 8  # the prefill and every step asked for a mask
+    assert all(isinstance(m, ak_hf._masks.Mask) for m in returned), [type(m).__name__ for m in returned]
+    if family != "llama":  # the sliding layers' masks carry the window
+        assert any("sliding_window(4" in repr(m) for m in returned), [repr(m) for m in returned]

@@ -19,7 +19,7 @@ takes the full path, so every error message, warning and decision is the full pa
   - none;
   - ``causal()`` with L = S, or ``causal("top_left")``: SDPA's ``is_causal`` (CPU or CUDA);
   - on the CPU with L ≤ ``sdpa.DECODE_MAX_L``: a built-in ``causal`` / ``sliding_window`` /
-    ``padding`` mask whose ``Mask.decode_tile`` gives the ``(L, n)`` mask over the keys it
+    ``padding`` / ``key_padding`` / ``chunked`` mask, or an ``&`` of them, whose ``Mask.decode_tile`` gives the ``(L, n)`` mask over the keys it
     can reach, with no row left empty (what the sdpa backend builds for such a call; on CUDA
     ``auto`` sends these to FlexAttention, so the fast path leaves them alone);
 * the ``attnkit`` logger is not at DEBUG (the full path logs every decision).
@@ -50,7 +50,7 @@ _log = logging.getLogger("attnkit")
 
 
 # Built-in masks whose decode_tile is closed form (immutable values: see attnkit.masks).
-MASKS = frozenset((_masks.Causal, _masks.SlidingWindow, _masks.Padding))
+MASKS = frozenset((_masks.Causal, _masks.SlidingWindow, _masks.Padding, _masks.KeyPadding, _masks.Chunked))
 
 
 def attention(q, k, v, mask, causal, scale):
@@ -85,6 +85,8 @@ def attention(q, k, v, mask, causal, scale):
         mask = _simplify(mask, L, S)  # the full path's simplification (e.g. causal with L = 1: no mask)
     attn_mask, is_causal = None, False
     if mask is not None:
+        if type(mask) not in MASKS and type(mask) is not _masks.And:
+            return None
         if type(mask) is _masks.Causal and (L == S or mask.align == "top_left"):
             is_causal = True  # SDPA's own causal mask is top-left (= bottom-right when L = S)
         else:

@@ -307,6 +307,10 @@ def _simplify(m: _masks.Mask, L: int, S: int) -> _masks.Mask | None:
         widest = L + S if m.align == "top_left" else S  # keys a query can see at most
         if m.size >= widest:
             return _simplify(_masks.causal(m.align), L, S)
+    if type(m) is _masks.And:  # each part on its own (a decoding step's causal & padding is padding)
+        parts = [p for p in (_simplify(x, L, S) for x in m.parts) if p is not None]
+        if len(parts) < len(m.parts):
+            return None if not parts else parts[0] if len(parts) == 1 else _masks.And(*parts)
     return m
 
 

@@ -41,6 +41,8 @@ __all__ = [
     "causal",
     "sliding_window",
     "padding",
+    "key_padding",
+    "chunked",
     "document",
     "prefix_lm",
     "from_mod",
@@ -393,6 +395,91 @@ class Padding(Mask):
         return f"padding({self.key_lengths.tolist()})"
 
 
+class KeyPadding(Mask):
+    """Per batch row ``b``: key ``j`` is visible where ``valid[b, j]`` (any padding pattern:
+    left padding, holes). ``valid``: bool ``(B, S)``, copied (an immutable value)."""
+
+    def __init__(self, valid):
+        t = torch.as_tensor(valid)
+        if t.dtype != torch.bool:
+            raise TypeError(f"valid: expected a bool array/tensor (B, S), True = a real key, got dtype {t.dtype}. "
+                            "Convert a 0/1 attention mask with .bool() / .astype(bool).")
+        if t.dim() != 2:
+            raise ValueError(f"valid: expected shape (B, S), got {tuple(t.shape)}.")
+        self.valid = t.detach().to("cpu", copy=True)
+        self.batch_size = int(self.valid.shape[0])
+        self._every_row_sees_a_key = bool(self.valid.any(-1).all())
+        self._on = {}  # device -> the same values there (for decode_tile)
+
+    def validate(self, B, H, L, S):
+        if self.batch_size != B or self.valid.shape[1] != S:
+            raise ValueError(f"valid: expected shape (B, S) = ({B}, {S}), got {tuple(self.valid.shape)}. "
+                             "Pass one flag per key of every sequence in the batch.")
+
+    def bind(self, L, S):
+        valid = self.valid
+        return lambda b, h, q, kv: valid.to(kv.device)[b, kv]
+
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        v = self.valid.to(torch.int8)
+        lo, hi = _tiling.block_minmax(v, bn)  # (B, nk): all valid -> min 1, none valid -> max 0
+        nq = -(-L // bm)
+        return kinds_from((lo == 1).view(-1, 1, 1, lo.shape[1]).expand(-1, 1, nq, -1),
+                          (hi == 0).view(-1, 1, 1, hi.shape[1]).expand(-1, 1, nq, -1))
+
+    def key_span(self, B, H, L, S):
+        live = self.valid.any(0).nonzero()
+        return (0, 0) if live.numel() == 0 else (int(live[0]), int(live[-1]) + 1)
+
+    def decode_tile(self, B, L, S, device):
+        if self.batch_size != B or self.valid.shape[1] != S or not self._every_row_sees_a_key:
+            return None
+        key = str(device)
+        if key not in self._on:
+            self._on[key] = self.valid.to(device).view(B, 1, 1, S)
+        return 0, S, self._on[key]
+
+    def _natural_size(self):
+        S = int(self.valid.shape[1])
+        return (S, S)
+
+    def __repr__(self):
+        return f"key_padding(<{tuple(self.valid.shape)} flags>)"
+
+
+class Chunked(Mask):
+    """Chunked causal attention (Llama 4's local layers): the query at key position
+    ``p = i + offset`` sees keys ``j <= p`` in its own chunk, ``j // size == p // size``."""
+
+    def __init__(self, size: int, align: str = "bottom_right"):
+        self.size = _check_int("size", size, 1)
+        self.align = _check_align(align)
+
+    def bind(self, L, S):
+        off, c = _offset(self.align, L, S), self.size
+        return lambda b, h, q, kv: (kv <= q + off) & (torch.div(kv, c, rounding_mode="floor")
+                                                      == torch.div(q + off, c, rounding_mode="floor"))
+
+    def cache_key(self):
+        return ("chunked", self.size, self.align)
+
+    def key_span(self, B, H, L, S):
+        off, c = _offset(self.align, L, S), self.size
+        return max(0, (off // c) * c), max(0, min(S, L + off))
+
+    def decode_tile(self, B, L, S, device):
+        off, c = _offset(self.align, L, S), self.size
+        if off < 0 or L > S:
+            return None
+        j0, j1 = (off // c) * c, min(S, L + off)
+        p = torch.arange(off, off + L, device=device).view(L, 1)
+        j = torch.arange(j0, j1, device=device).view(1, -1)
+        return j0, j1, (j <= p) & (torch.div(j, c, rounding_mode="floor") == torch.div(p, c, rounding_mode="floor"))
+
+    def __repr__(self):
+        return f"chunked({self.size}, align={self.align!r})"
+
+
 class Document(Mask):
     """Packed sequences: attend only within the same document id.
 
@@ -569,6 +656,22 @@ class And(_Fold):
 
     _op, _kinds, _sym = staticmethod(lambda a, b: a & b), staticmethod(torch.minimum), "&"
 
+    def decode_tile(self, B, L, S, device):
+        """The intersection of the parts' decode tiles, when every part offers one and no row is left empty."""
+        tiles = [p.decode_tile(B, L, S, device) for p in self.parts]
+        if any(t is None for t in tiles):
+            return None
+        j0, j1 = max(t[0] for t in tiles), min(t[1] for t in tiles)
+        if j1 <= j0:
+            return None
+        allowed = None
+        for tj0, _, a in tiles:
+            a = a[..., j0 - tj0:j1 - tj0]
+            allowed = a if allowed is None else allowed & a
+        if not bool(allowed.any(-1).all()):
+            return None
+        return j0, j1, allowed
+
 
 class Or(_Fold):
     """Either allows: tile kinds combine by max."""
@@ -625,6 +728,33 @@ def sliding_window(size: int, align: str = "bottom_right") -> Mask:
 def padding(key_lengths) -> Mask:
     """Per batch row ``b``, keys ``j < key_lengths[b]`` are visible. ``key_lengths``: ``(B,)`` ints."""
     return Padding(key_lengths)
+
+
+def key_padding(valid) -> Mask:
+    """Per batch row, the keys flagged True in ``valid`` (bool ``(B, S)``) are visible: any
+    padding pattern, e.g. left padding for generation (``padding`` is right padding).
+
+    valid = [[False, True, True]] (one pad token on the left)::
+
+            k0 k1 k2
+        q0   .  #  #
+    """
+    return KeyPadding(valid)
+
+
+def chunked(size: int, align: str = "bottom_right") -> Mask:
+    """Chunked causal attention: each query sees the keys before it in its own chunk of ``size``.
+
+    For L = S = 5, size = 2::
+
+            k0 k1 k2 k3 k4
+        q0   #  .  .  .  .
+        q1   #  #  .  .  .
+        q2   .  .  #  .  .
+        q3   .  .  #  #  .
+        q4   .  .  .  .  #
+    """
+    return Chunked(size, align)
 
 
 def document(doc_ids) -> Mask:

@@ -52,10 +52,15 @@ __all__ = ["register", "attnkit_attention_forward", "attnkit_mask", "capture_att
            "NAME"]
 
 NAME = "attnkit"
-_TAG = "_attnkit_structured"  # attribute on the dense mask tensor: (structured mask, shape it stands for)
+
+
+_IMPORTED = None  # (transformers, masking_utils) once imported: the hooks run per layer and step
 
 
 def _import_transformers():
+    global _IMPORTED
+    if _IMPORTED is not None:
+        return _IMPORTED
     try:
         import transformers  # noqa: F401
         from transformers import masking_utils
@@ -64,7 +69,8 @@ def _import_transformers():
             f"attnkit.integrations.transformers needs the 'transformers' package ({e}). "
             "Install the model extra: pip install 'attnkit[model]'"
         ) from e
-    return transformers, masking_utils
+    _IMPORTED = (transformers, masking_utils)
+    return _IMPORTED
 
 
 def register(name: str = NAME) -> str:
@@ -84,51 +90,191 @@ def register(name: str = NAME) -> str:
 
 def attnkit_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, **kwargs):
-    """transformers' mask hook for ``"attnkit"``: a bool ``(B, 1, L, S)`` mask (True = attend) or None.
+    """transformers' mask hook for ``"attnkit"``: an :mod:`attnkit.masks` object, or a bool
+    ``(B, 1, L, S)`` tensor (True = attend), or None.
 
-    Builds the same mask as transformers' ``sdpa_mask`` (so any model's mask
-    pattern is honoured). When the pattern is plain right padding (optionally
-    causal), the tensor also carries the equivalent :mod:`attnkit.masks` object,
-    verified equal to the dense mask, so attnkit can skip padded key blocks
-    instead of reading an L×S tensor.
+    The mask transformers asks for is read off its ``mask_function`` (causal, sliding window,
+    chunked, bidirectional, packed sequences; see :func:`structured_mask`) and the 2-D padding
+    mask, and returned as the equivalent attnkit mask, so no dense ``(B, 1, L, S)`` tensor is
+    built per step and attnkit skips what the mask rules out. A pattern it does not recognise
+    is built densely, exactly as transformers' ``sdpa_mask`` builds it.
     """
     _, mu = _import_transformers()
     if mask_function is None:
         mask_function = mu.causal_mask_function
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(torch.bool)  # as transformers' own mask preprocessing does
-    dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
-    if dense is None or not isinstance(dense, torch.Tensor) or dense.dtype != torch.bool or dense.dim() != 4:
-        return dense
-    structured = _structured_twin(mu, mask_function, attention_mask, dense, q_offset, kv_offset)
+    if (mask_function is mu.causal_mask_function and kwargs.get("allow_is_causal_skip", True)
+            and (q_length == 1 or q_length == kv_length) and q_offset - kv_offset == kv_length - q_length
+            and _no_padding(mu, attention_mask, kv_length, kv_offset)):
+        # causal alone, as sdpa_mask skips it: attention then uses is_causal (one query: no mask)
+        return None
+    structured = None
+    if _takes_mask_objects(kwargs.get("config")):
+        structured = structured_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                     attention_mask)
     if structured is not None:
-        setattr(dense, _TAG, (structured, tuple(dense.shape)))
-    return dense
+        return structured
+    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
 
 
-def _structured_twin(mu, mask_function, attention_mask, dense, q_offset, kv_offset):
-    """``masks.padding(lengths)`` (``& causal('top_left')``) if it equals ``dense`` exactly, else None."""
-    if attention_mask is None or attention_mask.dim() != 2:
+def _no_padding(mu, attention_mask, kv_length: int, kv_offset: int) -> bool:
+    if attention_mask is None:
+        return True
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
+        return False
+    valid = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+    return valid.shape[-1] == kv_length and bool(valid.all())
+
+
+_TAKES_OBJECTS: dict = {}
+
+
+def _takes_mask_objects(config) -> bool:
+    """Whether the model of ``config`` passes the mask through to attention untouched, as it must
+    to run on FlexAttention (whose mask is a ``BlockMask``, not a tensor): every model class in its
+    modeling module declares ``_supports_flex_attn = True``. Others (e.g. DeepSeek-V3.2, whose
+    indexer slices the mask tensor) get the dense tensor. No config (a direct call): True."""
+    if config is None:
+        return True
+    cls = type(config)
+    if cls not in _TAKES_OBJECTS:
+        import sys
+
+        from transformers import PreTrainedModel
+
+        mod = sys.modules.get(cls.__module__.replace(".configuration_", ".modeling_"))
+        flags = [inspect.getattr_static(c, "_supports_flex_attn", None) for c in vars(mod or object).values()
+                 if isinstance(c, type) and issubclass(c, PreTrainedModel) and c is not PreTrainedModel]
+        _TAKES_OBJECTS[cls] = bool(flags) and all(f is True for f in flags)
+    return _TAKES_OBJECTS[cls]
+
+
+def _closure(fn) -> dict:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in (fn.__closure__ or ()))))
+
+
+def _pieces(fn, mu):
+    """The index predicates of a transformers mask function, as a list of ``(kind, value)``
+    (an ``and_masks`` flattened), or None when any piece is not one attnkit knows exactly.
+
+    Kinds: ``("causal", None)`` kv ≤ q; ``("all", None)``; ``("window", w)`` kv > q − w;
+    ``("chunk", (size, left_padding))``; ``("packed", (doc_ids, position_ids, inner pieces))``.
+    """
+    if fn is mu.causal_mask_function:
+        return [("causal", None)]
+    if fn is mu.bidirectional_mask_function:
+        return [("all", None)]
+    if getattr(fn, "__module__", None) != mu.__name__ or not hasattr(fn, "__code__"):
         return None
-    if not (isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0):
+    name, cells = fn.__qualname__, _closure(fn)
+    if name == "and_masks.<locals>.and_mask":
+        parts = [_pieces(f, mu) for f in cells["mask_functions"]]
+        if any(p is None for p in parts):
+            return None
+        if len(parts) == 2 and len(parts[0]) == 1 and parts[0][0][0] == "docs" and parts[1] and parts[1][0][0] == "remap":
+            # packed_sequence_compatibility_function: documents, and the model's mask on per-document positions
+            (_, ids), (_, (inner, pos)) = parts[0][0], parts[1][0]
+            return [("packed", (ids, pos, inner))]
+        return [x for p in parts for x in p]
+    if name == "sliding_window_overlay.<locals>.inner_mask":
+        return [("window", int(cells["sliding_window"]))]
+    if name == "chunked_overlay.<locals>.inner_mask":
+        return [("chunk", (int(cells["chunk_size"]), cells["left_padding"]))]
+    if name == "packed_sequence_mask_function.<locals>.inner_mask":
+        return [("docs", cells["packed_sequence_mask"])]
+    if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        inner = _pieces(cells["mask_function"], mu)
+        return None if inner is None else [("remap", (inner, cells["position_ids"]))]
+    return None
+
+
+def _align(d: int, L: int, S: int):
+    """attnkit's alignment for "query i sits at key position i + d", or None if neither."""
+    return "bottom_right" if d == S - L else "top_left" if d == 0 else None
+
+
+def _from_pieces(pieces, L: int, S: int, d: int, kv_offset: int = 0):
+    """One attnkit mask for the AND of ``pieces`` in index space (query i at key position i + d), or None."""
+    kinds = {}
+    for kind, val in pieces:
+        if kind in kinds and kinds[kind] != val:
+            return None
+        kinds[kind] = val
+    kinds.pop("all", None)
+    if not kinds:
+        return _masks.full()
+    align = _align(d, L, S)
+    if align is None:
         return None
-    B, _, L, S = dense.shape
-    if attention_mask.shape != (B, S):
+    if set(kinds) == {"causal"}:
+        return _masks.causal(align)
+    if set(kinds) == {"causal", "window"}:
+        return _masks.sliding_window(kinds["window"], align)
+    if set(kinds) == {"causal", "chunk"}:
+        size, left = kinds["chunk"]
+        if (isinstance(left, torch.Tensor) and bool((left != 0).any())) or kv_offset % size:
+            return None  # chunks not counted from key index 0 of every row: built densely
+        # transformers: (j + kv_offset) // size == (i + q_offset) // size, which is attnkit's
+        # j // size == (i + d) // size when kv_offset is a multiple of the chunk size
+        return _masks.chunked(size, align)
+    return None
+
+
+def structured_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask):
+    """The attnkit mask equal to what transformers' ``sdpa_mask`` would build for these arguments,
+    or None when it cannot say so exactly (then the dense mask is built).
+
+    In transformers' index space query ``i`` sits at position ``i + q_offset`` and key ``j`` at
+    ``j + kv_offset``; attnkit's alignments cover ``q_offset − kv_offset`` = ``S − L``
+    (bottom-right: a KV cache) and 0 (top-left). The 2-D padding mask becomes
+    ``padding(lengths)`` for right padding, ``key_padding(valid)`` otherwise, ANDed in.
+    """
+    _, mu = _import_transformers()
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (q_length, kv_length, q_offset, kv_offset)):
         return None
-    valid = attention_mask.to(torch.bool)
-    lengths = valid.sum(-1)
-    if not torch.equal(valid, torch.arange(S, device=valid.device) < lengths[:, None]):
-        return None  # left padding or holes: keep the dense mask
-    if mask_function is mu.bidirectional_mask_function:
-        cand = _masks.padding(lengths.cpu())
-    elif mask_function is mu.causal_mask_function:
-        cand = _masks.causal("top_left") & _masks.padding(lengths.cpu())  # q_offset 0: query i is position i
+    pieces = _pieces(mask_function, mu)
+    if pieces is None:
+        return None
+    B, L, S, d = batch_size, q_length, kv_length, q_offset - kv_offset
+    if len(pieces) == 1 and pieces[0][0] == "packed":
+        ids, pos, inner = pieces[0][1]
+        # documents in index space need L == S (transformers guarantees it) and positions that
+        # count 0, 1, 2, ... within each document, so the inner mask on positions is the same
+        # mask on indices; anything else is built densely
+        if not (L == S and q_offset == kv_offset == 0 and isinstance(ids, torch.Tensor) and ids.shape == (B, S)):
+            return None
+        pos = pos.expand(B, -1) if isinstance(pos, torch.Tensor) and pos.dim() == 2 else None
+        if pos is None or pos.shape != (B, S):
+            return None
+        same = ids[:, 1:] == ids[:, :-1]
+        steps = pos[:, 1:] - pos[:, :-1]
+        if not bool(torch.where(same, steps == 1, pos[:, 1:] == 0).all()) or not bool((pos[:, 0] == 0).all()):
+            return None
+        inner_mask = _from_pieces(inner, L, S, 0)
+        if inner_mask is None:
+            return None
+        mask = _masks.document(ids.cpu()) & inner_mask
     else:
-        return None
-    if not torch.equal(cand.materialize(B, 1, L, S, device=dense.device), dense):
-        return None
-    return cand
+        mask = _from_pieces(pieces, L, S, d, kv_offset)
+        if mask is None:
+            return None
+    if attention_mask is not None:
+        if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                and attention_mask.dtype == torch.bool and attention_mask.shape[0] == B):
+            return None
+        valid = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+        if valid.shape != (B, S):
+            return None
+        if not bool(valid.all()):
+            lengths = valid.sum(-1)
+            if torch.equal(valid, torch.arange(S, device=valid.device) < lengths[:, None]):
+                pad = _masks.padding(lengths.cpu())
+            else:
+                pad = _masks.key_padding(valid.cpu())
+            mask = pad if isinstance(mask, _masks.Full) else mask & pad
+    return mask
 
 
 def _resolve_mask(module, query, key, attention_mask, is_causal):
@@ -141,9 +287,8 @@ def _resolve_mask(module, query, key, attention_mask, is_causal):
             return None, False
         # transformers' causal is top-left (it slices keys to L when S > L); equal to ours when L == S.
         return (None, True) if L == S else (_masks.causal("top_left"), False)
-    tag = getattr(attention_mask, _TAG, None)
-    if tag is not None and tag[1] == tuple(attention_mask.shape):
-        return tag[0], False
+    if isinstance(attention_mask, _masks.Mask):  # from attnkit_mask: structured, never dense
+        return attention_mask, False
     if attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
         attention_mask = attention_mask.to(query.dtype)  # a float mask is an additive bias in q's dtype
     return attention_mask, False
@@ -379,17 +524,24 @@ def _check_kwargs(module, kwargs):
             f"(known: {', '.join(sorted(set(_HANDLED) | set(_HARMLESS) | set(_REFUSED)))}).")
 
 
+_COLLECTOR = None  # transformers' context variable of the output recorder, looked up once
+
+
 def _recorder_wants_attentions() -> bool:
     """Whether transformers' output recorder (``capture_outputs``) is collecting attention weights now.
 
     Models such as GPT-2 consume ``output_attentions`` before their layers and record
     the second output of each attention module through forward hooks instead.
     """
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - older transformers pass output_attentions down
+    global _COLLECTOR
+    if _COLLECTOR is None:
+        try:
+            from transformers.utils.output_capturing import _active_collector as _COLLECTOR
+        except ImportError:  # pragma: no cover - older transformers pass output_attentions down
+            _COLLECTOR = False
+    if _COLLECTOR is False:  # pragma: no cover
         return False
-    collected = _active_collector.get()
+    collected = _COLLECTOR.get()
     return bool(collected) and any(k != "hidden_states" and k.endswith("attentions") for k in collected)
 
 
