@@ -36,6 +36,7 @@ class TileContext:
         self.worker = worker  # "fused" or "plain", decided by attnkit._dispatch (see tiled.choose_worker)
         self.plan = None  # _worklist.WorkList, set by the launcher
         self.schedule: list | None = None
+        self.causal: tuple | None = None  # fused, causal alone: _tiled_fused.causal_pieces (set by the launcher)
         B, H, L, S, D, Dv, Hkv = req.shape
         self.B, self.H, self.L, self.S, self.D, self.Dv, self.Hkv = B, H, L, S, D, Dv, Hkv
         self.g = H // Hkv

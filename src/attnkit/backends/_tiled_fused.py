@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import masks as _masks
 from . import _flash_cpu, _softmax
 from ._tiled_ctx import TileContext
 from ._tiles import allowed_tile, index_grid, tile_of
 
-__all__ = ["mask_tile", "schedule", "forward", "backward", "BATCH_ELEMS"]
+__all__ = ["mask_tile", "schedule", "forward", "backward", "causal_pieces", "causal_forward", "causal_backward",
+           "BATCH_ELEMS"]
 
 # Largest per-call buffer (elements) of a batch of diagonal runs (see schedule).
 BATCH_ELEMS = 1 << 22
@@ -228,4 +230,73 @@ def backward(c: TileContext, q, k, v, out, lse, dout):
             dk[:, :, j0:j1] += dk_r
             dv[:, :, j0:j1] += dv_r
         dq[:, :, :, i0:i1] = dqb.view(B, Hkv, g, l, D)
+    return dq.view(B, c.H, L, D), dk, dv
+
+
+# --- causal alone: the kernel's own causal block skipping is the plan ------------------------
+
+def causal_pieces(req, given) -> tuple | None:
+    """For a mask that is exactly ``causal`` (no other mask, bias or score_mod, no explicit plan):
+    the key ranges ``(j0, j1, is_causal)`` that cover it with the kernel's top-left ``is_causal``,
+    or None. Top-left (or L = S): one call over all keys. Bottom-right with L < S: the keys
+    every row sees, unmasked, then the last L keys top-left causal, merged by log-sum-exp::
+
+        L = 2, S = 5, bottom-right:   k0 k1 k2 | k3 k4
+                                  q0   #  #  #  |  #  .      [0, 3) no mask + [3, 5) is_causal
+                                  q1   #  #  #  |  #  #
+
+    The kernel skips the blocks above its diagonal itself, in blocks of its own size: BLAS-sized
+    steps instead of one call per 128-row query block. No row is fully masked here.
+    """
+    if (type(req.mask) is not _masks.Causal or req.dense_mask is not None or req.bias is not None
+            or req.score_mod is not None or given is not None):
+        return None
+    L, S = req.q.shape[2], req.k.shape[2]
+    if req.mask.align == "top_left" or L == S:
+        return ((0, S, True),)
+    if L < S:
+        return ((0, S - L, False), (S - L, S, True))
+    return None  # bottom-right with L > S: the first rows see nothing, left to the block plan
+
+
+def causal_forward(c: TileContext, q, k, v):
+    """Forward over ``c.causal`` pieces: one kernel call per piece and query-head group (GQA: the
+    g query heads of a kv head are called in turn on the same K/V, never copied)."""
+    B, Hkv, g, L, D, Dv = c.B, c.Hkv, c.g, c.L, c.D, c.Dv
+    q5 = q.view(B, Hkv, g, L, D)
+    out = torch.empty(B, Hkv, g, L, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hkv, g, L, dtype=c.cd, device=q.device)
+    for j in range(g):
+        acc = lse_i = None
+        for j0, j1, is_causal in c.causal:
+            o_r, lse_r = _flash_cpu.forward(q5[:, :, j], k[:, :, j0:j1], v[:, :, j0:j1], is_causal=is_causal,
+                                            scale=c.req.scale)
+            lse_r = lse_r.to(c.cd)
+            if acc is None:
+                acc, lse_i = o_r, lse_r
+            else:
+                acc, lse_i = _softmax.merge(acc.to(c.cd), lse_i, o_r.to(c.cd), lse_r)
+        out[:, :, j] = acc
+        lse[:, :, j] = lse_i
+    return out.view(B, c.H, L, Dv), lse.view(B, c.H, L)
+
+
+def causal_backward(c: TileContext, q, k, v, out, lse, dout):
+    """Backward of :func:`causal_forward`: each piece's share of dq and its dk, dv, given the
+    global out and lse (FA2's decomposition, as ``backward``)."""
+    B, Hkv, g, L, D, Dv = c.B, c.Hkv, c.g, c.L, c.D, c.Dv
+    q5 = q.view(B, Hkv, g, L, D)
+    do5 = dout.reshape(B, Hkv, g, L, Dv)
+    o5 = out.view(B, Hkv, g, L, Dv)
+    lse5 = _softmax.lse_for_backward(lse).view(B, Hkv, g, L)
+    dq = torch.zeros(B, Hkv, g, L, D, dtype=c.cd, device=q.device)
+    dk = torch.zeros(B, Hkv, c.S, D, dtype=c.cd, device=q.device)
+    dv = torch.zeros(B, Hkv, c.S, Dv, dtype=c.cd, device=q.device)
+    for j in range(g):
+        for j0, j1, is_causal in c.causal:
+            dq_r, dk_r, dv_r = _flash_cpu.backward(do5[:, :, j], q5[:, :, j], k[:, :, j0:j1], v[:, :, j0:j1],
+                                                   o5[:, :, j], lse5[:, :, j], is_causal=is_causal, scale=c.req.scale)
+            dq[:, :, j] += dq_r
+            dk[:, :, j0:j1] += dk_r
+            dv[:, :, j0:j1] += dv_r
     return dq.view(B, c.H, L, D), dk, dv

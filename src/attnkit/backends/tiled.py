@@ -120,6 +120,9 @@ def choose_worker(req: Request) -> tuple[str, str]:
     if has_nan(req.q, req.k, req.v):
         # the kernel outputs 0 on a row whose scores hold NaN; the plain worker propagates NaN
         return "plain", "NaN in q, k or v (the fused kernel would hide it)"
+    if _tiled_fused.causal_pieces(req, req.plan) is not None:
+        return "fused", ("torch's CPU flash kernel with its own causal block skipping (causal alone: "
+                         "one call per query-head group and key range, merged by log-sum-exp)")
     return "fused", "torch's CPU flash kernel per run of keys, merged by log-sum-exp"
 
 
@@ -141,7 +144,9 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, c: TileContext, *captured):
-        if c.fused:
+        if c.fused and c.causal:
+            out, lse = _tiled_fused.causal_forward(c, q, k, v)
+        elif c.fused:
             out, lse = _tiled_fused.forward(c, q, k, v)
         else:
             out, lse = _tiled_plain.forward(c, *_tiled_plain.prepare(c, q, k, v))
@@ -159,7 +164,9 @@ class _TiledAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dbias, dcap = None, [None] * len(c.captured)
-        if c.fused and dlse is None:
+        if c.fused and dlse is None and c.causal:
+            dq, dk, dv = _tiled_fused.causal_backward(c, q, k, v, out, lse, dout)
+        elif c.fused and dlse is None:
             dq, dk, dv = _tiled_fused.backward(c, q, k, v, out, lse, dout)
         else:
             if c.fused:  # a gradient into lse: the plain loop, on a work list cut for it (O(L + S) memory)
@@ -182,6 +189,7 @@ def _launch(req: Request, worker: str):
             given = torch.minimum(given, _worklist.tile_map(req.plan_extra, B, H, L, S, bm, bn))
     c = TileContext(req, worker)
     c.plan_bm_bn, c.given = (bm, bn), given
+    c.causal = _tiled_fused.causal_pieces(req, given) if worker == "fused" else None
     c.plan = _work_list(req, worker, (bm, bn), given)
     return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)
 
