@@ -97,7 +97,7 @@ def attention(q, k, v, mask, causal, scale):
                 return None
             j0, j1, attn_mask = tile
             if j1 - j0 < S:
-                k, v = k[:, :, j0:j1], v[:, :, j0:j1]  # views: only the keys the mask can reach
+                k, v = k.narrow(2, j0, j1 - j0), v.narrow(2, j0, j1 - j0)  # views: the keys the mask can reach
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                          scale=None if scale is None else float(scale), enable_gqa=H != Hkv)
     if may_hide_nan(out):

@@ -353,6 +353,7 @@ class Padding(Mask):
         # Python ints of the immutable lengths: validation and key spans without a tensor op
         self._max = int(self.key_lengths.max()) if self.batch_size else 0
         self._min = int(self.key_lengths.min()) if self.batch_size else 0
+        self._on = {}  # device -> decode_tile's mask there
 
     def validate(self, B, H, L, S):
         if self.batch_size != B:
@@ -387,9 +388,17 @@ class Padding(Mask):
     def decode_tile(self, B, L, S, device):
         if self.batch_size != B or self._max > S or self._min < 1:  # invalid, or a row sees no key
             return None
-        n = self._max
-        allowed = torch.arange(n, device=device) < self.key_lengths.to(device).view(B, 1, 1, 1)
-        return 0, n, allowed  # (B, 1, 1, n)
+        # over the keys up to the longest row, or over all S when that cuts less than a tenth
+        # (a fresh view of K/V costs a decode step more than the few keys it saves)
+        n = self._max if self._max < 0.9 * S else S
+        key = (str(device), n)
+        allowed = self._on.get(key)  # (B, 1, 1, n): a function of the immutable lengths and n only
+        if allowed is None:
+            allowed = torch.arange(n, device=device) < self.key_lengths.to(device).view(B, 1, 1, 1)
+            if len(self._on) > 8:
+                self._on.clear()
+            self._on[key] = allowed
+        return 0, n, allowed
 
     def __repr__(self):
         return f"padding({self.key_lengths.tolist()})"
