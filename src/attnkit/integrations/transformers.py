@@ -14,9 +14,12 @@ S key length, D head dim, Dv value head dim.
 
 How the pieces fit::
 
-    model.forward ──► mask interface "attnkit" ──► bool (B, 1, L, S) mask, True = attend
-                        (right padding is also tagged with its structured twin
-                         attnkit.masks.padding(lengths), checked equal to the dense one)
+    model.forward ──► mask interface "attnkit" ──► the mask transformers asks for, read off its
+                        mask function and 2-D padding mask (structured_mask):
+                          causal / sliding window / chunked / bidirectional / packed documents,
+                          & padding(lengths) (right) or key_padding(valid) (left, holes)
+                        → an attnkit.masks object: no dense (B, 1, L, S) tensor per step
+                        (anything else, or a model that slices the mask: transformers' dense mask)
                  ──► every attention layer: attnkit_attention_forward(module, q, k, v, mask, **kw)
                         kw checked first: handled / harmless / refused — an unknown or
                         refused one (indices, block_indices, paged cache) raises, naming it
