@@ -56,10 +56,11 @@ class PlainLayer(torch.nn.Module):
         return m.out_proj(o.transpose(1, 2).reshape(B, L, E))
 
 
-def _interleaved(fns: dict, repeats: int) -> dict:
+def interleaved(fns: dict, repeats: int, warmup: int = 20) -> dict:
+    """Median µs of each callable, timed in turns (one call each), after ``warmup`` calls each."""
     ts = {n: [] for n in fns}
     for f in fns.values():
-        for _ in range(20):
+        for _ in range(warmup):
             f()
     for _ in range(repeats):
         for n, f in fns.items():
@@ -67,6 +68,28 @@ def _interleaved(fns: dict, repeats: int) -> dict:
             f()
             ts[n].append(time.perf_counter() - t0)
     return {n: statistics.median(x) * 1e6 for n, x in ts.items()}
+
+
+def mha_step(cached: int, repeats: int) -> dict:
+    """Median µs of one decoding step with ``cached`` tokens in the cache: ``{"plain", "attnkit"}``."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(512, 8, num_kv_heads=2, positional="rope").eval()
+    plain = PlainLayer(m, cached + 64)
+    cache = m.new_cache(1, cached + 64)
+    x, tok = torch.randn(1, cached, 512), torch.randn(1, 1, 512)
+    with torch.no_grad():
+        m(x, kv_cache=cache)
+        plain(x)
+
+        def ours():
+            cache.length = cached
+            m(tok, kv_cache=cache)
+
+        def theirs():
+            plain.n = cached
+            plain(tok)
+
+        return interleaved({"plain": theirs, "attnkit": ours}, repeats)
 
 
 def main(argv=None) -> int:
@@ -80,24 +103,7 @@ def main(argv=None) -> int:
     print("| MultiHeadAttention decode step (E=512, H=8, Hkv=2, RoPE) | plain torch µs | attnkit µs | attnkit / plain |")
     print("|---|---|---|---|")
     for cached in (256, 2048):
-        m = MultiHeadAttention(512, 8, num_kv_heads=2, positional="rope").eval()
-        plain = PlainLayer(m, cached + 64)
-        cache = m.new_cache(1, cached + 64)
-        x = torch.randn(1, cached, 512)
-        tok = torch.randn(1, 1, 512)
-        with torch.no_grad():
-            m(x, kv_cache=cache)
-            plain(x)
-
-            def ours():
-                cache.length = cached
-                m(tok, kv_cache=cache)
-
-            def theirs():
-                plain.n = cached
-                plain(tok)
-
-            t = _interleaved({"plain": theirs, "attnkit": ours}, a.repeats)
+        t = mha_step(cached, a.repeats)
         print(f"| cache {cached} | {t['plain']:.0f} | {t['attnkit']:.0f} | {t['attnkit'] / t['plain']:.2f}× |")
     print("\n| decode call (H=8, Hkv=2, D=64) | SDPA + its mask µs | attnkit auto µs | SDPA / attnkit |")
     print("|---|---|---|---|")
@@ -108,7 +114,7 @@ def main(argv=None) -> int:
                 q, k, v = torch.randn(1, 8, L, 64), torch.randn(1, 2, S, 64), torch.randn(1, 2, S, 64)
                 dense = mask.materialize(1, 1, L, S)  # SDPA's equivalent mask, built outside the timing
                 with torch.no_grad():
-                    t = _interleaved({
+                    t = interleaved({
                         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
                         "attnkit": lambda: attnkit.attention(q, k, v, mask=mask),
                     }, max(20, a.repeats // (1 + S // 4096)))

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,23 +35,14 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks
-from attnkit.nn import MultiHeadAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import PlainLayer  # noqa: E402  (the same plain-torch layer as benchmarks/decode.py)
+import decode  # noqa: E402  (the same plain-torch layer and decoding step as benchmarks/decode.py)
 
 
 def _interleaved(fns: dict, repeats: int, warmup: int = 20) -> dict:
-    ts = {n: [] for n in fns}
-    for f in fns.values():
-        for _ in range(warmup):
-            f()
-    for _ in range(repeats):
-        for n, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            ts[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(x) for n, x in ts.items()}
+    """Median seconds of each callable, timed in turns (decode.interleaved)."""
+    return {n: t / 1e6 for n, t in decode.interleaved(fns, repeats, warmup).items()}
 
 
 def _row(name, ours, peer, unit="µs", extra=""):
@@ -83,25 +72,9 @@ def calls(repeats: int):
 
 def mha_step(repeats: int):
     for cached in (256, 2048):
-        torch.manual_seed(0)
-        m = MultiHeadAttention(512, 8, num_kv_heads=2, positional="rope").eval()
-        plain = PlainLayer(m, cached + 64)
-        cache = m.new_cache(1, cached + 64)
-        x, tok = torch.randn(1, cached, 512), torch.randn(1, 1, 512)
-        with torch.no_grad():
-            m(x, kv_cache=cache)
-            plain(x)
-
-            def ours():
-                cache.length = cached
-                m(tok, kv_cache=cache)
-
-            def theirs():
-                plain.n = cached
-                plain(tok)
-
-            t = _interleaved({"attnkit": ours, "plain": theirs}, repeats)
-        _row(f"`MultiHeadAttention` decode step (E=512, H=8, Hkv=2, RoPE, cache {cached})", t["attnkit"], t["plain"])
+        t = decode.mha_step(cached, repeats)  # µs
+        _row(f"`MultiHeadAttention` decode step (E=512, H=8, Hkv=2, RoPE, cache {cached})", t["attnkit"] / 1e6,
+             t["plain"] / 1e6)
 
 
 def _tiny(family: str):
