@@ -73,6 +73,10 @@ CASES = [  # (B, H, Hkv, L, S, D, kwargs) inside the contract
     (1, 4, 2, 16, 16, 16, dict(mask=masks.sliding_window(5, "top_left"))),
     (1, 4, 2, 1, 40, 16, dict(mask=masks.sliding_window(400))),  # as wide as S: no mask at L = 1
     (3, 4, 2, 2, 30, 16, dict(mask=masks.padding([30, 9, 1]))),
+    (1, 4, 2, 3, 40, 16, dict(mask=masks.chunked(8))),
+    (2, 4, 2, 2, 12, 16, dict(mask=masks.key_padding(torch.arange(12).expand(2, 12) % 5 != torch.tensor([[1], [3]])))),
+    (2, 4, 2, 1, 12, 16, dict(mask=masks.causal() & masks.padding([12, 5]))),  # L = 1: the padding alone
+    (2, 4, 2, 4, 12, 16, dict(mask=masks.sliding_window(6) & masks.padding([12, 10]))),
     (1, 2, 1, 1, 1, 4, dict(causal=True)),
     (2, 3, 3, 7, 7, 5, dict(scale=0.3)),
     (1, 2, 2, 6, 6, 8, dict(causal=True, scale=2)),
@@ -210,7 +214,10 @@ def test_decode_tile_equals_the_mask_it_stands_for():
     """Mask.decode_tile (closed form) against materialize, over every size near the edges."""
     for mask, B in [(masks.causal(), 1), (masks.causal("top_left"), 1), (masks.sliding_window(1), 1),
                     (masks.sliding_window(3), 1), (masks.sliding_window(4, "top_left"), 1),
-                    (masks.padding([5, 1, 3]), 3)]:
+                    (masks.padding([5, 1, 3]), 3), (masks.chunked(3), 1), (masks.chunked(2, "top_left"), 1),
+                    (masks.key_padding(torch.tensor([[0, 1, 1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0]]).bool()), 2),
+                    (masks.causal() & masks.padding([4, 6]), 2),
+                    (masks.sliding_window(2) & masks.key_padding(torch.tensor([[1, 0, 1, 1, 0, 1, 1, 1]]).bool()), 1)]:
         for L, S in itertools.product(range(1, 7), range(1, 9)):
             tile = mask.decode_tile(B, L, S, "cpu")
             try:
@@ -218,8 +225,10 @@ def test_decode_tile_equals_the_mask_it_stands_for():
             except ValueError:
                 assert tile is None, (mask, L, S)
                 continue
-            if tile is None:  # offered away when a row would see no key (windows: whenever L > S)
-                assert not dense.any(-1).all() or (isinstance(mask, masks.SlidingWindow) and L > S), (mask, L, S)
+            if tile is None:  # offered away when a row would see no key (windows, chunks: whenever L > S;
+                # key_padding: when S is not its own length, an invalid size)
+                assert (not dense.any(-1).all() or (isinstance(mask, (masks.SlidingWindow, masks.Chunked)) and L > S)
+                        or isinstance(mask, masks.And) and L > S), (mask, L, S)
                 continue
             j0, j1, allowed = tile
             assert dense.any(-1).all(), (mask, L, S)

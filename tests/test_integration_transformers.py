@@ -138,6 +138,34 @@ def test_mask_hook_returns_structured_masks_equal_to_transformers_dense_ones():
     assert not any(f in ("chunked 4, left padding", "bidirectional window 2") for f, _ in structured)
 
 
+def test_a_mask_kind_read_differently_from_transformers_is_built_densely(monkeypatch):
+    """The self-check (once per process) compares attnkit's reading of each kind of transformers
+    mask function with transformers' own dense mask; a kind that disagrees (simulated here: the
+    window read one key too wide) is turned off with a warning, and its masks are built densely."""
+    from transformers import masking_utils as mu
+
+    real = ak_hf._from_pieces
+
+    def misread(pieces, L, S, d, kv_offset=0):
+        kinds = dict(pieces)
+        if "window" in kinds and "causal" in kinds and ak_hf._align(d, L, S):
+            return masks.sliding_window(kinds["window"] + 1, ak_hf._align(d, L, S))
+        return real(pieces, L, S, d, kv_offset)
+
+    monkeypatch.setattr(ak_hf, "_from_pieces", misread)
+    monkeypatch.setattr(ak_hf, "_CHECKED", None)
+    with pytest.warns(RuntimeWarning, match=r"'window' mask functions do not mean what attnkit reads"):
+        checked = ak_hf.checked_kinds()
+    assert checked == {"causal": True, "all": True, "window": False, "chunk": True, "packed": True}
+    fn = mu.sliding_window_causal_mask_function(3)
+    got = ak_hf.attnkit_mask(1, 6, 6, mask_function=fn, attention_mask=None, allow_is_causal_skip=False)
+    assert isinstance(got, torch.Tensor)
+    assert torch.equal(got, mu.sdpa_mask(1, 6, 6, mask_function=fn, allow_is_causal_skip=False))
+    causal = ak_hf.attnkit_mask(1, 6, 6, mask_function=mu.causal_mask_function,
+                                attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]), allow_is_causal_skip=False)
+    assert isinstance(causal, masks.Mask)  # the other kinds stay structured
+
+
 @pytest.mark.parametrize("n", [1, len(SENTENCES)], ids=["single", "padded-batch"])
 def test_captured_weights_equal_eager_output_attentions(models, caplog, n):
     tok, ak, eager = models

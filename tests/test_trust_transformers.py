@@ -492,6 +492,7 @@ def test_generating_builds_no_dense_mask_and_equals_eager(family, monkeypatch):
     def dense_built(*a, **kw):
         raise AssertionError("attnkit's mask hook built transformers' dense sdpa mask")
 
+    ak_hf.checked_kinds()  # the once-per-process self-check compares with sdpa_mask: run it before the patch
     monkeypatch.setattr(mu, "sdpa_mask", dense_built)
     mu.AttentionMaskInterface.register(ak_hf.NAME, recording)
     try:

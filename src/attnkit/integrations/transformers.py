@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -122,13 +123,22 @@ def attnkit_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
 
 
+def _valid_keys(attention_mask, kv_length: int, kv_offset: int):
+    """The 2-D padding mask over key indices ``kv_offset .. kv_offset + kv_length - 1``: bool
+    ``(B, S)``, keys past its end counted as padding (as transformers pads it with zeros)."""
+    am = attention_mask.to(torch.bool)
+    short = kv_offset + kv_length - am.shape[-1]
+    if short > 0:
+        am = torch.nn.functional.pad(am, (0, short), value=False)
+    return am[:, kv_offset:kv_offset + kv_length]
+
+
 def _no_padding(mu, attention_mask, kv_length: int, kv_offset: int) -> bool:
     if attention_mask is None:
         return True
     if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         return False
-    valid = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
-    return valid.shape[-1] == kv_length and bool(valid.all())
+    return bool(_valid_keys(attention_mask, kv_length, kv_offset).all())
 
 
 _TAKES_OBJECTS: dict = {}
@@ -193,6 +203,61 @@ def _pieces(fn, mu):
     return None
 
 
+_CHECKED: dict | None = None
+
+
+def checked_kinds() -> dict:
+    """``{kind: bool}``: whether attnkit's reading of each kind of transformers mask function
+    (causal, all, window, chunk, packed; with right/left padding) gives exactly the mask
+    transformers' own ``sdpa_mask`` builds, on small cases with and without a cache offset.
+
+    Run once per process, against the installed transformers: the mask functions are
+    recognised by name, so a transformers that changed what one means gets the dense mask
+    for that kind (with a warning) instead of a silently different structured one.
+    """
+    global _CHECKED
+    if _CHECKED is not None:
+        return _CHECKED
+    _, mu = _import_transformers()
+    B, n = 2, 9
+    ids = torch.tensor([[0] * 4 + [1] * 5] * B)
+    pos = torch.cat([torch.arange(4), torch.arange(5)]).expand(B, -1)
+    right, left = torch.ones(B, n + 4, dtype=torch.bool), torch.ones(B, n + 4, dtype=torch.bool)
+    right[1, n - 3:], left[1, :3] = False, False
+    families = {
+        "causal": lambda: mu.causal_mask_function,
+        "all": lambda: mu.bidirectional_mask_function,
+        "window": lambda: mu.sliding_window_causal_mask_function(3),
+        "chunk": lambda: mu.chunked_causal_mask_function(4, torch.zeros(B, dtype=torch.long)),
+        "packed": lambda: mu.packed_sequence_compatibility_function(mu.causal_mask_function, pos, ids),
+    }
+    result = {}
+    for kind, make in families.items():
+        ok = True
+        try:
+            fn = make()
+            pieces = _pieces(fn, mu)
+            ok = pieces is not None
+            configs = [(n, n, 0, 0)] if kind == "packed" else [(n, n, 0, 0), (1, n, n - 1, 0), (3, n, 8, 4)]
+            for L, S, qo, ko in configs if ok else ():
+                for am in (None, right, left):
+                    got = _translate(mu, pieces, B, L, S, qo, ko, am)
+                    if got is None:
+                        continue
+                    ref = mu.sdpa_mask(batch_size=B, q_length=L, kv_length=S, q_offset=qo, kv_offset=ko,
+                                       mask_function=fn, attention_mask=am, allow_is_causal_skip=False)
+                    ok = ok and torch.equal(got.materialize(B, 1, L, S), ref.expand(B, 1, L, S))
+        except Exception:  # noqa: BLE001 - any surprise here means: do not trust the reading
+            ok = False
+        if not ok:
+            warnings.warn(f"attnkit: transformers' {kind!r} mask functions do not mean what attnkit reads them as "
+                          f"in this transformers version; those masks are built densely instead.", RuntimeWarning,
+                          stacklevel=2)
+        result[kind] = ok
+    _CHECKED = result
+    return result
+
+
 def _align(d: int, L: int, S: int):
     """attnkit's alignment for "query i sits at key position i + d", or None if neither."""
     return "bottom_right" if d == S - L else "top_left" if d == 0 else None
@@ -240,6 +305,14 @@ def structured_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_f
     pieces = _pieces(mask_function, mu)
     if pieces is None:
         return None
+    checked = checked_kinds()
+    for kind, _ in pieces:
+        if not checked.get(kind, False):
+            return None
+    return _translate(mu, pieces, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask)
+
+
+def _translate(mu, pieces, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask):
     B, L, S, d = batch_size, q_length, kv_length, q_offset - kv_offset
     if len(pieces) == 1 and pieces[0][0] == "packed":
         ids, pos, inner = pieces[0][1]
@@ -267,7 +340,7 @@ def structured_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_f
         if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
                 and attention_mask.dtype == torch.bool and attention_mask.shape[0] == B):
             return None
-        valid = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+        valid = _valid_keys(attention_mask, kv_length, kv_offset)
         if valid.shape != (B, S):
             return None
         if not bool(valid.all()):
