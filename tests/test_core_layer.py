@@ -48,12 +48,15 @@ def test_dispatch_reports_backend_worker_and_why():
     assert (d.backend, d.worker) == ("sdpa", "fused")
     qn = q.clone()
     qn[0, 0, 3, 0] = float("nan")
-    d = attnkit.dispatch(qn, k, v, mask=torch.rand(128, 128) > 0.5)
-    assert (d.backend, d.worker) == ("sdpa", "math") and "NaN" in d.worker_reason
-    d = attnkit.dispatch(qn, k, v, causal=True)  # no row can be empty: the NaN check comes after the kernel
-    assert (d.backend, d.worker) == ("sdpa", "fused") and "re-checked for NaN" in d.worker_reason
-    out = attnkit.attention(qn, k, v, causal=True)
-    assert out[0, 0, 3].isnan().all() and not out[0, 0, :3].isnan().any() and not out[0, 1].isnan().any()
+    rand = torch.rand(128, 128, generator=torch.Generator().manual_seed(0)) > 0.5
+    rand[5] = False  # a fully masked row: output 0 there, told apart from a hidden NaN by the mask
+    for kw in (dict(mask=rand), dict(causal=True)):  # the NaN check comes after the kernel
+        d = attnkit.dispatch(qn, k, v, **kw)
+        assert (d.backend, d.worker) == ("sdpa", "fused") and "re-checked for NaN" in d.worker_reason
+        out = attnkit.attention(qn, k, v, **kw)
+        ref = attnkit.attention(qn, k, v, backend="eager", **kw)
+        assert out[0, 0, 3].isnan().all() and torch.equal(out.isnan(), ref.isnan())
+        assert (out.nan_to_num() - ref.nan_to_num()).abs().max().item() <= 1e-5
     assert "[fused:" in str(attnkit.dispatch(q, k, v, mask=M.sliding_window(16)))
 
 
@@ -234,3 +237,27 @@ def test_the_private_torch_op_is_named_in_one_module_only():
         text = p.read_text()
         assert "_scaled_dot_product_flash_attention_for_cpu" not in text, p
         assert "_flash_cpu._ops" not in text, p
+
+
+@pytest.mark.parametrize("where", ["q", "k", "bias"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("L", [1, 64])
+def test_sdpa_float_bias_nan_and_inf_follow_eager_without_an_upfront_scan(where, value, L):
+    """With a float bias, sdpa no longer scans q, k, v before the kernel; an output row the
+    kernel zeroed is still told apart from a row the bias masks (-inf everywhere), and NaN/inf
+    in q, k or the bias itself gives eager's NaN pattern."""
+    g = torch.Generator().manual_seed(L)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (L, 64, 64))
+    bias = torch.randn(1, 1, L, 64, generator=g)
+    bias[..., L - 1, :] = float("-inf")  # the last row is fully masked: output 0, not NaN
+    t = dict(q=q, k=k, bias=bias)[where]
+    t[0, 0, 0, 5] = value
+    d = attnkit.dispatch(q, k, v, mask=bias)
+    assert d.backend == "sdpa" and d.worker == "fused"
+    out = attnkit.attention(q, k, v, mask=bias)
+    ref = attnkit.attention(q.double(), k.double(), v.double(), mask=bias.double(), backend="eager")
+    assert torch.equal(out.isnan(), ref.isnan()), (out.isnan().sum(), ref.isnan().sum())
+    fin = ~ref.isnan()
+    assert fin.any() or L == 1
+    if fin.any():
+        assert (out.double()[fin] - ref[fin]).abs().max().item() <= 1e-5

@@ -78,6 +78,11 @@ CASES = [  # (B, H, Hkv, L, S, D, kwargs) inside the contract
     (2, 4, 2, 1, 12, 16, dict(mask=masks.causal() & masks.padding([12, 5]))),  # L = 1: the padding alone
     (2, 4, 2, 4, 12, 16, dict(mask=masks.sliding_window(6) & masks.padding([12, 10]))),
     (1, 2, 1, 1, 1, 4, dict(causal=True)),
+    (2, 4, 2, 1, 30, 16, dict(mask="bias (1, 1, L, S)")),
+    (2, 4, 2, 40, 30, 16, dict(mask="bias (B, H, L, S)")),
+    (2, 4, 2, 5, 30, 16, dict(mask="bias (L, S)")),
+    (2, 4, 2, 3, 30, 16, dict(mask="bool (B, 1, 1, S)")),
+    (1, 4, 4, 16, 16, 16, dict(mask="bool (L, S)")),
     (2, 3, 3, 7, 7, 5, dict(scale=0.3)),
     (1, 2, 2, 6, 6, 8, dict(causal=True, scale=2)),
 ]
@@ -89,6 +94,12 @@ CASES = [  # (B, H, Hkv, L, S, D, kwargs) inside the contract
 def test_fast_path_matches_golden_and_full_path(case, dtype, layout, spy):
     B, H, Hkv, L, S, D, kw = case
     g = torch.Generator().manual_seed(L * 131 + S)
+    if isinstance(kw.get("mask"), str):  # a user tensor mask of the named shape, in the call's dtype
+        kind, shape = kw["mask"].split(" ", 1)
+        dims = dict(B=B, H=H, L=L, S=S)
+        shape = tuple(dims.get(x.strip(), 1) for x in shape.strip("()").split(","))
+        m = torch.randn(shape, generator=g, dtype=torch.float64)
+        kw = dict(kw, mask=(m.to(dtype) if kind == "bias" else (m > -0.8) | (torch.arange(S) == 0)))
     q, k, v = (torch.randn(B, h, n, D, generator=g, dtype=torch.float64)
                for h, n in ((H, L), (Hkv, S), (Hkv, S)))
     q, k, v = (_layout(t.to(dtype), layout) for t in (q, k, v))
@@ -131,7 +142,10 @@ OUTSIDE = [  # calls the fast path must hand over (and what makes them so)
     ("3-D inputs", lambda q, k, v: ((q[0], k[0], v[0]), {})),
     ("return_lse", lambda q, k, v: ((q, k, v), dict(return_lse=True))),
     ("return_weights", lambda q, k, v: ((q, k, v), dict(return_weights=True))),
-    ("bool tensor mask", lambda q, k, v: ((q, k, v), dict(mask=torch.ones(8, 8, dtype=torch.bool)))),
+    ("bool tensor mask, L > 16", lambda q, k, v: ((q.repeat(1, 1, 3, 1), k, v),
+                                                 dict(mask=torch.ones(24, 8, dtype=torch.bool)))),
+    ("bias with causal", lambda q, k, v: ((q, k, v), dict(mask=torch.zeros(8, 8, dtype=torch.float64), causal=True))),
+    ("a row masked fully", lambda q, k, v: ((q, k, v), dict(mask=torch.arange(8)[:, None] != 2))),
     ("score_mod", lambda q, k, v: ((q, k, v), dict(score_mod=lambda s, b, h, i, j: s))),
     ("named backend", lambda q, k, v: ((q, k, v), dict(backend="sdpa"))),
     ("mask_mod", lambda q, k, v: ((q, k, v), dict(mask=lambda b, h, i, j: i >= j))),
@@ -166,6 +180,9 @@ BAD = [  # (what, call) -- each must raise exactly what the full path raises
     ("dtype", lambda q, k, v: attnkit.attention(q, k.float(), v)),
     ("scale nan", lambda q, k, v: attnkit.attention(q, k, v, scale=float("nan"))),
     ("scale bool", lambda q, k, v: attnkit.attention(q, k, v, scale=True)),
+    ("bias dtype", lambda q, k, v: attnkit.attention(q, k, v, mask=torch.zeros(8, 8, dtype=torch.float32))),
+    ("mask shape", lambda q, k, v: attnkit.attention(q, k, v, mask=torch.zeros(3, 8, dtype=torch.float64))),
+    ("int mask", lambda q, k, v: attnkit.attention(q, k, v, mask=torch.ones(8, 8, dtype=torch.int64))),
     ("causal string", lambda q, k, v: attnkit.attention(q, k, v, causal="yes")),
     ("padding batch", lambda q, k, v: attnkit.attention(q[:, :, :1], k, v, mask=masks.padding([3, 4]))),
     ("padding too long", lambda q, k, v: attnkit.attention(q[:, :, :1], k, v, mask=masks.padding([9]))),
@@ -184,7 +201,7 @@ def test_bad_inputs_get_the_full_paths_error(what, call, monkeypatch):
     with pytest.raises(type(fast_err.value)) as full_err:
         call(q, k, v)
     assert str(fast_err.value) == str(full_err.value)
-    assert any(w in str(fast_err.value) for w in ("expected", "must be")), str(fast_err.value)
+    assert any(w in str(fast_err.value) for w in ("expected", "must be", "must have")), str(fast_err.value)
 
 
 @pytest.mark.parametrize("where", ["q", "k"])

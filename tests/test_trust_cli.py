@@ -494,6 +494,7 @@ def test_bad_files_are_one_line_exit_2(tmp_path, capsys, setup, needles):
     (["window", "-S", "100"], ["argument -S", "1..64", "'100'"]),
     (["window", "--size", "0"], ["--size", "window size >= 1", "got 0"]),
     (["window", "--size", "-3"], ["argument --size", ">= 0", "'-3'"]),
+    (["chunked", "--size", "0"], ["--size", "chunk size >= 1", "got 0"]),
     (["prefix", "--size", "99"], ["--size", "<= S = 8", "got 99"]),
     (["padding", "--size", "9", "-L", "4", "-S", "8"], ["--size", "<= S = 8", "got 9"]),
     (["document", "--docs", "a,b"], ["--docs", "integer ids", "'a,b'"]),
@@ -517,6 +518,8 @@ def test_masks_draws_prefix_and_document(capsys):
     assert capsys.readouterr().out.splitlines()[-3:] == ["q0 # # .", "q1 # # .", "q2 # # #"]
     assert cli.main(["masks", "document", "-L", "2", "-S", "4", "--docs", "0,0,1,1"]) == 0
     assert capsys.readouterr().out.splitlines()[-2:] == ["q0 . . # #", "q1 . . # #"]
+    assert cli.main(["masks", "chunked", "--size", "2", "-L", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[-4:] == ["q0 # . . .", "q1 # # . .", "q2 . . # .", "q3 . . # #"]
 
 
 @pytest.mark.parametrize("argv", [["explain", "--mask", "window:abc"], ["explain", "--q", "missing.npy",

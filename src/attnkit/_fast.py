@@ -13,6 +13,10 @@ takes the full path, so every error message, warning and decision is the full pa
   ``(B, Hkv, S, Dv)`` with ``H % Hkv == 0``, ``S ≥ 1``, ``D ≥ 1``;
 * no score_mod, no dropout, no lse / weights / sinks, ``backend="auto"``, ``scale`` None or a
   finite Python float/int, ``causal`` exactly True or False;
+* or, on the CPU with ``causal=False``, a user tensor mask that ``auto`` hands to SDPA unchanged:
+  a float bias of q's dtype, or a bool mask with L ≤ ``sdpa.DECODE_MAX_L``, broadcastable to
+  ``(B, H, L, S)`` (``_tensor_mask``); a row it masks fully gives an all-zero output row,
+  which the full path then handles;
 * the mask (``causal=True`` is a bottom-right ``causal()``; at most one of the two), after the
   full path's own simplification (``_request._simplify``: causal with L = 1 is no mask, a
   window as wide as S is causal), is one of:
@@ -75,6 +79,12 @@ def attention(q, k, v, mask, causal, scale):
             return None
     if _log.isEnabledFor(logging.DEBUG):
         return None
+    if type(mask) is _T:  # a user tensor mask: SDPA applies it as it is (see _tensor_mask)
+        if causal is not False or dev.type != "cpu" or not _tensor_mask(mask, dt, dev, B, H, L, S):
+            return None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=None if scale is None else float(scale),
+                                             enable_gqa=H != Hkv)
+        return None if may_hide_nan(out) else out
     if causal is True:
         if mask is not None:
             return None
@@ -103,3 +113,21 @@ def attention(q, k, v, mask, causal, scale):
     if may_hide_nan(out):
         return None  # the full path tells a hidden NaN from zero values and recomputes
     return out
+
+
+def _tensor_mask(m: torch.Tensor, dt, dev, B: int, H: int, L: int, S: int) -> bool:
+    """Whether a user tensor mask is one ``auto`` hands to SDPA as it is (CPU): a float bias of
+    q's dtype (any L: nothing to skip), or a bool mask at decode sizes (L ≤ 16: the tile analysis
+    that could send a bigger one to ``tiled`` is the full path's); at most 4 dims that broadcast
+    to ``(B, H, L, S)`` from the right, on q's device. Anything else: the full path (and its errors)."""
+    if m.device != dev or m.dim() > 4:
+        return False
+    if m.dtype is torch.bool:
+        if L > DECODE_MAX_L:
+            return False
+    elif m.dtype != dt:
+        return False
+    for got, want in zip(reversed(m.shape), (S, L, H, B)):
+        if got != 1 and got != want:
+            return False
+    return True

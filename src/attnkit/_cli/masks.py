@@ -6,7 +6,7 @@ import argparse
 
 __all__ = ["add_arguments", "run"]
 
-_KINDS = ("causal", "causal-top-left", "window", "document", "prefix", "padding")
+_KINDS = ("causal", "causal-top-left", "window", "chunked", "document", "prefix", "padding")
 MAX_DRAW = 64
 
 
@@ -35,7 +35,8 @@ def add_arguments(p):
     p.add_argument("-L", type=_size, default=8, help=f"query length, 1..{MAX_DRAW} (default 8)")
     p.add_argument("-S", type=_size, default=None, help=f"key length, 1..{MAX_DRAW} (default: L)")
     p.add_argument("--size", type=_count, default=3,
-                   help="window size (>= 1) / prefix length (<= S) / valid keys for padding (<= S) (default 3)")
+                   help="window or chunk size (>= 1) / prefix length (<= S) / valid keys for padding (<= S) "
+                        "(default 3)")
     p.add_argument("--docs", default=None, help="document ids for 'document', one integer per key, e.g. 0,0,0,1,1,2,2,2")
     p.add_argument("--and-causal", action="store_true", help="combine with a causal mask (&)")
 
@@ -50,10 +51,11 @@ def run(args) -> int:
         m = masks.causal()
     elif args.kind == "causal-top-left":
         m = masks.causal("top_left")
-    elif args.kind == "window":
+    elif args.kind in ("window", "chunked"):
+        what = "window" if args.kind == "window" else "chunk"
         if args.size < 1:
-            raise CLIError(f"--size: expected a window size >= 1 for 'window', got {args.size}.")
-        m = masks.sliding_window(args.size)
+            raise CLIError(f"--size: expected a {what} size >= 1 for '{args.kind}', got {args.size}.")
+        m = masks.sliding_window(args.size) if args.kind == "window" else masks.chunked(args.size)
     elif args.kind in ("prefix", "padding"):
         if args.size > S:
             what = "prefix length" if args.kind == "prefix" else "number of valid keys"

@@ -7,10 +7,11 @@ structured masks). It cannot apply a ``score_mod``. With ``return_lse`` it calls
 the CPU flash kernel directly (the public function does not return lse) and sets
 lse to -inf on fully masked rows (the kernel reports 0 there).
 
-NaN: torch's CPU kernel turns a row whose scores contain NaN into zeros, hiding
-the NaN. attnkit documents that NaN propagates to the rows it touches, so inputs
-that contain NaN (an O(B·H·L·D) check, negligible next to attention) are computed
-by the math path of ``eager`` instead.
+NaN: torch's CPU kernel turns some rows whose scores contain NaN (or inf) into zeros,
+hiding the NaN. attnkit documents that NaN propagates to the rows it touches, so an
+output with an all-zero row that the mask does not empty has its inputs scanned for
+NaN (an O(B·H·S·D) pass, done only then), and if they hold any the call is recomputed
+by the math path of ``eager``.
 """
 
 from __future__ import annotations
@@ -87,15 +88,6 @@ def _with_bias(req: Request, allowed, j0: int, j1: int):
     return bias
 
 
-def _no_empty_rows(req: Request) -> bool:
-    """Whether a NaN the kernel hides can be told apart after the call: no mask, or causal alone
-    (the diagonal is always visible: no row is fully masked), or a decode-sized bool mask whose
-    fully masked rows are read off the small (L × n) mask itself. Then an all-zero output row
-    outside those is the kernel hiding a NaN (or V rows that are all zero: a rescan says which)."""
-    return (not req.has_mask or _is_causal_only(req)
-            or (req.q.shape[2] <= DECODE_MAX_L and req.bias is None and not req.need_lse))
-
-
 def may_hide_nan(out: torch.Tensor) -> bool:
     """Whether the fused output may have an all-zero row (where torch's CPU kernel may have
     hidden a NaN/inf; the caller then looks closer). Conservative and cheap: small outputs
@@ -109,20 +101,17 @@ def may_hide_nan(out: torch.Tensor) -> bool:
 
 
 def choose_worker(req: Request) -> tuple[str, str]:
-    """``fused``: torch's SDPA kernels; ``math``: the same formula in plain ops, for inputs
-    holding NaN (torch's CPU kernel turns some rows whose scores hold NaN into zeros).
+    """``fused``: torch's SDPA kernels. (``math``, the same formula in plain ops, is what ``run``
+    falls back to for inputs holding NaN: torch's CPU kernel turns some rows whose scores hold
+    NaN/inf into zeros.)
 
-    Without a mask (or causal alone) no row can be fully masked, so the NaN scan of q, k, v
-    — a memory pass over K/V as long as the decode step itself — is deferred: only when the
-    fused output has an all-zero row are the inputs scanned, and the call recomputed on
-    the math path if they hold NaN. With other masks the inputs are scanned first.
+    The NaN scan of q, k, v (and a float bias) is a memory pass over K/V as long as a decode
+    step itself, so it is deferred: only when the fused output has an all-zero row that the
+    mask does not empty (read off the small mask the kernel was given) are the inputs scanned,
+    and the call recomputed on the math path if they hold NaN.
     """
-    if not _no_empty_rows(req) and has_nan(req.q, req.k, req.v):
-        return "math", "NaN in q, k or v: torch's fused CPU kernel would output 0 there, plain ops propagate it"
     why = "torch.nn.functional.scaled_dot_product_attention" + (" (lse from its CPU flash kernel)" if req.need_lse else "")
-    if _no_empty_rows(req):
-        why += "; an all-zero output row is re-checked for NaN (then recomputed by plain ops)"
-    return "fused", why
+    return "fused", why + "; an all-zero output row the mask does not empty is re-checked for NaN (then recomputed by plain ops)"
 
 
 def run(req: Request, worker: str | None = None):
@@ -131,13 +120,14 @@ def run(req: Request, worker: str | None = None):
     if worker == "math":  # the same formula in plain ops (see choose_worker)
         out, lse = eager.run(req)
         return out, (lse if req.need_lse else None)
-    out, lse, allowed = _fused(req)
-    # maybe an all-zero row (cheap) -> an all-zero row the mask does not empty -> NaN scan
-    if _no_empty_rows(req) and may_hide_nan(out):
+    out, lse, attn_mask = _fused(req)
+    if may_hide_nan(out):  # cheap; then: an all-zero row the mask does not empty -> NaN scan
         zero_rows = (out == 0).all(dim=-1)  # (B, H, L)
-        if allowed is not None:
-            zero_rows = zero_rows & allowed.any(dim=-1).expand_as(zero_rows)
-        if bool(zero_rows.any()) and has_nan(req.q, req.k, req.v):
+        if attn_mask is not None:  # rows the mask leaves some key: bool (…, L, n) or additive float
+            live = attn_mask.any(-1) if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask).all(-1)
+            zero_rows = zero_rows & live
+        inputs = (req.q, req.k, req.v) + (() if req.bias is None else (req.bias,))
+        if bool(zero_rows.any()) and has_nan(*inputs):
             return run(req, "math")  # the kernel hid a NaN (see choose_worker)
     return out, lse
 
@@ -161,7 +151,7 @@ def _fused(req: Request):
         out = F.scaled_dot_product_attention(
             req.q, k, v, attn_mask=attn_mask, dropout_p=req.dropout_p, is_causal=is_causal,
             scale=req.scale, enable_gqa=H != Hkv)
-        return out, None, (attn_mask if attn_mask is not None and attn_mask.dtype == torch.bool else None)
+        return out, None, attn_mask
     if H != Hkv:  # the private kernel has no GQA switch
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
@@ -169,4 +159,4 @@ def _fused(req: Request):
         attn_mask = torch.zeros(attn_mask.shape, dtype=req.q.dtype).masked_fill(~attn_mask, float("-inf"))
     # is_causal is the kernel's top-left causal: _is_causal_only allows it only then (or L == S)
     out, lse = _flash_cpu.forward(req.q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=req.scale)
-    return out, lse, None
+    return out, lse, attn_mask
