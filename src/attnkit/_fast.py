@@ -23,9 +23,10 @@ takes the full path, so every error message, warning and decision is the full pa
   - none;
   - ``causal()`` with L = S, or ``causal("top_left")``: SDPA's ``is_causal`` (CPU or CUDA);
   - on the CPU with L ≤ ``sdpa.DECODE_MAX_L``: a built-in ``causal`` / ``sliding_window`` /
-    ``padding`` / ``key_padding`` / ``chunked`` mask, or an ``&`` of them, whose ``Mask.decode_tile`` gives the ``(L, n)`` mask over the keys it
-    can reach, with no row left empty (what the sdpa backend builds for such a call; on CUDA
-    ``auto`` sends these to FlexAttention, so the fast path leaves them alone);
+    ``padding`` / ``key_padding`` / ``chunked`` mask, or an ``&`` of them, whose
+    ``Mask.decode_tile`` gives the ``(L, n)`` mask over the keys it can reach with no row left
+    empty (what the sdpa backend builds for such a call; on CUDA ``auto`` sends these to
+    FlexAttention, so the fast path leaves them alone);
 * the ``attnkit`` logger is not at DEBUG (the full path logs every decision).
 
 These are exactly the calls for which ``auto`` decides ``sdpa`` with the ``fused`` worker and
@@ -33,7 +34,7 @@ the same arguments to ``F.scaled_dot_product_attention`` (``tests/test_fast_path
 the decision and the output against the full path). The NaN guarantee is kept: an output
 with an all-zero row (torch's CPU kernel writes zeros where a row's scores hold NaN/inf) is
 thrown away and the call redone on the full path, which rescans and recomputes. Nothing is
-cached here, so nothing can be stale.
+cached here (a built-in mask's decode tile is cached on the immutable mask itself).
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         TypeError: a wrong kind of argument; the message names it, what was expected and what was got.
         ValueError: a wrong value or shape; the message names it, what was expected and what was got.
     """
-    if ((mask is None or type(mask) in _fast.MASKS or type(mask) is _And or type(mask) is _Tensor) and score_mod is None and type(backend) is str and backend == "auto" and return_lse is False
+    if ((mask is None or type(mask) in _fast.MASKS or type(mask) is _And or type(mask) is _Tensor)
+            and score_mod is None and type(backend) is str and backend == "auto" and return_lse is False
             and return_weights is False and sinks is None and type(dropout_p) is float and dropout_p == 0.0):
         out = _fast.attention(q, k, v, mask, causal, scale)  # the common case, see its contract
         if out is not None:
