@@ -12,6 +12,7 @@ request                                               backend   why
 dropout_p > 0                                         eager     the only path with dropout
 no mask; causal top-left or L == S; no score_mod      sdpa      torch's fused kernel: no plan, no mask
 float bias only (no bool mask)                        sdpa      nothing to skip: one fused pass
+float bias, gradients wanted                          tiled     SDPA's backward is wrong on finfo.min rows
 user bool mask with empty/full tiles                  tiled     skips empty tiles, no mask on full ones
 user bool mask, every tile partial                    sdpa      nothing to skip (tiled ≈ 0.96× there)
 structured mask, bottom-right causal L ≠ S, score_mod tiled     SDPA would need a dense (L, S) mask
@@ -69,6 +70,10 @@ def _sdpa_fits(req: Request) -> str | None:
     L, S = req.q.shape[2], req.k.shape[2]
     if req.score_mod is not None:
         return "a score_mod"
+    if req.bias is not None and req.requires_grad():
+        # torch SDPA's backward is wrong on rows at finfo.min / -1e9 (issue 18); sdpa itself
+        # would hand this call to the tiled engine anyway (sdpa.choose_worker)
+        return "a float bias with gradients (torch SDPA's backward is wrong on rows at finfo.min)"
     if req.mask is None and req.dense_mask is None:
         return None  # no mask, or only a float bias: nothing to skip, SDPA applies it in one fused pass
     if L <= get("sdpa").DECODE_MAX_L and req.plan is None:
@@ -123,7 +128,10 @@ def auto_backend(req: Request, device_type: str) -> Decision:
         kind = "causal" if req.causal else "dense"
         return Decision("sdpa", f"{kind} attention without score_mod: torch's fused kernel is fastest here")
     if tiled_why is None:
-        reason = f"block-sparse tiled kernel for {sdpa_no}" if sdpa_no else "torch SDPA cannot return what was asked"
+        if sdpa_no and sdpa_no.startswith("a float bias with gradients"):
+            reason = f"tiled kernel for {sdpa_no}: its backward recomputes such rows exactly"
+        else:
+            reason = f"block-sparse tiled kernel for {sdpa_no}" if sdpa_no else "torch SDPA cannot return what was asked"
         return Decision("tiled", reason)
     return Decision("eager", f"tiled backend unavailable ({tiled_why}); eager math path")
 

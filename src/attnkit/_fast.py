@@ -14,7 +14,7 @@ takes the full path, so every error message, warning and decision is the full pa
 * no score_mod, no dropout, no lse / weights / sinks, ``backend="auto"``, ``scale`` None or a
   finite Python float/int, ``causal`` exactly True or False;
 * or, on the CPU with ``causal=False``, a user tensor mask that ``auto`` hands to SDPA unchanged:
-  a float bias of q's dtype, or a bool mask with L ≤ ``sdpa.DECODE_MAX_L``, broadcastable to
+  a float bias of q's dtype with no gradient wanted, or a bool mask with L ≤ ``sdpa.DECODE_MAX_L``, broadcastable to
   ``(B, H, L, S)`` (``_tensor_mask``); a row it masks fully gives an all-zero output row,
   which the full path then handles;
 * the mask (``causal=True`` is a bottom-right ``causal()``; at most one of the two), after the
@@ -83,6 +83,9 @@ def attention(q, k, v, mask, causal, scale):
     if type(mask) is _T:  # a user tensor mask: SDPA applies it as it is (see _tensor_mask)
         if causal is not False or dev.type != "cpu" or not _tensor_mask(mask, dt, dev, B, H, L, S):
             return None
+        if mask.dtype is not torch.bool and torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad or mask.requires_grad):
+            return None  # SDPA's backward is wrong on rows a bias sets to finfo.min: the full path (issue 18)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=None if scale is None else float(scale),
                                              enable_gqa=H != Hkv)
         return None if may_hide_nan(out) else out

@@ -26,6 +26,21 @@ Merging two partial results of the same rows over disjoint key sets (a ring step
 second run): weights ``exp(lse_a - m)`` and ``exp(lse_b - m)`` with the guarded
 ``m = max(lse_a, lse_b)``. :func:`merge` keeps whatever dtype it is given, so callers
 pass fp32 accumulators for bf16/fp16 inputs and round once, at the very end.
+
+Weights from lse, and where they are not exact (issue 18). The backward (FA2) saves only
+``lse = m_i + log l_i`` and rebuilds ``p = exp(s - lse)``. Rounding lse to its dtype moves it
+by up to ``|lse|·u`` (u = 2^-24 in fp32), so ``p`` is off by that factor: nothing for an
+ordinary row (|lse| of a few tens), everything on a row whose scores are all a huge finite
+negative (``finfo.min`` padding, ``masked_fill(-1e9)``): there ``log l_i`` is lost entirely
+(``finfo.min + log 8 == finfo.min`` in fp32), every weight comes out 1 instead of 1/S::
+
+    s   = [min, min, min, min]        (fp32-rounded scores: finfo.min + q·k == finfo.min)
+    lse = m_i + log l_i = min + 1.39 → min        p = exp(s - lse) = [1, 1, 1, 1]   wrong
+    m_i = min, l_i = 4                           p = exp(s - m_i) / l_i = [¼, ¼, ¼, ¼]   right
+
+:func:`inexact_rows` finds such rows from lse alone (O(L), no pass over the scores): those
+with ``|lse| > LSE_EXACT_MAX``; backends recompute them from their own ``(m_i, l_i)``
+(:func:`softmax_lse` on the row's scores) and keep ``exp(s - lse)`` for the rest.
 """
 
 from __future__ import annotations
@@ -33,7 +48,14 @@ from __future__ import annotations
 import torch
 
 __all__ = ["guard", "online_step", "online_finish", "merge", "softmax_lse", "lse_for_backward", "weights_from_lse",
-           "add_sink"]
+           "inexact_rows", "LSE_EXACT_MAX", "add_sink"]
+
+# Above this |lse|, exp(s - lse) is not trusted. Error budget: rounding lse costs a relative
+# error of at most |lse|·u in every weight rebuilt from it; at 2^8 that is 2^8·u = 2^-16 ≈ 1.5e-5
+# in fp32 (bf16/fp16 keep lse in fp32) and 2^-45 in fp64 — below the fp32 gradient budget of
+# the tests (32 · 16 eps (√D + √S)) — while ordinary rows (|lse| ≲ 100: scores past that are
+# already one-hot) never cross it, so the exact recomputation runs only on padding-like rows.
+LSE_EXACT_MAX = 2.0 ** 8
 
 
 def guard(m: torch.Tensor) -> torch.Tensor:
@@ -93,9 +115,22 @@ def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
 
 
+def inexact_rows(lse: torch.Tensor) -> torch.Tensor:
+    """Rows (bool, lse's shape) where ``exp(s - lse)`` is not exact: finite ``|lse| > LSE_EXACT_MAX``
+    (see the module docstring). One elementwise pass over lse: O(B·H·L)."""
+    return (lse.abs() > LSE_EXACT_MAX) & torch.isfinite(lse)
+
+
 def weights_from_lse(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Exact weights ``exp(s - lse)`` from scores ``s (…, L, S)`` and ``lse (…, L)``; dead rows 0."""
-    return torch.exp(s - lse_for_backward(lse).unsqueeze(-1))
+    """Exact weights from scores ``s (…, L, S)`` and ``lse (…, L)``; dead rows 0.
+
+    ``exp(s - lse)``, except on :func:`inexact_rows`, whose weights are the row's own softmax
+    ``exp(s - m_i) / l_i`` (the whole row is at hand here)."""
+    p = torch.exp(s - lse_for_backward(lse).unsqueeze(-1))
+    bad = inexact_rows(lse)
+    if bool(bad.any()):
+        p = torch.where(bad.unsqueeze(-1), softmax_lse(s)[0], p)
+    return p
 
 
 def add_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):

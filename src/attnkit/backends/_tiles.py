@@ -16,7 +16,10 @@ from ._base import Request
 from ._flash_cpu import has_nan
 
 __all__ = ["has_nan", "index_grid", "tile_of", "apply_score_mod", "modify_scores", "allowed_tile",
-           "weights_from_lse"]
+           "weights_from_lse", "exact_rows_backward"]
+
+# Largest (B·H·rows × S) score block exact_rows_backward holds at once.
+ROWS_ELEMS = 1 << 22
 
 NEG_INF = float("-inf")
 
@@ -116,3 +119,55 @@ def weights_from_lse(req: Request, lse: torch.Tensor, heads=None) -> torch.Tenso
     s = torch.matmul(q, k.transpose(-1, -2)) * req.scale
     s = modify_scores(req, s, 0, 0, heads=heads)
     return _softmax.weights_from_lse(s, lse[:, heads].to(cd))
+
+
+def exact_rows_backward(req: Request, rows: torch.Tensor, dout: torch.Tensor, dlse, extra: list):
+    """Gradients of the query rows ``rows`` (bool ``(L,)``, every batch row and head) on their own.
+
+    For rows where the kernels' ``p = exp(s - lse)`` is not exact (``_softmax.inexact_rows``:
+    scores all at ``finfo.min`` / -1e9): the rows' dense scores are rebuilt (score_mod, bias,
+    masks, as the forward), their softmax taken from their own ``(m_i, l_i)``
+    (``_softmax.softmax_lse``) and differentiated by autograd against ``dout`` (and ``dlse``).
+    Callers zero ``dout``/``dlse`` on these rows for their kernel, whose contribution there is
+    then exactly 0, and add these. Cost O(rows · S · D), in blocks of at most ``ROWS_ELEMS``
+    scores. Returns ``dq, dk, dv`` (compute dtype) and the gradients of ``extra`` (the float
+    mask and captured tensors requiring grad; None where unused)::
+
+        rows = [F, T, T, F]     q1, q2 here;  q0, q3 by the kernel (with dout zeroed on q1, q2)
+    """
+    B, H, L, S, D, Dv, Hkv = req.shape
+    g = H // Hkv
+    cd = req.compute_dtype()
+    idx = torch.nonzero(rows).flatten().tolist()
+    step = max(1, ROWS_ELEMS // (B * H * S))
+    pieces, i = [], 0
+    while i < len(idx):  # contiguous segments of rows, at most `step` rows each
+        j = i
+        while j + 1 < len(idx) and idx[j + 1] == idx[j] + 1 and j + 1 - i < step:
+            j += 1
+        pieces.append((idx[i], idx[j] + 1))
+        i = j + 1
+    dq = torch.zeros(req.q.shape, dtype=cd, device=req.q.device)
+    dk = torch.zeros(req.k.shape, dtype=cd, device=req.q.device)
+    dv = torch.zeros(req.v.shape, dtype=cd, device=req.q.device)
+    dext = [None] * len(extra)
+    kd, vd = (t.detach().to(cd).requires_grad_() for t in (req.k, req.v))
+    for i0, i1 in pieces:
+        l = i1 - i0
+        with torch.enable_grad():
+            qd = req.q[:, :, i0:i1].detach().to(cd).requires_grad_()
+            s = torch.matmul(qd.reshape(B, Hkv, g, l, D), kd.unsqueeze(2).transpose(-1, -2)) * req.scale
+            s = modify_scores(req, s.reshape(B, H, l, S), i0, 0)  # (B, H, l, S), as the forward built them
+            p, lse = _softmax.softmax_lse(s)  # from the row's own m_i, l_i: exact on any finite row
+            o = torch.matmul(p.reshape(B, Hkv, g, l, S), vd.unsqueeze(2)).reshape(B, H, l, Dv)
+            loss = (o * dout[:, :, i0:i1].to(cd)).sum()
+            if dlse is not None:
+                loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse[:, :, i0:i1].to(cd)).sum()
+            grads = torch.autograd.grad(loss, [qd, kd, vd, *extra], allow_unused=True)
+        dq[:, :, i0:i1] += grads[0]
+        dk += grads[1]
+        dv += grads[2]
+        for t, gr in enumerate(grads[3:]):
+            if gr is not None:
+                dext[t] = gr if dext[t] is None else dext[t] + gr
+    return dq, dk, dv, dext

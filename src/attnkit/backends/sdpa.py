@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _flash_cpu, eager
+from . import _flash_cpu, eager, tiled
 from ._base import Request
 from ._tiles import allowed_tile, has_nan, tile_of
 
@@ -105,11 +105,25 @@ def choose_worker(req: Request) -> tuple[str, str]:
     falls back to for inputs holding NaN: torch's CPU kernel turns some rows whose scores hold
     NaN/inf into zeros.)
 
+    ``tiled``: a float bias with gradients wanted. torch's SDPA backward rebuilds the weights as
+    ``exp(s - lse)``, which is wrong on a row whose scores are all a huge finite negative (a
+    ``finfo.min`` padding row gets weights 1 instead of 1/S; issue 18), and its forward returns
+    no lse to find such rows by. The same CPU flash kernel then runs through the tiled engine,
+    whose backward recomputes those rows exactly (``tiled.run``; its own worker choice is
+    reported here). With dropout, ``math`` (the only path with dropout and exact rows).
+
     The NaN scan of q, k, v (and a float bias) is a memory pass over K/V as long as a decode
     step itself, so it is deferred: only when the fused output has an all-zero row that the
     mask does not empty (read off the small mask the kernel was given) are the inputs scanned,
     and the call recomputed on the math path if they hold NaN.
     """
+    if req.bias is not None and req.requires_grad():
+        bias_why = ("a float bias with gradients: torch SDPA's backward is wrong on rows whose scores are all a huge "
+                    "finite negative (finfo.min padding)")
+        if req.dropout_p > 0:
+            return "math", bias_why + "; with dropout, the same formula in plain ops (autograd through it)"
+        worker, why = tiled.choose_worker(req)
+        return "tiled", f"{bias_why}; the tiled engine recomputes such rows exactly ({worker} worker: {why})"
     why = "torch.nn.functional.scaled_dot_product_attention" + (" (lse from its CPU flash kernel)" if req.need_lse else "")
     return "fused", why + "; an all-zero output row the mask does not empty is re-checked for NaN (then recomputed by plain ops)"
 
@@ -119,6 +133,9 @@ def run(req: Request, worker: str | None = None):
         worker, _ = choose_worker(req)
     if worker == "math":  # the same formula in plain ops (see choose_worker)
         out, lse = eager.run(req)
+        return out, (lse if req.need_lse else None)
+    if worker == "tiled":  # a float bias with gradients (see choose_worker)
+        out, lse = tiled.run(req)
         return out, (lse if req.need_lse else None)
     out, lse, attn_mask = _fused(req)
     if may_hide_nan(out):  # cheap; then: an all-zero row the mask does not empty -> NaN scan

@@ -45,7 +45,7 @@ import os
 
 import torch
 
-from . import _flash_cpu, _tiled_fused, _tiled_plain, _worklist
+from . import _flash_cpu, _softmax, _tiled_fused, _tiled_plain, _tiles, _worklist
 from ._base import Request
 from ._tiled_ctx import TileContext, additive_mod
 from ._tiles import has_nan
@@ -164,6 +164,15 @@ class _TiledAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dbias, dcap = None, [None] * len(c.captured)
+        # Rows where exp(s - lse) is not exact (scores all at finfo.min / -1e9: issue 18) leave
+        # the workers (torch's kernel has the flaw inside): their dout and dlse are zeroed, so the
+        # workers' share there is exactly 0, and exact_rows_backward adds theirs. O(L) to find.
+        rows = _softmax.inexact_rows(lse).flatten(0, 1).any(0)  # (L,)
+        fix = bool(rows.any())
+        if fix:
+            dout_all, dlse_all = dout, dlse
+            dout = dout.masked_fill(rows.unsqueeze(-1), 0)
+            dlse = None if dlse is None else dlse.masked_fill(rows, 0)
         if c.fused and dlse is None and c.causal:
             dq, dk, dv = _tiled_fused.causal_backward(c, q, k, v, out, lse, dout)
         elif c.fused and dlse is None:
@@ -172,10 +181,22 @@ class _TiledAttention(torch.autograd.Function):
             if c.fused:  # a gradient into lse: the plain loop, on a work list cut for it (O(L + S) memory)
                 c.plan = _work_list(c.req, "plain", c.plan_bm_bn, c.given)
             dq, dk, dv, dbias, dcap = _tiled_plain.backward(c, *_tiled_plain.prepare(c, q, k, v), out, lse, dout, dlse)
+        if fix:
+            extra = ([c.req.bias] if c.bias_grad else []) + list(c.captured)
+            rq, rk, rv, rext = _tiles.exact_rows_backward(c.req, rows, dout_all, dlse_all, extra)
+            dq, dk, dv = dq.to(c.cd) + rq, dk.to(c.cd) + rk, dv.to(c.cd) + rv
+            if c.bias_grad:
+                dbias = _add(dbias, rext.pop(0))
+            dcap = [_add(a, b) for a, b in zip(dcap, rext)]
         if dbias is not None:
             dbias = dbias.to(c.req.bias.dtype)
         dcap = [None if g is None else g.to(t.dtype) for g, t in zip(dcap, c.captured)]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None, *dcap)
+
+
+def _add(a, b):
+    """a + b where either may be None (a gradient nobody produced)."""
+    return b if a is None else a if b is None else a + b.to(a.dtype)
 
 
 def _launch(req: Request, worker: str):
