@@ -12,7 +12,7 @@ request                                               backend   why
 dropout_p > 0                                         eager     the only path with dropout
 no mask; causal top-left or L == S; no score_mod      sdpa      torch's fused kernel: no plan, no mask
 float bias only (no bool mask)                        sdpa      nothing to skip: one fused pass
-float bias, gradients wanted                          tiled     SDPA's backward is wrong on finfo.min rows
+float bias, or fp16 on the CPU, gradients wanted     tiled     SDPA's backward is inexact there (issue 18)
 user bool mask with empty/full tiles                  tiled     skips empty tiles, no mask on full ones
 user bool mask, every tile partial                    sdpa      nothing to skip (tiled ≈ 0.96× there)
 structured mask, bottom-right causal L ≠ S, score_mod tiled     SDPA would need a dense (L, S) mask
@@ -70,10 +70,11 @@ def _sdpa_fits(req: Request) -> str | None:
     L, S = req.q.shape[2], req.k.shape[2]
     if req.score_mod is not None:
         return "a score_mod"
-    if req.bias is not None and req.requires_grad():
-        # torch SDPA's backward is wrong on rows at finfo.min / -1e9 (issue 18); sdpa itself
-        # would hand this call to the tiled engine anyway (sdpa.choose_worker)
-        return "a float bias with gradients (torch SDPA's backward is wrong on rows at finfo.min)"
+    flaw = get("sdpa").backward_flaw(req)
+    if flaw is not None and req.dropout_p == 0:
+        # SDPA's own autograd would be inexact (issue 18); sdpa itself would hand this call to
+        # the tiled engine anyway (sdpa.choose_worker)
+        return flaw
     if req.mask is None and req.dense_mask is None:
         return None  # no mask, or only a float bias: nothing to skip, SDPA applies it in one fused pass
     if L <= get("sdpa").DECODE_MAX_L and req.plan is None:
@@ -128,8 +129,8 @@ def auto_backend(req: Request, device_type: str) -> Decision:
         kind = "causal" if req.causal else "dense"
         return Decision("sdpa", f"{kind} attention without score_mod: torch's fused kernel is fastest here")
     if tiled_why is None:
-        if sdpa_no and sdpa_no.startswith("a float bias with gradients"):
-            reason = f"tiled kernel for {sdpa_no}: its backward recomputes such rows exactly"
+        if sdpa_no and get("sdpa").backward_flaw(req) == sdpa_no:
+            reason = f"tiled kernel, exact gradients where SDPA's are not: {sdpa_no}"
         else:
             reason = f"block-sparse tiled kernel for {sdpa_no}" if sdpa_no else "torch SDPA cannot return what was asked"
         return Decision("tiled", reason)

@@ -12,10 +12,11 @@ takes the full path, so every error message, warning and decision is the full pa
   dtype, one device (CPU or CUDA), shapes that fit: ``(B, H, L, D)``, ``(B, Hkv, S, D)``,
   ``(B, Hkv, S, Dv)`` with ``H % Hkv == 0``, ``S ≥ 1``, ``D ≥ 1``;
 * no score_mod, no dropout, no lse / weights / sinks, ``backend="auto"``, ``scale`` None or a
-  finite Python float/int, ``causal`` exactly True or False;
+  finite Python float/int, ``causal`` exactly True or False; not fp16 on the CPU with a gradient
+  wanted (``sdpa.backward_flaw``);
 * or, on the CPU with ``causal=False``, a user tensor mask that ``auto`` hands to SDPA unchanged:
-  a float bias of q's dtype with no gradient wanted, or a bool mask with L ≤ ``sdpa.DECODE_MAX_L``, broadcastable to
-  ``(B, H, L, S)`` (``_tensor_mask``); a row it masks fully gives an all-zero output row,
+  a float bias of q's dtype with no gradient wanted, or a bool mask with L ≤ ``sdpa.DECODE_MAX_L``, 2-D to 4-D,
+  broadcastable to ``(B, H, L, S)`` (``_tensor_mask``); a row it masks fully gives an all-zero output row,
   which the full path then handles;
 * the mask (``causal=True`` is a bottom-right ``causal()``; at most one of the two), after the
   full path's own simplification (``_request._simplify``: causal with L = 1 is no mask, a
@@ -80,6 +81,9 @@ def attention(q, k, v, mask, causal, scale):
             return None
     if _log.isEnabledFor(logging.DEBUG):
         return None
+    if dt is torch.float16 and dev.type == "cpu" and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad):
+        return None  # SDPA's CPU fp16 backward is inexact (sdpa.backward_flaw): the full path decides
     if type(mask) is _T:  # a user tensor mask: SDPA applies it as it is (see _tensor_mask)
         if causal is not False or dev.type != "cpu" or not _tensor_mask(mask, dt, dev, B, H, L, S):
             return None
@@ -124,8 +128,8 @@ def _tensor_mask(m: torch.Tensor, dt, dev, B: int, H: int, L: int, S: int) -> bo
     q's dtype (any L: nothing to skip), or a bool mask at decode sizes (L ≤ 16: the tile analysis
     that could send a bigger one to ``tiled`` is the full path's); at most 4 dims that broadcast
     to ``(B, H, L, S)`` from the right, on q's device. Anything else: the full path (and its errors)."""
-    if m.device != dev or m.dim() > 4:
-        return False
+    if m.device != dev or m.dim() > 4 or m.dim() < 2:
+        return False  # SDPA itself rejects a 1-D (S,) mask (IndexError); the full path broadcasts it
     if m.dtype is torch.bool:
         if L > DECODE_MAX_L:
             return False

@@ -41,6 +41,11 @@ class TileContext:
         self.B, self.H, self.L, self.S, self.D, self.Dv, self.Hkv = B, H, L, S, D, Dv, Hkv
         self.g = H // Hkv
         self.cd = req.compute_dtype()
+        # The dtype torch's CPU flash kernel runs in (fused worker). fp16 runs in fp32: the kernel's
+        # fp16 path has no fast GEMM on CPUs (1×4×1024×64 causal, one thread, Xeon with AMX: backward
+        # 19.4 ms fp16, 14.6 ms fp32) and its backward would take delta from an fp16-rounded output
+        # (issue 18, item 5). bf16 stays bf16 (AMX: forward 2.6 ms bf16 vs 6.4 ms fp32).
+        self.kernel_dtype = torch.float32 if req.q.dtype == torch.float16 else req.q.dtype
         self.additive = req.score_mod is not None and additive_mod(req.score_mod)
         shift = ((req.mask is None or shift_invariant(req.mask)) and req.dense_mask is None and req.bias is None)
         # mask tiles of shift-invariant masks repeat along the diagonal: one per offset (this call only)

@@ -8,9 +8,10 @@ given the *global* out and lse, returns exactly this run's share of dq and the r
 dk, dv (FA2's decomposition), so the backward is one call per run too. This is what
 makes each step BLAS-sized and fused (the plain worker pays a memory pass per op).
 
-bf16/fp16 stay in their dtype for the GEMMs (fp32 scores and statistics inside the
-kernel), as torch SDPA does; a query block with several runs gets each run's output
-rounded once to bf16/fp16 before the fp32 merge (tests bound the total at 2× SDPA's error).
+bf16 stays bf16 for the GEMMs (fp32 scores and statistics inside the kernel), as torch
+SDPA does; a query block with several runs gets each run's output rounded once to bf16
+before the fp32 merge (tests bound the total at 2× SDPA's error). fp16 is given to this
+worker upcast to fp32 (``TileContext.kernel_dtype``, see tiled.py).
 
 Chosen by ``tiled.choose_worker`` (reported by ``attnkit.dispatch``); it never runs a
 request it cannot honour: no captured gradients, no float mask requiring grad, no NaN.

@@ -127,9 +127,12 @@ def backward(c: TileContext, qs, k, v, out, lse, dout, dlse):
                     ds = ds.mul_(graph[1].view_as(ds))
                 else:
                     s_raw, s_mod = graph
-                    grads = torch.autograd.grad(s_mod, [s_raw, *c.captured],
-                                                ds.view(B, c.H, l, n).expand_as(s_mod).to(s_mod.dtype),
-                                                allow_unused=True)
+                    if s_mod.requires_grad:
+                        grads = torch.autograd.grad(s_mod, [s_raw, *c.captured],
+                                                    ds.view(B, c.H, l, n).expand_as(s_mod).to(s_mod.dtype),
+                                                    allow_unused=True)
+                    else:  # an integer-valued mod (cast to float): no path from the score or a tensor
+                        grads = [None] * (1 + len(c.captured))
                     for t, gt in enumerate(grads[1:]):
                         if gt is not None:
                             dcap[t] = gt if dcap[t] is None else dcap[t] + gt

@@ -56,7 +56,18 @@ def apply_score_mod(req: Request, s: torch.Tensor, b, h, q, kv) -> torch.Tensor:
         B, H, L, S, *_ = req.shape
         out = _mods.eval_score_mod(fn, s, b, h, q, kv, (b.numel(), h.numel(), L, S))
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"score_mod must return a tensor, got {type(out).__name__}.")
+        raise TypeError(
+            f"score_mod: expected it to return a tensor of scores, got {type(out).__name__}. "
+            "Return a tensor, e.g. score + bias[h] (FlexAttention's score_mod signature).")
+    if out.dtype.is_complex:
+        raise TypeError(f"score_mod: expected real scores, got a tensor of dtype {out.dtype}. Return out.real or a float tensor.")
+    if not out.is_floating_point():
+        # An integer (or bool) score, e.g. ``kv_idx - q_idx``: FlexAttention's own math promotes it
+        # to the working precision (torch.where against its float -inf), so do the same, on every
+        # backend. It does not depend on the score differentiably: d(mod)/d(score) is 0.
+        out = out.to(s.dtype if s.is_floating_point() else torch.float32)
+    if out.shape != s.shape:  # a mod of the indices alone (kv_idx - q_idx) broadcasts to the tile
+        out = out.expand(torch.broadcast_shapes(out.shape, s.shape))
     return out
 
 
@@ -164,9 +175,9 @@ def exact_rows_backward(req: Request, rows: torch.Tensor, dout: torch.Tensor, dl
             if dlse is not None:
                 loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse[:, :, i0:i1].to(cd)).sum()
             grads = torch.autograd.grad(loss, [qd, kd, vd, *extra], allow_unused=True)
-        dq[:, :, i0:i1] += grads[0]
-        dk += grads[1]
-        dv += grads[2]
+        for acc, gr in ((dq[:, :, i0:i1], grads[0]), (dk, grads[1]), (dv, grads[2])):
+            if gr is not None:  # None: the scores do not depend on it (an integer-valued score_mod)
+                acc += gr
         for t, gr in enumerate(grads[3:]):
             if gr is not None:
                 dext[t] = gr if dext[t] is None else dext[t] + gr

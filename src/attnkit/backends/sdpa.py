@@ -23,7 +23,7 @@ from . import _flash_cpu, eager, tiled
 from ._base import Request
 from ._tiles import allowed_tile, has_nan, tile_of
 
-__all__ = ["NAME", "unsupported", "choose_worker", "run", "may_hide_nan"]
+__all__ = ["NAME", "unsupported", "choose_worker", "backward_flaw", "run", "may_hide_nan"]
 
 NAME = "sdpa"
 
@@ -100,30 +100,49 @@ def may_hide_nan(out: torch.Tensor) -> bool:
     return int(torch.count_nonzero(col)) < col.numel()
 
 
+def backward_flaw(req: Request) -> str | None:
+    """Why torch SDPA's own autograd would give inexact gradients for this call (None: it would not).
+
+    * a float bias: its backward rebuilds weights as ``exp(s - lse)``, wrong on a row whose
+      scores are all a huge finite negative (``finfo.min`` padding: 1 instead of 1/S);
+    * fp16 on the CPU: its backward takes ``delta = rowsum(dO ∘ O)`` from the fp16-rounded
+      output; on a peaked row ``dp - delta`` cancels and the error of O (2^-11 relative) becomes
+      dq/dk errors far beyond PyTorch's own fp16 error (tiny causal shapes: up to 40×).
+    """
+    if not req.requires_grad():
+        return None
+    if req.bias is not None:
+        return ("a float bias with gradients: torch SDPA's backward is wrong on rows whose scores are all a huge "
+                "finite negative (finfo.min padding)")
+    if req.q.dtype == torch.float16 and req.q.device.type == "cpu":
+        return ("fp16 with gradients on the CPU: torch SDPA's backward takes rowsum(dO * O) from the fp16-rounded "
+                "output")
+    return None
+
+
 def choose_worker(req: Request) -> tuple[str, str]:
     """``fused``: torch's SDPA kernels. (``math``, the same formula in plain ops, is what ``run``
     falls back to for inputs holding NaN: torch's CPU kernel turns some rows whose scores hold
     NaN/inf into zeros.)
 
-    ``tiled``: a float bias with gradients wanted. torch's SDPA backward rebuilds the weights as
-    ``exp(s - lse)``, which is wrong on a row whose scores are all a huge finite negative (a
-    ``finfo.min`` padding row gets weights 1 instead of 1/S; issue 18), and its forward returns
-    no lse to find such rows by. The same CPU flash kernel then runs through the tiled engine,
-    whose backward recomputes those rows exactly (``tiled.run``; its own worker choice is
-    reported here). With dropout, ``math`` (the only path with dropout and exact rows).
+    ``tiled``: gradients SDPA's own autograd would get wrong (:func:`backward_flaw`: a float
+    bias — a ``finfo.min`` padding row gets weights 1 instead of 1/S, and SDPA's forward
+    returns no lse to find such rows by — or fp16 on the CPU). The same CPU flash kernel then
+    runs through the tiled engine, whose backward recomputes those rows exactly and takes delta
+    from the unrounded output (``tiled.run``; its own worker choice is reported here). With
+    dropout, ``math`` (the only other path with dropout).
 
     The NaN scan of q, k, v (and a float bias) is a memory pass over K/V as long as a decode
     step itself, so it is deferred: only when the fused output has an all-zero row that the
     mask does not empty (read off the small mask the kernel was given) are the inputs scanned,
     and the call recomputed on the math path if they hold NaN.
     """
-    if req.bias is not None and req.requires_grad():
-        bias_why = ("a float bias with gradients: torch SDPA's backward is wrong on rows whose scores are all a huge "
-                    "finite negative (finfo.min padding)")
+    flaw = backward_flaw(req)
+    if flaw is not None:
         if req.dropout_p > 0:
-            return "math", bias_why + "; with dropout, the same formula in plain ops (autograd through it)"
+            return "math", flaw + "; with dropout, the same formula in plain ops (autograd through it)"
         worker, why = tiled.choose_worker(req)
-        return "tiled", f"{bias_why}; the tiled engine recomputes such rows exactly ({worker} worker: {why})"
+        return "tiled", f"{flaw}; the same CPU flash kernel through the tiled engine ({worker} worker: {why})"
     why = "torch.nn.functional.scaled_dot_product_attention" + (" (lse from its CPU flash kernel)" if req.need_lse else "")
     return "fused", why + "; an all-zero output row the mask does not empty is re-checked for NaN (then recomputed by plain ops)"
 

@@ -26,11 +26,13 @@ copied)::
 The online softmax and the log-sum-exp merge are ``backends._softmax`` (the only copy).
 
 Caveats vs the other backends: no dropout (``auto`` sends dropout to eager).
-bf16/fp16: the fused worker keeps the GEMM inputs in bf16/fp16 with fp32 scores,
+bf16: the fused worker keeps the GEMM inputs in bf16 with fp32 scores,
 statistics and accumulators inside the kernel (as torch SDPA); a query block
-with several runs gets each run's output rounded once to bf16/fp16 before the
+with several runs gets each run's output rounded once to bf16 before the
 fp32 log-sum-exp merge (one rounding per run; tests bound the total at 2× SDPA's
-error). The plain-op loop upcasts q, k, v once to fp32 (O(L + S) memory).
+error). fp16 runs the kernel in fp32 (``TileContext.kernel_dtype``: faster on CPUs, and
+the backward's delta is then taken from the unrounded output). The plain-op loop upcasts
+q, k, v once to fp32 (O(L + S) memory).
 
 Block sizes: ``BLOCK_M`` × ``BLOCK_N`` tiles; the plain-op loop caps runs at
 ``MAX_RUN`` keys (the fused kernel tiles internally, so its runs are uncapped);
@@ -144,22 +146,26 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, c: TileContext, *captured):
-        if c.fused and c.causal:
-            out, lse = _tiled_fused.causal_forward(c, q, k, v)
-        elif c.fused:
-            out, lse = _tiled_fused.forward(c, q, k, v)
+        # out_hi: the output before its rounding to q's dtype (fp32 for fp16 on either worker and for
+        # bf16 on the plain one; the fused worker's bf16 kernel rounds its own output), kept for the backward's delta = rowsum(dO ∘ O): from a rounded O, delta
+        # is off by ~2^-11·|dO||O| (fp16), which the cancellation in dp - delta on a peaked row turns
+        # into gradient errors many times PyTorch's own fp16 error (issue 18, item 5).
+        if c.fused:
+            kq, kk, kv = (t.to(c.kernel_dtype) for t in (q, k, v))  # a copy for fp16 only
+            fwd = _tiled_fused.causal_forward if c.causal else _tiled_fused.forward
+            out_hi, lse = fwd(c, kq, kk, kv)
         else:
-            out, lse = _tiled_plain.forward(c, *_tiled_plain.prepare(c, q, k, v))
-            out = out.to(q.dtype)
+            out_hi, lse = _tiled_plain.forward(c, *_tiled_plain.prepare(c, q, k, v))
+        out = out_hi.to(q.dtype)
         lse = lse if q.dtype in (torch.float32, torch.float64) else lse.float()
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out_hi, lse)
         ctx.c = c
         ctx.set_materialize_grads(False)  # an unused lse gives dlse = None: no extra work
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors  # out: out_hi (see forward)
         c = ctx.c
         if dout is None:
             dout = torch.zeros_like(out)
@@ -173,10 +179,9 @@ class _TiledAttention(torch.autograd.Function):
             dout_all, dlse_all = dout, dlse
             dout = dout.masked_fill(rows.unsqueeze(-1), 0)
             dlse = None if dlse is None else dlse.masked_fill(rows, 0)
-        if c.fused and dlse is None and c.causal:
-            dq, dk, dv = _tiled_fused.causal_backward(c, q, k, v, out, lse, dout)
-        elif c.fused and dlse is None:
-            dq, dk, dv = _tiled_fused.backward(c, q, k, v, out, lse, dout)
+        if c.fused and dlse is None:
+            bwd = _tiled_fused.causal_backward if c.causal else _tiled_fused.backward
+            dq, dk, dv = bwd(c, *(t.to(c.kernel_dtype) for t in (q, k, v, out)), lse, dout.to(c.kernel_dtype))
         else:
             if c.fused:  # a gradient into lse: the plain loop, on a work list cut for it (O(L + S) memory)
                 c.plan = _work_list(c.req, "plain", c.plan_bm_bn, c.given)
