@@ -29,10 +29,10 @@ import math
 
 import pytest
 import torch
+from conftest import EPS
 
 import attnkit
 from attnkit.backends import _tiles, tiled
-from conftest import EPS
 
 B, H, HKV, L, S, D = 2, 4, 2, 13, 11, 8  # GQA (g = 2), L != S
 

@@ -153,7 +153,7 @@ def test_fp16_backward_tiny_causal_within_flash_attention_tolerance(run):
         q0, k0, v0, g = ((torch.randn(1, 2, n, d, generator=gen) * scale).half()
                          for n, d in ((L, D), (S, D), (S, D), (L, D)))
 
-        def grads(fn, dtype):
+        def grads(fn, dtype, q0=q0, k0=k0, v0=v0, g=g):
             q, k, v = (t.to(dtype).requires_grad_() for t in (q0, k0, v0))
             out = fn(q, k, v)
             got = torch.autograd.grad(out, (q, k, v), g.to(out.dtype), allow_unused=True)

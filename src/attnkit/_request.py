@@ -72,7 +72,7 @@ def _int_mask_message(dtype) -> str:
     )
 
 
-def _lift(name: str, t: torch.Tensor, rank: int) -> torch.Tensor:
+def _lift(t: torch.Tensor, rank: int) -> torch.Tensor:
     if rank == 2:
         return t.unsqueeze(0).unsqueeze(0)
     if rank == 3:
@@ -139,7 +139,7 @@ def _check_qkv_full(q, k, v):
             f"For rank {q.dim()} all three are {_RANK_NAMES[q.dim()]}-shaped."
         )
     rank = q.dim()
-    q4, k4, v4 = (_lift(n, t, rank) for n, t in (("q", q), ("k", k), ("v", v)))
+    q4, k4, v4 = (_lift(t, rank) for t in (q, k, v))
     B, H, L, D = q4.shape
     Bk, Hkv, S, Dk = k4.shape
     Bv, Hv, Sv, Dv = v4.shape
@@ -170,7 +170,7 @@ def _check_qkv_full(q, k, v):
     return q4, k4, v4, rank, numpy_in
 
 
-def _check_tensor_mask(mask, q: torch.Tensor, rank: int, B, H, L, S):
+def _check_tensor_mask(mask, q: torch.Tensor, B, H, L, S):
     name = "mask"
     m = _to_torch(name, mask)
     if m.device != q.device:
@@ -261,7 +261,7 @@ def make_request(
         req.plan_extra = structured[0] if structured else None  # causal=True on top of the plan
         structured.append(mask.mask)
     elif isinstance(mask, (torch.Tensor, np.ndarray)):
-        m4, is_bias = _check_tensor_mask(mask, q4, rank, B, H, L, S)
+        m4, is_bias = _check_tensor_mask(mask, q4, B, H, L, S)
         if is_bias:
             req.bias = m4
         else:

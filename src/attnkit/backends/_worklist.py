@@ -87,7 +87,7 @@ def tile_map(mask: _m.Mask | None, B, H, L, S, bm, bn) -> torch.Tensor:
     return _tiling.collapse(k.expand(k.shape[0], k.shape[1], -(-L // bm), -(-S // bn)))
 
 
-def _runs_from_grid(grid: torch.Tensor, L, S, bm, bn, max_run_blocks) -> tuple:
+def _runs_from_grid(grid: torch.Tensor, S, bn, max_run_blocks) -> tuple:
     g = grid.numpy()
     out = []
     for qi in range(g.shape[0]):
@@ -154,7 +154,7 @@ def work_list(mask: _m.Mask | None, dense_mask: torch.Tensor | None, B, H, L, S,
     grid = given if given is not None else tile_map(mask, B, H, L, S, bm, bn)
     if dense_mask is not None:
         grid = torch.minimum(grid, dense_kinds(dense_mask, L, S, bm, bn, memo))
-    runs = _runs_from_grid(grid, L, S, bm, bn, max_run_blocks)
+    runs = _runs_from_grid(grid, S, bn, max_run_blocks)
     wl = WorkList(bm, bn, _group(runs, L, bm, max_group_elems, count_all),
                   float((grid > 0).float().mean()) if grid.numel() else 0.0)
     if key is not None:

@@ -52,7 +52,7 @@ from ._base import Request
 from ._tiled_ctx import TileContext, additive_mod
 from ._tiles import has_nan
 
-__all__ = ["NAME", "unsupported", "choose_worker", "partial_fraction", "run", "block_sizes", "block_shape"]
+__all__ = ["NAME", "unsupported", "choose_worker", "partial_fraction", "run", "block_sizes"]
 
 NAME = "tiled"
 
@@ -74,12 +74,6 @@ def _sizes():
         bm, bn = parts[0], parts[1]
         return bm, bn, parts[2] if len(parts) > 2 else max(MAX_RUN, bn)
     return BLOCK_M, BLOCK_N, max(MAX_RUN, BLOCK_N)
-
-
-def block_shape() -> tuple[int, int]:
-    """The tile shape ``(bm, bn)`` the next call will use."""
-    bm, bn, _ = _sizes()
-    return bm, bn
 
 
 @contextlib.contextmanager
