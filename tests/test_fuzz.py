@@ -8,9 +8,13 @@ formulas). Hypothesis draws, independently for q, k and v, a memory layout
 stride-0 expand, ``as_strided`` with overlapping or odd strides, NumPy), a dtype,
 sizes with 1 and odd values (GQA/MQA, L != S both ways), a random mask
 composition (built-ins with random parameters combined by ``& | ~``, a plain
-mask_mod, a dense bool or float tensor, ``causal=True``, fully masked rows), a
-score_mod (built-ins, closures over tensors that may require grad) and what to
-differentiate (q, k, v, the captured tensors, or only the captured tensors).
+mask_mod, a dense bool or float tensor — 1-D ``(S,)`` included — with rows entirely at
+-inf, ``finfo.min`` or -1e9 or a mix of them, ``causal=True``, fully masked rows), a
+score_mod (built-ins; closures, bound methods of an ``nn.Module``, ``functools.partial``s
+and module globals reading tensors that may require grad; integer- and bool-valued mods;
+transformers' FlexAttention mod adding a float mask with finfo.min / -1e9 rows) and what to
+differentiate (q, k, v, the captured tensors, or only the captured tensors). The golden
+rounds the scores to the call's dtype (see ``ref_attention``: issue 18).
 Outputs, lse and gradients are compared with conftest's error budget.
 
 Tests:
@@ -25,9 +29,13 @@ Tests:
   (hypothesis stops at the first failure of a test, so one bug could hide another).
 * ``test_flex_valid_*``: FlexAttention-valid mods (default-argument binding,
   chained indexing) that attnkit should accept.
-* ``test_zz_fuzz_report``: prints "fuzz: N cases ..." (visible without ``-s``).
+* ``test_fuzz_tensor_mask_edited_in_place``: a user's bool/float mask tensor (with rows at
+  -inf / finfo.min / -1e9) edited in place between calls: no call may use stale values.
+* ``test_zz_fuzz_coverage``: fails when a category the fuzz must cover (rows at finfo.min /
+  -1e9 with gradients, integer-valued mods, mods reading module / partial / global tensors,
+  1-D masks, in-place edits, ...) went below its minimum count; prints the counts and time.
 
-Profiles: the default (1000 + 200 + 300 + 200 examples) runs in about 30 s on 2 cores;
+Profiles: the default (1000 + 200 + 300 + 150 + 200 examples) runs in about 20 s on one thread;
 ``ATTNKIT_FUZZ=long`` (``make fuzz``) runs 10x the examples.
 ``derandomize=True`` keeps CI deterministic; ``ATTNKIT_FUZZ_BACKENDS=tiled,auto``
 narrows the backends under test (the float64 reference always runs).
@@ -36,6 +44,7 @@ narrows the backends under test (the float64 reference always runs).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections import Counter
@@ -88,11 +97,18 @@ def grids(B, H, L, S):
             torch.arange(L).view(1, 1, L, 1), torch.arange(S).view(1, 1, 1, S))
 
 
-def ref_attention(q, k, v, *, scale=None, score_mod=None, bias=None, allowed=None):
+def ref_attention(q, k, v, *, scale=None, score_mod=None, bias=None, allowed=None, round_to=None):
     """Float64 dense attention with autograd. q (B,H,L,D), k (B,Hkv,S,D), v (B,Hkv,S,Dv).
 
     ``allowed``: bool (B,H,L,S) or None; ``bias``: float broadcastable to (B,H,L,S).
     A row with no allowed finite score gives out 0 and lse -inf (zero gradients).
+
+    ``round_to``: the dtype of the call checked against. Its scores are rounded to that dtype
+    (straight through: the derivative of the rounding is taken as 1, as the call's own arithmetic
+    differentiates). That is the right golden for rows at a huge finite negative: in fp32,
+    ``q·k + finfo.min`` and ``q·k - 1e9`` round to one value for the whole row, whose exact
+    softmax is 1/S, while float64 on the unrounded scores would keep q·k (issue 18). On
+    ordinary rows the rounding moves each score by half an ulp, inside the error budget.
     """
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -105,6 +121,9 @@ def ref_attention(q, k, v, *, scale=None, score_mod=None, bias=None, allowed=Non
         s = s + bias
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
+    if round_to is not None and round_to != torch.float64:
+        r = s.detach()
+        s = s + torch.where(torch.isfinite(r), r.to(round_to).double() - r, 0.0)
     m = s.detach().amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
@@ -311,6 +330,62 @@ def _head_scale(p):  # a learnable per-head temperature
     return lambda s, b, h, q_idx, kv_idx: s * hs[h]
 
 
+class _DistBias(torch.nn.Module):
+    """A learnable bias by distance kept in a module (a buffer: the same tensor object as the
+    fuzz's parameter, so its gradient is checked); the score_mod is a bound method."""
+
+    def __init__(self, dist):
+        super().__init__()
+        self.register_buffer("dist", dist)
+
+    def score_mod(self, s, b, h, q_idx, kv_idx):
+        return s + self.dist[(q_idx - kv_idx).abs()]
+
+
+def _module_method(p):
+    return _DistBias(p["dist"]).score_mod
+
+
+def _module_closure(p):  # a closure over a module, reading its tensor at call time
+    mod = _DistBias(p["dist"])
+    return lambda s, b, h, q_idx, kv_idx: s + mod.dist[(q_idx - kv_idx).abs()]
+
+
+def _dist_bias(dist, s, b, h, q_idx, kv_idx):
+    return s + dist[(q_idx - kv_idx).abs()]
+
+
+_GLOBAL_DIST = torch.zeros(1)  # rebound by _global before each call (a module global the mod reads)
+
+
+def _global_dist_bias(s, b, h, q_idx, kv_idx):
+    return s + _GLOBAL_DIST[(q_idx - kv_idx).abs()]
+
+
+def _global(p):
+    global _GLOBAL_DIST
+    _GLOBAL_DIST = p["dist"]
+    return _global_dist_bias
+
+
+def _tf_mask(p):
+    """transformers' FlexAttention score_mod: ``score + mask[b, 0, q, kv]`` with the model's float
+    mask (finfo.min on padding / the future; here rows entirely at finfo.min and -1e9 too)."""
+    m = p["tf_mask"]
+    return lambda s, b, h, q_idx, kv_idx: s + m[b, 0, q_idx, kv_idx]
+
+
+def _tf_mask_params(B, L, S, g, dtype):
+    m = torch.randn(B, 1, L, S, generator=g, dtype=torch.float64) * 0.5
+    lo = torch.finfo(dtype).min
+    m[..., ::3] = lo  # some keys at finfo.min on every row
+    m[:, :, 0] = lo  # a row entirely at finfo.min
+    m[:, :, L // 2] = -1e9 if L > 1 else lo  # a row entirely at -1e9
+    return {"tf_mask": m}
+
+
+DIST = lambda H, L, S, g: {"dist": torch.randn(max(L, S), generator=g, dtype=torch.float64) * 0.5}
+
 SCORE_MODS = {
     # name: (attnkit mod from params, reference mod from float64 params, params(H, L, S, gen))
     "softcap": (lambda p: SM.softcap(2.5), lambda p: (lambda s, b, h, i, j: 2.5 * torch.tanh(s / 2.5)), None),
@@ -322,13 +397,37 @@ SCORE_MODS = {
                      lambda H, L, S, g: {"dist": torch.randn(max(L, S), generator=g, dtype=torch.float64) * 0.5}),
     "head_scale": (_head_scale, _head_scale,
                    lambda H, L, S, g: {"head_scale": 1 + 0.3 * torch.randn(H, generator=g, dtype=torch.float64)}),
+    # tensors read through an nn.Module (bound method, closure over it), a functools.partial, a global
+    "module_method": (_module_method, _closure_bias, DIST),
+    "module_closure": (_module_closure, _closure_bias, DIST),
+    "partial": (lambda p: functools.partial(_dist_bias, p["dist"]), _closure_bias, DIST),
+    "global": (_global, _closure_bias, DIST),
+    # integer-valued: FlexAttention promotes them to the working precision (no gradient into q, k)
+    "int_distance": (lambda p: (lambda s, b, h, q, kv: -(q - kv).abs()),
+                     lambda p: (lambda s, b, h, i, j: -(i - j).abs().to(s.dtype)), None),
+    "bool": (lambda p: (lambda s, b, h, q, kv: kv <= q), lambda p: (lambda s, b, h, i, j: (j <= i).to(s.dtype)), None),
+    # rows entirely at finfo.min / -1e9 written by the mod (params built per dtype: see _mod_params)
+    "tf_mask": (_tf_mask, _tf_mask, "tf_mask"),
 }
+# mods whose tensors can require grad (the "captured" problems)
+CAPTURING = ["alibi", "relative_bias", "closure_bias", "head_scale", "module_method", "module_closure", "partial",
+             "global", "tf_mask"]
+
+
+def _mod_params(mod, B, H, L, S, gen, dtype):
+    make = SCORE_MODS[mod][2]
+    if make is None:
+        return None
+    if make == "tf_mask":
+        return _tf_mask_params(B, L, S, gen, dtype)
+    return make(H, L, S, gen)
 
 
 # --------------------------------------------------------------------------- comparison helpers
 
 
-def close(got, want, atol, what):
+def close(got, want, atol, what, rel=False):
+    """|got - want| <= atol (times max(1, |want|) entry by entry with ``rel``: lse near finfo.min)."""
     got = torch.as_tensor(got).detach().double()
     want = want.detach().double()
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -336,8 +435,13 @@ def close(got, want, atol, what):
     gi, wi = torch.isneginf(got), torch.isneginf(want)
     assert torch.equal(gi, wi), f"{what}: -inf pattern differs ({int((gi != wi).sum())} entries)"
     fin = ~wi
-    err = (got[fin] - want[fin]).abs().max().item() if fin.any() else 0.0
-    assert err <= atol, f"{what}: max abs error {err:.3g} > budget {atol:.3g}"
+    if not fin.any():
+        return
+    diff = (got[fin] - want[fin]).abs()
+    if rel:
+        diff = diff / want[fin].abs().clamp_min(1.0)
+    err = diff.max().item()
+    assert err <= atol, f"{what}: max {'relative' if rel else 'abs'} error {err:.3g} > budget {atol:.3g}"
 
 
 def grad_tol(dtype, D, L, S, ref_grad):
@@ -395,19 +499,31 @@ def problems(draw, grads="values+qkv"):
         shape = draw(st.sampled_from([(L, S), (1, 1, L, S), (B, 1, L, S), (B, H, L, S), (1, H, 1, S), (S,)]))
         if rank < 4 and len(shape) == 4 and (shape[0] != 1 or (rank == 2 and shape[1] != 1)):
             shape = (L, S)
-        dead_row = draw(st.booleans())
-        mask = (kind, shape, draw(st.sampled_from([0.1, 0.5, 0.9])), dead_row)
+        # rows a float bias sets entirely to -inf (dead), finfo.min or -1e9 (issue 18), or a mix
+        rows = draw(st.sampled_from(["none", "-inf"] if kind == "dense_bool" else
+                                    ["none", "none", "-inf", "finfo.min", "-1e9", "mixed"]))
+        mask = (kind, shape, draw(st.sampled_from([0.1, 0.5, 0.9])), rows)
     else:
         mask = ("none",)
     causal = draw(st.booleans())
-    mod = draw(st.sampled_from([None] * 5 + ["softcap", "alibi", "relative_bias", "closure_bias", "head_scale"]))
+    mod = draw(st.sampled_from([None] * 8 + ["softcap", "alibi", "relative_bias", "closure_bias", "head_scale",
+                                             "module_method", "module_closure", "partial", "global", "int_distance",
+                                             "bool", "tf_mask"]))
     # NumPy out carries no autograd: NumPy cases check values only
     if grads == "captured":  # a score_mod with tensors, and they require grad
         numpy_in = False
-        mod = draw(st.sampled_from(["alibi", "relative_bias", "closure_bias", "head_scale"]))
+        mod = draw(st.sampled_from(CAPTURING))
         grad = draw(st.sampled_from(["captured", "qkv+captured"]))
     else:
         grad = "none" if numpy_in else draw(st.sampled_from(["none", "qkv"]))
+    if mask[0] == "float_bias" and mask[3] in ("-1e9", "mixed") and mod in ("alibi", "relative_bias", "int_distance"):
+        # A row at -1e9 is ill-conditioned: its scores are resolved to the spacing of 1e9 (64 in
+        # fp32, 1.2e-7 in fp64), so adding a mod's values in another order (the fused worker folds
+        # alibi / relative_bias into its bias tile), or values past half that spacing (alibi,
+        # int_distance reach ~100), rounds differently: both are exact softmaxes of differently
+        # rounded scores, and no dtype-level budget can tell them apart. finfo.min rows absorb
+        # any mod value whatever the order, so they take that place.
+        mask = mask[:3] + ("finfo.min",)
     return_lse = draw(st.booleans())
     blocks = draw(st.sampled_from([None, None, (16, 16), (16, 32), (32, 16)]))
     seed = draw(st.integers(0, 2 ** 20))
@@ -425,19 +541,26 @@ def _mask_args(mask, B, H, L, S, dtype, gen, rank):
     if kind == "plain_mod":
         w = mask[1]
         return (lambda b, h, q, kv: (q - kv).abs() <= w), _band_dense(w, B, H, L, S).expand(B, H, L, S), None
-    _, shape, p, dead_row = kind, mask[1], mask[2], mask[3]
-    if shape == (S,):
-        shape = (1, 1, 1, S)
-    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    _, shape, p, rows = kind, mask[1], mask[2], mask[3]
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)  # a 1-D (S,) mask is passed as it is: it broadcasts
     if kind == "dense_bool":
         t = torch.rand(*shape4, generator=gen) > p
-        if dead_row and shape4[2] == L:
+        if rows == "-inf" and shape4[2] == L:
             t[..., L // 2, :] = False
         ref = t.expand(B, H, L, S)
         return t.reshape(shape), ref, None
     t = (torch.randn(*shape4, generator=gen, dtype=torch.float64) * 0.5)
-    if dead_row and shape4[2] == L:
-        t[..., L // 2, :] = float("-inf")  # a row the bias masks completely
+    fill = {"-inf": float("-inf"), "finfo.min": torch.finfo(dtype).min, "-1e9": -1e9}
+    if rows in fill:
+        t[..., L // 2 if shape4[2] == L else 0, :] = fill[rows]  # a row (or, broadcast over L, all rows)
+    elif rows == "mixed":  # dead, finfo.min and -1e9 rows, half -inf / half finfo.min, some finfo.min keys
+        r = (lambda i: i % L) if shape4[2] == L else (lambda i: 0)
+        t[..., :, ::4] = fill["finfo.min"]
+        t[..., r(1), :] = fill["finfo.min"]
+        t[..., r(2), :] = -1e9
+        t[..., r(3), :] = float("-inf")
+        t[..., r(4), ::2] = float("-inf")
+        t[..., r(4), 1::2] = fill["finfo.min"]
     t = t.to(dtype)
     return t.reshape(shape), None, t.double().expand(B, H, L, S)
 
@@ -473,7 +596,7 @@ def check_problem(pb):
         c = dense(("causal", "bottom_right"), B, H, L, S)
         allowed = c if allowed is None else allowed & c
     mod = pb["mod"]
-    params = None if mod is None or SCORE_MODS[mod][2] is None else SCORE_MODS[mod][2](H, L, S, gen)
+    params = None if mod is None else _mod_params(mod, B, H, L, S, gen, dtype)
     grad = pb["grad"]
     qkv_grad = grad in ("qkv", "qkv+captured")
     cap_grad = grad in ("captured", "qkv+captured")
@@ -487,13 +610,22 @@ def check_problem(pb):
     r_params = None if params is None else {n: t.to(dtype).double().clone().requires_grad_(cap_grad)
                                            for n, t in params.items()}
     ref_mod = None if mod is None else SCORE_MODS[mod][1](r_params)
-    ref_out, ref_lse = ref_attention(*(to4(t) for t in r_leaves), score_mod=ref_mod, bias=bias, allowed=allowed)
+    ref_out, ref_lse = ref_attention(*(to4(t) for t in r_leaves), score_mod=ref_mod, bias=bias, allowed=allowed,
+                                     round_to=dtype)
     # coverage counters for the report line
     STATS["with L!=S"] += L != S
     STATS["with GQA/MQA"] += H != Hkv
     STATS["with L*S>=4096"] += L * S >= 4096
     STATS["with fully masked rows"] += bool(torch.isneginf(ref_lse).any())
     STATS["with last-dim stride!=1"] += any(t.stride(-1) != 1 for t in qkv)
+    fin_lse = ref_lse.detach()[torch.isfinite(ref_lse.detach())]
+    huge = bool((fin_lse.abs() > 1e6).any())
+    STATS["with rows at finfo.min/-1e9"] += huge
+    STATS["with rows at finfo.min/-1e9, gradients"] += huge and grad != "none"
+    STATS["with an integer-valued score_mod"] += mod in ("int_distance", "bool")
+    STATS["with a score_mod reading a module/partial/global"] += mod in ("module_method", "module_closure",
+                                                                         "partial", "global")
+    STATS["with a 1-D mask"] += pb["mask"][0] in ("dense_bool", "float_bias") and len(pb["mask"][1]) == 1
     ref_loss = (ref_out * g_out).sum()
     if g_lse is not None:
         ref_loss = ref_loss + (torch.where(torch.isfinite(ref_lse), ref_lse, 0.0) * g_lse).sum()
@@ -502,8 +634,7 @@ def check_problem(pb):
     ref_grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(r_wrt, ref_grads)]
 
     tol_out = budget(dtype, D, S, max(1.0, float(qkv[2].abs().max())))
-    fin = ref_lse.detach()[torch.isfinite(ref_lse.detach())]
-    tol_lse = 4 * budget(dtype, D, S) * max(1.0, float(fin.abs().max()) if fin.numel() else 1.0)
+    tol_lse = 4 * budget(dtype, D, S)  # relative to max(1, |lse|), entry by entry (see close)
     shp = lambda t: t.reshape(tuple(qkv[0].shape[:-1]) + tuple(t.shape[3:]))  # back to the input rank
     desc = (f"{dtype} B,H,Hkv,L,S,D,Dv={pb['shape']} rank={pb['rank']} layouts={pb['layouts']} numpy={pb['numpy_in']} "
             f"mask={spec_str(pb['mask'][1]) if pb['mask'][0] == 'spec' else pb['mask'][:2]} causal={pb['causal']} "
@@ -538,7 +669,7 @@ def check_problem(pb):
             assert out.dtype == dtype, f"{be}: dtype {out.dtype} != {dtype}"
             close(out, shp(ref_out), tol_out, f"{be} out | {desc}")
             if lse is not None:
-                close(lse, ref_lse.reshape(tuple(qkv[0].shape[:-1])), tol_lse, f"{be} lse | {desc}")
+                close(lse, ref_lse.reshape(tuple(qkv[0].shape[:-1])), tol_lse, f"{be} lse | {desc}", rel=True)
             wrt = (args if qkv_grad else []) + (list(p.values()) if cap_grad else [])
             if be == "reference" or not wrt:
                 continue
@@ -671,6 +802,102 @@ def check_change(pb):
                                       f"blocks={pb['blocks']} ids {rle(pb['ids'][0])} -> {rle(pb['ids'][1])}")
 
 
+# --------------------------------------------------------------------------- tensor masks edited in place
+
+
+@st.composite
+def edited_masks(draw):
+    B = draw(st.sampled_from([1, 2]))
+    Hkv = draw(st.sampled_from([1, 2]))
+    H = Hkv * draw(st.sampled_from([1, 2]))
+    L = draw(st.sampled_from([1, 3, 17, 65, 130]))
+    S = draw(st.sampled_from([1, 3, 17, 65, 130]))
+    kind = draw(st.sampled_from(["bool", "float"]))
+    shape = draw(st.sampled_from([(L, S), (B, 1, L, S), (1, H, L, S), (1, H, 1, S), (S,)]))
+    fill = draw(st.sampled_from(["-inf", "finfo.min", "-1e9", "mixed"]))
+    edit = draw(st.sampled_from(["copy_", "setitem", "masked_fill_"]))
+    return dict(shape=(B, H, Hkv, L, S, draw(st.sampled_from([4, 16]))), kind=kind, mshape=shape, fill=fill,
+                edit=edit, causal=draw(st.booleans()), grad=draw(st.booleans()),
+                blocks=draw(st.sampled_from([None, (16, 16)])), dtype=draw(st.sampled_from([torch.float32,
+                                                                                           torch.float64])),
+                seed=draw(st.integers(0, 2 ** 20)))
+
+
+def _mask_values(pb, gen):
+    """New values for the user's mask tensor: bool (True = attend) or a float bias with some
+    keys, and whole rows, at the drawn fill value (-inf, finfo.min, -1e9 or all three)."""
+    shape, dtype = pb["mshape"], pb["dtype"]
+    if pb["kind"] == "bool":
+        return torch.rand(*shape, generator=gen) > 0.4
+    t = torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.5
+    fills = {"-inf": [float("-inf")], "finfo.min": [torch.finfo(dtype).min], "-1e9": [-1e9],
+             "mixed": [float("-inf"), torch.finfo(dtype).min, -1e9]}[pb["fill"]]
+    for i, f in enumerate(fills):
+        t[torch.rand(*shape, generator=gen) < 0.3] = f
+        if len(shape) >= 2 and shape[-2] > 1:
+            t[..., (i * 7) % shape[-2], :] = f  # a whole row at the fill value
+    return t.to(dtype)
+
+
+@profile(150)
+@given(edited_masks())
+def test_fuzz_tensor_mask_edited_in_place(pb):
+    """See ``check_edited``."""
+    check_edited(pb)
+
+
+def check_edited(pb):
+    """A user's bool or float mask tensor is passed, edited in place (``copy_``, item assignment,
+    ``masked_fill_``) and passed again: every call must use the values it holds at call time
+    (no tile map, decision or plan may outlive a call), outputs and q, k, v gradients alike."""
+    STATS["cases"] += 1
+    STATS["in-place mask edits"] += 1
+    B, H, Hkv, L, S, D = pb["shape"]
+    dtype = pb["dtype"]
+    gen = torch.Generator().manual_seed(pb["seed"])
+    q = torch.randn(B, H, L, D, generator=gen, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(B, Hkv, S, D, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    g_out = torch.randn(B, H, L, D, generator=gen, dtype=torch.float64)
+    values = [_mask_values(pb, gen) for _ in range(3)]
+    blocks = lambda: tiled.block_sizes(*pb["blocks"]) if pb["blocks"] else contextlib.nullcontext()
+    for be in BACKENDS:
+        mask = values[0].clone()
+        for step, new in enumerate(values):
+            if step:
+                if pb["edit"] == "copy_":
+                    mask.copy_(new)
+                elif pb["edit"] == "setitem":
+                    mask[...] = new
+                else:  # masked_fill_ where the values differ: the same storage, a new version
+                    mask.masked_fill_(torch.ones_like(mask, dtype=torch.bool), 0)
+                    mask.add_(new) if mask.is_floating_point() else mask.logical_or_(new)
+            qq, kk, vv = (t.clone().requires_grad_(pb["grad"]) for t in (q, k, v))
+            with blocks():
+                out = call(be, qq, kk, vv, mask=mask, causal=pb["causal"])
+            if out is None:
+                continue
+            STATS[f"ran:{be}"] += 1
+            m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(B, H, L, S)
+            allowed = m4 if mask.dtype == torch.bool else None
+            bias = None if mask.dtype == torch.bool else m4.double()
+            if pb["causal"]:
+                c = dense(("causal", "bottom_right"), B, H, L, S)
+                allowed = c if allowed is None else allowed & c
+            rq, rk, rv = (t.double().requires_grad_(pb["grad"]) for t in (q, k, v))
+            ref, _ = ref_attention(rq, rk, rv, bias=bias, allowed=allowed, round_to=dtype)
+            desc = (f"{be} call {step + 1} ({pb['kind']} mask {pb['mshape']} edited by {pb['edit']}, fill "
+                    f"{pb['fill']}) {dtype} B,H,Hkv,L,S,D={pb['shape']} causal={pb['causal']} blocks={pb['blocks']}")
+            close(out, ref, budget(dtype, D, S, 4.0), f"out {desc}")
+            if pb["grad"]:
+                STATS["grad_checks"] += 1
+                grads = torch.autograd.grad((out.double() * g_out).sum(), (qq, kk, vv), allow_unused=True)
+                ref_grads = torch.autograd.grad((ref * g_out).sum(), (rq, rk, rv), allow_unused=True)
+                for name, gr, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+                    rg = torch.zeros_like(rq if name == "dq" else rk) if rg is None else rg
+                    gr = torch.zeros_like(rg) if gr is None else gr
+                    close(gr, rg, grad_tol(dtype, D, L, S, rg), f"{name} {desc}")
+
+
 # --------------------------------------------------------------------------- captured tensors requiring grad
 
 
@@ -769,11 +996,22 @@ REGRESSIONS = {
     "captured-alibi-slopes-only": _pb(mod="alibi", grad="captured"),
     "captured-closure-bias-with-qkv": _pb(shape=(1, 1, 1, 1, 3, 4, 4), mod="closure_bias", grad="qkv+captured"),
     # found beside the known bugs: eager's lse gradient is NaN on a row a -inf float bias masks
-    "eager-nan-grad-inf-bias-row-lse": _pb(mask=("float_bias", (1, 1), 0.1, True), grad="qkv", return_lse=True),
+    "eager-nan-grad-inf-bias-row-lse": _pb(mask=("float_bias", (1, 1), 0.1, "-inf"), grad="qkv", return_lse=True),
     # found beside the known bugs: a tensor mask broadcast over L (size-1 query dim) crashes
     # tiled/auto once L spans several query blocks (sliced [i0:i0+l] on the size-1 dim)
-    "broadcast-L-mask-causal-crash": _pb(shape=(2, 1, 1, 97, 1, 1, 1), mask=("dense_bool", (1, 1, 1, 1), 0.1, False),
+    "broadcast-L-mask-causal-crash": _pb(shape=(2, 1, 1, 97, 1, 1, 1), mask=("dense_bool", (1, 1, 1, 1), 0.1, "none"),
                                          causal=True),
+    # issue 18: gradients on rows entirely at finfo.min / -1e9 (weights 1 instead of 1/S)
+    "finfo-min-rows-grad-fused": _pb(shape=(1, 2, 1, 8, 8, 4, 4), mask=("float_bias", (8, 8), 0.5, "finfo.min"),
+                                     grad="qkv"),
+    "mixed-rows-grad-lse": _pb(shape=(2, 2, 2, 17, 17, 8, 8), mask=("float_bias", (2, 1, 17, 17), 0.5, "mixed"),
+                               grad="qkv", return_lse=True, blocks=(16, 16)),
+    "tf-mask-mod-grad": _pb(shape=(2, 2, 1, 5, 7, 8, 8), mod="tf_mask", grad="qkv+captured"),
+    # issue 18: integer-valued mods (eager raised finfo's TypeError), 1-D masks (IndexError)
+    "int-mod": _pb(shape=(1, 2, 2, 3, 5, 4, 4), mod="int_distance", grad="qkv"),
+    "bool-mod": _pb(shape=(1, 1, 1, 3, 3, 4, 4), mod="bool", grad="qkv"),
+    "1d-float-mask": _pb(shape=(1, 2, 1, 3, 5, 4, 4), mask=("float_bias", (5,), 0.5, "none"), grad="qkv"),
+    "1d-bool-mask": _pb(shape=(1, 2, 1, 3, 5, 4, 4), mask=("dense_bool", (5,), 0.5, "none")),
 }
 
 
@@ -854,12 +1092,36 @@ def test_flex_valid_chained_indexing(backend):
     close(g, ref_g, 1e-9, f"{backend} dbias")
 
 
-# --------------------------------------------------------------------------- report
+# --------------------------------------------------------------------------- coverage
+# Runs last in this file. The fuzz tests above count what they exercised (STATS); this test
+# fails when a category the fuzz exists to cover went (nearly) unexercised, e.g. after a
+# change to a strategy, and prints the counts and the time. The minimums are for the default
+# profile (×10 with ATTNKIT_FUZZ=long); a category is checked only when the fuzz test that
+# produces it ran in this session (so ``-k`` selections do not fail it).
+
+COVERAGE = {  # category: (the test that produces it, the least count expected)
+    "with rows at finfo.min/-1e9": ("test_fuzz_backends_match_reference", 40),
+    "with rows at finfo.min/-1e9, gradients": ("test_fuzz_backends_match_reference", 15),
+    "with an integer-valued score_mod": ("test_fuzz_backends_match_reference", 40),
+    "with a score_mod reading a module/partial/global": ("test_fuzz_backends_match_reference", 80),
+    "with a 1-D mask": ("test_fuzz_backends_match_reference", 20),
+    "with fully masked rows": ("test_fuzz_backends_match_reference", 100),
+    "with GQA/MQA": ("test_fuzz_backends_match_reference", 200),
+    "in-place mask edits": ("test_fuzz_tensor_mask_edited_in_place", 100),
+    "grad_checks": ("test_fuzz_backends_match_reference", 500),
+}
 
 
-def test_zz_fuzz_report(capsys):
-    """Runs last in this file: prints how many cases ran (visible without -s)."""
+def test_zz_fuzz_coverage(request, capsys):
+    ran = {item.name for item in request.session.items}
+    checked = {c: (t, n) for c, (t, n) in COVERAGE.items() if t in ran}
+    if not checked:
+        pytest.skip("none of the fuzz tests ran in this session")
     took = SECONDS[0]
-    ran = ", ".join(f"{k}={v}" for k, v in sorted(STATS.items()) if k != "cases")
-    with capsys.disabled():
-        print(f"\nfuzz ({'long' if LONG else 'default'} profile): {STATS['cases']} cases in {took:.1f} s; {ran}")
+    line = (f"fuzz ({'long' if LONG else 'default'} profile): {STATS['cases']} cases in {took:.1f} s; "
+            + ", ".join(f"{k}={v}" for k, v in sorted(STATS.items()) if k != "cases"))
+    with capsys.disabled():  # visible without -s: the count comes with a test that can fail
+        print("\n" + line)
+    short = {c: STATS[c] for c, (_, n) in checked.items() if STATS[c] < n * FACTOR}
+    assert not short, f"fuzz coverage below its minimum: {short} (expected {{c: n}} = " \
+                      f"{ {c: n * FACTOR for c, (_, n) in checked.items()} }); {line}"

@@ -3,7 +3,8 @@ at a time, with every intermediate kept (see :class:`Trace`).
 
     scores  = Q Kᵀ                         (B, H, L, S)
     scaled  = scores · scale               scale = 1/√D unless given
-    masked  = scaled → score_mod → + bias → -inf where the mask forbids
+    masked  = scaled → score_mod → + bias → rounded to fp32 for an fp32/bf16/fp16 call
+              → -inf where the mask forbids
     weights = softmax(masked) per row       (rows sum to 1; a fully masked row is 0)
     output  = weights V                     (B, H, L, Dv)
     lse     = log Σ_j exp(masked)           (B, H, L); -inf on a fully masked row
@@ -108,6 +109,12 @@ def trace(req: Request) -> Trace:
         masked = np.broadcast_to(masked, (B, H, L, S)).copy()
     if req.bias is not None:
         masked = masked + req.bias.detach().cpu().to(torch.float64).numpy()
+    if req.compute_dtype() == torch.float32:
+        # The scores every backend computes for an fp32 (or bf16/fp16) call are fp32 numbers; on a
+        # row at finfo.min or -1e9 fp32 keeps no trace of q·k (finfo.min + q·k == finfo.min), so
+        # the row's softmax is 1/S. Rounded here too, the reference computes that same function
+        # exactly, instead of a float64 one no fp32 computation can match (issue 18).
+        masked = masked.astype(np.float32).astype(np.float64)
     allowed = np.ones((B, H, L, S), dtype=bool)
     if req.mask is not None:
         allowed &= req.mask.materialize(B, H, L, S).cpu().numpy()
