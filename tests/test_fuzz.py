@@ -52,6 +52,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import budget
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -59,7 +60,6 @@ import attnkit
 from attnkit import masks as M
 from attnkit import score_mods as SM
 from attnkit.backends import tiled
-from conftest import budget
 
 # --------------------------------------------------------------------------- profile
 
