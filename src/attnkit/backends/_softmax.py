@@ -101,12 +101,12 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 def softmax_lse(s: torch.Tensor):
     """Row softmax of dense scores ``s (…, S)`` and its lse; dead rows give weights 0, lse -inf."""
-    m = guard(s.detach().amax(dim=-1, keepdim=True))
-    p = torch.exp(s - m)
+    m_i = guard(s.detach().amax(dim=-1, keepdim=True))
+    p = torch.exp(s - m_i)  # s - m_i is exact near the max, even at finfo.min: weights exact on any row
     l_i = p.sum(dim=-1, keepdim=True)
     live = l_i > 0
     safe = torch.where(live, l_i, torch.ones_like(l_i))  # log(0)'s gradient would be NaN, even masked
-    lse = torch.where(live, m + torch.log(safe), torch.full_like(m, float("-inf")))
+    lse = torch.where(live, m_i + torch.log(safe), torch.full_like(m_i, float("-inf")))
     return p / safe, lse.squeeze(-1)
 
 
