@@ -28,7 +28,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         v: ``(B, Hkv, S, Dv)``.
         mask: None; a bool array/tensor broadcastable to ``(B, H, L, S)`` (**True =
             attend**); a float array/tensor (an additive bias on the scaled scores); an
-            :mod:`attnkit.masks` object; or a ``mask_mod(b, h, q_idx, kv_idx)``.
+            :mod:`attnkit.masks` object; or a ``mask_mod(b, h, q_idx, kv_idx)``. Tensors
+            broadcast from the right, as in NumPy: a 1-D ``(S,)`` mask applies to every query.
         causal: add a causal mask, **bottom-right aligned** when L ≠ S (query ``i``
             sees keys ``j <= i + S - L``)::
 
@@ -39,7 +40,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
             For top-left alignment pass ``mask=attnkit.masks.causal("top_left")``.
         scale: multiplier of ``q kᵀ``; default ``1/√D``.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the scaled
-            scores (FlexAttention's signature), applied before bias and mask.
+            scores (FlexAttention's signature), applied before bias and mask. An integer or
+            bool result is promoted to the working precision, as FlexAttention does.
         dropout_p: dropout on the weights (eager path only).
         return_lse: also return ``lse (B, H, L)``, the log-sum-exp of each row.
         return_weights: also return the exact attention weights ``(B, H', L, S)``, recomputed
