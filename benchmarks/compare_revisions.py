@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     cases = [c for c in CASES if (not a.quick or c[4] * c[5] <= 2048 * 2048) and (not a.only or a.only in c[0])]
     procs = {"before": _worker(a.before, a.threads), "after": _worker(a.after, a.threads)}
     rows = []
-    print(f"| case | before | after | before/after |\n|---|---|---|---|", flush=True)
+    print("| case | before | after | before/after |\n|---|---|---|---|", flush=True)
     for name, B, H, Hkv, L, S, D, kw, mode in cases:
         c = dict(B=B, H=H, Hkv=Hkv, L=L, S=S, D=D, kw=kw, mode=mode, repeats=a.repeats)
         got = {"before": [], "after": []}

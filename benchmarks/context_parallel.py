@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from attnkit import masks as M
 import attnkit.distributed as akd
+from attnkit import masks as M
 
 BYTES_PER_POS = 1 * 8 * (128 + 128) * 2
 # heads (Ulysses) moves q (H = 32 heads) and k, v out, and the output back: per position and rank

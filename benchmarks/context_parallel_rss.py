@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
-import time
 
 _CHILD = r'''
 import json, os, resource, sys, time, torch

@@ -37,7 +37,7 @@ import attnkit
 from attnkit import masks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode  # noqa: E402  (the same plain-torch layer and decoding step as benchmarks/decode.py)
+import decode  # the same plain-torch layer and decoding step as benchmarks/decode.py
 
 
 def _interleaved(fns: dict, repeats: int, warmup: int = 20) -> dict:

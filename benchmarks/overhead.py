@@ -7,8 +7,8 @@ Each row: which path answered (``fast``: ``attnkit._fast``, whose contract cover
 ``full``: validation, dispatch, backend), median µs of torch SDPA called directly with the
 equivalent arguments, of ``attnkit.attention(..., backend="auto")``, the difference, and for
 the full path that difference split into ``make_request`` (the one validation point),
-``decide`` (the dispatch decision) and the rest (the backend's own Python around the kernel). Interleaved: the callables are
-timed in turns, one call each, so machine noise hits all of them alike.
+``decide`` (the dispatch decision) and the rest (the backend's own Python around the kernel).
+Interleaved: the callables are timed in turns, one call each, so machine noise hits all of them alike.
 """
 
 from __future__ import annotations

@@ -38,7 +38,9 @@ mod = mask.flex_mask_mod(L, L)
 ts = []
 try:
     for _ in range(reps):
-        t0 = time.perf_counter(); create_block_mask(mod, 1, 1, L, L, device="cpu", BLOCK_SIZE=blk); ts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        create_block_mask(mod, 1, 1, L, L, device="cpu", BLOCK_SIZE=blk)
+        ts.append(time.perf_counter() - t0)
     print(json.dumps({"first": ts[0], "median": statistics.median(ts[1:] or ts)}))
 except (MemoryError, RuntimeError) as e:
     print(json.dumps({"error": type(e).__name__ + ": " + str(e).splitlines()[0][:120]}))
@@ -47,6 +49,7 @@ except (MemoryError, RuntimeError) as e:
 
 def _ours(expr: str, L: int, blk: int, reps: int):
     import torch  # noqa: F401 - used by the mask expressions
+
     import attnkit
     from attnkit import masks  # noqa: F401
 
@@ -77,8 +80,8 @@ def main(argv=None) -> int:
     for L in (int(x) for x in a.lengths.split(",")):
         for name, expr in MASKS.items():
             p, b, dens = _ours(expr, L, a.block, a.repeats)
-            r = subprocess.run([sys.executable, "-c", _FLEX, expr, str(L), str(a.block), str(a.mem_gib), str(a.repeats)],
-                               capture_output=True, text=True, timeout=1800)
+            argv = [sys.executable, "-c", _FLEX, expr, str(L), str(a.block), str(a.mem_gib), str(a.repeats)]
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
             try:
                 flex = json.loads(r.stdout.strip().splitlines()[-1])
             except (IndexError, json.JSONDecodeError):

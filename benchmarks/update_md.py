@@ -1,4 +1,6 @@
-"""Rewrite the generated section of BENCHMARKS.md from saved results: ``python benchmarks/update_md.py RESULTS.json [PAGE.md]``.
+"""Rewrite the generated section of BENCHMARKS.md from saved results.
+
+    python benchmarks/update_md.py RESULTS.json [PAGE.md]
 
 Only the text between ``<!-- attnkit-bench:begin … -->`` and ``<!-- attnkit-bench:end -->``
 is replaced (by :func:`attnkit.bench.report.section` of the results); every byte outside

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,10 @@ def reverse_batch(batch_size: int, seq_len: int, vocab_size: int, generator: tor
 
 
 class TinyTransformer(nn.Module):
-    """Token embedding + learned positions → ``num_layers`` :class:`TransformerBlock` → LayerNorm → logits ``(B, L, V)``."""
+    """Token embedding + learned positions → ``num_layers`` :class:`TransformerBlock` → LayerNorm → logits.
+
+    Output ``(B, L, V)``.
+    """
 
     def __init__(self, vocab_size: int, seq_len: int, *, embed_dim: int = 64, num_heads: int = 4,
                  num_layers: int = 2, dropout: float = 0.0):

@@ -101,7 +101,7 @@ def run(rank, world, port, args, report):
             if step == 0:
                 first["loss"] = abs(total - ref_loss.item())
                 first["grad"] = max((p.grad - r.grad).abs().max().item()
-                                    for p, r in zip(model.parameters(), ref.parameters()))
+                                    for p, r in zip(model.parameters(), ref.parameters(), strict=True))
             ref_opt.step()
             curve.append((total, ref_loss.item()))
     import resource

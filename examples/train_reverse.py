@@ -19,11 +19,11 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # reverse_task.py sits next to this script
-from reverse_task import accuracy, reverse_batch, train_reverse  # noqa: E402
+from reverse_task import accuracy, reverse_batch, train_reverse
 
 
 @torch.no_grad()

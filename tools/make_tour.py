@@ -43,8 +43,10 @@ unbatched `(L, D)` works too. Bool masks mean **True = attend**.
 
 code(r"""
 import math
+
 import numpy as np
 import torch
+
 import attnkit
 from attnkit import masks
 
@@ -112,7 +114,11 @@ for d_k in (2, 64, 512):
 d_k = 512
 qs, ks = g.standard_normal((1000, 1, d_k)), g.standard_normal((1000, 10, d_k))
 raw = (qs * ks).sum(-1)
-top = lambda s: (np.exp(s - s.max(1, keepdims=True)) / np.exp(s - s.max(1, keepdims=True)).sum(1, keepdims=True)).max(1).mean()
+
+def top(s):  # the largest softmax weight of each row, averaged over the rows
+    w = np.exp(s - s.max(1, keepdims=True))
+    return (w / w.sum(1, keepdims=True)).max(1).mean()
+
 print(f"mean largest weight over 10 keys, d_k = 512: unscaled {top(raw):.3f}, scaled {top(raw / math.sqrt(d_k)):.3f}")
 """)
 
@@ -275,13 +281,17 @@ attnkit.plan(window, L=1024, block=(128, 128))            # the tile map at a si
 
 code(r"""
 import time
+
 torch.set_num_threads(1)
 q, k, v = (torch.randn(1, 4, L, 64) for _ in range(3))
 
 def best(f, n=3):
-    f(); times = []
+    f()  # warm-up
+    times = []
     for _ in range(n):
-        s = time.perf_counter(); f(); times.append(time.perf_counter() - s)
+        s = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - s)
     return min(times)
 
 dense = window.materialize(1, 1, L, L)

@@ -78,7 +78,7 @@ _SLOTS = {"<!-- attnkit:tour -->": tour_markdown, "<!-- attnkit:cli -->": cli_ma
           "<!-- attnkit:benchmarks -->": benchmarks_markdown}
 
 
-def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - the MkDocs hook signature
+def on_page_markdown(markdown, page, config, files):  # the MkDocs hook signature (page, config, files unused)
     for slot, make in _SLOTS.items():
         if slot in markdown:
             markdown = markdown.replace(slot, make())
@@ -88,6 +88,6 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 - the MkDoc
 _ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|exc|obj):(?=<code>)")
 
 
-def on_page_content(html, page, config, files):  # noqa: ARG001 - the MkDocs hook signature
+def on_page_content(html, page, config, files):  # the MkDocs hook signature
     """Docstrings use Sphinx roles (:func:`x`); the code span stays, the role prefix goes."""
     return _ROLE.sub("", html)

@@ -30,7 +30,7 @@ def format_matrix(m, row_labels=None, col_labels=None, prec: int = 4) -> str:
     w = max([len(c) for c in cols] + [len(c) for r in cells for c in r])
     rw = max(len(r) for r in rows)
     out = [" " * rw + " │ " + " ".join(c.rjust(w) for c in cols), "─" * rw + "─┼─" + "─" * ((w + 1) * len(cols) - 1)]
-    for lab, r in zip(rows, cells):
+    for lab, r in zip(rows, cells, strict=True):
         out.append(lab.rjust(rw) + " │ " + " ".join(c.rjust(w) for c in r))
     return "\n".join(out)
 

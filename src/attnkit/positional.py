@@ -56,7 +56,8 @@ def _check_base(base, *, minimum: float = 0.0, default: float = 10000.0) -> floa
 
 def _check_offset(offset) -> int:
     if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset: expected an int >= 0 (position of the first row), got {type(offset).__name__} {offset!r}.")
+        raise TypeError("offset: expected an int >= 0 (position of the first row), got "
+                        f"{type(offset).__name__} {offset!r}.")
     if offset < 0:
         raise ValueError(f"offset: expected an int >= 0 (position of the first row), got {offset}.")
     return offset
@@ -115,7 +116,8 @@ class SinusoidalPositionalEncoding(nn.Module):
         super().__init__()
         self.embed_dim = _check_pos_int("embed_dim", embed_dim)
         if embed_dim % 2:
-            raise ValueError(f"embed_dim: expected an even size (sin/cos pairs), got {embed_dim}. Use an even embed_dim.")
+            raise ValueError(f"embed_dim: expected an even size (sin/cos pairs), got {embed_dim}. "
+                             "Use an even embed_dim.")
         self.base = _check_base(base)
         self._table = sinusoidal(1, embed_dim, base=self.base, dtype=torch.float64)  # (n, E) float64, CPU
         self._rounded: dict = {}  # (device, dtype) -> the table rounded once to that dtype on that device

@@ -21,8 +21,9 @@ def add_arguments(p) -> None:
     from ..bench.cases import CASES, DEFAULT_CASES, DEFAULT_PEERS, DEFAULT_SIZE, PEERS
 
     p.description = (
-        f"Benchmark attnkit against torch SDPA, naive attention and (with --full) compiled FlexAttention. "
-        f"The default is small (about a minute on a quiet 2-core machine, under 2 when the cores are shared): {','.join(DEFAULT_CASES)} at L={DEFAULT_SIZE}, fp32, "
+        "Benchmark attnkit against torch SDPA, naive attention and (with --full) compiled FlexAttention. "
+        "The default is small (about a minute on a quiet 2-core machine, under 2 when the cores are shared): "
+        f"{','.join(DEFAULT_CASES)} at L={DEFAULT_SIZE}, fp32, "
         f"forward and forward+backward, peers {','.join(DEFAULT_PEERS)}, and the peak-RSS check at "
         f"L={_DEFAULT_MEMORY}. --full runs the suite behind BENCHMARKS.md (all cases at L=4096/16384, fp32 and "
         "bf16, every peer, memory at 65536 and 131072): tens of minutes. Nothing is written unless you pass "

@@ -37,7 +37,8 @@ def add_arguments(p):
     p.add_argument("--size", type=_count, default=3,
                    help="window or chunk size (>= 1) / prefix length (<= S) / valid keys for padding (<= S) "
                         "(default 3)")
-    p.add_argument("--docs", default=None, help="document ids for 'document', one integer per key, e.g. 0,0,0,1,1,2,2,2")
+    p.add_argument("--docs", default=None,
+                   help="document ids for 'document', one integer per key, e.g. 0,0,0,1,1,2,2,2")
     p.add_argument("--and-causal", action="store_true", help="combine with a causal mask (&)")
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import sys
 
-# show() is library code (attnkit.viz.show); these names stay importable from here for callers of the CLI module.
-from ..viz._show import (DEFAULT_LAYER, DEFAULT_SENTENCE, MAX_TOKENS, WORD_RULE, ShowResult,  # noqa: F401
-                         _load_cached, show)
+# show() is library code (attnkit.viz.show); the `X as X` names stay importable from here (explicit re-exports)
+# for callers of the CLI module.
+from ..viz._show import DEFAULT_LAYER, DEFAULT_SENTENCE, WORD_RULE, show
+from ..viz._show import MAX_TOKENS as MAX_TOKENS
+from ..viz._show import ShowResult as ShowResult
+from ..viz._show import _load_cached as _load_cached
 
 __all__ = ["add_arguments", "run", "sentences_from_args"]
 

@@ -102,7 +102,8 @@ def _items(value, allowed, option):
     items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else list(value)
     bad = [x for x in items if x not in allowed]
     if bad or not items:
-        raise BenchSettingsError(option, f"expected a comma list from {','.join(allowed)}, got {','.join(map(str, items)) or repr(value)}"
+        got = ",".join(map(str, items)) or repr(value)
+        raise BenchSettingsError(option, f"expected a comma list from {','.join(allowed)}, got {got}"
                                  + (f" (unknown: {','.join(map(str, bad))})" if bad else ""))
     return list(dict.fromkeys(items))
 
@@ -119,7 +120,11 @@ def select(*, full: bool = False, cases=None, dtypes=None, modes=None, peers=Non
     prs = _items(peers if peers is not None else (PEERS if full else DEFAULT_PEERS), PEERS, "peers")
     if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
         raise BenchSettingsError("length", f"expected an int >= 1, got {length!r}")
-    size = (lambda n: length) if length is not None else ((lambda n: FULL_SIZES[n]) if full else (lambda n: DEFAULT_SIZE))
+    def size(name: str) -> int:
+        if length is not None:
+            return length
+        return FULL_SIZES[name] if full else DEFAULT_SIZE
+
     return [Case(n, size(n), DTYPES[d], m) for n in names for d in dts for m in mds], prs
 
 
@@ -220,7 +225,8 @@ def _peer_sdpa(case: Case, q, k, v):
         fn, note = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), "is_causal"
     elif case.name == "alibi":
         bias = _alibi_bias(case.L, q.dtype)
-        fn, note = (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)), "dense float bias (ALiBi + causal)"
+        fn, note = ((lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)),
+                    "dense float bias (ALiBi + causal)")
     else:
         m = _dense_bool(case.name, case.L)
         fn, note = (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m)), "dense bool mask"

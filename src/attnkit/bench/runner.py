@@ -1,4 +1,4 @@
-"""How ``attnkit bench`` measures: interleaved timing of the peers in one run, peak RSS of a subprocess, a run-time estimate.
+"""How ``attnkit bench`` measures: the peers timed interleaved in one run, a subprocess's peak RSS, a time estimate.
 
 Method
 ------
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -100,7 +101,7 @@ def run_case(case: Case, peers, repeats: int, budget: float, progress: Progress 
     grad_out = torch.randn(_c.B, _c.H, case.L, _c.D).to(case.dtype)
     inputs = (q, k, v)
     flops = _c.flops(case.name, case.L, case.mode)
-    live = {}
+    live: dict[str, tuple[Callable[[], object], Result, list[float]]] = {}  # peer -> (fn, result, seconds)
     for peer in peers:
         r = Result(case.name, case.dtype_name, case.mode, case.L, peer)
         case.results.append(r)
@@ -133,7 +134,7 @@ def run_case(case: Case, peers, repeats: int, budget: float, progress: Progress 
                 continue
             samples.append(_timed(fn, case.mode, inputs, grad_out))
         gc.collect()
-    for peer, (fn, r, samples) in live.items():
+    for _fn, r, samples in live.values():
         samples.sort()
         r.n = len(samples)
         r.median_s = statistics.median(samples)
@@ -267,7 +268,9 @@ def estimate(cases, peers, *, repeats: int, budget: float, memory=(), rate: floa
             total += (calls + n) * t
         total += 0.1  # inputs, density, gc
     for L in memory:  # a setup-only and a measuring subprocess, the latter running window fwd+bwd through tiled
-        total += 2 * _SUBPROCESS_S + _call_estimate("tiled", Case("window", L, torch.float32, "fwdbwd"), rate)
+        t = _call_estimate("tiled", Case("window", L, torch.float32, "fwdbwd"), rate)
+        assert t is not None  # only the naive peer is ever skipped
+        total += 2 * _SUBPROCESS_S + t
     return total
 
 
@@ -283,13 +286,14 @@ def run(cases, peers, *, repeats: int, budget: float, memory=(), progress: Progr
     memory = list(memory)
     check_settings(repeats=repeats, budget=budget, memory=memory)
     progress = progress or Progress(len(cases) * len(peers) + len(memory), enabled=False)
+    results: list[dict] = []
     report = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
               "repeats": repeats, "budget_s": float(budget), "peers": list(peers),
               "shapes": {"B": _c.B, "H": _c.H, "D": _c.D, "window": _c.WINDOW, "documents": _c.N_DOCS},
-              "notes": [], "memory": [], "results": []}
+              "notes": [], "memory": [], "results": results}
     for c in cases:
         run_case(c, peers, repeats, budget, progress)
-        report["results"].extend(asdict(r) for r in c.results)
+        results.extend(asdict(r) for r in c.results)
         if on_case:
             on_case(report)
     report["memory"] = memory_rows(memory, progress) if memory else []

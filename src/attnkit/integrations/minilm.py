@@ -63,7 +63,8 @@ def load(path=None, attn_implementation: str = "attnkit"):
         register()
     tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     model = transformers.AutoModel.from_pretrained(str(path), attn_implementation=attn_implementation,
-                                                   local_files_only=True, use_safetensors=(path / _WEIGHTS[0]).is_file())
+                                                   local_files_only=True,
+                                                   use_safetensors=(path / _WEIGHTS[0]).is_file())
     model.eval()
     return tok, model
 

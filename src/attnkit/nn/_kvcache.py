@@ -53,7 +53,7 @@ class KVCache:
         self.k = torch.zeros(batch_size, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch_size, num_kv_heads, max_length, value_dim, dtype=dtype, device=device)
         self.length = 0
-        self._owner = None  # weakref to the module that appended first
+        self._owner: weakref.ref[torch.nn.Module] | None = None  # the module that appended first
 
     @property
     def batch_size(self) -> int:

@@ -8,13 +8,17 @@ Hkv key/value heads, D = E / H head dim.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import score_mods as _score_mods
 from ..api import attention
-from ..positional import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding, _check_pos_int,
-                          alibi_slopes)
+from ..positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    _check_pos_int,
+    alibi_slopes,
+)
 from . import _torch_convert
 from ._kvcache import KVCache
 
@@ -142,7 +146,7 @@ class MultiHeadAttention(nn.Module):
             packed = torch.empty(q.shape[0] + k.shape[0] + v.shape[0], self.embed_dim, dtype=q.dtype)
             nn.init.xavier_uniform_(packed)  # (E + 2·Hkv·D, E)
             with torch.no_grad():
-                for w, part in zip((q, k, v), packed.split([q.shape[0], k.shape[0], v.shape[0]])):
+                for w, part in zip((q, k, v), packed.split([q.shape[0], k.shape[0], v.shape[0]]), strict=True):
                     w.copy_(part)
         else:
             for w in (q, k, v):
@@ -218,7 +222,9 @@ class MultiHeadAttention(nn.Module):
         if key is None and value is not None:
             raise TypeError("key: got value but no key. Pass key= as well (value defaults to key, not the reverse).")
         if not self.batch_first:  # (L, B, E) in and out, as torch's default layout
-            tr = lambda x: x.transpose(0, 1) if isinstance(x, torch.Tensor) and x.dim() == 3 else x
+            def tr(x):
+                return x.transpose(0, 1) if isinstance(x, torch.Tensor) and x.dim() == 3 else x
+
             same_k, same_v = key is query, value is query or (value is key and key is not None)
             tq = tr(query)
             tk = tq if same_k else tr(key)
@@ -272,7 +278,8 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"causal: expected True, False or None (causal when a kv_cache is used), got {causal!r}.")
         if kv_cache is not None:
             if not isinstance(kv_cache, KVCache):
-                raise TypeError(f"kv_cache: expected an attnkit.nn.KVCache (from new_cache), got {type(kv_cache).__name__}.")
+                raise TypeError("kv_cache: expected an attnkit.nn.KVCache (from new_cache), got "
+                                f"{type(kv_cache).__name__}.")
             if causal is False:
                 raise ValueError(
                     "causal=False with a kv_cache: decoding with a cache is causal by construction (the tokens "
@@ -359,7 +366,7 @@ class MultiHeadAttention(nn.Module):
         return x.shape[0], x.shape[1]
 
     @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> "MultiHeadAttention":
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
         """A ``MultiHeadAttention`` with the weights of a ``torch.nn.MultiheadAttention``
         (packed or separate q/k/v weights, bias on or off; see :func:`attnkit.nn.from_torch`).
 

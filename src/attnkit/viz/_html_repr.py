@@ -33,7 +33,7 @@ fmt = format_number  # one number format for text tables and HTML
 def _blue(frac: float) -> tuple[str, str]:
     """Background and text colour for a value at ``frac`` in [0, 1] of a white→blue scale."""
     f = min(max(float(frac), 0.0), 1.0)
-    r, g, b = (int(round(255 + (c - 255) * f)) for c in (8, 81, 156))
+    r, g, b = (round(255 + (c - 255) * f) for c in (8, 81, 156))
     return f"rgb({r},{g},{b})", ("#fff" if f > 0.55 else "#111")
 
 
@@ -50,8 +50,8 @@ def matrix_table(m, row_labels=None, col_labels=None, *, caption="", prec=4, hea
         lo, hi = (float(fin.min()), float(fin.max())) if fin.size else (0.0, 1.0)
     span = hi - lo if hi > lo else 1.0
     nr, nc = min(L, MAX_CELLS), min(S, MAX_CELLS)
-    out = [f'<table style="border-collapse:collapse;font:inherit;margin:2px 12px 8px 0;display:inline-table;vertical-align:top"'
-           f'{attrs}>']
+    out = ['<table style="border-collapse:collapse;font:inherit;margin:2px 12px 8px 0;display:inline-table;'
+           f'vertical-align:top"{attrs}>']
     if caption:
         out.append(f'<caption style="{_CAP}">{caption}</caption>')
     out.append("<tr><th></th>" + "".join(f'<th style="{_HEAD}">{esc(c)}</th>' for c in cols[:nc]) + "</tr>")
@@ -88,7 +88,8 @@ def trace_repr(t) -> str:
     L, S = np.shape(t.scores)[-2:]
     lead = np.shape(t.scores)[:-2]
     D, Dv = np.shape(t.q)[-1], np.shape(t.output)[-1]
-    pre = "".join(f"{n}={v}, " for n, v in zip(("B", "H")[-len(lead):] if lead else (), lead))
+    names = ("B", "H")[-len(lead):] if 0 < len(lead) <= 2 else tuple(f"dim{i}" for i in range(len(lead)))
+    pre = "".join(f"{n}={v}, " for n, v in zip(names, lead, strict=True))
     return f"Trace({pre}L={L}, S={S}, D={D}, Dv={Dv}, scale={t.scale:.6g}, masked={bool(t.has_mask)})"
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import functools
 import numbers
 import string
-import unicodedata
 import sys
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,10 +49,14 @@ class ShowDependencyError(ImportError):
 
 
 # Function words never make an interesting default word; a short list is enough for the rule below.
-_STOP = frozenset("""a an the and or but nor of to in on at by for with from into onto as is are was were be been
-being am it its this that these those i you he she we they me him her us them my your his our their not no so if
-then than do does did have has had will would can could shall should may might must there here what which who whom
-whose when where why how all any some like just very too also""".split())
+_STOP = frozenset({
+    "a", "an", "the", "and", "or", "but", "nor", "of", "to", "in", "on", "at", "by", "for", "with", "from", "into",
+    "onto", "as", "is", "are", "was", "were", "be", "been", "being", "am", "it", "its", "this", "that", "these",
+    "those", "i", "you", "he", "she", "we", "they", "me", "him", "her", "us", "them", "my", "your", "his", "our",
+    "their", "not", "no", "so", "if", "then", "than", "do", "does", "did", "have", "has", "had", "will", "would", "can",
+    "could", "shall", "should", "may", "might", "must", "there", "here", "what", "which", "who", "whom", "whose",
+    "when", "where", "why", "how", "all", "any", "some", "like", "just", "very", "too", "also"
+})
 
 WORD_RULE = ("the content word (not a stop word, punctuation or special token) that attends most to the other "
               "content words in the chosen layer, averaged over heads: the word this layer reads most in context")
@@ -86,16 +90,18 @@ def _load(model_path, quiet):
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     _progress("loading the model" + ("" if model_path is None else f" from {model_path}"), quiet)
+    load_errors: tuple[type[Exception], ...] = (OSError, ValueError, KeyError)  # the files are there but do not load
     try:
         from safetensors import SafetensorError  # a corrupt weights file
+        load_errors += (SafetensorError,)
     except ImportError:  # pragma: no cover - transformers depends on safetensors
-        SafetensorError = OSError
+        pass
     try:
         where = str(model_path) if model_path is not None else str(minilm.default_model_path())
         return _load_cached(None if model_path is None else str(model_path))
     except minilm.ModelUnavailable:
         raise
-    except (OSError, ValueError, KeyError, SafetensorError) as e:  # the files are there but do not load
+    except load_errors as e:
         first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
         if model_path is None:
             raise minilm.ModelUnavailable(
@@ -126,7 +132,7 @@ def _words(enc, b, sentence, positions):
     Indices count the row's valid tokens (``positions``, see _valid_positions), not padded positions.
     """
     where = {p: k for k, p in enumerate(positions)}
-    out = {}
+    out: dict[int, tuple[str, list[int]]] = {}
     for i, w in enumerate(enc.word_ids(b)):
         if w is None or i not in where:
             continue
@@ -151,9 +157,7 @@ def _is_content(text, pieces=()):
     t = text.strip()
     if not t or t.lower() in _STOP or all(unicodedata.category(c)[0] in "PZC" or c in string.punctuation for c in t):
         return False
-    if t in _SPECIAL or (pieces and all(p in _SPECIAL for p in pieces)):
-        return False
-    return True
+    return not (t in _SPECIAL or (pieces and all(p in _SPECIAL for p in pieces)))
 
 
 def _pick_word(words, layer_w, tokens=None):
@@ -178,14 +182,17 @@ def _table(tokens, rows, heads, top):
 
     lines = []
     width = max(len(t) for t in tokens)
-    for label, r in [(str(h), rows[k]) for k, h in enumerate(heads)] + ([("mean", rows.mean(0))] if len(heads) > 1 else []):
+    labelled = [(str(h), rows[k]) for k, h in enumerate(heads)]
+    if len(heads) > 1:
+        labelled.append(("mean", rows.mean(0)))
+    for label, r in labelled:
         order = np.argsort(-r, kind="stable")[:top]
         ent = float(-(r[r > 0] * np.log(r[r > 0])).sum())  # natural log: nats (ln S for a uniform row)
         cells = "   ".join(f"{tokens[j]:>{width}} {r[j]:.2f}" for j in order)
         lines.append(f"{label:>4} │ {cells} │ {ent:5.2f}")
     head = f"head │ {'attends most to (weight)':<{len(lines[0].split('│')[1]) - 1}}│ entropy (nats)"
     rule = "─" * 5 + "┼" + "─" * (len(lines[0].split("│")[1])) + "┼" + "─" * 15
-    return "\n".join([head, rule] + lines)
+    return "\n".join([head, rule, *lines])
 
 
 def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_path=None, out="attnkit-out", top=3,
@@ -221,9 +228,7 @@ def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_pat
         raise ShowInputError("head", f"expected 0..{n_heads - 1} (this model has {n_heads} heads per layer), "
                              f"got {head}")
 
-    from ..integrations.transformers import capture_attention
-
-    from ..integrations.transformers import CaptureError
+    from ..integrations.transformers import CaptureError, capture_attention
 
     full = _n_tokens(tok, sentences)
     long = [i for i, n in enumerate(full) if n > MAX_TOKENS]
@@ -237,7 +242,8 @@ def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_pat
     enc = tok(sentences, padding=True, truncation=True, max_length=MAX_TOKENS, padding_side="right",
               return_tensors="pt")
     positions = [_valid_positions(enc, b) for b in range(len(sentences))]
-    _progress(f"running {len(sentences)} sentence(s) through {n_layers} layers on attnkit, capturing the weights", quiet)
+    _progress(f"running {len(sentences)} sentence(s) through {n_layers} layers on attnkit, capturing the weights",
+              quiet)
     try:
         weights = {k: v.numpy() for k, v in capture_attention(model, enc).items()}  # {layer: (B, H, L, S)}
     except CaptureError as e:

@@ -159,9 +159,10 @@ def explain_page(trace, *, b: int = 0, h: int = 0, title: str = "Attention, step
         f'<section><h2>{n + 1}. Output weights·V</h2><p>output[i, c] = Σ_j weights[i, j] · V[j, c]. '
         "<b>Hover an output</b> to see which values it blends.</p>"
         + _table("output", out, ql, vl, prec) + "</section>")
+    scale_label = f"× 1/√{D}" if is_default else f"× {trace.scale:.4g}"
     body = (f"<h1>{esc(title)}</h1><p class=\"sub\">{esc(where)}L = {L} queries, S = {S} keys. Every number on this "
             "page is computed by attnkit's float64 reference.</p>"
-            f'<section><h2>The flow</h2>{_flow_svg(has_mask, f"× 1/√{D}" if is_default else f"× {trace.scale:.4g}")}</section>'
+            f'<section><h2>The flow</h2>{_flow_svg(has_mask, scale_label)}</section>'
             '<p id="readout" aria-live="polite">Hover a score or an output to see how it is made.</p>'
             + "".join(sections))
     return (_PAGE.replace("%TITLE%", esc(title)).replace("%CSS%", _CSS).replace("%JS%", _JS)
@@ -230,7 +231,10 @@ _JS = r"""
   function cell(t, i, j) { return document.querySelector("#" + t + ' td[data-i="' + i + '"][data-j="' + j + '"]'); }
   function row(t, i) { return document.querySelector("#" + t + ' tr[data-i="' + i + '"]'); }
   function flow(steps) {
-    steps.forEach(function (s) { var g = document.querySelector('#flow g[data-step="' + s + '"]'); if (g) g.classList.add("hl"); });
+    steps.forEach(function (s) {
+      var g = document.querySelector('#flow g[data-step="' + s + '"]');
+      if (g) g.classList.add("hl");
+    });
   }
   function say(text) { document.getElementById("readout").textContent = text; }
 

@@ -68,7 +68,7 @@ def attention_html(items, weights, *, title="attention", subtitle="", initial=No
         attention_mask = np.asarray(attention_mask)
         if attention_mask.ndim != 2 or attention_mask.shape[0] != len(items):
             raise ValueError(f"attention_mask: expected (B={len(items)}, L), got shape {attention_mask.shape}.")
-    n_heads = None
+    n_heads: int | None = None
     data_w = {}
     for layer in layers:
         w = np.asarray(weights[layer])
@@ -82,9 +82,10 @@ def attention_html(items, weights, *, title="attention", subtitle="", initial=No
             pos = _positions(b, len(it["tokens"]), attention_mask, w.shape[2], w.shape[3])
             per_item.append(_rounded(w[b][:, pos][:, :, pos], digits))  # (H, n, n): padding dropped (either side)
         data_w[str(layer)] = per_item
+    assert n_heads is not None  # set by the first layer; `layers` is not empty (checked above)
     init = {"item": 0, "layer": layers[0], "head": -1, "token": None}
     init.update(initial or {})
-    data = {"title": title, "subtitle": subtitle, "items": items, "layers": layers, "heads": int(n_heads),
+    data = {"title": title, "subtitle": subtitle, "items": items, "layers": layers, "heads": n_heads,
             "weights": data_w, "initial": init}
     blob = json.dumps(data, separators=(",", ":"), ensure_ascii=True).replace("<", "\\u003c")
     parts = {"TITLE": _html.escape(str(title)), "SUBTITLE": _html.escape(str(subtitle)), "CSS": _CSS, "JS": _JS,
@@ -229,7 +230,9 @@ _JS = r"""
   }
   function colour() { return S.head >= 0 ? PALETTE[S.head % PALETTE.length] : "#3b5bdb"; }
   function focus() { return S.hover || S.pinned; }
-  function esc(t) { return t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;"); }
+  function esc(t) {
+    return t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
+  }
   function tint(w) {               // background for a token or cell carrying weight w
     var hex = colour(), r = parseInt(hex.substr(1, 2), 16), g = parseInt(hex.substr(3, 2), 16),
         b = parseInt(hex.substr(5, 2), 16);
