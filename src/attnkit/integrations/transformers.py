@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -114,13 +115,41 @@ def attnkit_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
         # causal alone, as sdpa_mask skips it: attention then uses is_causal (one query: no mask)
         return None
     structured = None
-    if _takes_mask_objects(kwargs.get("config")):
+    if _takes_mask_objects(kwargs.get("config")) and not _built_ahead_of_the_forward():
         structured = structured_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                                      attention_mask)
     if structured is not None:
         return structured
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+
+
+# How far up the stack to look for transformers' generation step: the mask hook sits under
+# create_causal_mask / create_sliding_window_causal_mask, under create_masks_for_generate (the
+# model's own override may call the generic one), under prepare_inputs_for_generation (a
+# model's override may call super()'s): six frames today, with room to spare.
+_PREBUILD_DEPTH = 12
+
+
+def _built_ahead_of_the_forward() -> bool:
+    """Whether transformers is building this mask in ``prepare_inputs_for_generation``, ahead of
+    the forward, as it does for a compileable (static) cache.
+
+    That mask then goes through tensor-only code: ``prepare_inputs_for_generation`` calls
+    ``.contiguous()`` on it and hands it to the forward as a ready 4-D ``attention_mask``, which
+    ``create_causal_mask`` passes through only if it is a tensor. An attnkit mask object there
+    crashed with ``'And' object has no attribute 'contiguous'`` (issue 18, item 3), so such a
+    mask is built as transformers' dense tensor: what sdpa gets, and exact. (Static caches are
+    dense at every decoding step anyway: their query offset is a tensor, see structured_mask.)
+    """
+    f = sys._getframe(2)
+    for _ in range(_PREBUILD_DEPTH):
+        if f is None:
+            return False
+        if f.f_code.co_name == "prepare_inputs_for_generation":
+            return True
+        f = f.f_back
+    return False
 
 
 def _valid_keys(attention_mask, kv_length: int, kv_offset: int):
@@ -153,8 +182,6 @@ def _takes_mask_objects(config) -> bool:
         return True
     cls = type(config)
     if cls not in _TAKES_OBJECTS:
-        import sys
-
         from transformers import PreTrainedModel
 
         mod = sys.modules.get(cls.__module__.replace(".configuration_", ".modeling_"))
@@ -562,8 +589,6 @@ def _alternatives(module) -> str:
 
 def _model_supports_sdpa(module) -> bool:
     """Whether every ``PreTrainedModel`` class next to ``module``'s class declares ``_supports_sdpa = True``."""
-    import sys
-
     mod = sys.modules.get(type(module).__module__)
     try:
         from transformers import PreTrainedModel
