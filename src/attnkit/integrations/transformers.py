@@ -54,7 +54,7 @@ from .. import score_mods as _score_mods
 from ..api import attention
 
 __all__ = ["register", "attnkit_attention_forward", "attnkit_mask", "capture_attention", "capturing", "CaptureError",
-           "NAME"]
+           "UnsupportedModelError", "NAME"]
 
 NAME = "attnkit"
 
@@ -86,7 +86,109 @@ def register(name: str = NAME) -> str:
     transformers, masking_utils = _import_transformers()
     transformers.AttentionInterface.register(name, attnkit_attention_forward)
     masking_utils.AttentionMaskInterface.register(name, attnkit_mask)
+    _register_refusals(name)
     return name
+
+
+# ----------------------------------------------------------------------------------------------
+# models that compute attention themselves: refused, never half-run (issue 18, item 2)
+
+# Modeling modules that pick their attention layer class from a dict keyed by the implementation
+# name (``FALCON_ATTENTION_CLASSES[config._attn_implementation]``), found by scanning
+# transformers' source for ``_ATTENTION_CLASSES[`` (the walk test re-scans the installed
+# version and fails when this list is incomplete). Without an entry for "attnkit" their
+# constructor dies with a bare ``KeyError: 'attnkit'``; register() adds an entry that raises
+# the clear error instead, through the dict transformers itself looks the name up in.
+_CLASS_DICT_MODULES = ("falcon.modeling_falcon", "gptj.modeling_gptj", "gpt_neo.modeling_gpt_neo",
+                       "bark.modeling_bark", "git.modeling_git", "sam.modeling_sam", "sam_hq.modeling_sam_hq",
+                       "data2vec.modeling_data2vec_vision", "superglue.modeling_superglue",
+                       "deepseek_ocr2.modeling_deepseek_ocr2", "unlimited_ocr.modeling_unlimited_ocr")
+_REFUSALS_REGISTERED: set = set()
+
+
+class UnsupportedModelError(ValueError):
+    """A transformers model that computes attention in its own layers instead of calling
+    transformers' attention interface: attnkit cannot run it (it would only get the mask)."""
+
+
+def _refusal(model: str, where: str, alternatives: list) -> str:
+    alt = "attn_implementation='eager'" + ("".join(f" (or {a!r})" for a in alternatives if a != "eager"))
+    return (f"attn_implementation='attnkit': {model} is not supported: its attention layers ({where}) compute "
+            "attention themselves and never call transformers' attention interface, so attnkit would at most "
+            "supply their mask, and the result would be neither attnkit's nor the model's. "
+            f"Load this model with {alt}.")
+
+
+def _register_refusals(name: str):
+    import importlib
+
+    for mod_name in _CLASS_DICT_MODULES:
+        if (mod_name, name) in _REFUSALS_REGISTERED:
+            continue
+        _REFUSALS_REGISTERED.add((mod_name, name))
+        try:
+            mod = importlib.import_module(f"transformers.models.{mod_name}")
+        except ImportError:  # not in this transformers version (or an optional dependency is missing)
+            continue
+        for attr, table in list(vars(mod).items()):
+            if attr.endswith("_ATTENTION_CLASSES") and isinstance(table, dict) and name not in table:
+                table[name] = _refusing_layer(_model_name(mod), f"{mod.__name__}.{attr}",
+                                              [k for k in ("sdpa",) if k in table])
+
+
+def _refusing_layer(model: str, where: str, alternatives: list):
+    def refuse(*args, **kwargs):
+        raise UnsupportedModelError(_refusal(model, where, alternatives))
+    return refuse
+
+
+def _model_name(mod) -> str:
+    """The name of the model of a modeling module: its ``PreTrainedModel`` base (``FalconPreTrainedModel``
+    → ``Falcon``), else the module's own name."""
+    from transformers import PreTrainedModel
+
+    for c in vars(mod).values():
+        if (isinstance(c, type) and issubclass(c, PreTrainedModel) and c.__module__ == mod.__name__
+                and c.__name__.endswith("PreTrainedModel") and c.__name__ != "PreTrainedModel"):
+            return c.__name__[:-len("PreTrainedModel")]
+    return mod.__name__.rsplit(".", 1)[-1].removeprefix("modeling_")
+
+
+_OWN_ATTENTION: dict = {}
+
+
+def _check_uses_attention_interface(config):
+    """Raise :class:`UnsupportedModelError` when the model of ``config`` computes attention in its
+    own layers: its modeling module defines an attention layer (a ``class *Attention*(nn.Module)``)
+    and never dispatches through ``ALL_ATTENTION_FUNCTIONS``.
+
+    Such a model (Bloom, MPT, CodeGen, XGLM, MPNet, RoFormer, ...) accepts
+    ``attn_implementation="attnkit"`` and asks attnkit's mask hook for its mask, but adds what it
+    gets to its own scores: None read as "no mask", a bool mask added as a float bias — wrong
+    logits with no error. This is the same test transformers itself makes before letting
+    ``set_attn_implementation`` switch a model (``_can_set_attn_implementation``); a model made
+    of sub-models (no attention layer of its own) is judged by theirs, which ask with their own
+    config. Called by the mask hook, which runs before any attention layer of the forward.
+    """
+    if config is None:
+        return
+    cls = type(config)
+    if cls not in _OWN_ATTENTION:
+        import re
+
+        mod = sys.modules.get(cls.__module__.replace(".configuration_", ".modeling_"))
+        verdict = None
+        try:
+            src = inspect.getsource(mod) if mod is not None else ""
+        except (OSError, TypeError):  # no source to read: do not guess
+            src = ""
+        if re.search(r"^class \w*Attention\w*\(nn\.Module\):", src, re.MULTILINE) and \
+                "ALL_ATTENTION_FUNCTIONS" not in src:
+            sdpa = _module_supports_sdpa(mod)
+            verdict = _refusal(_model_name(mod), mod.__name__, ["sdpa"] if sdpa else [])
+        _OWN_ATTENTION[cls] = verdict
+    if _OWN_ATTENTION[cls] is not None:
+        raise UnsupportedModelError(_OWN_ATTENTION[cls])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,6 +207,7 @@ def attnkit_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     is built densely, exactly as transformers' ``sdpa_mask`` builds it.
     """
     _, mu = _import_transformers()
+    _check_uses_attention_interface(kwargs.get("config"))
     if mask_function is None:
         mask_function = mu.causal_mask_function
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
@@ -589,7 +692,11 @@ def _alternatives(module) -> str:
 
 def _model_supports_sdpa(module) -> bool:
     """Whether every ``PreTrainedModel`` class next to ``module``'s class declares ``_supports_sdpa = True``."""
-    mod = sys.modules.get(type(module).__module__)
+    return _module_supports_sdpa(sys.modules.get(type(module).__module__))
+
+
+def _module_supports_sdpa(mod) -> bool:
+    """Whether every ``PreTrainedModel`` class of the modeling module ``mod`` declares ``_supports_sdpa = True``."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover
