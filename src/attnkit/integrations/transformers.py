@@ -212,6 +212,11 @@ def attnkit_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
         mask_function = mu.causal_mask_function
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(torch.bool)  # as transformers' own mask preprocessing does
+    if not _honours_is_causal(kwargs.get("config")):
+        # No mask is read as "the module's is_causal" (see _resolve_mask); a model that does not
+        # support sdpa need not set it right (NLLB-MoE's and PEGASUS-X's decoders say False),
+        # so its masks are always built, never skipped.
+        kwargs = dict(kwargs, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     if (mask_function is mu.causal_mask_function and kwargs.get("allow_is_causal_skip", True)
             and (q_length == 1 or q_length == kv_length) and q_offset - kv_offset == kv_length - q_length
             and _no_padding(mu, attention_mask, kv_length, kv_offset)):
@@ -255,6 +260,23 @@ def _built_ahead_of_the_forward() -> bool:
     return False
 
 
+_IS_CAUSAL_RIGHT: dict = {}
+
+
+def _honours_is_causal(config) -> bool:
+    """Whether the model of ``config`` may get no mask for a plain causal (or unpadded bidirectional)
+    pattern, to be read off its attention modules' ``is_causal`` as sdpa does: only a model that
+    supports sdpa (every model class of its modeling module declares ``_supports_sdpa = True``)
+    promises those flags are right. No config (a direct call): True."""
+    if config is None:
+        return True
+    cls = type(config)
+    if cls not in _IS_CAUSAL_RIGHT:
+        _IS_CAUSAL_RIGHT[cls] = _module_supports_sdpa(sys.modules.get(cls.__module__.replace(".configuration_",
+                                                                                             ".modeling_")))
+    return _IS_CAUSAL_RIGHT[cls]
+
+
 def _valid_keys(attention_mask, kv_length: int, kv_offset: int):
     """The 2-D padding mask over key indices ``kv_offset .. kv_offset + kv_length - 1``: bool
     ``(B, S)``, keys past its end counted as padding (as transformers pads it with zeros)."""
@@ -290,8 +312,21 @@ def _takes_mask_objects(config) -> bool:
         mod = sys.modules.get(cls.__module__.replace(".configuration_", ".modeling_"))
         flags = [inspect.getattr_static(c, "_supports_flex_attn", None) for c in vars(mod or object).values()
                  if isinstance(c, type) and issubclass(c, PreTrainedModel) and c is not PreTrainedModel]
-        _TAKES_OBJECTS[cls] = bool(flags) and all(f is True for f in flags)
+        _TAKES_OBJECTS[cls] = bool(flags) and all(f is True for f in flags) and not _reads_non_blockmask(mod)
     return _TAKES_OBJECTS[cls]
+
+
+def _reads_non_blockmask(mod) -> bool:
+    """Whether a modeling module treats every mask that is not a flex ``BlockMask`` as a tensor
+    (``if attention_mask is not None and not isinstance(attention_mask, BlockMask): ...dtype``),
+    as Doge does to fold its dynamic mask in: such a model must get the dense tensor."""
+    import re
+
+    try:
+        src = inspect.getsource(mod) if mod is not None else ""
+    except (OSError, TypeError):
+        return False
+    return re.search(r"not isinstance\(\w+, BlockMask\)", src) is not None
 
 
 def _closure(fn) -> dict:
@@ -409,10 +444,15 @@ def _from_pieces(pieces, L: int, S: int, d: int, kv_offset: int = 0):
     if set(kinds) == {"causal"}:
         return _masks.causal(align)
     if set(kinds) == {"causal", "window"}:
+        if kinds["window"] < 1:
+            # transformers builds the window mask of every model that has one, used or not, and some
+            # configs carry sliding_window=0 (Qwen2-MoE's default): an all-masked pattern no layer
+            # reads; built densely as transformers builds it, not refused by attnkit's window check
+            return None
         return _masks.sliding_window(kinds["window"], align)
     if set(kinds) == {"causal", "chunk"}:
         size, left = kinds["chunk"]
-        if (isinstance(left, torch.Tensor) and bool((left != 0).any())) or kv_offset % size:
+        if size < 1 or (isinstance(left, torch.Tensor) and bool((left != 0).any())) or kv_offset % size:
             return None  # chunks not counted from key index 0 of every row: built densely
         # transformers: (j + kv_offset) // size == (i + q_offset) // size, which is attnkit's
         # j // size == (i + d) // size when kv_offset is a multiple of the chunk size
