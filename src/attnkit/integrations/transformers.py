@@ -35,6 +35,28 @@ How the pieces fit::
 Registering only the attention function is not enough: transformers builds no
 padding mask for an implementation missing from ``AttentionMaskInterface``, so a
 padded batch would silently attend to its padding. ``register()`` adds both.
+
+Models attnkit cannot run (they refuse, never half-run)::
+
+    a model whose attention layers compute attention themselves, without calling transformers'
+    attention interface, would get only attnkit's mask: UnsupportedModelError naming the model
+    and attn_implementation="eager" (or "sdpa" where the model supports it)
+      at construction  Falcon, GPT-J, GPT-Neo, Bark, GIT, SAM, ... (the models that pick their
+                       attention class from a *_ATTENTION_CLASSES dict: register() adds an
+                       "attnkit" entry that raises, instead of transformers' KeyError: 'attnkit')
+      at the first     Bloom, MPT, CodeGen, XGLM, MPNet (all-mpnet-base-v2), RoFormer, BigBird,
+      forward          Longformer, LED, ... (their modeling module defines an attention layer and
+                       never dispatches through ALL_ATTENTION_FUNCTIONS; checked in the mask hook,
+                       before any layer runs)
+    models that ask neither hook (DeBERTa, XLNet, XLM, OpenAI GPT, FSMT, ...) run their own
+    attention, the same as "eager"; attnkit is never called (capture_attention says so).
+
+``python -m attnkit.integrations._walk`` builds every installed model family tiny and prints
+which are exact against "eager", which refuse, and which cannot be built tiny offline.
+
+Static caches: ``generate(cache_implementation="static")`` works (equal to "eager"); transformers
+builds that mask ahead of the forward and passes it through tensor-only code, so there the
+dense mask is built (as for sdpa), and attnkit masks everywhere else.
 """
 
 from __future__ import annotations
