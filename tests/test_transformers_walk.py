@@ -1,5 +1,6 @@
 """The walk over transformers' installed model families (issue 18): on ``attn_implementation="attnkit"``
-every family is either exact against ``"eager"`` or refuses with a clear error — never a wrong
+every family is either exact against ``"eager"`` (forward logits; for causal LMs also greedy
+``generate`` with a dynamic and a static cache) or refuses with a clear error — never a wrong
 answer, never a crash from deep inside transformers.
 
 The walk itself is :mod:`attnkit.integrations._walk` (``python -m attnkit.integrations._walk``
@@ -69,6 +70,8 @@ def test_models_with_their_own_attention_refuse_naming_the_model_and_eager(walke
 def test_named_families_are_exact(walked, family):
     r = walked[family]
     assert r.verdict == "exact", (r.verdict, r.detail)
+    if r.cls.endswith("ForCausalLM") or r.cls == "GPT2LMHeadModel":  # greedy generate checked too, both caches
+        assert "generate equal (dynamic and static cache)" in r.detail, r.detail
 
 
 def test_refusal_message_names_model_what_and_fix():

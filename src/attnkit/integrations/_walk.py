@@ -6,7 +6,8 @@ on ``"eager"`` and once on ``"attnkit"`` with the same weights, and run on a pad
 token ids. The verdict is one of:
 
 * ``exact``: logits (or last hidden states) within the float32 budget of eager's, on every
-  unpadded position, with attnkit's attention function called (``exact*``: attnkit was never
+  unpadded position, and for a causal LM the greedy tokens and logits of ``generate`` (4 new
+  tokens, dynamic and static cache) equal to eager's, with attnkit's attention function called (``exact*``: attnkit was never
   called — the model computes its own attention and asks neither hook, or the tiny model's two
   layers are all recurrent/linear ones — so eager's code ran twice, equal by construction);
 * ``refused``: a clear attnkit error (``UnsupportedModelError``, or a ``ValueError`` /
@@ -209,7 +210,7 @@ def _main_output(out):
     return None
 
 
-def walk_one(model_type: str, cls_name: str) -> Result:
+def walk_one(model_type: str, cls_name: str, *, generate: bool = True) -> Result:
     """The verdict for one family (see the module docstring)."""
     import transformers
 
@@ -217,7 +218,7 @@ def walk_one(model_type: str, cls_name: str) -> Result:
     res = Result(model_type, cls_name, "skipped")
     try:
         with _quiet():
-            res.verdict, res.detail = _walk_one(transformers, model_type, cls_name)
+            res.verdict, res.detail = _walk_one(transformers, model_type, cls_name, generate)
     except _Skip as e:
         res.verdict, res.detail = "skipped", str(e)
     except Exception as e:  # noqa: BLE001 - the walk itself tripped: reported, never hidden
@@ -226,7 +227,7 @@ def walk_one(model_type: str, cls_name: str) -> Result:
     return res
 
 
-def _walk_one(transformers, model_type, cls_name):
+def _walk_one(transformers, model_type, cls_name, generate):
     cls = getattr(transformers, cls_name, None)
     if cls is None:
         raise _Skip("class not importable here (optional dependency missing)")
@@ -270,10 +271,63 @@ def _walk_one(transformers, model_type, cls_name):
         return "WRONG", f"max |attnkit - eager| = {err:.3g} > budget {budget:.3g}"
     if _CALLS[0] == 0:
         return "exact*", f"attnkit never called: own attention, or no attention layer among 2 (err {err:.1e})"
-    return "exact", f"err {err:.1e} (budget {budget:.1e}), {_CALLS[0]} attention calls"
+    calls = _CALLS[0]
+    gen = ""
+    if generate and _generates(ak, cls):
+        compared = []
+        for cache in ("dynamic", "static"):
+            verdict = _check_generate(eager, ak, kw, cache)
+            if verdict is False:
+                continue
+            if verdict is not None:
+                return verdict
+            compared.append(cache)
+        gen = f", generate equal ({' and '.join(compared)} cache)" if compared else ""
+    return "exact", f"err {err:.1e} (budget {budget:.1e}), {calls} attention calls{gen}"
 
 
-def walk(selected=None, *, sample: int = 1, progress=None) -> list[Result]:
+GEN_NEW = 4  # greedy tokens generated per check: the prefill and three cached steps
+
+
+def _generates(model, cls) -> bool:
+    """Whether the family's class generates text from token ids (a causal LM of the auto mapping)."""
+    from transformers.models.auto import modeling_auto as ma
+
+    names = {v if isinstance(v, str) else v[0] for v in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()}
+    return cls.__name__ in names and hasattr(model, "generate") and not getattr(model.config, "is_encoder_decoder",
+                                                                                  False)
+
+
+def _check_generate(eager, ak, kw, cache):
+    """None when greedy generation (left-padded batch) gives eager's tokens and logits, False when eager
+    itself cannot generate so (nothing to compare), else a ``(verdict, detail)``."""
+    args = dict(input_ids=kw["input_ids"], attention_mask=kw["attention_mask"], max_new_tokens=GEN_NEW,
+                min_new_tokens=GEN_NEW, do_sample=False, pad_token_id=0, output_logits=True,
+                return_dict_in_generate=True)
+    if cache == "static":
+        args["cache_implementation"] = "static"
+    try:
+        with torch.no_grad():
+            want = eager.generate(**args)
+    except Exception:  # noqa: BLE001 - eager cannot generate this way (no static cache for it): nothing to compare
+        return False
+    try:
+        with torch.no_grad():
+            got = ak.generate(**args)
+    except Exception as e:  # noqa: BLE001
+        if _from_attnkit(e) and isinstance(e, (ValueError, TypeError)):
+            return "refused", f"generate ({cache} cache): {type(e).__name__}: {_first_line(e, 140)}"
+        return "CRASH", f"generate ({cache} cache) on attnkit: {type(e).__name__}: {_first_line(e)}"
+    if not torch.equal(got.sequences, want.sequences):
+        return "WRONG", f"generate ({cache} cache): tokens differ from eager's"
+    err = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
+    budget = RTOL * max(1.0, max(b.abs().max().item() for b in want.logits))
+    if not err <= budget:
+        return "WRONG", f"generate ({cache} cache): logits differ by {err:.3g} > budget {budget:.3g}"
+    return None
+
+
+def walk(selected=None, *, sample: int = 1, generate: bool = True, progress=None) -> list[Result]:
     """Walk ``selected`` families (default: all of :func:`families`, every ``sample``-th)."""
     import transformers
 
@@ -287,7 +341,7 @@ def walk(selected=None, *, sample: int = 1, progress=None) -> list[Result]:
     out = []
     try:
         for mt, cls in fams:
-            r = walk_one(mt, cls)
+            r = walk_one(mt, cls, generate=generate)
             out.append(r)
             if progress is not None:
                 progress(r)
