@@ -701,3 +701,40 @@ def test_zigzag_causal_blocks_need_no_mask():
         sc = akd.schedule(akd.layout("zigzag", 64, W, block=2), M.causal())
         kinds = {b[4] for r in range(W) for s in range(W) for b in sc.blocks(r, s)}
         assert kinds <= {"full", "causal"}, kinds
+
+
+def test_signature_digest_is_of_content_not_description():
+    """The cross-rank signature's digest (issue 18, item 4): equal contents in other objects agree;
+    one changed element, slope or captured value disagrees, though every repr is the same."""
+    import functools
+
+    import numpy as np
+
+    d = akd._digest
+    ids = torch.tensor([0] * 8 + [1] * 8)
+    moved = ids.clone()
+    moved[8] = 0
+    assert d(M.document(ids)) == d(M.document(ids.clone())) != d(M.document(moved))
+    assert repr(M.document(ids)) == repr(M.document(moved))  # what the old repr-based signature compared
+    valid = torch.ones(2, 16, dtype=torch.bool)
+    holes = valid.clone()
+    holes[1, 3] = False
+    assert d(M.key_padding(valid)) != d(M.key_padding(holes))
+    assert d(SM.alibi(alibi_slopes(4))) == d(SM.alibi(alibi_slopes(4).clone())) != d(SM.alibi(alibi_slopes(4) * 1.01))
+
+    def band(w):
+        return lambda b, h, q, kv: (q - kv).abs() <= w
+
+    assert d(M.from_mod(band(3))) == d(M.from_mod(band(3))) != d(M.from_mod(band(4)))
+    bias = torch.zeros(16)
+
+    def reads(s, b, h, q, kv):
+        return s + bias[kv]
+
+    before = d(reads)
+    bias[5] = 1.0  # changed in place: the same function object now computes something else
+    assert d(reads) != before
+    assert d(functools.partial(max, 3)) != d(functools.partial(max, 4))
+    assert d(np.arange(4)) != d(np.arange(1, 5))
+    assert d(torch.zeros(3, dtype=torch.bfloat16)) != d(torch.ones(3, dtype=torch.bfloat16))
+    assert d(0.5) != d(None) and d(1.0) != d(1)

@@ -771,6 +771,10 @@ def _feed(h, x, depth, active):
         _tag(h, "tensor", t.dtype, tuple(t.shape))
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype, bf16 included
         return None
+    if type(x).__module__ == "numpy" and type(x).__name__ == "ndarray":  # numpy arrays, without importing numpy
+        _tag(h, "ndarray", x.dtype, x.shape)
+        h.update(x.tobytes())  # C order, whatever the strides
+        return None
     if isinstance(x, (types.ModuleType, type)):
         return _tag(h, "named", getattr(x, "__module__", ""), getattr(x, "__qualname__", getattr(x, "__name__", "")))
     if isinstance(x, types.BuiltinFunctionType):

@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -196,8 +197,6 @@ def _check_uses_attention_interface(config):
         return
     cls = type(config)
     if cls not in _OWN_ATTENTION:
-        import re
-
         mod = sys.modules.get(cls.__module__.replace(".configuration_", ".modeling_"))
         verdict = None
         try:
@@ -342,8 +341,6 @@ def _reads_non_blockmask(mod) -> bool:
     """Whether a modeling module treats every mask that is not a flex ``BlockMask`` as a tensor
     (``if attention_mask is not None and not isinstance(attention_mask, BlockMask): ...dtype``),
     as Doge does to fold its dynamic mask in: such a model must get the dense tensor."""
-    import re
-
     try:
         src = inspect.getsource(mod) if mod is not None else ""
     except (OSError, TypeError):
