@@ -250,15 +250,17 @@ def _fault_cases(rank, W, out):
     attempt("bad-shape", lambda: cp.attention(ql if rank != 1 else ql[:, :, :-1], kl, vl))
     attempt("gqa-mismatch", lambda: cp.attention(ql if rank != 1 else ql.repeat(1, 2, 1, 1), kl, vl))
 
+    # the rank is read inside the mods, not captured: a captured value that differs between the
+    # ranks is refused by the signature (content-hashed), before any compute could fail
     def boom(score, b, h, qi, kv):
-        if rank == 1:
+        if torch.distributed.get_rank() == 1:
             raise RuntimeError("score_mod exploded on purpose")
         return score
 
     attempt("compute-error", lambda: cp.attention(ql, kl, vl, score_mod=boom))
 
     def boom_backward(score, b, h, qi, kv):  # only in backward's recompute (grad mode on)
-        if rank == 1 and torch.is_grad_enabled():
+        if torch.distributed.get_rank() == 1 and torch.is_grad_enabled():
             raise RuntimeError("backward exploded on purpose")
         return score
 
@@ -273,6 +275,67 @@ def _fault_cases(rank, W, out):
         attempt("never-arrives", lambda: cp.attention(ql, kl, vl))
     else:
         time.sleep(3)  # longer than the timeout: the others must give up first
+
+
+def _content_fault_cases(rank, W, out):
+    """Issue 18, item 4: ranks that disagree on the mask's *data* (not its description), on
+    keep_kv or on seq_len are refused on every rank; after a timeout the group is reported dead
+    on every later call. Rank 1 is the odd one out; each case builds its own ContextParallel."""
+    L = 23
+    q, k, v, _, _ = make_inputs(1, 2, 1, L, 4, 4, seed=1)
+
+    def attempt(name, fn):
+        t = time.time()
+        try:
+            fn()
+            out[name] = ("no error", "", time.time() - t)
+        except akd.ContextParallelError as e:
+            out[name] = ("ContextParallelError", str(e), time.time() - t)
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            out[name] = (type(e).__name__, str(e), time.time() - t)
+
+    def run(mask=None, score_mod=None, keep_kv=True, n=L, grad=False):
+        cp = akd.ContextParallel(n, mask=mask, layout="zigzag", block=1, timeout=5, keep_kv=keep_kv)
+        qq, kk, vv = (make_inputs(1, 2, 1, n, 4, 4, seed=1)[:3]) if n != L else (q, k, v)
+        ql, kl, vl = cp.shard(qq), cp.shard(kk), cp.shard(vv)
+        if grad:
+            ql.requires_grad_()
+        o = cp.attention(ql, kl, vl, score_mod=score_mod)
+        if grad:
+            o.sum().backward()
+        return o
+
+    odd = rank == 1
+    ids = torch.tensor([0] * 8 + [1] * 8 + [2] * 7)
+    moved = ids.clone()
+    moved[8] = 0  # one document boundary moved by one token: same length, same number of documents
+    attempt("doc-boundary", lambda: run(M.document(moved if odd else ids)))
+    attempt("doc-equal-copies", lambda: run(M.document(ids.clone())))  # equal contents: no false alarm
+    valid = torch.ones(1, L, dtype=torch.bool)
+    valid[0, 5] = not odd
+    attempt("key-padding", lambda: run(M.key_padding(valid) & M.causal()))
+    slopes = alibi_slopes(2) * (torch.tensor([1.0, 1.5]) if odd else 1.0)
+    attempt("alibi-slopes", lambda: run(M.causal(), score_mod=SM.alibi(slopes)))
+    w = 5 if odd else 4
+    attempt("from-mod-closure", lambda: run(M.from_mod(lambda b, h, qi, ki: (qi - ki).abs() <= w)))
+    bias = torch.zeros(L) + (0.5 if odd else 0.0)
+    attempt("score-mod-closure", lambda: run(M.causal(), score_mod=lambda s, b, h, qi, ki: s + bias[ki]))
+    attempt("keep-kv", lambda: run(M.causal(), keep_kv=not odd, grad=True))
+    attempt("seq-len", lambda: run(M.causal(), n=L + 1 if odd else L))
+    attempt("ok-after", lambda: run(M.causal()))  # refusals agreed on: the group is still usable
+    # rank 1 does not come: the others time out, and from then on the group is dead for everyone
+    if not odd:
+        attempt("never-arrives", lambda: akd.ContextParallel(L, layout="zigzag", block=1, timeout=2).attention(
+            *(akd.ContextParallel(L, layout="zigzag", block=1).shard(x) for x in (q, k, v))))
+    else:
+        time.sleep(3)
+    attempt("after-timeout", lambda: run(M.causal()))
+    attempt("after-timeout-again", lambda: run(M.causal()))
+    cp = akd.ContextParallel(L, layout="zigzag", block=1, timeout=2)
+    attempt("gather-after-timeout", lambda: cp.gather(cp.shard(q)))
+
+
+_FAULTS = {True: _fault_cases, "content": _content_fault_cases}
 
 
 def _worker(rank, W, port, cases, faults, q_out):
@@ -296,7 +359,7 @@ def _worker(rank, W, port, cases, faults, q_out):
                 res["module"] = {"error": traceback.format_exc()}
         if faults:
             f = {}
-            _fault_cases(rank, W, f)
+            _FAULTS[faults](rank, W, f)
             res["faults"] = f
     except Exception:  # noqa: BLE001
         res["fatal"] = traceback.format_exc()
@@ -427,6 +490,38 @@ def test_processes_faults_raise_everywhere_quickly():
             kind, msg, secs = f["never-arrives"]
             assert kind == "ContextParallelError" and "rank 1" in msg, f["never-arrives"]
             assert secs < 10, secs
+
+
+def test_processes_refuse_ranks_that_disagree_on_data_keep_kv_or_seq_len_and_a_dead_group():
+    """Every rank raises a ContextParallelError, naming what differs, where the mask's data, a
+    score_mod's captured values, keep_kv or seq_len differ on one rank; equal contents in other
+    objects agree; after a timeout every later call says the group must be rebuilt."""
+    results = spawn(3, [], faults="content", limit=90)
+    for rank, res in sorted(results.items()):
+        f = res["faults"]
+        for name, what in [("doc-boundary", "mask"), ("key-padding", "mask"), ("alibi-slopes", "score_mod"),
+                           ("from-mod-closure", "mask"), ("score-mod-closure", "score_mod"), ("keep-kv", "keep_kv"),
+                           ("seq-len", "seq_len")]:
+            kind, msg, secs = f[name]
+            assert kind == "ContextParallelError", (rank, name, f[name])
+            assert f"ranks disagree on {what}:" in msg and "rank 1" in msg, (rank, name, msg)
+            assert secs < 5, (rank, name, secs)  # refused at the signature, not after a timeout
+        assert "same description, different contents" in f["doc-boundary"][1], f["doc-boundary"]
+        assert "rank 0 has 23, rank 1 has 24" in f["seq-len"][1], f["seq-len"]
+        assert f["doc-equal-copies"][0] == "no error", f["doc-equal-copies"]
+        assert f["ok-after"][0] == "no error", f["ok-after"]
+        if rank != 1:
+            kind, msg, _ = f["never-arrives"]
+            assert kind == "ContextParallelError" and "rank 1" in msg, f["never-arrives"]
+            names = ["after-timeout", "after-timeout-again", "gather-after-timeout"]
+        else:  # rank 1 learns of the dead group by its own timeout on its next call, then like the others
+            assert f["after-timeout"][0] == "ContextParallelError", f["after-timeout"]
+            names = ["after-timeout-again", "gather-after-timeout"]
+        for name in names:
+            kind, msg, secs = f[name]
+            assert kind == "ContextParallelError", (rank, name, f[name])
+            assert "must be rebuilt" in msg and "destroy_process_group" in msg, (rank, name, msg)
+            assert secs < 1, (rank, name, secs)  # said at once, no wait on the dead group
 
 
 # ------------------------------------------------------------------------------------ layouts & simulation
@@ -606,3 +701,40 @@ def test_zigzag_causal_blocks_need_no_mask():
         sc = akd.schedule(akd.layout("zigzag", 64, W, block=2), M.causal())
         kinds = {b[4] for r in range(W) for s in range(W) for b in sc.blocks(r, s)}
         assert kinds <= {"full", "causal"}, kinds
+
+
+def test_signature_digest_is_of_content_not_description():
+    """The cross-rank signature's digest (issue 18, item 4): equal contents in other objects agree;
+    one changed element, slope or captured value disagrees, though every repr is the same."""
+    import functools
+
+    import numpy as np
+
+    d = akd._digest
+    ids = torch.tensor([0] * 8 + [1] * 8)
+    moved = ids.clone()
+    moved[8] = 0
+    assert d(M.document(ids)) == d(M.document(ids.clone())) != d(M.document(moved))
+    assert repr(M.document(ids)) == repr(M.document(moved))  # what the old repr-based signature compared
+    valid = torch.ones(2, 16, dtype=torch.bool)
+    holes = valid.clone()
+    holes[1, 3] = False
+    assert d(M.key_padding(valid)) != d(M.key_padding(holes))
+    assert d(SM.alibi(alibi_slopes(4))) == d(SM.alibi(alibi_slopes(4).clone())) != d(SM.alibi(alibi_slopes(4) * 1.01))
+
+    def band(w):
+        return lambda b, h, q, kv: (q - kv).abs() <= w
+
+    assert d(M.from_mod(band(3))) == d(M.from_mod(band(3))) != d(M.from_mod(band(4)))
+    bias = torch.zeros(16)
+
+    def reads(s, b, h, q, kv):
+        return s + bias[kv]
+
+    before = d(reads)
+    bias[5] = 1.0  # changed in place: the same function object now computes something else
+    assert d(reads) != before
+    assert d(functools.partial(max, 3)) != d(functools.partial(max, 4))
+    assert d(np.arange(4)) != d(np.arange(1, 5))
+    assert d(torch.zeros(3, dtype=torch.bfloat16)) != d(torch.ones(3, dtype=torch.bfloat16))
+    assert d(0.5) != d(None) and d(1.0) != d(1)

@@ -86,6 +86,13 @@ options, layout, call counter), and a status after the local compute. A mismatch
 raised on one rank before or during the compute, or a peer that does not arrive within
 ``timeout`` seconds gives every participating rank a :class:`ContextParallelError` naming the
 rank and what went wrong — never a hang. (A signature costs W − 1 tiny messages per rank.)
+The mask, the score_mod and the scale enter the signature by *content* — tensors by their bytes,
+functions by their code and every value they capture (closure cells, defaults, the globals they
+read), objects by their public attributes — so ranks whose document ids differ by one moved
+boundary, whose ALiBi slopes or captured values differ, are refused, not run; ``keep_kv`` and
+``seq_len`` are in it too. A timeout or a lost peer leaves the group unusable (messages of that
+call stay unmatched): that call and every later one on the group raise a ContextParallelError
+saying the group must be rebuilt (``destroy_process_group`` / ``init_process_group``).
 
 **Modules.** :func:`mha_forward` / :func:`block_forward` run an :class:`attnkit.nn.MultiHeadAttention`
 / :class:`attnkit.nn.TransformerBlock` on a shard ``(B, L_r, E)`` with its own weights, RoPE at the
@@ -102,9 +109,12 @@ as an :mod:`attnkit.masks` object at construction), cross-attention (L ≠ S).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import heapq
 import math
 import struct
+import types
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -126,6 +136,11 @@ _MODES = ("p2p", "allgather", "heads")
 
 class ContextParallelError(RuntimeError):
     """A context-parallel call failed on some rank (mismatch, exception, timeout); raised on every rank."""
+
+
+_REBUILD = ("The process group must be rebuilt before context parallelism can run again: messages of the failed "
+            "call are left unmatched on some ranks. On every rank: torch.distributed.destroy_process_group(), "
+            "init_process_group(...) again, and a new ContextParallel.")
 
 
 # --------------------------------------------------------------------------------------------- layouts
@@ -715,14 +730,134 @@ class Stats:
 
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-_FIELDS = ("status", "call", "B", "H", "Hkv", "D", "Dv", "rows", "dtype", "causal", "scale", "score_mod",
-           "return_lse", "grad", "layout", "seq_len", "mask", "comm")
+# Compared in this order, so the first difference named is the root one: a rank with another
+# seq_len is told that, not that its layout (which follows from it) differs.
+_FIELDS = ("status", "call", "seq_len", "layout", "B", "H", "Hkv", "D", "Dv", "rows", "dtype", "causal", "scale",
+           "score_mod", "mask", "keep_kv", "return_lse", "grad", "comm")
 _MSG = 384
 _HASHED = ("dtype", "scale", "score_mod", "mask", "layout", "comm")
 
 
-def _crc(s: str) -> int:
-    return zlib.crc32(s.encode())
+# ------------------------------------------------------------------------- content digests
+# A signature compared across ranks must be made of what decides the answer (DESIGN, "Caching and
+# signatures"): two document masks with one boundary moved have the same repr, two closures of
+# one function the same name. So the mask and the score_mod are hashed by content: tensors by
+# their bytes, functions by their code and every value they capture, objects by their public
+# attributes (private ones are derived caches, e.g. a mask's per-device copies). Issue 18, item 4.
+
+_DIGEST_DEPTH = 8
+
+
+def _digest(obj) -> int:
+    """A signed 64-bit digest of ``obj``'s content (equal on every rank iff the content is)."""
+    h = hashlib.blake2b(digest_size=8)
+    _feed(h, obj, 0, set())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def _tag(h, *parts):
+    for p in parts:
+        h.update(str(p).encode())
+        h.update(b"\0")
+
+
+def _feed(h, x, depth, active):
+    if x is None or isinstance(x, (bool, int, str, bytes, complex)):
+        return _tag(h, type(x).__name__, repr(x))  # a scalar's repr is its value
+    if isinstance(x, float):
+        return _tag(h, "float", x.hex())
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("cpu").contiguous()
+        _tag(h, "tensor", t.dtype, tuple(t.shape))
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype, bf16 included
+        return None
+    if type(x).__module__ == "numpy" and type(x).__name__ == "ndarray":  # numpy arrays, without importing numpy
+        _tag(h, "ndarray", x.dtype, x.shape)
+        h.update(x.tobytes())  # C order, whatever the strides
+        return None
+    if isinstance(x, (types.ModuleType, type)):
+        return _tag(h, "named", getattr(x, "__module__", ""), getattr(x, "__qualname__", getattr(x, "__name__", "")))
+    if isinstance(x, types.BuiltinFunctionType):
+        return _tag(h, "builtin", getattr(x, "__module__", ""), x.__qualname__)
+    if depth >= _DIGEST_DEPTH or id(x) in active:
+        return _tag(h, "deep" if depth >= _DIGEST_DEPTH else "cycle", type(x).__qualname__)
+    active.add(id(x))
+    try:
+        _feed_container(h, x, depth + 1, active)
+    finally:
+        active.discard(id(x))
+    return None
+
+
+def _feed_container(h, x, depth, active):
+    if isinstance(x, (list, tuple)):
+        _tag(h, type(x).__name__, len(x))
+        for y in x:
+            _feed(h, y, depth, active)
+    elif isinstance(x, dict):
+        _tag(h, "dict", len(x))
+        for key in sorted(x, key=repr):
+            _feed(h, key, depth, active)
+            _feed(h, x[key], depth, active)
+    elif isinstance(x, (set, frozenset)):
+        _tag(h, "set", len(x))
+        for d in sorted(_digest(y) for y in x):
+            _tag(h, d)
+    elif isinstance(x, types.CodeType):  # the code itself, not where it was defined
+        _tag(h, "code", x.co_name, x.co_argcount, x.co_names, x.co_varnames)
+        h.update(x.co_code)
+        _feed(h, x.co_consts, depth, active)
+    elif isinstance(x, functools.partial):
+        _tag(h, "partial")
+        for part in (x.func, x.args, x.keywords):
+            _feed(h, part, depth, active)
+    elif isinstance(x, types.MethodType):
+        _tag(h, "method")
+        _feed(h, x.__func__, depth, active)
+        _feed(h, x.__self__, depth, active)
+    elif isinstance(x, types.FunctionType):
+        _tag(h, "function")
+        _feed(h, x.__code__, depth, active)
+        cells = []
+        for c in x.__closure__ or ():
+            try:
+                cells.append(c.cell_contents)
+            except ValueError:  # an empty cell
+                cells.append("<empty cell>")
+        _feed(h, cells, depth, active)
+        _feed(h, (x.__defaults__, x.__kwdefaults__), depth, active)
+        g = x.__globals__  # the globals its code reads (a tensor of document ids, a window size)
+        _feed(h, {n: g[n] for n in x.__code__.co_names if n in g}, depth, active)
+        _feed(h, dict(vars(x)), depth, active)
+    elif isinstance(x, torch.nn.Module):
+        _tag(h, "module", type(x).__module__, type(x).__qualname__)
+        _feed(h, dict(x.state_dict()), depth, active)
+    else:  # an object (a mask, a score_mod, a callable): its type and public attributes
+        _tag(h, "object", type(x).__module__, type(x).__qualname__)
+        attrs = getattr(x, "__dict__", None)
+        if attrs is not None:
+            _feed(h, {k: v for k, v in attrs.items() if not k.startswith("_")}, depth, active)
+        call = getattr(type(x), "__call__", None)
+        if isinstance(call, types.FunctionType):
+            _feed(h, call.__code__, depth, active)
+
+
+# -------------------------------------------------------------------- dead process groups
+# After a timeout or a lost peer, a group has messages left unmatched and gloo closes its
+# connections: every later collective fails with gloo's own RuntimeError, or worse, matches a
+# stale message. The group is recorded here (held, so its id is not reused) and every later call
+# on it says so at once.
+_DEAD_GROUPS: dict = {}
+
+
+def _group_object(dist, group):
+    return group if group is not None else dist.group.WORLD
+
+
+def _short(x, n: int = 48) -> str:
+    """A readable value for a mismatch message (never compared: the digests are), without "; "."""
+    s = repr(x).replace("; ", ", ")
+    return s if len(s) <= n else s[:n - 1] + "…"
 
 
 class ContextParallel:
@@ -768,6 +903,7 @@ class ContextParallel:
         else:
             self.layout = globals()["layout"](layout, seq_len, self.W, mask=mask, block=block, B=batch, H=heads)
         self._scheds = {}
+        self._mask_key = None
         self._calls = 0
         self.stats = Stats()
         self.backward_stats = Stats()
@@ -795,7 +931,9 @@ class ContextParallel:
         pad = x.new_zeros((n,) + tuple(x.shape[1:]))
         pad[:x.shape[0]] = x
         bufs = [torch.empty_like(pad) for _ in range(self.W)]
-        self._wait(self.dist.all_gather(bufs, pad, group=self.group, async_op=True), None, "gather")
+        self._check_alive()
+        self._wait(self._issue(lambda: self.dist.all_gather(bufs, pad, group=self.group, async_op=True), "gather"),
+                   None, "gather")
         full = torch.cat([b[:m] for b, m in zip(bufs, self.layout.lengths)], 0)
         return full.index_select(0, self.layout.inverse.to(full.device)).movedim(0, dim)
 
@@ -820,20 +958,48 @@ class ContextParallel:
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:  # gloo raises RuntimeError on timeout / a closed peer
             who = f"rank {peer}" if peer is not None else "some rank"
+            msg = (f"context parallel (rank {self.rank} of {self.W}, call #{self._calls}): no answer from {who} "
+                   f"during {what}"
+                   f"{'' if self.timeout is None else f' within {self.timeout:g}s'}: it failed, hung or skipped this "
+                   f"call. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            self._mark_dead(msg)
+            raise ContextParallelError(msg + " " + _REBUILD) from None
+
+    def _mark_dead(self, why: str):
+        pg = _group_object(self.dist, self.group)
+        _DEAD_GROUPS.setdefault(id(pg), (pg, why))
+
+    def _check_alive(self):
+        """Raise at once on a group that failed before (in any ContextParallel on it)."""
+        pg = _group_object(self.dist, self.group)
+        dead = _DEAD_GROUPS.get(id(pg))
+        if dead is not None and dead[0] is pg:
             raise ContextParallelError(
-                f"context parallel (rank {self.rank} of {self.W}, call #{self._calls}): no answer from {who} "
-                f"during {what}"
-                f"{'' if self.timeout is None else f' within {self.timeout:g}s'}: it failed, hung or skipped this "
-                f"call. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                f"context parallel (rank {self.rank} of {self.W}): this process group failed earlier and cannot "
+                f"be used again ({dead[1]}). {_REBUILD}")
+
+    def _issue(self, op, what, peer=None):
+        """Post one communication; a failure to post (a connection gloo closed) is a dead group too."""
+        try:
+            return op()
+        except Exception as e:  # noqa: BLE001 - gloo's raw RuntimeError, turned into ours
+            who = f" with rank {peer}" if peer is not None else ""
+            msg = (f"context parallel (rank {self.rank} of {self.W}, call #{self._calls}): could not communicate"
+                   f"{who} during {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            self._mark_dead(msg)
+            raise ContextParallelError(msg + " " + _REBUILD) from None
 
     def _p2p(self, send: dict, recv: dict, tag: int, what: str, meanwhile=None):
         """isend ``send[peer]`` and irecv into ``recv[peer]``; every handle waited on, per peer
         (``meanwhile()`` runs while the messages travel)."""
+        self._check_alive()
         works = []
         for peer, buf in recv.items():
-            works.append((peer, self.dist.irecv(buf, src=self._g(peer), group=self.group, tag=tag), "recv"))
+            works.append((peer, self._issue(lambda: self.dist.irecv(buf, src=self._g(peer), group=self.group,
+                                                                   tag=tag), what, peer), "recv"))
         for peer, t in send.items():
-            works.append((peer, self.dist.isend(t, dst=self._g(peer), group=self.group, tag=tag), "send"))
+            works.append((peer, self._issue(lambda: self.dist.isend(t, dst=self._g(peer), group=self.group, tag=tag),
+                                            what, peer), "send"))
         if meanwhile is not None:
             try:
                 meanwhile()
@@ -867,13 +1033,18 @@ class ContextParallel:
         for p in sorted(sigs):
             for name, a, b in zip(_FIELDS, ref, sigs[p][0]):
                 if a != b and name != "rows":
+                    same = ""
+                    if name in ("causal", "keep_kv", "return_lse"):
+                        a, b = bool(a), bool(b)
                     if name in _HASHED:  # show what was hashed
-                        key = "score_mod" if name == "score_mod" else name
-                        pick = lambda m: next((x.strip() for x in m.split("; ") if x.strip().startswith(key + "=")), m)
+                        pick = lambda m: next((x.strip() for x in m.split("; ") if x.strip().startswith(name + "=")), m)
                         a, b = pick(sigs[0][1]), pick(sigs[p][1])
+                        if a == b:
+                            same = (" — the same description, different contents: a tensor it holds or a value "
+                                    "it captures differs between the ranks")
                     raise ContextParallelError(
-                        f"context parallel {what}: ranks disagree on {name}: rank 0 has {a}, rank {p} has {b} "
-                        f"(every rank must call attention with the same shapes, dtype and options"
+                        f"context parallel {what}: ranks disagree on {name}: rank 0 has {a}, rank {p} has {b}{same} "
+                        f"(every rank must call attention with the same shapes, dtype, options and mask data"
                         f"{'; a rank skipped or repeated a call' if name == 'call' else ''}).")
 
     # ----------------------------------------------------------------- the call
@@ -884,14 +1055,16 @@ class ContextParallel:
         ``q (B, H, L_r, D)``, ``k (B, Hkv, L_r, D)``, ``v (B, Hkv, L_r, Dv)`` are this rank's rows
         (:meth:`shard`); returns ``out (B, H, L_r, Dv)`` (and ``lse (B, H, L_r)`` with ``return_lse``).
         Options as :func:`attnkit.attention`; every rank must pass the same ones."""
+        self._check_alive()
         self._calls += 1
         msg, fields = "", {}
         try:
             _check_unsupported(unsupported)
             fields = self._validate(q, k, v, causal, scale, score_mod, return_lse)
-            # readable values of the hashed fields, for a mismatch message
-            msg = (f"dtype={q.dtype}; scale={scale!r}; score_mod={score_mod!r}"[:200] + f"; mask={self.mask!r}"[:120]
-                   + f"; layout={self.layout.name}; comm={self.comm}")
+            # readable values of the hashed fields, for a mismatch message (the hashes decide)
+            msg = "; ".join(f"{n}={_short(x)}" for n, x in (
+                ("dtype", q.dtype), ("scale", scale), ("score_mod", score_mod), ("mask", self.mask),
+                ("layout", self.layout), ("comm", self.comm)))
         except Exception as e:  # tell the peers before raising here
             msg = f"{type(e).__name__}: {e}"
             fields = dict(fields, status=1, call=self._calls)
@@ -913,15 +1086,13 @@ class ContextParallel:
         B, H, n, D = q.shape
         Hkv, Dv = k.shape[1], v.shape[-1]
         rows = self.layout.lengths[self.rank]
-        sm_id = (type(score_mod).__qualname__ + repr(score_mod) if hasattr(score_mod, "validate")
-                 else getattr(score_mod, "__qualname__", repr(type(score_mod))))  # a function: by its name
         fields = dict(status=0, call=self._calls, B=B, H=H, Hkv=Hkv, D=D, Dv=Dv, rows=n,
                       dtype=_DTYPES.index(q.dtype) if q.dtype in _DTYPES else 99, causal=int(bool(causal)),
-                      scale=_crc(repr(scale)), score_mod=_crc(sm_id),
+                      scale=_digest(scale), score_mod=_digest(score_mod),
                       return_lse=int(bool(return_lse)),
                       grad=int(q.requires_grad) + 2 * int(k.requires_grad) + 4 * int(v.requires_grad),
-                      layout=self.layout.key, seq_len=self.seq_len, mask=_crc(repr(self.mask)),
-                      comm=_MODES.index(self.comm))
+                      layout=self.layout.key, seq_len=self.seq_len, mask=self._mask_digest(),
+                      keep_kv=int(bool(self.keep_kv)), comm=_MODES.index(self.comm))
         if n != rows or k.shape[2] != rows or v.shape[2] != rows:
             raise ValueError(f"rank {self.rank} owns {rows} rows under layout {self.layout.name!r}, got q/k/v with "
                              f"{n}/{k.shape[2]}/{v.shape[2]} on dim 2. Pass cp.shard(x) of the full sequence.")
@@ -938,6 +1109,17 @@ class ContextParallel:
         if score_mod is not None and hasattr(score_mod, "validate"):
             score_mod.validate(B, H, self.seq_len, self.seq_len)
         return fields
+
+    def _mask_digest(self) -> int:
+        """The mask's content digest: kept for a mask whose content cannot change (built-in masks copy
+        their data; ``cache_key()`` says so), recomputed per call for one that reads data (a from_mod
+        closing over a tensor the caller may change in place)."""
+        if self._mask_key is None or self.mask is None or self.mask.cache_key() is None:
+            d = _digest(self.mask)
+            if self.mask is not None and self.mask.cache_key() is not None:
+                self._mask_key = d
+            return d
+        return self._mask_key
 
     def _exchange_kv(self, k, v, what, stats, meanwhile=None):
         """This rank's view ``{s: (k_s, v_s)}`` of the K/V shards it needs (its own included)."""
@@ -959,7 +1141,8 @@ class ContextParallel:
             pad = packed.new_zeros(packed.shape[0], packed.shape[1], n, packed.shape[3])
             pad[:, :, :packed.shape[2]] = packed
             bufs = [torch.empty_like(pad) for _ in range(self.W)]
-            work = self.dist.all_gather(bufs, pad, group=self.group, async_op=True)
+            self._check_alive()
+            work = self._issue(lambda: self.dist.all_gather(bufs, pad, group=self.group, async_op=True), what)
             try:
                 if meanwhile is not None:
                     meanwhile()
@@ -1131,7 +1314,9 @@ class _CPFn(torch.autograd.Function):
             full = torch.zeros(k.shape[0], k.shape[1], cp.seq_len, D + v.shape[-1], dtype=acc)
             for s, (pk, pv) in list(parts.items()) + list(mine.items()):
                 full[:, :, P[s]] += torch.cat([pk, pv], -1)
-            cp._wait(cp.dist.all_reduce(full, group=cp.group, async_op=True), None, "backward dK/dV all_reduce")
+            cp._check_alive()
+            what = "backward dK/dV all_reduce"
+            cp._wait(cp._issue(lambda: cp.dist.all_reduce(full, group=cp.group, async_op=True), what), None, what)
             nbytes = full.numel() * full.element_size()
             st.bytes_sent += 2 * (cp.W - 1) * nbytes // cp.W  # ring all-reduce traffic per rank
             st.bytes_received += 2 * (cp.W - 1) * nbytes // cp.W

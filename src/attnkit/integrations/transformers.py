@@ -35,6 +35,28 @@ How the pieces fit::
 Registering only the attention function is not enough: transformers builds no
 padding mask for an implementation missing from ``AttentionMaskInterface``, so a
 padded batch would silently attend to its padding. ``register()`` adds both.
+
+Models attnkit cannot run (they refuse, never half-run)::
+
+    a model whose attention layers compute attention themselves, without calling transformers'
+    attention interface, would get only attnkit's mask: UnsupportedModelError naming the model
+    and attn_implementation="eager" (or "sdpa" where the model supports it)
+      at construction  Falcon, GPT-J, GPT-Neo, Bark, GIT, SAM, ... (the models that pick their
+                       attention class from a *_ATTENTION_CLASSES dict: register() adds an
+                       "attnkit" entry that raises, instead of transformers' KeyError: 'attnkit')
+      at the first     Bloom, MPT, CodeGen, XGLM, MPNet (all-mpnet-base-v2), RoFormer, BigBird,
+      forward          Longformer, LED, ... (their modeling module defines an attention layer and
+                       never dispatches through ALL_ATTENTION_FUNCTIONS; checked in the mask hook,
+                       before any layer runs)
+    models that ask neither hook (DeBERTa, XLNet, XLM, OpenAI GPT, FSMT, ...) run their own
+    attention, the same as "eager"; attnkit is never called (capture_attention says so).
+
+``python -m attnkit.integrations._walk`` builds every installed model family tiny and prints
+which are exact against "eager", which refuse, and which cannot be built tiny offline.
+
+Static caches: ``generate(cache_implementation="static")`` works (equal to "eager"); transformers
+builds that mask ahead of the forward and passes it through tensor-only code, so there the
+dense mask is built (as for sdpa), and attnkit masks everywhere else.
 """
 
 from __future__ import annotations
@@ -42,6 +64,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import re
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,7 +77,7 @@ from .. import score_mods as _score_mods
 from ..api import attention
 
 __all__ = ["register", "attnkit_attention_forward", "attnkit_mask", "capture_attention", "capturing", "CaptureError",
-           "NAME"]
+           "UnsupportedModelError", "NAME"]
 
 NAME = "attnkit"
 
@@ -85,7 +109,107 @@ def register(name: str = NAME) -> str:
     transformers, masking_utils = _import_transformers()
     transformers.AttentionInterface.register(name, attnkit_attention_forward)
     masking_utils.AttentionMaskInterface.register(name, attnkit_mask)
+    _register_refusals(name)
     return name
+
+
+# ----------------------------------------------------------------------------------------------
+# models that compute attention themselves: refused, never half-run (issue 18, item 2)
+
+# Modeling modules that pick their attention layer class from a dict keyed by the implementation
+# name (``FALCON_ATTENTION_CLASSES[config._attn_implementation]``), found by scanning
+# transformers' source for ``_ATTENTION_CLASSES[`` (the walk test re-scans the installed
+# version and fails when this list is incomplete). Without an entry for "attnkit" their
+# constructor dies with a bare ``KeyError: 'attnkit'``; register() adds an entry that raises
+# the clear error instead, through the dict transformers itself looks the name up in.
+_CLASS_DICT_MODULES = ("falcon.modeling_falcon", "gptj.modeling_gptj", "gpt_neo.modeling_gpt_neo",
+                       "bark.modeling_bark", "git.modeling_git", "sam.modeling_sam", "sam_hq.modeling_sam_hq",
+                       "data2vec.modeling_data2vec_vision", "superglue.modeling_superglue",
+                       "deepseek_ocr2.modeling_deepseek_ocr2", "unlimited_ocr.modeling_unlimited_ocr")
+_REFUSALS_REGISTERED: set = set()
+
+
+class UnsupportedModelError(ValueError):
+    """A transformers model that computes attention in its own layers instead of calling
+    transformers' attention interface: attnkit cannot run it (it would only get the mask)."""
+
+
+def _refusal(model: str, where: str, alternatives: list) -> str:
+    alt = "attn_implementation='eager'" + ("".join(f" (or {a!r})" for a in alternatives if a != "eager"))
+    return (f"attn_implementation='attnkit': {model} is not supported: its attention layers ({where}) compute "
+            "attention themselves and never call transformers' attention interface, so attnkit would at most "
+            "supply their mask, and the result would be neither attnkit's nor the model's. "
+            f"Load this model with {alt}.")
+
+
+def _register_refusals(name: str):
+    import importlib
+
+    for mod_name in _CLASS_DICT_MODULES:
+        if (mod_name, name) in _REFUSALS_REGISTERED:
+            continue
+        _REFUSALS_REGISTERED.add((mod_name, name))
+        try:
+            mod = importlib.import_module(f"transformers.models.{mod_name}")
+        except ImportError:  # not in this transformers version (or an optional dependency is missing)
+            continue
+        for attr, table in list(vars(mod).items()):
+            if attr.endswith("_ATTENTION_CLASSES") and isinstance(table, dict) and name not in table:
+                table[name] = _refusing_layer(_model_name(mod), f"{mod.__name__}.{attr}",
+                                              [k for k in ("sdpa",) if k in table])
+
+
+def _refusing_layer(model: str, where: str, alternatives: list):
+    def refuse(*args, **kwargs):
+        raise UnsupportedModelError(_refusal(model, where, alternatives))
+    return refuse
+
+
+def _model_name(mod) -> str:
+    """The name of the model of a modeling module: its ``PreTrainedModel`` base (``FalconPreTrainedModel``
+    → ``Falcon``), else the module's own name."""
+    from transformers import PreTrainedModel
+
+    for c in vars(mod).values():
+        if (isinstance(c, type) and issubclass(c, PreTrainedModel) and c.__module__ == mod.__name__
+                and c.__name__.endswith("PreTrainedModel") and c.__name__ != "PreTrainedModel"):
+            return c.__name__[:-len("PreTrainedModel")]
+    return mod.__name__.rsplit(".", 1)[-1].removeprefix("modeling_")
+
+
+_OWN_ATTENTION: dict = {}
+
+
+def _check_uses_attention_interface(config):
+    """Raise :class:`UnsupportedModelError` when the model of ``config`` computes attention in its
+    own layers: its modeling module defines an attention layer (a ``class *Attention*(nn.Module)``)
+    and never dispatches through ``ALL_ATTENTION_FUNCTIONS``.
+
+    Such a model (Bloom, MPT, CodeGen, XGLM, MPNet, RoFormer, ...) accepts
+    ``attn_implementation="attnkit"`` and asks attnkit's mask hook for its mask, but adds what it
+    gets to its own scores: None read as "no mask", a bool mask added as a float bias — wrong
+    logits with no error. This is the same test transformers itself makes before letting
+    ``set_attn_implementation`` switch a model (``_can_set_attn_implementation``); a model made
+    of sub-models (no attention layer of its own) is judged by theirs, which ask with their own
+    config. Called by the mask hook, which runs before any attention layer of the forward.
+    """
+    if config is None:
+        return
+    cls = type(config)
+    if cls not in _OWN_ATTENTION:
+        mod = sys.modules.get(cls.__module__.replace(".configuration_", ".modeling_"))
+        verdict = None
+        try:
+            src = inspect.getsource(mod) if mod is not None else ""
+        except (OSError, TypeError):  # no source to read: do not guess
+            src = ""
+        if re.search(r"^class \w*Attention\w*\(nn\.Module\):", src, re.MULTILINE) and \
+                "ALL_ATTENTION_FUNCTIONS" not in src:
+            sdpa = _module_supports_sdpa(mod)
+            verdict = _refusal(_model_name(mod), mod.__name__, ["sdpa"] if sdpa else [])
+        _OWN_ATTENTION[cls] = verdict
+    if _OWN_ATTENTION[cls] is not None:
+        raise UnsupportedModelError(_OWN_ATTENTION[cls])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,23 +228,74 @@ def attnkit_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     is built densely, exactly as transformers' ``sdpa_mask`` builds it.
     """
     _, mu = _import_transformers()
+    _check_uses_attention_interface(kwargs.get("config"))
     if mask_function is None:
         mask_function = mu.causal_mask_function
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(torch.bool)  # as transformers' own mask preprocessing does
+    if not _honours_is_causal(kwargs.get("config")):
+        # No mask is read as "the module's is_causal" (see _resolve_mask); a model that does not
+        # support sdpa need not set it right (NLLB-MoE's and PEGASUS-X's decoders say False),
+        # so its masks are always built, never skipped.
+        kwargs = dict(kwargs, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     if (mask_function is mu.causal_mask_function and kwargs.get("allow_is_causal_skip", True)
             and (q_length == 1 or q_length == kv_length) and q_offset - kv_offset == kv_length - q_length
             and _no_padding(mu, attention_mask, kv_length, kv_offset)):
         # causal alone, as sdpa_mask skips it: attention then uses is_causal (one query: no mask)
         return None
     structured = None
-    if _takes_mask_objects(kwargs.get("config")):
+    if _takes_mask_objects(kwargs.get("config")) and not _built_ahead_of_the_forward():
         structured = structured_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                                      attention_mask)
     if structured is not None:
         return structured
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+
+
+# How far up the stack to look for transformers' generation step: the mask hook sits under
+# create_causal_mask / create_sliding_window_causal_mask, under create_masks_for_generate (the
+# model's own override may call the generic one), under prepare_inputs_for_generation (a
+# model's override may call super()'s): six frames today, with room to spare.
+_PREBUILD_DEPTH = 12
+
+
+def _built_ahead_of_the_forward() -> bool:
+    """Whether transformers is building this mask in ``prepare_inputs_for_generation``, ahead of
+    the forward, as it does for a compileable (static) cache.
+
+    That mask then goes through tensor-only code: ``prepare_inputs_for_generation`` calls
+    ``.contiguous()`` on it and hands it to the forward as a ready 4-D ``attention_mask``, which
+    ``create_causal_mask`` passes through only if it is a tensor. An attnkit mask object there
+    crashed with ``'And' object has no attribute 'contiguous'`` (issue 18, item 3), so such a
+    mask is built as transformers' dense tensor: what sdpa gets, and exact. (Static caches are
+    dense at every decoding step anyway: their query offset is a tensor, see structured_mask.)
+    """
+    f = sys._getframe(2)
+    for _ in range(_PREBUILD_DEPTH):
+        if f is None:
+            return False
+        if f.f_code.co_name == "prepare_inputs_for_generation":
+            return True
+        f = f.f_back
+    return False
+
+
+_IS_CAUSAL_RIGHT: dict = {}
+
+
+def _honours_is_causal(config) -> bool:
+    """Whether the model of ``config`` may get no mask for a plain causal (or unpadded bidirectional)
+    pattern, to be read off its attention modules' ``is_causal`` as sdpa does: only a model that
+    supports sdpa (every model class of its modeling module declares ``_supports_sdpa = True``)
+    promises those flags are right. No config (a direct call): True."""
+    if config is None:
+        return True
+    cls = type(config)
+    if cls not in _IS_CAUSAL_RIGHT:
+        _IS_CAUSAL_RIGHT[cls] = _module_supports_sdpa(sys.modules.get(cls.__module__.replace(".configuration_",
+                                                                                             ".modeling_")))
+    return _IS_CAUSAL_RIGHT[cls]
 
 
 def _valid_keys(attention_mask, kv_length: int, kv_offset: int):
@@ -153,15 +328,24 @@ def _takes_mask_objects(config) -> bool:
         return True
     cls = type(config)
     if cls not in _TAKES_OBJECTS:
-        import sys
-
         from transformers import PreTrainedModel
 
         mod = sys.modules.get(cls.__module__.replace(".configuration_", ".modeling_"))
         flags = [inspect.getattr_static(c, "_supports_flex_attn", None) for c in vars(mod or object).values()
                  if isinstance(c, type) and issubclass(c, PreTrainedModel) and c is not PreTrainedModel]
-        _TAKES_OBJECTS[cls] = bool(flags) and all(f is True for f in flags)
+        _TAKES_OBJECTS[cls] = bool(flags) and all(f is True for f in flags) and not _reads_non_blockmask(mod)
     return _TAKES_OBJECTS[cls]
+
+
+def _reads_non_blockmask(mod) -> bool:
+    """Whether a modeling module treats every mask that is not a flex ``BlockMask`` as a tensor
+    (``if attention_mask is not None and not isinstance(attention_mask, BlockMask): ...dtype``),
+    as Doge does to fold its dynamic mask in: such a model must get the dense tensor."""
+    try:
+        src = inspect.getsource(mod) if mod is not None else ""
+    except (OSError, TypeError):
+        return False
+    return re.search(r"not isinstance\(\w+, BlockMask\)", src) is not None
 
 
 def _closure(fn) -> dict:
@@ -279,10 +463,15 @@ def _from_pieces(pieces, L: int, S: int, d: int, kv_offset: int = 0):
     if set(kinds) == {"causal"}:
         return _masks.causal(align)
     if set(kinds) == {"causal", "window"}:
+        if kinds["window"] < 1:
+            # transformers builds the window mask of every model that has one, used or not, and some
+            # configs carry sliding_window=0 (Qwen2-MoE's default): an all-masked pattern no layer
+            # reads; built densely as transformers builds it, not refused by attnkit's window check
+            return None
         return _masks.sliding_window(kinds["window"], align)
     if set(kinds) == {"causal", "chunk"}:
         size, left = kinds["chunk"]
-        if (isinstance(left, torch.Tensor) and bool((left != 0).any())) or kv_offset % size:
+        if size < 1 or (isinstance(left, torch.Tensor) and bool((left != 0).any())) or kv_offset % size:
             return None  # chunks not counted from key index 0 of every row: built densely
         # transformers: (j + kv_offset) // size == (i + q_offset) // size, which is attnkit's
         # j // size == (i + d) // size when kv_offset is a multiple of the chunk size
@@ -562,9 +751,11 @@ def _alternatives(module) -> str:
 
 def _model_supports_sdpa(module) -> bool:
     """Whether every ``PreTrainedModel`` class next to ``module``'s class declares ``_supports_sdpa = True``."""
-    import sys
+    return _module_supports_sdpa(sys.modules.get(type(module).__module__))
 
-    mod = sys.modules.get(type(module).__module__)
+
+def _module_supports_sdpa(mod) -> bool:
+    """Whether every ``PreTrainedModel`` class of the modeling module ``mod`` declares ``_supports_sdpa = True``."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover
