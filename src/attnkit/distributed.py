@@ -94,8 +94,8 @@ boundary, whose ALiBi slopes or captured values differ, are refused, not run; ``
 call stay unmatched): that call and every later one on the group raise a ContextParallelError
 saying the group must be rebuilt (``destroy_process_group`` / ``init_process_group``).
 
-**Modules.** :func:`mha_forward` / :func:`block_forward` run an :class:`attnkit.nn.MultiHeadAttention`
-/ :class:`attnkit.nn.TransformerBlock` on a shard ``(B, L_r, E)`` with its own weights, RoPE at the
+**Modules.** ``mha(x, context_parallel=cp)`` / :func:`block_forward` run an
+:class:`attnkit.nn.MultiHeadAttention` / :class:`attnkit.nn.TransformerBlock` on a shard ``(B, L_r, E)`` with its own weights, RoPE at the
 layout's global positions (:func:`rope_at`) and ALiBi at global positions.
 ``examples/train_context_parallel.py`` trains a tiny model both ways and prints both loss curves.
 
@@ -128,7 +128,7 @@ from .api import attention as _attention
 from .backends import _softmax
 
 __all__ = ["ContextParallel", "ContextParallelError", "Layout", "Schedule", "Stats", "layout", "schedule",
-           "simulate", "rope_at", "mha_forward", "block_forward"]
+           "simulate", "rope_at", "block_forward"]
 
 _LAYOUTS = ("contiguous", "zigzag", "balanced")
 _MODES = ("p2p", "allgather", "heads")
@@ -1332,12 +1332,6 @@ def rope_at(rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """RoPE of ``x (..., L_r, D)`` whose rows sit at the global ``positions (L_r,)`` (any order, gaps
     allowed: a zigzag or balanced shard): ``rotary.rotate(x, positions=positions)``."""
     return rotary.rotate(x, positions=positions)
-
-
-def mha_forward(mha, x: torch.Tensor, cp: ContextParallel, *, causal: bool = False) -> torch.Tensor:
-    """Self-attention of an :class:`attnkit.nn.MultiHeadAttention` on this rank's rows
-    ``x (B, L_r, E)``: ``mha(x, causal=causal, context_parallel=cp)``."""
-    return mha(x, causal=causal, context_parallel=cp)
 
 
 def block_forward(block, x: torch.Tensor, cp: ContextParallel, *, causal: bool | None = None) -> torch.Tensor:
