@@ -276,7 +276,7 @@ class TileMass:
         tot = self.mass.double().sum((0, 1))
         allm = float(tot.sum()) or 1.0
         parts = []
-        for lim in (max(bm, bn), 1024, 8192):
+        for lim in sorted({max(bm, bn), 64, 1024, 8192}):
             if lim < self.S:
                 parts.append(f"{100 * float(tot[dist.abs() <= lim].sum()) / allm:.1f}% within {lim} tokens")
         if parts:
