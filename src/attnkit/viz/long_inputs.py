@@ -3,8 +3,8 @@
 Shape legend: B batch, H query heads, Hkv key/value heads, L query length, S key length, D head dim.
 
 * :func:`synthetic` — ``q (1, H, L, D)``, ``k (1, Hkv, L, D)`` and a mask, built to look like a
-  trained model's heads (seeded, in O(L·H·D)): head ``h`` prefers keys about ``2^(h+2)`` tokens
-  back (a position code), and the first token of each document is an attention sink.
+  trained model's heads (seeded, in O(L·H·D)): the heads of kv head ``c`` prefer keys within about
+  ``2^(c+2)`` tokens (a position code), and the first token of each document is an attention sink.
 * :func:`minilm_qk` — the query and key projections of every layer of the bundled
   all-MiniLM-L6-v2 on a text (up to its 512 positions): ``q, k (1, 12, L, 32)`` per layer, the
   tensors its attention layers multiply (checked against the model's own weights in the tests).
@@ -62,19 +62,18 @@ def synthetic(L: int = 131072, *, H: int = 8, Hkv: int | None = None, D: int = 6
     q = torch.randn(1, H, L, D, generator=g, dtype=dtype) * 0.6
     k = torch.randn(1, Hkv, L, D, generator=g, dtype=dtype) * 0.6
     pos = torch.arange(L, dtype=torch.float64)
-    # a position code in 8 of the D dims: q_i·k_j gains a·cos(ω (i - j)), so head h favours
-    # keys within about 1/ω = 2^(h+2) tokens (rotary-like locality, a different reach per head)
-    for h in range(H):
-        w = 1.0 / 2 ** (h % 10 + 2)
-        amp = 4.0
-        kh = h // (H // Hkv)
+    # a position code in 8 of the D dims: q_i·k_j gains a·cos(ω (i - j)), so the heads of kv
+    # head c favour keys within about 1/ω = 2^(c+2) tokens (rotary-like locality, a different
+    # reach per kv head; the query heads sharing it differ in how sharply they hold to it)
+    gsz = H // Hkv
+    for kh in range(Hkv):
+        w = 1.0 / 2 ** (kh % 10 + 2)
         for c in range(4):
-            ang = pos * w * (c + 1) / 4
-            q[0, h, :, 2 * c] += (amp * torch.cos(ang)).to(dtype)
-            q[0, h, :, 2 * c + 1] += (amp * torch.sin(ang)).to(dtype)
-            if h % (H // Hkv) == 0:
-                k[0, kh, :, 2 * c] += (amp * torch.cos(ang)).to(dtype)
-                k[0, kh, :, 2 * c + 1] += (amp * torch.sin(ang)).to(dtype)
+            ang = pos * w * 1.9 ** c / 4  # incommensurate frequencies: all in phase only at i = j
+            code = torch.stack([torch.cos(ang), torch.sin(ang)], -1).to(dtype)  # (L, 2)
+            k[0, kh, :, 2 * c:2 * c + 2] += 3.0 * code
+            for h in range(kh * gsz, (kh + 1) * gsz):
+                q[0, h, :, 2 * c:2 * c + 2] += 3.0 * (1 + (h - kh * gsz)) / gsz * code
     doc_ids = None
     if mask == "document":
         lo, hi = doc_range

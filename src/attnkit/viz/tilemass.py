@@ -202,15 +202,24 @@ class TileMass:
 
     # -- exact weights on demand ---------------------------------------------------------------
     def row_weights(self, i: int, b: int = 0, heads=None) -> torch.Tensor:
-        """Exact weights of query row ``i`` over all ``S`` keys: float64-accurate softmax of one
-        row, ``(H', S)`` (``heads``: None for all, an int or a list). O(S) memory."""
+        """Exact weights of query row ``i`` over all ``S`` keys, ``(H', S)`` (``heads``: None for
+        all, an int or a list): the softmax of the row's scores over the keys its plan row leaves
+        (0 elsewhere), in the compute dtype. O(S) memory."""
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.L:
             raise ValueError(f"i: expected a query row in 0..{self.L - 1}, got {i!r}.")
         b, _ = self._check_bh(b, None)
         heads = self._check_heads(heads)
-        s = self._scores(b, heads, i, i + 1, 0, self.S)  # (1, H', 1, S)
-        w, _ = _softmax.softmax_lse(s)
-        return w[0, :, 0]
+        # only the keys of the tiles the plan leaves its query block: the rest weigh 0
+        bm, bn = self.block
+        qb = i // bm
+        kbs = self.tiles[self._row_start[qb]:self._row_start[qb + 1], 1]
+        out = torch.zeros(len(heads), self.S, dtype=self.mass.dtype)
+        if kbs.numel():
+            j0, j1 = int(kbs[0]) * bn, min(self.S, (int(kbs[-1]) + 1) * bn)
+            s = self._scores(b, heads, i, i + 1, j0, j1)  # (1, H', 1, j1 - j0)
+            w, _ = _softmax.softmax_lse(s)
+            out[:, j0:j1] = w[0, :, 0].to(out.dtype)
+        return out
 
     def tile_weights(self, qb: int, kb: int, b: int = 0, heads=None) -> torch.Tensor:
         """Exact weights inside tile ``(qb, kb)``: ``(H', rows, cols)``, each row normalised by its
