@@ -157,9 +157,9 @@ canvas{display:block}
 <label>head <select id="head"></select></label>
 <button id="back">◀ back</button><button id="reset">whole input</button>
 <span id="viewtxt" class="hint"></span></div>
-<div id="wrap"><div><canvas id="map2d" width="760" height="700"></canvas>
+<div id="wrap"><div><canvas id="map2d" width="700" height="560"></canvas>
 <div id="rowpanel"><div id="rowtitle" style="font-weight:600"></div>
-<canvas id="rowc" width="760" height="170"></canvas><div id="rowread"></div></div></div>
+<canvas id="rowc" width="700" height="150"></canvas><div id="rowread"></div></div></div>
 <div id="side"><div id="readout">Hover a tile: its query and key range, mass and share.</div>
 <div id="legend"><div id="legendbar"></div><div id="legendticks"></div>
 <div class="hint">colour: share of the query rows' attention that lands in the tile (log scale);
@@ -229,6 +229,7 @@ function tileAt(px,py){const lv=level(),bm=D.bm*lv.f,bn=D.bn*lv.f;const kj=st.x0
 function describe(t){if(!t)return"";const h=st.head,q0=t.a*t.bm,q1=Math.min(L,q0+t.bm),k0=t.c*t.bn,k1=Math.min(S,k0+t.bn);
   const who=(h===H?"mean of heads":"head "+h)+(maps.length>1?" · "+maps[st.map].name:"");
   let s="queries "+q0+"–"+(q1-1)+" → keys "+k0+"–"+(k1-1)+"\n"+who+"\n";
+  if(D.labels&&q1-q0<=16&&k1-k0<=16)s+="“"+D.labels.slice(q0,q1).join(" ")+"” → “"+D.labels.slice(k0,k1).join(" ")+"”\n";
   if(t.idx<0)return s+"empty under the mask: never computed (weight 0)";
   const lvr=t.lv.live[h*t.lv.nq+t.a],m=t.lv.mass[h*t.lv.T+t.idx];
   return s+"mass "+fmt(m)+" (of "+fmt(lvr)+" live query rows)\nshare "+(lvr>0?(100*m/lvr).toPrecision(3):"0")+"% of these rows' attention";}
