@@ -150,7 +150,7 @@ def _run_minilm(args, out) -> int:
         tm.labels = tokens
         secs += tm.seconds
         maps.append((f"layer {layer}", tm))
-    print(f"all-MiniLM-L6-v2: {L} tokens, 6 layers × 12 heads (model run {t_model:.2f} s; "
+    print(f"all-MiniLM-L6-v2: {L} tokens, 6 layers × 12 heads (model load and run {t_model:.2f} s; "
           f"tile masses {secs:.2f} s)")
     last = maps[-1][1]
     print(f"last layer (5), {block}×{block} tiles:")
