@@ -31,7 +31,7 @@ def test_cli_synthetic_writes_the_page_and_a_summary(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "synthetic input: L=S=4096, H=4, Hkv=2" in text
     assert "tile mass: B=1, H=4, L=4096, S=4096, tiles 64×64 (64×64)" in text
-    assert "where the mass goes" in text and "top tiles" in text and f"wrote {out}" in text
+    assert "where the mass goes" in text and "heaviest tiles away from the diagonal" in text and f"wrote {out}" in text
     page = out.read_text()
     d = _data(page)
     assert d["rows"] == [0, 4095] and d["L"] == 4096 and d["H"] == 4

@@ -154,8 +154,8 @@ def _run_minilm(args, out) -> int:
           f"tile masses {secs:.2f} s)")
     last = maps[-1][1]
     print(f"last layer (5), {block}×{block} tiles:")
-    print("\n".join(last.summary(top=args.top).splitlines()[2:]))
-    far = last.top(3, off_diagonal=True)
+    print("\n".join(last.summary(top=0).splitlines()[2:]))
+    far = last.top(args.top, off_diagonal=True)
     if far:
         print("heaviest tiles away from the diagonal (mean of heads):")
         for m, sh, (q0, q1), (k0, k1) in far:

@@ -125,7 +125,7 @@ def tile_mass_page(tm, *, title=None, rows=None, b: int = 0, max_bytes: int = 4_
                    f"{tm.mask_name or 'none'} · tiles {bm}×{bn}: {tm.tiles.shape[0]} of {tot} computed "
                    f"({100 * tm.tiles.shape[0] / max(1, tot):.2f}%) in {tm.seconds:.2f} s"
                    + (f" · page tiles {bm * f}×{bn * f}" if f > 1 else ""))
-    data["top"] = [{"mass": m_, "share": s_, "q": list(qr), "k": list(kr)} for m_, s_, qr, kr in tm.top(6, b=b)]
+    data["top"] = [{"mass": m_, "share": s_, "q": list(qr), "k": list(kr)} for m_, s_, qr, kr in tm.top(6, b=b, off_diagonal=True)]
     page = _PAGE.replace("__TITLE__", _html.escape(data["title"])).replace(
         "__DATA__", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
     if embed:
@@ -166,7 +166,7 @@ canvas{display:block}
 grey: tile empty under the mask (never computed)</div></div>
 <div class="hint">Drag a rectangle to zoom into it, or click to zoom ×4 around a point (and pick the nearest
 row below). Finer tiles appear as you zoom.</div>
-<h3 style="font-size:14px;margin:12px 0 4px">Heaviest tiles (mean of heads)</h3><ol id="top"></ol>
+<h3 style="font-size:14px;margin:12px 0 4px">Heaviest tiles away from the diagonal (mean of heads)</h3><ol id="top"></ol>
 <label>row <select id="rowsel"></select></label></div></div>
 <script>
 "use strict";

@@ -160,14 +160,16 @@ class TileMass:
 
     def top(self, n: int = 5, b: int = 0, head=None, off_diagonal: bool = False):
         """The ``n`` heaviest tiles as ``(mass, share, (q0, q1), (k0, k1))`` token ranges (end
-        exclusive), of batch row ``b`` and ``head`` (None: the mean over heads)."""
+        exclusive), of batch row ``b`` and ``head`` (None: the mean over heads);
+        ``off_diagonal=True`` leaves out tiles within two blocks of the diagonal (where local
+        attention always lands)."""
         b, heads = self._check_bh(b, head)
         bm, bn = self.block
         m = self.mass[b, heads].double().mean(0)
         live = self.live_rows[b, heads].double().mean(0)
         if off_diagonal:
             t = self.tiles
-            near = ((t[:, 0] * bm + bm // 2) - (t[:, 1] * bn + bn // 2)).abs() < max(bm, bn) * 2
+            near = ((t[:, 0] * bm + bm // 2 + (self.S - self.L)) - (t[:, 1] * bn + bn // 2)).abs() < max(bm, bn) * 2
             m = torch.where(near, torch.zeros_like(m), m)
         idx = torch.argsort(m, descending=True, stable=True)[:n]
         res = []
@@ -290,8 +292,10 @@ class TileMass:
                 parts.append(f"{100 * float(tot[dist.abs() <= lim].sum()) / allm:.1f}% within {lim} tokens")
         if parts:
             lines.append("where the mass goes (all heads): " + ", ".join(parts) + " of the diagonal")
-        lines.append(f"top tiles (mean of heads; share = fraction of those query rows' attention):")
-        for m, sh, (q0, q1), (k0, k1) in self.top(top):
+        if top:
+            lines.append("heaviest tiles away from the diagonal (mean of heads; share = fraction of those query "
+                         "rows' attention):")
+        for m, sh, (q0, q1), (k0, k1) in (self.top(top, off_diagonal=True) if top else []):
             lines.append(f"  queries {q0}-{q1 - 1} -> keys {k0}-{k1 - 1}: mass {m:.2f}, share {100 * sh:.1f}%")
         return "\n".join(lines)
 
