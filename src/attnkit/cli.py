@@ -1,4 +1,4 @@
-"""``attnkit`` command line: explain | masks | show | bench | demo.
+"""``attnkit`` command line: explain | masks | show | bench | demo | long.
 
 Each subcommand lives in ``attnkit._cli.<name>`` with ``add_arguments(parser)``
 and ``run(args) -> int``; heavy imports happen only when that subcommand runs.
