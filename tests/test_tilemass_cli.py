@@ -46,6 +46,8 @@ def test_cli_synthetic_writes_the_page_and_a_summary(tmp_path, capsys):
     (["--heads", "6", "--kv-heads", "4"], "--kv-heads: expected a divisor of --heads 6"),
     (["--model", "minilm", "--max-tokens", "600"], "--max-tokens: expected 3..512"),
     (["--model", "minilm", "--text", "a", "--file", "b"], "expected one of them, got both"),
+    (["--model", "minilm", "--file", "/nonexistent/notes.txt"], "--file: cannot read '/nonexistent/notes.txt'"),
+    (["--out", "."], "--out: expected a file name for the page, got the directory '.'"),
 ])
 def test_cli_errors_are_one_line_with_the_fix(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

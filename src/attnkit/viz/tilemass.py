@@ -189,18 +189,13 @@ class TileMass:
             raise ValueError(f"head: expected None (mean of heads) or an int in 0..{self.H - 1}, got {head!r}.")
         return b, [head]
 
-    def _check_heads(self, heads):
+    def _check_heads(self, heads) -> list:
         if heads is None:
             return list(range(self.H))
-        if isinstance(heads, int) and not isinstance(heads, bool):
-            heads = [heads]
-        try:
-            heads = [int(h) for h in heads if not isinstance(h, bool)] if len(heads) == len(list(heads)) else None
-        except TypeError:
-            heads = None
-        if not heads or any(not 0 <= h < self.H for h in heads):
+        items = [heads] if isinstance(heads, int) else (list(heads) if isinstance(heads, (list, tuple, range)) else None)
+        if not items or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < self.H for h in items):
             raise ValueError(f"heads: expected None (all), an int or a list of ints in 0..{self.H - 1}, got {heads!r}.")
-        return heads
+        return items
 
     # -- exact weights on demand ---------------------------------------------------------------
     def row_weights(self, i: int, b: int = 0, heads=None) -> torch.Tensor:
