@@ -125,6 +125,7 @@ def tile_mass_page(tm, *, title=None, rows=None, b: int = 0, max_bytes: int = 4_
                    f"{tm.mask_name or 'none'} · tiles {bm}×{bn}: {tm.tiles.shape[0]} of {tot} computed "
                    f"({100 * tm.tiles.shape[0] / max(1, tot):.2f}%) in {tm.seconds:.2f} s"
                    + (f" · page tiles {bm * f}×{bn * f}" if f > 1 else ""))
+    data["topwho"] = next((f"{n}, mean of heads" for n, m in maps if m is tm and n), "mean of heads")
     data["top"] = [{"mass": m_, "share": s_, "q": list(qr), "k": list(kr)} for m_, s_, qr, kr in tm.top(6, b=b, off_diagonal=True)]
     page = _PAGE.replace("__TITLE__", _html.escape(data["title"])).replace(
         "__DATA__", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
@@ -166,7 +167,7 @@ canvas{display:block}
 grey: tile empty under the mask (never computed)</div></div>
 <div class="hint">Drag a rectangle to zoom into it, or click to zoom ×4 around a point (and pick the nearest
 row below). Finer tiles appear as you zoom.</div>
-<h3 style="font-size:14px;margin:12px 0 4px">Heaviest tiles away from the diagonal (mean of heads)</h3><ol id="top"></ol>
+<h3 style="font-size:14px;margin:12px 0 4px">Heaviest tiles away from the diagonal (<span id="topwho"></span>)</h3><ol id="top"></ol>
 <label>row <select id="rowsel"></select></label></div></div>
 <script>
 "use strict";
@@ -192,7 +193,7 @@ const maps=D.maps.map(m=>{const t=b64(m.tiles,Int32Array),ms=b64(m.mass,Float32A
     lev.push({f,T,q:Int32Array.from(q),k:Int32Array.from(k),mass,live,nq});if(T===p.T&&nq===p.nq)break;if(lev.length>24)break;}
   return{name:m.name,lev,rows:m.rows.map(r=>({i:r.i,j0:r.j0,j1:r.j1,bin:r.bin,w:r.w?b64(r.w,Float32Array):new Float32Array(0)}))};});
 let st={map:0,head:H,x0:0,x1:S,y0:0,y1:L,row:0};const hist=[];
-$("title").textContent=D.title;$("sub").textContent=D.sub;
+$("title").textContent=D.title;$("sub").textContent=D.sub;$("topwho").textContent=D.topwho;
 if(maps.length>1){maps.forEach((m,i)=>{const o=document.createElement("option");o.value=i;o.textContent=m.name;$("map").appendChild(o);});}else{$("mapl").style.display="none";}
 {const o=document.createElement("option");o.value=H;o.textContent="mean of heads";$("head").appendChild(o);for(let h=0;h<H;h++){const p=document.createElement("option");p.value=h;p.textContent="head "+h;$("head").appendChild(p);}}
 $("head").value=H;
