@@ -1,4 +1,4 @@
-"""``attnkit`` command line: explain | masks | show | bench | demo.
+"""``attnkit`` command line: explain | masks | show | bench | demo | long.
 
 Each subcommand lives in ``attnkit._cli.<name>`` with ``add_arguments(parser)``
 and ``run(args) -> int``; heavy imports happen only when that subcommand runs.
@@ -29,6 +29,7 @@ _COMMANDS = {
     "show": "a real model's attention on your sentence: table, PNG and offline HTML",
     "bench": "benchmark attnkit against torch SDPA, FlexAttention and naive attention",
     "demo": "the tour: explain, a real model's attention, a speed table",
+    "long": "attention over a long input (128k tokens, or MiniLM's 512): a zoomable map of the mass per tile",
 }
 
 

@@ -10,6 +10,10 @@ for the page — and token labels, so they work for any model or for
   pick sentence, layer and head, hover a token to see its attention lines.
 * :func:`explain_page` — ONE self-contained page that walks through attention on your own
   numbers (``attnkit explain --html FILE``): hover a score or an output to see how it is made.
+* :func:`tile_mass` — attention over a long input (128k tokens and more): the exact mass of
+  every (query block × key block) tile from q, k and a mask, in O(L) memory, skipping the
+  plan's empty tiles; exact row and tile weights on demand; ``TileMass.to_html`` writes ONE
+  offline zoomable page (``attnkit long``). See ``docs/long.md``.
 * :func:`show` — a real model's attention on your sentences (what ``attnkit show``
   runs): a table for one word, the PNG and the page. Needs ``pip install 'attnkit[model]'``;
   bad arguments raise :class:`ShowInputError` (a ``ValueError`` naming the argument).
@@ -19,6 +23,7 @@ from .explain_html import explain_page, save_explain_page
 from .html import save_attention_html
 from .png import save_heads_png
 from ._show import ShowDependencyError, ShowInputError, ShowResult, show
+from .tilemass import TileMass, tile_mass
 
 __all__ = ["save_heads_png", "save_attention_html", "explain_page", "save_explain_page", "show", "ShowResult",
-           "ShowInputError", "ShowDependencyError"]
+           "ShowInputError", "ShowDependencyError", "tile_mass", "TileMass"]

@@ -1,0 +1,168 @@
+"""``attnkit long``: attention over a long input, as a zoomable map of the mass per tile.
+
+Two inputs: a seeded synthetic one (``--length``, ``--mask document|window|causal|none``,
+``--heads``), or the bundled all-MiniLM-L6-v2 on a text (``--model minilm --text ... | --file``,
+up to its 512 positions; every layer on one page). Prints a short summary (sizes, time,
+where the mass goes, the heaviest tiles) and writes one offline HTML page (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
+def add_arguments(p):
+    p.add_argument("--model", choices=("synthetic", "minilm"), default="synthetic",
+                   help="synthetic q, k (default) or the bundled all-MiniLM-L6-v2 on --text/--file")
+    p.add_argument("--length", "-L", type=_positive, default=16384,
+                   help="synthetic: tokens (default 16384; 131072 for the 128k view)")
+    p.add_argument("--mask", choices=("document", "window", "causal", "none"), default="document",
+                   help="synthetic: packed documents with causal inside (default), a sliding window, causal, none")
+    p.add_argument("--window", type=_positive, default=512, help="synthetic: window size for --mask window (default 512)")
+    p.add_argument("--heads", type=_positive, default=8, help="synthetic: query heads (default 8)")
+    p.add_argument("--kv-heads", type=_positive, default=None, help="synthetic: key/value heads (GQA; default = --heads)")
+    p.add_argument("--dim", type=_positive, default=64, help="synthetic: head dim (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic: seed (default 0)")
+    p.add_argument("--text", default=None, help="minilm: the text (default: a built-in paragraph filled to 512 tokens)")
+    p.add_argument("--file", default=None, metavar="PATH", help="minilm: read the text from a file")
+    p.add_argument("--max-tokens", type=_positive, default=512, help="minilm: cut the text at this many tokens (<= 512)")
+    p.add_argument("--block", type=_positive, default=None,
+                   help="tile size in tokens (default 64 for synthetic, 8 for minilm)")
+    p.add_argument("--rows", default=None, help="query rows whose exact weights the page embeds, e.g. 0,100,5000 "
+                                                "(default: 8 spread over the input)")
+    p.add_argument("--top", type=_positive, default=5, help="heaviest tiles to list (default 5)")
+    p.add_argument("--out", default="attnkit-long.html", metavar="FILE", help="the page to write (default ./attnkit-long.html)")
+
+
+def _rows(text, L):
+    from . import CLIError
+
+    if text is None:
+        return None
+    try:
+        rows = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CLIError(f"--rows: expected comma-separated query rows, e.g. 0,100,5000, got {text!r}.") from None
+    bad = [r for r in rows if not 0 <= r < L]
+    if not rows or bad:
+        raise CLIError(f"--rows: expected rows in 0..{L - 1}, got {text!r}. Pick rows inside the input.")
+    return rows
+
+
+def _check_out(out: str) -> Path:
+    from . import CLIError
+
+    path = Path(out)
+    if path.is_dir():
+        raise CLIError(f"--out: expected a file name for the page, got the directory {out!r}. "
+                       f"Pass e.g. --out {os.path.join(out, 'attnkit-long.html')}.")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise CLIError(f"--out: the directory {str(parent)!r} does not exist. Create it or write elsewhere.")
+    return path
+
+
+def run(args) -> int:
+    from . import CLIError
+
+    out = _check_out(args.out)  # before any work: a bad path fails first
+    if args.model == "minilm":
+        return _run_minilm(args, out)
+    if args.text is not None or args.file is not None:
+        raise CLIError("--text/--file: only with --model minilm (the synthetic input has no text). "
+                       "Add --model minilm, or leave them out.")
+    import torch
+
+    from ..viz.long_inputs import synthetic
+    from ..viz.tilemass import tile_mass
+
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        raise CLIError(f"--kv-heads: expected a divisor of --heads {args.heads}, got {args.kv_heads}.")
+    if args.dim < 16:
+        raise CLIError(f"--dim: expected a head dim >= 16, got {args.dim}.")
+    rows = _rows(args.rows, args.length)
+    t0 = time.perf_counter()
+    q, k, mask = synthetic(args.length, H=args.heads, Hkv=args.kv_heads, D=args.dim, mask=args.mask,
+                           window=args.window, seed=args.seed)
+    t_in = time.perf_counter() - t0
+    block = args.block or 64
+    tm = tile_mass(q, k, mask=mask, block=block)
+    print(f"synthetic input: L=S={args.length}, H={args.heads}, Hkv={args.kv_heads or args.heads}, "
+          f"D={args.dim}, seed {args.seed} ({t_in:.2f} s to make; threads {torch.get_num_threads()})")
+    print(tm.summary(top=args.top))
+    t1 = time.perf_counter()
+    page = tm.to_html(out, title=f"Attention mass per tile: synthetic, {args.length} tokens, {args.mask} mask",
+                      rows=rows)
+    print(f"wrote {out} ({len(page.encode()) / 1e6:.2f} MB, {time.perf_counter() - t1:.2f} s; one offline file: "
+          "open it in a browser, drag to zoom, hover a tile)")
+    return 0
+
+
+def _run_minilm(args, out) -> int:
+    from . import CLIError
+    from ..integrations.minilm import ModelUnavailable
+
+    if args.text is not None and args.file is not None:
+        raise CLIError("--text/--file: expected one of them, got both. Pass the text inline or in a file.")
+    text = args.text
+    if args.file is not None:
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"--file: cannot read {args.file!r} as UTF-8 text ({e}). Pass a readable text file.") from None
+    if args.max_tokens > 512 or args.max_tokens < 3:
+        raise CLIError(f"--max-tokens: expected 3..512 (all-MiniLM-L6-v2 has 512 positions), got {args.max_tokens}.")
+    if text is not None and not text.strip():
+        raise CLIError("--text/--file: expected some text, got an empty one.")
+    from ..viz.long_html import tile_mass_page
+    from ..viz.long_inputs import minilm_qk
+    from ..viz.tilemass import tile_mass
+
+    t0 = time.perf_counter()
+    try:
+        qs, ks, tokens, note = minilm_qk(text, max_tokens=args.max_tokens)
+    except ModelUnavailable as e:
+        raise CLIError(str(e)) from None
+    t_model = time.perf_counter() - t0
+    if note:
+        print(f"note: {note}")
+    L = len(tokens)
+    rows = _rows(args.rows, L)
+    block = args.block or 8
+    maps, secs = [], 0.0
+    for layer, (q, k) in enumerate(zip(qs, ks)):
+        tm = tile_mass(q, k, block=block)
+        tm.labels = tokens
+        secs += tm.seconds
+        maps.append((f"layer {layer}", tm))
+    print(f"all-MiniLM-L6-v2: {L} tokens, 6 layers × 12 heads (model load and run {t_model:.2f} s; "
+          f"tile masses {secs:.2f} s)")
+    last = maps[-1][1]
+    print(f"last layer (5), {block}×{block} tiles:")
+    print("\n".join(last.summary(top=0).splitlines()[2:]))
+    far = last.top(args.top, off_diagonal=True)
+    if far:
+        print("heaviest tiles away from the diagonal (mean of heads):")
+        for m, sh, (q0, q1), (k0, k1) in far:
+            print(f"  queries {q0}-{q1 - 1} {' '.join(tokens[q0:q1])!r} -> keys {k0}-{k1 - 1} "
+                  f"{' '.join(tokens[k0:k1])!r}: share {100 * sh:.1f}%")
+    page = tile_mass_page(last, maps=maps, rows=rows,
+                          title=f"Attention mass per tile: all-MiniLM-L6-v2, {L} tokens, every layer")
+    out.write_text(page, encoding="utf-8")
+    print(f"wrote {out} ({len(page.encode()) / 1e6:.2f} MB; pick a layer and head, drag to zoom, hover a tile)")
+    return 0
