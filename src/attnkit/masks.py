@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from . import _mods, _tiling
+from . import _mods, _ranges, _tiling
 from ._tiling import EMPTY, FULL, PARTIAL, edges, kinds_from
 
 __all__ = [
@@ -126,6 +126,13 @@ class Mask:
         corners; this default evaluates the mask on chunks of whole query blocks (never
         L×S at once), keeping the batch and head dims the mask depends on."""
         return _evaluated_kinds(self.bind(L, S), B, H, L, S, bm, bn)
+
+    def _kinds_counted(self, B: int, H: int, L: int, S: int, bm: int, bn: int) -> tuple[torch.Tensor, int]:
+        """``(tile_kinds, number of tiles whose points were evaluated)``: 0 for a closed form,
+        every tile for a mask known only by its ``bind`` (the default ``tile_kinds``)."""
+        kinds = self.tile_kinds(B, H, L, S, bm, bn)
+        point = type(self).tile_kinds is Mask.tile_kinds
+        return kinds, (kinds.numel() if point else 0)
 
     def validate(self, B: int, H: int, L: int, S: int) -> None:
         """Raise ``ValueError`` if this mask cannot be used for these sizes."""
@@ -235,6 +242,66 @@ def _evaluated_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(Bp, Hp, r1 - r0, S)
         out[:, :, r0 // bm:-(-r1 // bm)] = _tiling.reduce_allowed(allowed, bm, bn)
         del allowed
+    return out
+
+
+def _range_kinds(fn, B, H, L, S, bm, bn) -> tuple[torch.Tensor, int]:
+    """Kinds of a broadcast-safe ``mask_mod`` by range evaluation (see :mod:`attnkit._ranges`):
+    ONE call of ``fn`` on per-tile index intervals decides most tiles; the tiles it leaves
+    undecided are evaluated at their points, batched (``_point_kinds``). Returns the kinds and
+    the number of point-evaluated tiles. Raises ``_ranges.Unsupported`` when the mod does
+    something intervals do not follow (the caller then evaluates every point)."""
+    qlo, qhi = edges(L, bm)
+    klo, khi = edges(S, bn)
+    nq, nk = qlo.numel(), klo.numel()
+    surely, possibly = _ranges.evaluate(fn, torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
+                                        qlo.view(1, 1, nq, 1), qhi.view(1, 1, nq, 1),
+                                        klo.view(1, 1, 1, nk), khi.view(1, 1, 1, nk))
+    try:
+        surely, possibly = torch.broadcast_tensors(surely, possibly)
+        if surely.dim() > 4:
+            raise _ranges.Unsupported("a result of more than 4 dims")
+        shape = (1,) * (4 - surely.dim()) + tuple(surely.shape)
+        Bp, Hp = shape[0], shape[1]
+        if Bp not in (1, B) or Hp not in (1, H) or shape[2] not in (1, nq) or shape[3] not in (1, nk):
+            raise _ranges.Unsupported(f"a result of shape {shape}")
+        surely = surely.reshape(shape).expand(Bp, Hp, nq, nk)
+        possibly = possibly.reshape(shape).expand(Bp, Hp, nq, nk)
+    except RuntimeError as e:
+        raise _ranges.Unsupported(str(e)) from e
+    # interval results are sound: a tile surely attended is possibly attended
+    assert not bool((surely & ~possibly).any()), "range evaluation: surely without possibly"
+    kinds = kinds_from(surely, ~possibly)
+    mixed = (kinds == PARTIAL).nonzero()  # (T, 4): (b, h, query block, key block)
+    if mixed.shape[0]:
+        kinds[tuple(mixed.t())] = _point_kinds(fn, mixed, L, S, bm, bn)
+    return kinds, int(mixed.shape[0])
+
+
+def _point_kinds(fn, tiles: torch.Tensor, L, S, bm, bn) -> torch.Tensor:
+    """Exact kinds of the tiles ``(T, 4)`` = (b, h, query block, key block), evaluating ``fn`` at
+    every point of them, many tiles per call: the tiles are stacked on the batch dim::
+
+        b (T, 1, 1, 1)   h (T, 1, 1, 1)   q_idx (T, 1, bm, 1)   kv_idx (T, 1, 1, bn)
+
+    A ragged last block repeats its last row / column (a repeat changes no all / any)."""
+    out = torch.empty(tiles.shape[0], dtype=torch.int8)
+    per_call = max(1, _EVAL_ELEMS // (bm * bn))
+    ar_q, ar_k = torch.arange(bm), torch.arange(bn)
+    for t0 in range(0, tiles.shape[0], per_call):
+        t = tiles[t0:t0 + per_call]
+        T = t.shape[0]
+        b = t[:, 0].view(T, 1, 1, 1)
+        h = t[:, 1].view(T, 1, 1, 1)
+        q = (t[:, 2:3] * bm + ar_q).clamp(max=L - 1).view(T, 1, bm, 1)
+        kv = (t[:, 3:4] * bn + ar_k).clamp(max=S - 1).view(T, 1, 1, bn)
+        allowed = fn(b, h, q, kv)
+        _check_bool(allowed, fn)
+        if not _mods._fits(allowed, (T, 1, bm, bn)):
+            raise _ranges.Unsupported(f"stacked tiles gave shape {tuple(allowed.shape)}")
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(T, 1, bm, bn)
+        flat = allowed.reshape(T, bm * bn)
+        out[t0:t0 + T] = torch.where(flat.all(-1), FULL, torch.where(flat.any(-1), PARTIAL, EMPTY)).to(torch.int8)
     return out
 
 
@@ -606,6 +673,21 @@ class FromMod(Mask):
     def flex_mask_mod(self, L, S):
         return self.fn  # FlexAttention evaluates it its own way (vmap)
 
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        return self._kinds_counted(B, H, L, S, bm, bn)[0]
+
+    def _kinds_counted(self, B, H, L, S, bm, bn):
+        """Range evaluation first (one call over every tile; points only where undecided), for a
+        mod evaluated by broadcasting; every point otherwise (a vmap-only mod, or one doing
+        something intervals do not follow: Python ``if`` on an index, ``.item()``, ...)."""
+        if _mods.broadcast_safe(self.fn, False, B, H, L, S):
+            try:
+                return _range_kinds(self.fn, B, H, L, S, bm, bn)
+            except _ranges.Unsupported:
+                pass
+        kinds = _evaluated_kinds(self.bind(L, S), B, H, L, S, bm, bn)
+        return kinds, kinds.numel()
+
     def __repr__(self):
         return f"from_mod({getattr(self.fn, '__name__', 'mask_mod')})"
 
@@ -645,10 +727,14 @@ class _Fold(_Combined):
     """A mask combining its parts pointwise with ``_op`` and their tile kinds with ``_kinds``."""
 
     def tile_kinds(self, B, H, L, S, bm, bn):
-        out = self.parts[0].tile_kinds(B, H, L, S, bm, bn)
+        return self._kinds_counted(B, H, L, S, bm, bn)[0]
+
+    def _kinds_counted(self, B, H, L, S, bm, bn):
+        out, n = self.parts[0]._kinds_counted(B, H, L, S, bm, bn)
         for p in self.parts[1:]:
-            out = self._kinds(out, p.tile_kinds(B, H, L, S, bm, bn))
-        return out
+            k, m = p._kinds_counted(B, H, L, S, bm, bn)
+            out, n = self._kinds(out, k), n + m
+        return out, n
 
     def flex_mask_mod(self, L, S):
         return _fold([p.flex_mask_mod(L, S) for p in self.parts], self._op)
@@ -702,7 +788,11 @@ class Not(_Combined):
         return lambda b, h, q, kv: ~mod(b, h, q, kv)
 
     def tile_kinds(self, B, H, L, S, bm, bn):
-        return (FULL - self.inner.tile_kinds(B, H, L, S, bm, bn)).to(torch.int8)  # swaps EMPTY and FULL
+        return self._kinds_counted(B, H, L, S, bm, bn)[0]
+
+    def _kinds_counted(self, B, H, L, S, bm, bn):
+        k, n = self.inner._kinds_counted(B, H, L, S, bm, bn)
+        return (FULL - k).to(torch.int8), n  # swaps EMPTY and FULL
 
     def __repr__(self):
         return f"~{self.inner!r}"
