@@ -41,7 +41,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["Unsupported", "evaluate", "minmax_table"]
+__all__ = ["Unsupported", "evaluate", "minmax_table", "checked_once"]
 
 
 class Unsupported(Exception):
@@ -570,7 +570,7 @@ def _getitem(t, index):
         hi = src8.max().expand(shape)
         return _finish(lo, hi, src.dtype)
     p = inexact[0]
-    table = minmax_table(src8, p)
+    table = minmax_table(t, p)  # keyed on the caller's tensor object (a detached view is new each call)
     others = [r.lo for d, r in enumerate(rs) if d != p]
     lo, hi = table.query(others, rs[p].lo, rs[p].hi)
     return _finish(lo, hi, src.dtype)
@@ -677,6 +677,24 @@ _TABLES: OrderedDict = OrderedDict()
 _TABLES_MAX = 16
 
 
+# id(tensor) -> its table, for tensors already checked during the current plan (see checked_once)
+_SESSION: dict | None = None
+
+
+class checked_once:
+    """Within this context (one plan being built), a tensor's content is compared with the
+    cached copy once, not at every chunk of the range evaluation."""
+
+    def __enter__(self):
+        global _SESSION
+        self._outer = _SESSION
+        _SESSION = {} if _SESSION is None else _SESSION
+
+    def __exit__(self, *exc):
+        global _SESSION
+        _SESSION = self._outer
+
+
 def minmax_table(t: torch.Tensor, dim: int) -> _MinMaxTable:
     """The min/max table of ``t`` along ``dim``, reused while ``t``'s *content* is unchanged.
 
@@ -684,14 +702,24 @@ def minmax_table(t: torch.Tensor, dim: int) -> _MinMaxTable:
     ``t`` now (same dtype, shape and values), so an in-place change, or a new tensor at a
     recycled id, always rebuilds. Checking costs one O(n) comparison, building O(n log n)."""
     key = (id(t), dim)
+    if _SESSION is not None and key in _SESSION:
+        return _SESSION[key][1]  # the same object, checked earlier in this plan (and kept alive)
+    table = _cached_table(t, dim, key)
+    if _SESSION is not None:
+        _SESSION[key] = (t, table)
+    return table
+
+
+def _cached_table(t, dim, key):
     hit = _TABLES.get(key)
     if hit is not None:
         copy, table = hit
         if copy.dtype == t.dtype and copy.shape == t.shape and copy.device == t.device and torch.equal(copy, t):
             _TABLES.move_to_end(key)
             return table
-    table = _MinMaxTable(t, dim)
-    _TABLES[key] = (t.clone(), table)
+    data = t.detach()
+    table = _MinMaxTable(data.to(torch.int8) if data.dtype == torch.bool else data, dim)
+    _TABLES[key] = (data.clone(), table)
     if len(_TABLES) > _TABLES_MAX:
         _TABLES.popitem(last=False)
     return table

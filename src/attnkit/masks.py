@@ -245,62 +245,107 @@ def _evaluated_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     return out
 
 
+# Tiles per range-evaluation call: bounds the interval temporaries (a few int64 per tile).
+_RANGE_TILES = 1 << 21
+
+
 def _range_kinds(fn, B, H, L, S, bm, bn) -> tuple[torch.Tensor, int]:
-    """Kinds of a broadcast-safe ``mask_mod`` by range evaluation (see :mod:`attnkit._ranges`):
-    ONE call of ``fn`` on per-tile index intervals decides most tiles; the tiles it leaves
-    undecided are evaluated at their points, batched (``_point_kinds``). Returns the kinds and
-    the number of point-evaluated tiles. Raises ``_ranges.Unsupported`` when the mod does
-    something intervals do not follow (the caller then evaluates every point)."""
+    """Kinds of a broadcast-safe ``mask_mod`` by range evaluation (see :mod:`attnkit._ranges`).
+
+    1. ranges: one call of ``fn`` on per-tile index intervals (per chunk of query blocks, to
+       bound memory) calls each tile surely full, surely empty, or undecided;
+    2. witnesses: each undecided tile is evaluated at a 4 × 4 grid of its points (first, two
+       inner and last row / column); a True and a False there prove it partial;
+    3. points: the tiles still undecided are evaluated at every point (``_point_kinds``).
+
+    Returns the kinds and the number of tiles whose points were evaluated (steps 2-3).
+    Raises ``_ranges.Unsupported`` when the mod does something intervals do not follow
+    (the caller then evaluates every point)."""
     qlo, qhi = edges(L, bm)
     klo, khi = edges(S, bn)
     nq, nk = qlo.numel(), klo.numel()
-    surely, possibly = _ranges.evaluate(fn, torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
-                                        qlo.view(1, 1, nq, 1), qhi.view(1, 1, nq, 1),
-                                        klo.view(1, 1, 1, nk), khi.view(1, 1, 1, nk))
-    try:
-        surely, possibly = torch.broadcast_tensors(surely, possibly)
-        if surely.dim() > 4:
-            raise _ranges.Unsupported("a result of more than 4 dims")
-        shape = (1,) * (4 - surely.dim()) + tuple(surely.shape)
-        Bp, Hp = shape[0], shape[1]
-        if Bp not in (1, B) or Hp not in (1, H) or shape[2] not in (1, nq) or shape[3] not in (1, nk):
-            raise _ranges.Unsupported(f"a result of shape {shape}")
-        surely = surely.reshape(shape).expand(Bp, Hp, nq, nk)
-        possibly = possibly.reshape(shape).expand(Bp, Hp, nq, nk)
-    except RuntimeError as e:
-        raise _ranges.Unsupported(str(e)) from e
-    # interval results are sound: a tile surely attended is possibly attended
-    assert not bool((surely & ~possibly).any()), "range evaluation: surely without possibly"
-    kinds = kinds_from(surely, ~possibly)
+    rows = max(1, _RANGE_TILES // max(nk, 1))
+    with _ranges.checked_once():
+        kinds, Bp, Hp = _range_chunks(fn, B, H, qlo, qhi, klo, khi, rows)
     mixed = (kinds == PARTIAL).nonzero()  # (T, 4): (b, h, query block, key block)
     if mixed.shape[0]:
-        kinds[tuple(mixed.t())] = _point_kinds(fn, mixed, L, S, bm, bn)
+        got = _point_kinds(fn, mixed, L, S, bm, bn, witness=True)
+        undecided = got != PARTIAL  # the samples were all True or all False: not a proof
+        if bool(undecided.any()):
+            got[undecided] = _point_kinds(fn, mixed[undecided], L, S, bm, bn)
+        kinds[tuple(mixed.t())] = got
     return kinds, int(mixed.shape[0])
 
 
-def _point_kinds(fn, tiles: torch.Tensor, L, S, bm, bn) -> torch.Tensor:
-    """Exact kinds of the tiles ``(T, 4)`` = (b, h, query block, key block), evaluating ``fn`` at
-    every point of them, many tiles per call: the tiles are stacked on the batch dim::
+def _range_chunks(fn, B, H, qlo, qhi, klo, khi, rows):
+    """Step 1 of ``_range_kinds``, ``rows`` query blocks per call: kinds (Bp, Hp, nq, nk), Bp, Hp."""
+    nq, nk = qlo.numel(), klo.numel()
+    b_all, h_all = torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1)
+    kinds, Bp, Hp = None, None, None
+    for r0 in range(0, nq, rows):
+        r1 = min(nq, r0 + rows)
+        surely, possibly = _ranges.evaluate(fn, b_all, h_all, qlo[r0:r1].view(1, 1, -1, 1),
+                                            qhi[r0:r1].view(1, 1, -1, 1), klo.view(1, 1, 1, nk), khi.view(1, 1, 1, nk))
+        surely, possibly, shape = _range_result(surely, possibly, B, H, r1 - r0, nk)
+        if kinds is None:
+            Bp, Hp = shape[0], shape[1]
+            kinds = torch.empty(Bp, Hp, nq, nk, dtype=torch.int8)
+        elif (shape[0], shape[1]) != (Bp, Hp):
+            raise _ranges.Unsupported("a result whose batch / head dims change between chunks")
+        # interval results are sound: a tile surely attended is possibly attended
+        assert not bool((surely & ~possibly).any()), "range evaluation: surely without possibly"
+        kinds[:, :, r0:r1] = kinds_from(surely.expand(Bp, Hp, r1 - r0, nk), (~possibly).expand(Bp, Hp, r1 - r0, nk))
+    return kinds, Bp, Hp
+
+
+def _range_result(surely, possibly, B, H, nq, nk):
+    """The range result as ``(Bp, Hp, nq' | 1, nk' | 1)`` tensors, or Unsupported if its shape is
+    not one of the grid's."""
+    try:
+        surely, possibly = torch.broadcast_tensors(surely, possibly)
+    except RuntimeError as e:
+        raise _ranges.Unsupported(str(e)) from e
+    if surely.dim() > 4:
+        raise _ranges.Unsupported("a result of more than 4 dims")
+    shape = (1,) * (4 - surely.dim()) + tuple(surely.shape)
+    if shape[0] not in (1, B) or shape[1] not in (1, H) or shape[2] not in (1, nq) or shape[3] not in (1, nk):
+        raise _ranges.Unsupported(f"a result of shape {shape}")
+    return surely.reshape(shape), possibly.reshape(shape), shape
+
+
+def _samples(blk: int, witness: bool) -> torch.Tensor:
+    """Offsets inside a block: all ``blk`` of them, or 4 witnesses (first, two inner, last)."""
+    if not witness or blk <= 4:
+        return torch.arange(blk)
+    return torch.tensor([0, blk // 3, (2 * blk) // 3, blk - 1])
+
+
+def _point_kinds(fn, tiles: torch.Tensor, L, S, bm, bn, witness: bool = False) -> torch.Tensor:
+    """Kinds of the tiles ``(T, 4)`` = (b, h, query block, key block) from ``fn`` at their points,
+    many tiles per call: the tiles are stacked on the batch dim::
 
         b (T, 1, 1, 1)   h (T, 1, 1, 1)   q_idx (T, 1, bm, 1)   kv_idx (T, 1, 1, bn)
 
-    A ragged last block repeats its last row / column (a repeat changes no all / any)."""
+    Exact with every point; ``witness=True`` samples a 4 × 4 grid of rows × columns, where only
+    a PARTIAL answer (a True and a False seen) is a proof. A ragged last block repeats its last
+    row / column (a repeat changes no all / any)."""
     out = torch.empty(tiles.shape[0], dtype=torch.int8)
-    per_call = max(1, _EVAL_ELEMS // (bm * bn))
-    ar_q, ar_k = torch.arange(bm), torch.arange(bn)
+    ar_q, ar_k = _samples(bm, witness), _samples(bn, witness)
+    lq, lk = ar_q.numel(), ar_k.numel()
+    per_call = max(1, _EVAL_ELEMS // (lq * lk))
     for t0 in range(0, tiles.shape[0], per_call):
         t = tiles[t0:t0 + per_call]
         T = t.shape[0]
         b = t[:, 0].view(T, 1, 1, 1)
         h = t[:, 1].view(T, 1, 1, 1)
-        q = (t[:, 2:3] * bm + ar_q).clamp(max=L - 1).view(T, 1, bm, 1)
-        kv = (t[:, 3:4] * bn + ar_k).clamp(max=S - 1).view(T, 1, 1, bn)
+        q = (t[:, 2:3] * bm + ar_q).clamp(max=L - 1).view(T, 1, lq, 1)
+        kv = (t[:, 3:4] * bn + ar_k).clamp(max=S - 1).view(T, 1, 1, lk)
         allowed = fn(b, h, q, kv)
         _check_bool(allowed, fn)
-        if not _mods._fits(allowed, (T, 1, bm, bn)):
+        if not _mods._fits(allowed, (T, 1, lq, lk)):
             raise _ranges.Unsupported(f"stacked tiles gave shape {tuple(allowed.shape)}")
-        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(T, 1, bm, bn)
-        flat = allowed.reshape(T, bm * bn)
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(T, 1, lq, lk)
+        flat = allowed.reshape(T, lq * lk)
         out[t0:t0 + T] = torch.where(flat.all(-1), FULL, torch.where(flat.any(-1), PARTIAL, EMPTY)).to(torch.int8)
     return out
 
@@ -538,6 +583,14 @@ class Chunked(Mask):
 
     def cache_key(self):
         return ("chunked", self.size, self.align)
+
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        return self._kinds_counted(B, H, L, S, bm, bn)[0]
+
+    def _kinds_counted(self, B, H, L, S, bm, bn):
+        # its own mod by range evaluation: O(tiles), exact (the tiles the ranges leave undecided,
+        # those crossing the diagonal or a chunk edge, are settled at their points)
+        return _range_kinds(self.bind(L, S), 1, 1, L, S, bm, bn)
 
     def key_span(self, B, H, L, S):
         off, c = _offset(self.align, L, S), self.size

@@ -15,8 +15,10 @@ Shape legend: B batch, H query heads, L query length, S key length; a plan cuts 
     bm = plan.to_block_mask()                        # FlexAttention's BlockMask, same tiles
 
 Built-in masks give their tile map in closed form from the tile corners (no point of
-the mask is evaluated); a ``mask_mod`` is evaluated once, on chunks of whole query
-blocks, when the plan is built. A plan is an immutable snapshot: an opaque
+the mask is evaluated); a ``mask_mod`` is evaluated ONCE over index *ranges* (one
+interval per query block and key block: see :mod:`attnkit._ranges`), which decides
+most tiles as empty or full, and only the tiles the ranges leave undecided are
+evaluated at their points (``plan.point_tiles`` counts them; ``print(plan)`` shows it). A plan is an immutable snapshot: an opaque
 ``mask_mod`` that reads data is planned with the data of that moment, as
 FlexAttention's ``create_block_mask`` — build a new plan when the data changes
 (attnkit never caches an opaque mod's tiles behind your back; a plan is the explicit,
@@ -47,10 +49,11 @@ class BlockPlan:
     tiles computed), ``partial_fraction``. Pass it as ``mask=`` to :func:`attnkit.attention`.
     """
 
-    __slots__ = ("_mask", "_sizes", "_block", "_kinds")
+    __slots__ = ("_mask", "_sizes", "_block", "_kinds", "_point_tiles")
 
     def __init__(self, mask: _masks.Mask, B: int, H: int, L: int, S: int, block: tuple[int, int],
-                 kinds: torch.Tensor):
+                 kinds: torch.Tensor, point_tiles: int = 0):
+        object.__setattr__(self, "_point_tiles", int(point_tiles))
         object.__setattr__(self, "_mask", mask)
         object.__setattr__(self, "_sizes", (B, H, L, S))
         object.__setattr__(self, "_block", block)
@@ -67,6 +70,13 @@ class BlockPlan:
     L = property(lambda self: self._sizes[2])
     S = property(lambda self: self._sizes[3])
     block = property(lambda self: self._block)
+
+    @property
+    def point_tiles(self) -> int:
+        """How many tiles had their mask evaluated point by point when the plan was built: 0 for
+        built-in masks (closed form); for a ``mask_mod``, the tiles its range evaluation left
+        undecided (ideally exactly the partial ones; every tile if ranges could not be used)."""
+        return self._point_tiles
 
     @property
     def kinds(self) -> torch.Tensor:
@@ -121,7 +131,7 @@ class BlockPlan:
         total = self._kinds.numel()
         return (f"{self._mask!r}, L={self.L}, S={self.S}, tiles {bm}×{bn} ({nq}×{nk}): "
                 f"{computed} of {total} computed ({100 * self.density:.1f}%), "
-                f"{int((self._kinds == PARTIAL).sum())} partial")
+                f"{int((self._kinds == PARTIAL).sum())} partial, {self._point_tiles} point-evaluated")
 
     def __repr__(self) -> str:
         return f"BlockPlan({self._summary()})"
@@ -203,7 +213,7 @@ def plan(mask, L: int, S: int | None = None, *, B: int | None = None, H: int | N
     B = B if B is not None else (mask.batch_size or 1)
     H = 1 if H is None else H
     mask.validate(B, H, L, S)
-    kinds = mask.tile_kinds(B, H, L, S, bm, bn)
+    kinds, point_tiles = mask._kinds_counted(B, H, L, S, bm, bn)
     nq, nk = math.ceil(L / bm), math.ceil(S / bn)
     assert kinds.shape[-2:] == (nq, nk), (kinds.shape, nq, nk)
-    return BlockPlan(mask, B, H, L, S, (bm, bn), kinds)
+    return BlockPlan(mask, B, H, L, S, (bm, bn), kinds, point_tiles)
