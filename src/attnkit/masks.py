@@ -455,16 +455,23 @@ def _int_vector(name: str, value, ndim_ok=(1,)) -> torch.Tensor:
 
 
 class Padding(Mask):
-    """Per batch row ``b``: keys ``j < key_lengths[b]`` are visible (right padding)."""
+    """Per batch row ``b``: keys ``j < key_lengths[b]`` are visible (right padding).
+
+    A value: ``key_lengths`` is a private copy made at construction, and reading the attribute
+    gives a copy of it, so ``m.key_lengths[1] = 40`` changes nothing (tile maps and work lists
+    are cached per mask object; a change behind them would make backends disagree).
+    """
+
+    key_lengths = property(lambda self: self._key_lengths.clone(), doc="(B,) lengths (a copy).")
 
     def __init__(self, key_lengths):
-        self.key_lengths = _int_vector("key_lengths", key_lengths)
-        if (self.key_lengths < 0).any():
-            raise ValueError(f"key_lengths: expected lengths >= 0, got {self.key_lengths.tolist()}.")
-        self.batch_size = int(self.key_lengths.numel())
+        self._key_lengths = _int_vector("key_lengths", key_lengths)
+        if (self._key_lengths < 0).any():
+            raise ValueError(f"key_lengths: expected lengths >= 0, got {self._key_lengths.tolist()}.")
+        self.batch_size = int(self._key_lengths.numel())
         # Python ints of the immutable lengths: validation and key spans without a tensor op
-        self._max = int(self.key_lengths.max()) if self.batch_size else 0
-        self._min = int(self.key_lengths.min()) if self.batch_size else 0
+        self._max = int(self._key_lengths.max()) if self.batch_size else 0
+        self._min = int(self._key_lengths.min()) if self.batch_size else 0
         self._on = {}  # device -> decode_tile's mask there
 
     def validate(self, B, H, L, S):
@@ -480,18 +487,18 @@ class Padding(Mask):
             )
 
     def bind(self, L, S):
-        lengths = self.key_lengths
+        lengths = self._key_lengths
         return lambda b, h, q, kv: kv < lengths.to(kv.device)[b]
 
     def tile_kinds(self, B, H, L, S, bm, bn):
         klo, khi = edges(S, bn)
-        lens = self.key_lengths.view(-1, 1, 1, 1)  # (B, 1, 1, 1): one row of kinds per sequence
+        lens = self._key_lengths.view(-1, 1, 1, 1)  # (B, 1, 1, 1): one row of kinds per sequence
         full = (khi.view(1, 1, 1, -1) < lens).expand(-1, 1, -(-L // bm), -1)
         empty = (klo.view(1, 1, 1, -1) >= lens).expand(-1, 1, -(-L // bm), -1)
         return kinds_from(full, empty)
 
     def _natural_size(self):
-        S = max(8, int(self.key_lengths.max()) if self.key_lengths.numel() else 0)
+        S = max(8, int(self._key_lengths.max()) if self._key_lengths.numel() else 0)
         return (S, S)
 
     def key_span(self, B, H, L, S):
@@ -506,19 +513,22 @@ class Padding(Mask):
         key = (str(device), n)
         allowed = self._on.get(key)  # (B, 1, 1, n): a function of the immutable lengths and n only
         if allowed is None:
-            allowed = torch.arange(n, device=device) < self.key_lengths.to(device).view(B, 1, 1, 1)
+            allowed = torch.arange(n, device=device) < self._key_lengths.to(device).view(B, 1, 1, 1)
             if len(self._on) > 8:
                 self._on.clear()
             self._on[key] = allowed
         return 0, n, allowed
 
     def __repr__(self):
-        return f"padding({self.key_lengths.tolist()})"
+        return f"padding({self._key_lengths.tolist()})"
 
 
 class KeyPadding(Mask):
     """Per batch row ``b``: key ``j`` is visible where ``valid[b, j]`` (any padding pattern:
-    left padding, holes). ``valid``: bool ``(B, S)``, copied (an immutable value)."""
+    left padding, holes). ``valid``: bool ``(B, S)``, copied (an immutable value; reading
+    ``m.valid`` gives a copy)."""
+
+    valid = property(lambda self: self._valid.clone(), doc="bool (B, S) flags (a copy).")
 
     def __init__(self, valid):
         t = torch.as_tensor(valid)
@@ -527,45 +537,45 @@ class KeyPadding(Mask):
                             "Convert a 0/1 attention mask with .bool() / .astype(bool).")
         if t.dim() != 2:
             raise ValueError(f"valid: expected shape (B, S), got {tuple(t.shape)}.")
-        self.valid = t.detach().to("cpu", copy=True)
-        self.batch_size = int(self.valid.shape[0])
-        self._every_row_sees_a_key = bool(self.valid.any(-1).all())
+        self._valid = t.detach().to("cpu", copy=True)
+        self.batch_size = int(self._valid.shape[0])
+        self._every_row_sees_a_key = bool(self._valid.any(-1).all())
         self._on = {}  # device -> the same values there (for decode_tile)
 
     def validate(self, B, H, L, S):
-        if self.batch_size != B or self.valid.shape[1] != S:
-            raise ValueError(f"valid: expected shape (B, S) = ({B}, {S}), got {tuple(self.valid.shape)}. "
+        if self.batch_size != B or self._valid.shape[1] != S:
+            raise ValueError(f"valid: expected shape (B, S) = ({B}, {S}), got {tuple(self._valid.shape)}. "
                              "Pass one flag per key of every sequence in the batch.")
 
     def bind(self, L, S):
-        valid = self.valid
+        valid = self._valid
         return lambda b, h, q, kv: valid.to(kv.device)[b, kv]
 
     def tile_kinds(self, B, H, L, S, bm, bn):
-        v = self.valid.to(torch.int8)
+        v = self._valid.to(torch.int8)
         lo, hi = _tiling.block_minmax(v, bn)  # (B, nk): all valid -> min 1, none valid -> max 0
         nq = -(-L // bm)
         return kinds_from((lo == 1).view(-1, 1, 1, lo.shape[1]).expand(-1, 1, nq, -1),
                           (hi == 0).view(-1, 1, 1, hi.shape[1]).expand(-1, 1, nq, -1))
 
     def key_span(self, B, H, L, S):
-        live = self.valid.any(0).nonzero()
+        live = self._valid.any(0).nonzero()
         return (0, 0) if live.numel() == 0 else (int(live[0]), int(live[-1]) + 1)
 
     def decode_tile(self, B, L, S, device):
-        if self.batch_size != B or self.valid.shape[1] != S or not self._every_row_sees_a_key:
+        if self.batch_size != B or self._valid.shape[1] != S or not self._every_row_sees_a_key:
             return None
         key = str(device)
         if key not in self._on:
-            self._on[key] = self.valid.to(device).view(B, 1, 1, S)
+            self._on[key] = self._valid.to(device).view(B, 1, 1, S)
         return 0, S, self._on[key]
 
     def _natural_size(self):
-        S = int(self.valid.shape[1])
+        S = int(self._valid.shape[1])
         return (S, S)
 
     def __repr__(self):
-        return f"key_padding(<{tuple(self.valid.shape)} flags>)"
+        return f"key_padding(<{tuple(self._valid.shape)} flags>)"
 
 
 class Chunked(Mask):
@@ -613,25 +623,28 @@ class Document(Mask):
     """Packed sequences: attend only within the same document id.
 
     ``doc_ids`` has shape ``(S,)`` (shared by the batch) or ``(B, S)``. Query
-    row ``i`` belongs to the document of key position ``i + S - L``.
+    row ``i`` belongs to the document of key position ``i + S - L``. The ids are a private
+    copy; reading ``m.doc_ids`` gives a copy (changing it changes nothing).
     """
 
+    doc_ids = property(lambda self: self._doc_ids.clone(), doc="(S,) or (B, S) ids (a copy).")
+
     def __init__(self, doc_ids):
-        self.doc_ids = _int_vector("doc_ids", doc_ids, ndim_ok=(1, 2))
-        self.batch_size = int(self.doc_ids.shape[0]) if self.doc_ids.dim() == 2 else None
+        self._doc_ids = _int_vector("doc_ids", doc_ids, ndim_ok=(1, 2))
+        self.batch_size = int(self._doc_ids.shape[0]) if self._doc_ids.dim() == 2 else None
 
     def validate(self, B, H, L, S):
         super().validate(B, H, L, S)
-        if self.doc_ids.shape[-1] != S:
+        if self._doc_ids.shape[-1] != S:
             raise ValueError(
-                f"doc_ids: expected one id per key position (S={S}), got {self.doc_ids.shape[-1]}. "
+                f"doc_ids: expected one id per key position (S={S}), got {self._doc_ids.shape[-1]}. "
                 "Pass ids of shape (S,) or (B, S)."
             )
         if L > S:
             raise ValueError(f"document mask: needs L <= S (queries aligned to the last L keys), got L={L}, S={S}.")
 
     def _ids2d(self) -> torch.Tensor:
-        return self.doc_ids if self.doc_ids.dim() == 2 else self.doc_ids.unsqueeze(0)
+        return self._doc_ids if self._doc_ids.dim() == 2 else self._doc_ids.unsqueeze(0)
 
     def bind(self, L, S):
         ids, off = self._ids2d(), S - L
@@ -651,11 +664,11 @@ class Document(Mask):
         return kinds_from(full, empty).unsqueeze(1)  # (Bi, 1, nq, nk)
 
     def _natural_size(self):
-        S = int(self.doc_ids.shape[-1])
+        S = int(self._doc_ids.shape[-1])
         return (S, S)
 
     def __repr__(self):
-        return f"document(<{tuple(self.doc_ids.shape)} ids>)"
+        return f"document(<{tuple(self._doc_ids.shape)} ids>)"
 
 
 class PrefixLM(Mask):
