@@ -36,7 +36,7 @@ from . import _tiling
 from . import masks as _masks
 from ._tiling import EMPTY, FULL, PARTIAL
 
-__all__ = ["BlockPlan", "plan", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["BlockPlan", "plan", "create_block_mask", "EMPTY", "PARTIAL", "FULL"]
 
 _DEFAULT_BLOCK = (64, 64)
 
@@ -150,25 +150,36 @@ class BlockPlan:
         the same block mask ``create_block_mask`` builds for this mask, without evaluating
         a built-in mask at every point. Tiles must match FlexAttention's (``block=(128, 128)``
         is its default)."""
-        from torch.nn.attention.flex_attention import BlockMask
+        return _block_mask(self._kinds, self._block, self.L, self.S, self._mask.flex_mask_mod(self.L, self.S))
 
-        k = self._kinds.clone()
-        bm, bn = self._block
-        # FlexAttention pads L and S up to whole blocks and counts the padding as masked, so a
-        # tile reaching past the end is never full there (its mask_mod runs on the real part).
-        if self.L % bm:
-            k[..., -1, :] = torch.where(k[..., -1, :] == FULL, PARTIAL, k[..., -1, :])
-        if self.S % bn:
-            k[..., :, -1] = torch.where(k[..., :, -1] == FULL, PARTIAL, k[..., :, -1])
-        partial, full = k == PARTIAL, k == FULL
-        # stable argsort of "not wanted": wanted blocks first, ascending, as create_block_mask orders them
-        kv_num = partial.sum(-1).to(torch.int32)
-        kv_idx = torch.argsort((~partial).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        full_num = full.sum(-1).to(torch.int32)
-        full_idx = torch.argsort((~full).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self._block,
-                                        mask_mod=self._mask.flex_mask_mod(self.L, self.S),
-                                        seq_lengths=(self.L, self.S))
+
+def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mask_mod, device=None):
+    """FlexAttention's ``BlockMask`` from int8 kinds ``(Bp, Hp, nq, nk)``, with its padding rule::
+
+        L = 5, bm = 4: rows 4..7 of the last query block are padding (masked), so a tile that is
+        full on its real rows is *partial* there (create_block_mask counts the padding):
+
+            q0-3  F  F          q0-3  F  F
+            q4    F  F    ->    q4-7  P  P      (its mask_mod runs on the real row 4)
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    k = kinds.clone()
+    bm, bn = block
+    if L % bm:
+        k[..., -1, :] = torch.where(k[..., -1, :] == FULL, PARTIAL, k[..., -1, :])
+    if S % bn:
+        k[..., :, -1] = torch.where(k[..., :, -1] == FULL, PARTIAL, k[..., :, -1])
+    partial, full = k == PARTIAL, k == FULL
+    # stable argsort of "not wanted": wanted blocks first, ascending, as create_block_mask orders them
+    kv_num = partial.sum(-1).to(torch.int32)
+    kv_idx = torch.argsort((~partial).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    full_num = full.sum(-1).to(torch.int32)
+    full_idx = torch.argsort((~full).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    if device is not None:
+        kv_num, kv_idx, full_num, full_idx = (t.to(device) for t in (kv_num, kv_idx, full_num, full_idx))
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
+                                    mask_mod=mask_mod, seq_lengths=(L, S))
 
 
 def _check_block(block) -> tuple[int, int]:
@@ -217,3 +228,38 @@ def plan(mask, L: int, S: int | None = None, *, B: int | None = None, H: int | N
     nq, nk = math.ceil(L / bm), math.ceil(S / bn)
     assert kinds.shape[-2:] == (nq, nk), (kinds.shape, nq, nk)
     return BlockPlan(mask, B, H, L, S, (bm, bn), kinds, point_tiles)
+
+
+def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device="cpu",
+                      BLOCK_SIZE=128, _compile: bool = False):
+    """Drop-in for ``torch.nn.attention.flex_attention.create_block_mask``: the same signature and
+    the same ``BlockMask``, tile for tile, built from attnkit's plan instead of every point.
+
+    Shape legend: B batch, H heads, Q_LEN (= L) query length, KV_LEN (= S) key length; tiles of
+    ``BLOCK_SIZE`` (an int, or ``(q_block, kv_block)``); ``B`` / ``H`` None mean 1 (broadcast).
+
+    The ``mask_mod`` is range-evaluated over whole tiles (``attnkit.plan``), and only the tiles
+    the ranges leave undecided are evaluated at their points: O(tiles), no ``torch.compile``
+    (``_compile`` is accepted for compatibility and changes nothing). The result lives on
+    ``device``; its ``kv_num_blocks`` / ``kv_indices`` / ``full_kv_*`` (and the ``q_*`` fields
+    FlexAttention derives from them) equal ``create_block_mask``'s, including its padding rule
+    for lengths that are not a multiple of the block (a ragged edge tile is never full)::
+
+        block_mask = attnkit.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv],
+                                               None, None, 131072, 131072, device="cuda")
+        out = flex_attention(q, k, v, block_mask=block_mask)
+    """
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool tensor, "
+                        f"got {type(mask_mod).__name__}.")
+    B = 1 if B is None else _check_size("B", B)
+    H = 1 if H is None else _check_size("H", H)
+    Q_LEN, KV_LEN = _check_size("Q_LEN", Q_LEN), _check_size("KV_LEN", KV_LEN)
+    try:
+        block = _check_block(BLOCK_SIZE)
+    except ValueError:
+        raise ValueError(f"BLOCK_SIZE: expected an int >= 1 or a tuple (q_block, kv_block) of them, "
+                         f"got {BLOCK_SIZE!r}.") from None
+    p = plan(_masks.from_mod(mask_mod), Q_LEN, KV_LEN, B=B, H=H, block=block)
+    kinds = p._kinds.expand(B, H, *p._kinds.shape[-2:])  # torch's fields carry every (b, h)
+    return _block_mask(kinds, block, Q_LEN, KV_LEN, mask_mod, device=torch.device(device))
