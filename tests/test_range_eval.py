@@ -239,6 +239,11 @@ def test_unsupported_is_raised_not_guessed():
                          hi.view(1, 1, 1, 2))
     with pytest.raises(_ranges.Unsupported):
         _ranges.evaluate(lambda b, h, q, kv: torch.exp(q) > kv, z, z, lo, hi, lo.view(1, 1, 1, 2), hi.view(1, 1, 1, 2))
+    # a captured tensor of several values used elementwise would pair by position with the tile
+    # grid (2 key blocks here), not the key grid: refused, even where the shapes happen to broadcast
+    vec = torch.tensor([True, False]).view(1, 1, 1, 2)
+    with pytest.raises(_ranges.Unsupported):
+        _ranges.evaluate(lambda b, h, q, kv: vec & (kv <= q), z, z, lo, hi, lo.view(1, 1, 1, 2), hi.view(1, 1, 1, 2))
 
 
 def _brute(op, a, b):

@@ -201,6 +201,10 @@ def _lift(x) -> _Range:
     elif isinstance(x, float):
         t = torch.tensor(x, dtype=torch.get_default_dtype())
     elif isinstance(x, torch.Tensor):
+        if x.numel() > 1:
+            # a captured tensor used elementwise lines up with the (b, h, q, kv) grid by position,
+            # which the tile grid of intervals does not have: only indexing (doc[q]) is followed
+            raise Unsupported("a captured tensor of several values used elementwise")
         if x.requires_grad:
             x = x.detach()
         if x.is_floating_point() and bool(torch.isnan(x).any()):

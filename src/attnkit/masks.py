@@ -269,10 +269,13 @@ def _range_kinds(fn, B, H, L, S, bm, bn) -> tuple[torch.Tensor, int]:
         kinds, Bp, Hp = _range_chunks(fn, B, H, qlo, qhi, klo, khi, rows)
     mixed = (kinds == PARTIAL).nonzero()  # (T, 4): (b, h, query block, key block)
     if mixed.shape[0]:
-        got = _point_kinds(fn, mixed, L, S, bm, bn, witness=True)
-        undecided = got != PARTIAL  # the samples were all True or all False: not a proof
-        if bool(undecided.any()):
-            got[undecided] = _point_kinds(fn, mixed[undecided], L, S, bm, bn)
+        try:
+            got = _point_kinds(fn, mixed, L, S, bm, bn, witness=True)
+            undecided = got != PARTIAL  # the samples were all True or all False: not a proof
+            if bool(undecided.any()):
+                got[undecided] = _point_kinds(fn, mixed[undecided], L, S, bm, bn)
+        except Exception as e:  # noqa: BLE001 - a mod that cannot run on stacked tiles: every point decides
+            raise _ranges.Unsupported(f"stacked tiles: {type(e).__name__}: {e}") from e
         kinds[tuple(mixed.t())] = got
     return kinds, int(mixed.shape[0])
 
