@@ -700,7 +700,11 @@ class PrefixLM(Mask):
 
 
 class FromMod(Mask):
-    """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention signature)."""
+    """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention signature).
+
+    Its tiles come from range evaluation (:mod:`attnkit._ranges`): one call over per-tile index
+    intervals, then points only on the tiles the intervals leave undecided; every point when
+    the mod does something intervals do not follow (see ``_kinds_counted``)."""
 
     def cache_key(self):
         # A function reading data that may change between calls (the next batch's document
