@@ -563,21 +563,25 @@ def _getitem(t, index):
         src8 = src.to(torch.int8)
     else:
         src8 = src
+    # the captured tensor may live on a GPU while the intervals are on the CPU: look up there,
+    # bring the (small: one value per block) answers back
+    dev, home = src.device, rs[0].lo.device
+    rs = [r if r.lo.device == dev else _Range(r.lo.to(dev), r.hi.to(dev), r.exact) for r in rs]
     inexact = [d for d, r in enumerate(rs) if not r.exact and not bool(torch.equal(r.lo, r.hi))]
     if not inexact:
-        v = src8[tuple(r.lo for r in rs)]
+        v = src8[tuple(r.lo for r in rs)].to(home)
         return _finish(v, v, src.dtype, exact=all(r.exact for r in rs))
     if len(inexact) > 1 or bool((rs[inexact[0]].lo < 0).any()):
         # two ranges at once, or a range that may wrap around the end: the global value range (sound)
         shape = torch.broadcast_shapes(*[r.lo.shape for r in rs], *[r.hi.shape for r in rs])
-        lo = src8.min().expand(shape)
-        hi = src8.max().expand(shape)
+        lo = src8.min().to(home).expand(shape)
+        hi = src8.max().to(home).expand(shape)
         return _finish(lo, hi, src.dtype)
     p = inexact[0]
     table = minmax_table(t, p)  # keyed on the caller's tensor object (a detached view is new each call)
     others = [r.lo for d, r in enumerate(rs) if d != p]
     lo, hi = table.query(others, rs[p].lo, rs[p].hi)
-    return _finish(lo, hi, src.dtype)
+    return _finish(lo.to(home), hi.to(home), src.dtype)
 
 
 def _finish(lo, hi, dtype, exact=False):
