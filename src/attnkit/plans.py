@@ -171,15 +171,41 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
     if S % bn:
         k[..., :, -1] = torch.where(k[..., :, -1] == FULL, PARTIAL, k[..., :, -1])
     partial, full = k == PARTIAL, k == FULL
-    # stable argsort of "not wanted": wanted blocks first, ascending, as create_block_mask orders them
-    kv_num = partial.sum(-1).to(torch.int32)
-    kv_idx = torch.argsort((~partial).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    full_num = full.sum(-1).to(torch.int32)
-    full_idx = torch.argsort((~full).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    # the q_* fields (each key block's query blocks) are the same ordering of the transposed map
+    q_num, q_idx = _ordered(partial.transpose(-2, -1))
+    fq_num, fq_idx = _ordered(full.transpose(-2, -1))
+    fields = dict(kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num, full_kv_indices=full_idx,
+                  q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx)
     if device is not None:
-        kv_num, kv_idx, full_num, full_idx = (t.to(device) for t in (kv_num, kv_idx, full_num, full_idx))
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
-                                    mask_mod=mask_mod, seq_lengths=(L, S))
+        fields = {n: t.to(device) for n, t in fields.items()}
+    try:
+        return BlockMask(seq_lengths=(L, S), BLOCK_SIZE=block, mask_mod=mask_mod, **fields)
+    except TypeError:  # a torch whose BlockMask takes other arguments: let it derive the q_* fields
+        return BlockMask.from_kv_blocks(fields["kv_num_blocks"], fields["kv_indices"], fields["full_kv_num_blocks"],
+                                        fields["full_kv_indices"], BLOCK_SIZE=block, mask_mod=mask_mod,
+                                        seq_lengths=(L, S))
+
+
+def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num, indices)`` int32 of a bool map ``(..., n)``: per row, how many blocks are wanted and
+    all n block indices with the wanted ones first, each part ascending — the order of
+    ``create_block_mask``'s stable descending argsort, found in O(n) by counting::
+
+        wanted  = [0, 1, 1, 0, 1]      wanted so far   cw = [0, 1, 2, 2, 3],  num = 3
+        slot of a wanted block j:   cw[j] - 1               -> blocks 1, 2, 4 to slots 0, 1, 2
+        slot of another block j:    num + (j + 1 - cw[j]) - 1 -> blocks 0, 3 to slots 3, 4
+        indices = [1, 2, 4, 0, 3]
+    """
+    n = wanted.shape[-1]
+    cw = wanted.to(torch.int32).cumsum(-1, dtype=torch.int32)
+    num = cw[..., -1].contiguous() if n else torch.zeros(wanted.shape[:-1], dtype=torch.int32)
+    ar = torch.arange(n, dtype=torch.int32)
+    slot = torch.where(wanted, cw - 1, num.unsqueeze(-1) + ar - cw)
+    idx = torch.empty(wanted.shape, dtype=torch.int32)
+    idx.scatter_(-1, slot.long(), ar.expand(wanted.shape).contiguous())
+    return num, idx
 
 
 def _check_block(block) -> tuple[int, int]:
