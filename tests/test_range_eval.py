@@ -131,8 +131,11 @@ def _neg_mod(rng, B, H, L, S):
 
 
 def _float_table(rng, B, H, L, S):
-    thr = torch.rand(S, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    dtype = rng.choice([torch.float32, torch.float64])
+    thr = torch.rand(S, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)), dtype=dtype)
     x = rng.random()
+    if rng.random() < 0.5 and S > 1:
+        x = float(thr[rng.randrange(S)])  # a constant equal to a value: the boundary case
     return lambda b, h, q, kv: (thr[kv] > x) & (kv <= q)
 
 
@@ -328,3 +331,13 @@ def test_per_batch_and_per_head_kinds_keep_their_dims():
     assert p.kinds[0, 0, 0].tolist() == [FULL, FULL, FULL, PARTIAL]
     p = attnkit.plan(lambda b, h, q, kv: kv <= q - h * 40, 128, B=2, H=3, block=32)
     assert p.kinds.shape == (1, 3, 4, 4)
+
+
+def test_python_float_constants_keep_float64_precision():
+    # 0.1 in float32 is 0.100000001490116...; a float64 table value between the two must
+    # compare as in the real evaluation (float64), not against a float32-rounded constant
+    thr = torch.tensor([0.1000000005] * 64, dtype=torch.float64)
+    mod = lambda b, h, q, kv: (thr[kv] > 0.1) & (kv <= q)  # noqa: E731 - a user's mask_mod
+    p = attnkit.plan(mod, 64, block=16)
+    assert torch.equal(p.kinds, _dense_kinds(mod, 1, 1, 64, 64, 16, 16).expand_as(p.kinds))
+    assert p.point_tiles < p.kinds.numel()

@@ -199,7 +199,9 @@ def _lift(x) -> _Range:
     elif isinstance(x, int):
         t = torch.tensor(x, dtype=torch.int64)
     elif isinstance(x, float):
-        t = torch.tensor(x, dtype=torch.get_default_dtype())
+        # float64 0-d, like torch's wrapped Python number: a float32 tensor op casts it to float32,
+        # a float64 one keeps every bit (the default dtype would round it first)
+        t = torch.tensor(x, dtype=torch.float64)
     elif isinstance(x, torch.Tensor):
         if x.numel() > 1:
             # a captured tensor used elementwise lines up with the (b, h, q, kv) grid by position,
