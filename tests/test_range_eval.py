@@ -139,6 +139,20 @@ def _float_table(rng, B, H, L, S):
     return lambda b, h, q, kv: (thr[kv] > x) & (kv <= q)
 
 
+def _narrow_table(rng, B, H, L, S):
+    # tables of narrow integer dtypes: their arithmetic wraps in the real evaluation
+    dtype = rng.choice([torch.uint8, torch.int8, torch.int16, torch.int32])
+    info = torch.iinfo(dtype)
+    n = max(L, S)
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    if rng.random() < 0.5:
+        tbl = torch.randint(info.min, info.max + 1, (n,), generator=g).to(dtype)
+    else:
+        tbl = (torch.arange(n) // rng.randint(1, 20)).clamp(max=info.max).to(dtype)
+    c = rng.randint(-3, 3)
+    return lambda b, h, q, kv: (tbl[q] + c) >= tbl[kv] * 2 - 1
+
+
 def _python_if(rng, B, H, L, S):
     # Python control flow on an index: ranges must give up, points must decide
     def mod(b, h, q, kv):
@@ -150,7 +164,7 @@ def _python_if(rng, B, H, L, S):
 
 _MAKERS = [_causal, _document, _document_batched, _prefix, _window, _dilated, _natten, _global, _chunked,
            _lengths, _per_head, _head_table, _valid, _where, _minmax, _arith, _clamp, _neg_mod, _float_table,
-           _python_if]
+           _narrow_table, _python_if]
 
 
 def _compose(rng, B, H, L, S, depth=0):
@@ -341,3 +355,25 @@ def test_python_float_constants_keep_float64_precision():
     p = attnkit.plan(mod, 64, block=16)
     assert torch.equal(p.kinds, _dense_kinds(mod, 1, 1, 64, 64, 16, 16).expand_as(p.kinds))
     assert p.point_tiles < p.kinds.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_narrow_integer_tables_follow_their_wraparound(dtype):
+    """uint8 0 - 1 is 255 in the real evaluation: an interval [-1, ...] would be wrong, so such
+    arithmetic is refused (points decide); arithmetic that cannot wrap keeps its ranges."""
+    info = torch.iinfo(dtype)
+    tbl = torch.tensor([info.min, 0, 1, info.max] * 16, dtype=dtype)
+    wraps = lambda b, h, q, kv: (tbl[kv] - 1) < (tbl[q] + 1)  # noqa: E731 - a user's mask_mod
+    p = attnkit.plan(wraps, 64, block=8)
+    assert torch.equal(p.kinds, _dense_kinds(wraps, 1, 1, 64, 64, 8, 8).expand_as(p.kinds))
+    small = (torch.arange(64) // 16).to(dtype)
+    safe = lambda b, h, q, kv: (small[kv] + 1) <= small[q] * 2  # noqa: E731
+    p = attnkit.plan(safe, 64, block=8)
+    assert torch.equal(p.kinds, _dense_kinds(safe, 1, 1, 64, 64, 8, 8).expand_as(p.kinds))
+    assert p.point_tiles < p.kinds.numel()
+
+
+def test_huge_constants_are_refused():
+    mod = lambda b, h, q, kv: (q + (1 << 62)) - (1 << 62) >= kv  # noqa: E731 - a user's mask_mod
+    p = attnkit.plan(mod, 40, block=8)
+    assert torch.equal(p.kinds, _dense_kinds(mod, 1, 1, 40, 40, 8, 8).expand_as(p.kinds))

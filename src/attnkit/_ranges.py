@@ -197,6 +197,8 @@ def _lift(x) -> _Range:
     if isinstance(x, bool):
         t = torch.tensor(x)
     elif isinstance(x, int):
+        if abs(x) >= 1 << 62:
+            raise Unsupported("an integer constant near int64's limits (sums could wrap)")
         t = torch.tensor(x, dtype=torch.int64)
     elif isinstance(x, float):
         # float64 0-d, like torch's wrapped Python number: a float32 tensor op casts it to float32,
@@ -243,6 +245,25 @@ def _check_float(lo, hi):
     return lo, hi
 
 
+def _widen(r: _Range, dt) -> _Range:
+    """Integer arithmetic in a dtype narrower than int64 wraps around in the real evaluation, and
+    a wrapped interval is not an interval: compute such bounds in int64, check they fit (``_fit``)."""
+    if r.kind != "int" or dt == torch.int64 or r.lo.dtype == torch.int64:
+        return r
+    return _Range(r.lo.to(torch.int64), r.hi.to(torch.int64), r.exact)
+
+
+def _fit(lo, hi, dt):
+    """Bounds computed in int64 for a narrower integer dtype: cast back when every value in them
+    fits (then no point overflowed either), else Unsupported."""
+    if dt == torch.int64 or not lo.dtype == torch.int64 or dt not in _INT:
+        return lo.to(dt), hi.to(dt)
+    info = torch.iinfo(dt)
+    if bool((lo < info.min).any() | (hi > info.max).any()):
+        raise Unsupported(f"{dt} arithmetic that may wrap around")
+    return lo.to(dt), hi.to(dt)
+
+
 def _exact(a, b) -> bool:
     return a.exact and b.exact
 
@@ -255,36 +276,42 @@ def _add(a, b):
     ra, rb = _lift(a), _lift(b)
     _same_kinds(ra, rb)
     dt = _result_dtype(_operand(a), _operand(b))
+    ra, rb = _widen(ra, dt), _widen(rb, dt)
     if _exact(ra, rb):
-        v = torch.add(ra.lo, rb.lo).to(dt)
+        v = _fit(*(torch.add(ra.lo, rb.lo),) * 2, dt)[0]
         return _Range(v, v, exact=True)
-    return _Range(*_check_float(torch.add(ra.lo, rb.lo).to(dt), torch.add(ra.hi, rb.hi).to(dt)))
+    return _Range(*_check_float(*_fit(torch.add(ra.lo, rb.lo), torch.add(ra.hi, rb.hi), dt)))
 
 
 def _sub(a, b):
     ra, rb = _lift(a), _lift(b)
     _same_kinds(ra, rb)
     dt = _result_dtype(_operand(a), _operand(b))
+    ra, rb = _widen(ra, dt), _widen(rb, dt)
     if _exact(ra, rb):
-        v = torch.sub(ra.lo, rb.lo).to(dt)
+        v = _fit(*(torch.sub(ra.lo, rb.lo),) * 2, dt)[0]
         return _Range(v, v, exact=True)
-    return _Range(*_check_float(torch.sub(ra.lo, rb.hi).to(dt), torch.sub(ra.hi, rb.lo).to(dt)))
+    return _Range(*_check_float(*_fit(torch.sub(ra.lo, rb.hi), torch.sub(ra.hi, rb.lo), dt)))
 
 
 def _neg(a):
     ra = _lift(a)
     if ra.kind == "bool":
         raise Unsupported("negation of a bool")
+    dt = ra.lo.dtype
+    ra = _widen(ra, dt)
     if ra.exact:
-        v = -ra.lo
+        v = _fit(-ra.lo, -ra.lo, dt)[0]
         return _Range(v, v, exact=True)
-    return _Range(-ra.hi, -ra.lo)
+    return _Range(*_fit(-ra.hi, -ra.lo, dt))
 
 
 def _abs(a):
     ra = _lift(a)
     if ra.kind == "bool":
         raise Unsupported("abs of a bool")
+    if ra.kind == "int" and ra.lo.dtype != torch.int64:
+        raise Unsupported("abs of a narrow integer (abs(min) wraps)")
     if ra.exact:
         v = ra.lo.abs()
         return _Range(v, v, exact=True)
@@ -297,10 +324,11 @@ def _abs(a):
 
 
 def _corners(op, ra, rb, dt):
-    c = [op(x, y).to(dt) for x in (ra.lo, ra.hi) for y in (rb.lo, rb.hi)]
+    ra, rb = _widen(ra, dt), _widen(rb, dt)
+    c = [op(x, y) for x in (ra.lo, ra.hi) for y in (rb.lo, rb.hi)]
     lo = torch.minimum(torch.minimum(c[0], c[1]), torch.minimum(c[2], c[3]))
     hi = torch.maximum(torch.maximum(c[0], c[1]), torch.maximum(c[2], c[3]))
-    return lo, hi
+    return _fit(lo, hi, dt)
 
 
 def _mul(a, b):
@@ -309,10 +337,11 @@ def _mul(a, b):
     dt = _result_dtype(_operand(a), _operand(b))
     if ra.kind == "int":
         for r in (ra, rb):
-            if bool((r.lo.abs() >= _MUL_LIMIT).any() | (r.hi.abs() >= _MUL_LIMIT).any()):
+            lo64, hi64 = r.lo.to(torch.int64), r.hi.to(torch.int64)  # a narrow dtype would wrap the limit
+            if bool((lo64.abs() >= _MUL_LIMIT).any() | (hi64.abs() >= _MUL_LIMIT).any()):
                 raise Unsupported("a product that could overflow")
     if _exact(ra, rb):
-        v = torch.mul(ra.lo, rb.lo).to(dt)
+        v = _corners(torch.mul, ra, rb, dt)[0]
         return _Range(v, v, exact=True)
     # x·y over a box is extremal at its corners (linear in each argument); rounding is monotone
     return _Range(*_check_float(*_corners(torch.mul, ra, rb, dt)))
@@ -339,7 +368,7 @@ def _div(a, b, rounding_mode=None):
         return torch.div(x, y, rounding_mode=rounding_mode)
 
     if _exact(ra, rb):
-        v = op(ra.lo, rb.lo).to(dt)
+        v = _corners(op, ra, rb, dt)[0]
         return _Range(v, v, exact=True)
     # x / y with y of one sign is monotone in x and in y separately, so its extremes over the
     # box are at the corners; floor and trunc are monotone, so they keep them there
@@ -359,6 +388,7 @@ def _mod(a, b):
     _same_kinds(ra, rb, ok=("int",))
     _divisor_sign(rb)
     dt = _result_dtype(_operand(a), _operand(b))
+    ra, rb = _widen(ra, dt), _widen(rb, dt)  # |x mod d| < |d| fits dt; -x below does not always
     if _exact(ra, rb):
         v = torch.remainder(ra.lo, rb.lo).to(dt)
         return _Range(v, v, exact=True)
@@ -555,7 +585,7 @@ def _getitem(t, index):
             raise Unsupported("a non-integer index")
         n = t.shape[d]
         # out of [-n, n): the point evaluation raises (or the index is only a loose bound): let it decide
-        if bool((r.lo < -n).any() | (r.hi >= n).any()):
+        if bool((r.lo.to(torch.int64) < -n).any() | (r.hi.to(torch.int64) >= n).any()):  # no wrapped -n
             raise Unsupported("an index range reaching outside the tensor")
         rs.append(r)
     src = t.detach()
