@@ -46,7 +46,9 @@ class BlockPlan:
 
     Attributes (read-only): ``mask``, ``B``, ``H``, ``L``, ``S``, ``block``, ``kinds``
     (int8 ``(Bp, Hp, nq, nk)``: 0 empty, 1 partial, 2 full), ``density`` (fraction of
-    tiles computed), ``partial_fraction``. Pass it as ``mask=`` to :func:`attnkit.attention`.
+    tiles computed), ``partial_fraction``, ``point_tiles`` (tiles whose mask points were
+    evaluated while planning: 0 for built-in closed forms). Pass it as ``mask=`` to
+    :func:`attnkit.attention`.
     """
 
     __slots__ = ("_mask", "_sizes", "_block", "_kinds", "_point_tiles")
