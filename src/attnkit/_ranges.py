@@ -714,7 +714,7 @@ class _MinMaxTable:
 
 # (id, dim) -> (private copy of the content, table); hit only when the content is equal
 _TABLES: OrderedDict = OrderedDict()
-_TABLES_MAX = 16
+_TABLES_MAX = 8  # each holds a copy of its tensor and ~4 of its size in tables
 
 
 # id(tensor) -> its table, for tensors already checked during the current plan (see checked_once)
