@@ -23,6 +23,8 @@ def _cases():
         "causal top-left": M.causal("top_left"),
         "window 100": M.sliding_window(100),
         "prefix 200": M.prefix_lm(200),
+        "chunked 100": M.chunked(100),
+        "chunked 64 top-left": M.chunked(64, "top_left"),
         "padding": M.padding([700, 311]),
         "document (S,)": M.document(IDS),
         "document (B, S)": M.document(IDS2),
@@ -152,3 +154,11 @@ def test_key_span_covers_every_visible_key(name, L, S_):
     nz = d.nonzero()
     if nz.numel():
         assert j0 <= int(nz[0]) and int(nz[-1]) < j1, (name, j0, j1, int(nz[0]), int(nz[-1]))
+
+
+def test_print_reports_point_evaluated_tiles():
+    builtin = attnkit.plan(M.causal(), 256, block=64)
+    assert builtin.point_tiles == 0 and "0 point-evaluated" in str(builtin)
+    mod = attnkit.plan(lambda b, h, q, kv: kv <= q, 256, block=64)
+    assert torch.equal(mod.kinds, builtin.kinds)
+    assert mod.point_tiles == 4 and "4 point-evaluated" in repr(mod)  # the 4 diagonal tiles only

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from . import _mods, _tiling
+from . import _mods, _ranges, _tiling
 from ._tiling import EMPTY, FULL, PARTIAL, edges, kinds_from
 
 __all__ = [
@@ -126,6 +126,13 @@ class Mask:
         corners; this default evaluates the mask on chunks of whole query blocks (never
         L×S at once), keeping the batch and head dims the mask depends on."""
         return _evaluated_kinds(self.bind(L, S), B, H, L, S, bm, bn)
+
+    def _kinds_counted(self, B: int, H: int, L: int, S: int, bm: int, bn: int) -> tuple[torch.Tensor, int]:
+        """``(tile_kinds, number of tiles whose points were evaluated)``: 0 for a closed form,
+        every tile for a mask known only by its ``bind`` (the default ``tile_kinds``)."""
+        kinds = self.tile_kinds(B, H, L, S, bm, bn)
+        point = type(self).tile_kinds is Mask.tile_kinds
+        return kinds, (kinds.numel() if point else 0)
 
     def validate(self, B: int, H: int, L: int, S: int) -> None:
         """Raise ``ValueError`` if this mask cannot be used for these sizes."""
@@ -238,6 +245,114 @@ def _evaluated_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     return out
 
 
+# Tiles per range-evaluation call: bounds the interval temporaries (a few int64 per tile).
+_RANGE_TILES = 1 << 21
+
+
+def _range_kinds(fn, B, H, L, S, bm, bn) -> tuple[torch.Tensor, int]:
+    """Kinds of a broadcast-safe ``mask_mod`` by range evaluation (see :mod:`attnkit._ranges`).
+
+    1. ranges: one call of ``fn`` on per-tile index intervals (per chunk of query blocks, to
+       bound memory) calls each tile surely full, surely empty, or undecided;
+    2. witnesses: each undecided tile is evaluated at a 4 × 4 grid of its points (first, two
+       inner and last row / column); a True and a False there prove it partial;
+    3. points: the tiles still undecided are evaluated at every point (``_point_kinds``).
+
+    Returns the kinds and the number of tiles whose points were evaluated (steps 2-3).
+    Raises ``_ranges.Unsupported`` when the mod does something intervals do not follow
+    (the caller then evaluates every point)."""
+    qlo, qhi = edges(L, bm)
+    klo, khi = edges(S, bn)
+    nq, nk = qlo.numel(), klo.numel()
+    rows = max(1, _RANGE_TILES // max(nk, 1))
+    with _ranges.checked_once():
+        kinds, Bp, Hp = _range_chunks(fn, B, H, qlo, qhi, klo, khi, rows)
+    mixed = (kinds == PARTIAL).nonzero()  # (T, 4): (b, h, query block, key block)
+    if mixed.shape[0]:
+        try:
+            got = _point_kinds(fn, mixed, L, S, bm, bn, witness=True)
+            undecided = got != PARTIAL  # the samples were all True or all False: not a proof
+            if bool(undecided.any()):
+                got[undecided] = _point_kinds(fn, mixed[undecided], L, S, bm, bn)
+        except Exception as e:  # noqa: BLE001 - a mod that cannot run on stacked tiles: every point decides
+            raise _ranges.Unsupported(f"stacked tiles: {type(e).__name__}: {e}") from e
+        kinds[tuple(mixed.t())] = got
+    return kinds, int(mixed.shape[0])
+
+
+def _range_chunks(fn, B, H, qlo, qhi, klo, khi, rows):
+    """Step 1 of ``_range_kinds``, ``rows`` query blocks per call: kinds (Bp, Hp, nq, nk), Bp, Hp."""
+    nq, nk = qlo.numel(), klo.numel()
+    b_all, h_all = torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1)
+    kinds, Bp, Hp = None, None, None
+    for r0 in range(0, nq, rows):
+        r1 = min(nq, r0 + rows)
+        surely, possibly = _ranges.evaluate(fn, b_all, h_all, qlo[r0:r1].view(1, 1, -1, 1),
+                                            qhi[r0:r1].view(1, 1, -1, 1), klo.view(1, 1, 1, nk), khi.view(1, 1, 1, nk))
+        surely, possibly, shape = _range_result(surely, possibly, B, H, r1 - r0, nk)
+        if kinds is None:
+            Bp, Hp = shape[0], shape[1]
+            kinds = torch.empty(Bp, Hp, nq, nk, dtype=torch.int8)
+        elif (shape[0], shape[1]) != (Bp, Hp):
+            raise _ranges.Unsupported("a result whose batch / head dims change between chunks")
+        # EMPTY 0 / PARTIAL 1 / FULL 2 is the count of (surely, possibly) that hold: sound intervals
+        # never give surely without possibly, and if they did it would read PARTIAL (points decide)
+        kinds[:, :, r0:r1] = surely.to(torch.int8) + possibly.to(torch.int8)
+    return kinds, Bp, Hp
+
+
+def _range_result(surely, possibly, B, H, nq, nk):
+    """The range result as ``(Bp, Hp, nq' | 1, nk' | 1)`` tensors, or Unsupported if its shape is
+    not one of the grid's."""
+    try:
+        surely, possibly = torch.broadcast_tensors(surely, possibly)
+    except RuntimeError as e:
+        raise _ranges.Unsupported(str(e)) from e
+    if surely.dim() > 4:
+        raise _ranges.Unsupported("a result of more than 4 dims")
+    shape = (1,) * (4 - surely.dim()) + tuple(surely.shape)
+    if shape[0] not in (1, B) or shape[1] not in (1, H) or shape[2] not in (1, nq) or shape[3] not in (1, nk):
+        raise _ranges.Unsupported(f"a result of shape {shape}")
+    return surely.reshape(shape), possibly.reshape(shape), shape
+
+
+def _samples(blk: int, witness: bool) -> torch.Tensor:
+    """Offsets inside a block: all ``blk`` of them, or 4 witnesses (first, two inner, last)."""
+    if not witness or blk <= 4:
+        return torch.arange(blk)
+    return torch.tensor([0, blk // 3, (2 * blk) // 3, blk - 1])
+
+
+def _point_kinds(fn, tiles: torch.Tensor, L, S, bm, bn, witness: bool = False) -> torch.Tensor:
+    """Kinds of the tiles ``(T, 4)`` = (b, h, query block, key block) from ``fn`` at their points,
+    many tiles per call: the tiles are stacked on the batch dim::
+
+        b (T, 1, 1, 1)   h (T, 1, 1, 1)   q_idx (T, 1, bm, 1)   kv_idx (T, 1, 1, bn)
+
+    Exact with every point; ``witness=True`` samples a 4 × 4 grid of rows × columns, where only
+    a PARTIAL answer (a True and a False seen) is a proof. A ragged last block repeats its last
+    row / column (a repeat changes no all / any)."""
+    out = torch.empty(tiles.shape[0], dtype=torch.int8)
+    ar_q, ar_k = _samples(bm, witness), _samples(bn, witness)
+    lq, lk = ar_q.numel(), ar_k.numel()
+    per_call = max(1, _EVAL_ELEMS // (lq * lk))
+    for t0 in range(0, tiles.shape[0], per_call):
+        t = tiles[t0:t0 + per_call]
+        T = t.shape[0]
+        b = t[:, 0].view(T, 1, 1, 1)
+        h = t[:, 1].view(T, 1, 1, 1)
+        q = (t[:, 2:3] * bm + ar_q).clamp(max=L - 1).view(T, 1, lq, 1)
+        kv = (t[:, 3:4] * bn + ar_k).clamp(max=S - 1).view(T, 1, 1, lk)
+        allowed = fn(b, h, q, kv)
+        _check_bool(allowed, fn)
+        if not _mods._fits(allowed, (T, 1, lq, lk)):
+            raise _ranges.Unsupported(f"stacked tiles gave shape {tuple(allowed.shape)}")
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(T, 1, lq, lk)
+        flat = allowed.reshape(T, lq * lk)
+        out[t0:t0 + T] = torch.where(flat.all(-1), FULL, torch.where(flat.any(-1), PARTIAL, EMPTY)).to(torch.int8)
+    return out
+
+
 def _check_bool(out, mod):
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
         got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of {out.dtype}"
@@ -343,16 +458,23 @@ def _int_vector(name: str, value, ndim_ok=(1,)) -> torch.Tensor:
 
 
 class Padding(Mask):
-    """Per batch row ``b``: keys ``j < key_lengths[b]`` are visible (right padding)."""
+    """Per batch row ``b``: keys ``j < key_lengths[b]`` are visible (right padding).
+
+    A value: ``key_lengths`` is a private copy made at construction, and reading the attribute
+    gives a copy of it, so ``m.key_lengths[1] = 40`` changes nothing (tile maps and work lists
+    are cached per mask object; a change behind them would make backends disagree).
+    """
+
+    key_lengths = property(lambda self: self._key_lengths.clone(), doc="(B,) lengths (a copy).")
 
     def __init__(self, key_lengths):
-        self.key_lengths = _int_vector("key_lengths", key_lengths)
-        if (self.key_lengths < 0).any():
-            raise ValueError(f"key_lengths: expected lengths >= 0, got {self.key_lengths.tolist()}.")
-        self.batch_size = int(self.key_lengths.numel())
+        self._key_lengths = _int_vector("key_lengths", key_lengths)
+        if (self._key_lengths < 0).any():
+            raise ValueError(f"key_lengths: expected lengths >= 0, got {self._key_lengths.tolist()}.")
+        self.batch_size = int(self._key_lengths.numel())
         # Python ints of the immutable lengths: validation and key spans without a tensor op
-        self._max = int(self.key_lengths.max()) if self.batch_size else 0
-        self._min = int(self.key_lengths.min()) if self.batch_size else 0
+        self._max = int(self._key_lengths.max()) if self.batch_size else 0
+        self._min = int(self._key_lengths.min()) if self.batch_size else 0
         self._on = {}  # device -> decode_tile's mask there
 
     def validate(self, B, H, L, S):
@@ -368,18 +490,18 @@ class Padding(Mask):
             )
 
     def bind(self, L, S):
-        lengths = self.key_lengths
+        lengths = self._key_lengths
         return lambda b, h, q, kv: kv < lengths.to(kv.device)[b]
 
     def tile_kinds(self, B, H, L, S, bm, bn):
         klo, khi = edges(S, bn)
-        lens = self.key_lengths.view(-1, 1, 1, 1)  # (B, 1, 1, 1): one row of kinds per sequence
+        lens = self._key_lengths.view(-1, 1, 1, 1)  # (B, 1, 1, 1): one row of kinds per sequence
         full = (khi.view(1, 1, 1, -1) < lens).expand(-1, 1, -(-L // bm), -1)
         empty = (klo.view(1, 1, 1, -1) >= lens).expand(-1, 1, -(-L // bm), -1)
         return kinds_from(full, empty)
 
     def _natural_size(self):
-        S = max(8, int(self.key_lengths.max()) if self.key_lengths.numel() else 0)
+        S = max(8, int(self._key_lengths.max()) if self._key_lengths.numel() else 0)
         return (S, S)
 
     def key_span(self, B, H, L, S):
@@ -394,19 +516,22 @@ class Padding(Mask):
         key = (str(device), n)
         allowed = self._on.get(key)  # (B, 1, 1, n): a function of the immutable lengths and n only
         if allowed is None:
-            allowed = torch.arange(n, device=device) < self.key_lengths.to(device).view(B, 1, 1, 1)
+            allowed = torch.arange(n, device=device) < self._key_lengths.to(device).view(B, 1, 1, 1)
             if len(self._on) > 8:
                 self._on.clear()
             self._on[key] = allowed
         return 0, n, allowed
 
     def __repr__(self):
-        return f"padding({self.key_lengths.tolist()})"
+        return f"padding({self._key_lengths.tolist()})"
 
 
 class KeyPadding(Mask):
     """Per batch row ``b``: key ``j`` is visible where ``valid[b, j]`` (any padding pattern:
-    left padding, holes). ``valid``: bool ``(B, S)``, copied (an immutable value)."""
+    left padding, holes). ``valid``: bool ``(B, S)``, copied (an immutable value; reading
+    ``m.valid`` gives a copy)."""
+
+    valid = property(lambda self: self._valid.clone(), doc="bool (B, S) flags (a copy).")
 
     def __init__(self, valid):
         t = torch.as_tensor(valid)
@@ -415,45 +540,45 @@ class KeyPadding(Mask):
                             "Convert a 0/1 attention mask with .bool() / .astype(bool).")
         if t.dim() != 2:
             raise ValueError(f"valid: expected shape (B, S), got {tuple(t.shape)}.")
-        self.valid = t.detach().to("cpu", copy=True)
-        self.batch_size = int(self.valid.shape[0])
-        self._every_row_sees_a_key = bool(self.valid.any(-1).all())
+        self._valid = t.detach().to("cpu", copy=True)
+        self.batch_size = int(self._valid.shape[0])
+        self._every_row_sees_a_key = bool(self._valid.any(-1).all())
         self._on = {}  # device -> the same values there (for decode_tile)
 
     def validate(self, B, H, L, S):
-        if self.batch_size != B or self.valid.shape[1] != S:
-            raise ValueError(f"valid: expected shape (B, S) = ({B}, {S}), got {tuple(self.valid.shape)}. "
+        if self.batch_size != B or self._valid.shape[1] != S:
+            raise ValueError(f"valid: expected shape (B, S) = ({B}, {S}), got {tuple(self._valid.shape)}. "
                              "Pass one flag per key of every sequence in the batch.")
 
     def bind(self, L, S):
-        valid = self.valid
+        valid = self._valid
         return lambda b, h, q, kv: valid.to(kv.device)[b, kv]
 
     def tile_kinds(self, B, H, L, S, bm, bn):
-        v = self.valid.to(torch.int8)
+        v = self._valid.to(torch.int8)
         lo, hi = _tiling.block_minmax(v, bn)  # (B, nk): all valid -> min 1, none valid -> max 0
         nq = -(-L // bm)
         return kinds_from((lo == 1).view(-1, 1, 1, lo.shape[1]).expand(-1, 1, nq, -1),
                           (hi == 0).view(-1, 1, 1, hi.shape[1]).expand(-1, 1, nq, -1))
 
     def key_span(self, B, H, L, S):
-        live = self.valid.any(0).nonzero()
+        live = self._valid.any(0).nonzero()
         return (0, 0) if live.numel() == 0 else (int(live[0]), int(live[-1]) + 1)
 
     def decode_tile(self, B, L, S, device):
-        if self.batch_size != B or self.valid.shape[1] != S or not self._every_row_sees_a_key:
+        if self.batch_size != B or self._valid.shape[1] != S or not self._every_row_sees_a_key:
             return None
         key = str(device)
         if key not in self._on:
-            self._on[key] = self.valid.to(device).view(B, 1, 1, S)
+            self._on[key] = self._valid.to(device).view(B, 1, 1, S)
         return 0, S, self._on[key]
 
     def _natural_size(self):
-        S = int(self.valid.shape[1])
+        S = int(self._valid.shape[1])
         return (S, S)
 
     def __repr__(self):
-        return f"key_padding(<{tuple(self.valid.shape)} flags>)"
+        return f"key_padding(<{tuple(self._valid.shape)} flags>)"
 
 
 class Chunked(Mask):
@@ -471,6 +596,14 @@ class Chunked(Mask):
 
     def cache_key(self):
         return ("chunked", self.size, self.align)
+
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        return self._kinds_counted(B, H, L, S, bm, bn)[0]
+
+    def _kinds_counted(self, B, H, L, S, bm, bn):
+        # its own mod by range evaluation: O(tiles), exact (the tiles the ranges leave undecided,
+        # those crossing the diagonal or a chunk edge, are settled at their points)
+        return _range_kinds(self.bind(L, S), 1, 1, L, S, bm, bn)
 
     def key_span(self, B, H, L, S):
         off, c = _offset(self.align, L, S), self.size
@@ -493,25 +626,28 @@ class Document(Mask):
     """Packed sequences: attend only within the same document id.
 
     ``doc_ids`` has shape ``(S,)`` (shared by the batch) or ``(B, S)``. Query
-    row ``i`` belongs to the document of key position ``i + S - L``.
+    row ``i`` belongs to the document of key position ``i + S - L``. The ids are a private
+    copy; reading ``m.doc_ids`` gives a copy (changing it changes nothing).
     """
 
+    doc_ids = property(lambda self: self._doc_ids.clone(), doc="(S,) or (B, S) ids (a copy).")
+
     def __init__(self, doc_ids):
-        self.doc_ids = _int_vector("doc_ids", doc_ids, ndim_ok=(1, 2))
-        self.batch_size = int(self.doc_ids.shape[0]) if self.doc_ids.dim() == 2 else None
+        self._doc_ids = _int_vector("doc_ids", doc_ids, ndim_ok=(1, 2))
+        self.batch_size = int(self._doc_ids.shape[0]) if self._doc_ids.dim() == 2 else None
 
     def validate(self, B, H, L, S):
         super().validate(B, H, L, S)
-        if self.doc_ids.shape[-1] != S:
+        if self._doc_ids.shape[-1] != S:
             raise ValueError(
-                f"doc_ids: expected one id per key position (S={S}), got {self.doc_ids.shape[-1]}. "
+                f"doc_ids: expected one id per key position (S={S}), got {self._doc_ids.shape[-1]}. "
                 "Pass ids of shape (S,) or (B, S)."
             )
         if L > S:
             raise ValueError(f"document mask: needs L <= S (queries aligned to the last L keys), got L={L}, S={S}.")
 
     def _ids2d(self) -> torch.Tensor:
-        return self.doc_ids if self.doc_ids.dim() == 2 else self.doc_ids.unsqueeze(0)
+        return self._doc_ids if self._doc_ids.dim() == 2 else self._doc_ids.unsqueeze(0)
 
     def bind(self, L, S):
         ids, off = self._ids2d(), S - L
@@ -531,11 +667,11 @@ class Document(Mask):
         return kinds_from(full, empty).unsqueeze(1)  # (Bi, 1, nq, nk)
 
     def _natural_size(self):
-        S = int(self.doc_ids.shape[-1])
+        S = int(self._doc_ids.shape[-1])
         return (S, S)
 
     def __repr__(self):
-        return f"document(<{tuple(self.doc_ids.shape)} ids>)"
+        return f"document(<{tuple(self._doc_ids.shape)} ids>)"
 
 
 class PrefixLM(Mask):
@@ -564,7 +700,11 @@ class PrefixLM(Mask):
 
 
 class FromMod(Mask):
-    """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention signature)."""
+    """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention signature).
+
+    Its tiles come from range evaluation (:mod:`attnkit._ranges`): one call over per-tile index
+    intervals, then points only on the tiles the intervals leave undecided; every point when
+    the mod does something intervals do not follow (see ``_kinds_counted``)."""
 
     def cache_key(self):
         # A function reading data that may change between calls (the next batch's document
@@ -606,6 +746,21 @@ class FromMod(Mask):
     def flex_mask_mod(self, L, S):
         return self.fn  # FlexAttention evaluates it its own way (vmap)
 
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        return self._kinds_counted(B, H, L, S, bm, bn)[0]
+
+    def _kinds_counted(self, B, H, L, S, bm, bn):
+        """Range evaluation first (one call over every tile; points only where undecided), for a
+        mod evaluated by broadcasting; every point otherwise (a vmap-only mod, or one doing
+        something intervals do not follow: Python ``if`` on an index, ``.item()``, ...)."""
+        if _mods.broadcast_safe(self.fn, False, B, H, L, S):
+            try:
+                return _range_kinds(self.fn, B, H, L, S, bm, bn)
+            except _ranges.Unsupported:
+                pass
+        kinds = _evaluated_kinds(self.bind(L, S), B, H, L, S, bm, bn)
+        return kinds, kinds.numel()
+
     def __repr__(self):
         return f"from_mod({getattr(self.fn, '__name__', 'mask_mod')})"
 
@@ -645,10 +800,14 @@ class _Fold(_Combined):
     """A mask combining its parts pointwise with ``_op`` and their tile kinds with ``_kinds``."""
 
     def tile_kinds(self, B, H, L, S, bm, bn):
-        out = self.parts[0].tile_kinds(B, H, L, S, bm, bn)
+        return self._kinds_counted(B, H, L, S, bm, bn)[0]
+
+    def _kinds_counted(self, B, H, L, S, bm, bn):
+        out, n = self.parts[0]._kinds_counted(B, H, L, S, bm, bn)
         for p in self.parts[1:]:
-            out = self._kinds(out, p.tile_kinds(B, H, L, S, bm, bn))
-        return out
+            k, m = p._kinds_counted(B, H, L, S, bm, bn)
+            out, n = self._kinds(out, k), n + m
+        return out, n
 
     def flex_mask_mod(self, L, S):
         return _fold([p.flex_mask_mod(L, S) for p in self.parts], self._op)
@@ -702,7 +861,11 @@ class Not(_Combined):
         return lambda b, h, q, kv: ~mod(b, h, q, kv)
 
     def tile_kinds(self, B, H, L, S, bm, bn):
-        return (FULL - self.inner.tile_kinds(B, H, L, S, bm, bn)).to(torch.int8)  # swaps EMPTY and FULL
+        return self._kinds_counted(B, H, L, S, bm, bn)[0]
+
+    def _kinds_counted(self, B, H, L, S, bm, bn):
+        k, n = self.inner._kinds_counted(B, H, L, S, bm, bn)
+        return (FULL - k).to(torch.int8), n  # swaps EMPTY and FULL
 
     def __repr__(self):
         return f"~{self.inner!r}"

@@ -15,8 +15,10 @@ Shape legend: B batch, H query heads, L query length, S key length; a plan cuts 
     bm = plan.to_block_mask()                        # FlexAttention's BlockMask, same tiles
 
 Built-in masks give their tile map in closed form from the tile corners (no point of
-the mask is evaluated); a ``mask_mod`` is evaluated once, on chunks of whole query
-blocks, when the plan is built. A plan is an immutable snapshot: an opaque
+the mask is evaluated); a ``mask_mod`` is evaluated ONCE over index *ranges* (one
+interval per query block and key block: see :mod:`attnkit._ranges`), which decides
+most tiles as empty or full, and only the tiles the ranges leave undecided are
+evaluated at their points (``plan.point_tiles`` counts them; ``print(plan)`` shows it). A plan is an immutable snapshot: an opaque
 ``mask_mod`` that reads data is planned with the data of that moment, as
 FlexAttention's ``create_block_mask`` — build a new plan when the data changes
 (attnkit never caches an opaque mod's tiles behind your back; a plan is the explicit,
@@ -34,7 +36,7 @@ from . import _tiling
 from . import masks as _masks
 from ._tiling import EMPTY, FULL, PARTIAL
 
-__all__ = ["BlockPlan", "plan", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["BlockPlan", "plan", "create_block_mask", "EMPTY", "PARTIAL", "FULL"]
 
 _DEFAULT_BLOCK = (64, 64)
 
@@ -44,13 +46,16 @@ class BlockPlan:
 
     Attributes (read-only): ``mask``, ``B``, ``H``, ``L``, ``S``, ``block``, ``kinds``
     (int8 ``(Bp, Hp, nq, nk)``: 0 empty, 1 partial, 2 full), ``density`` (fraction of
-    tiles computed), ``partial_fraction``. Pass it as ``mask=`` to :func:`attnkit.attention`.
+    tiles computed), ``partial_fraction``, ``point_tiles`` (tiles whose mask points were
+    evaluated while planning: 0 for built-in closed forms). Pass it as ``mask=`` to
+    :func:`attnkit.attention`.
     """
 
-    __slots__ = ("_mask", "_sizes", "_block", "_kinds")
+    __slots__ = ("_mask", "_sizes", "_block", "_kinds", "_point_tiles")
 
     def __init__(self, mask: _masks.Mask, B: int, H: int, L: int, S: int, block: tuple[int, int],
-                 kinds: torch.Tensor):
+                 kinds: torch.Tensor, point_tiles: int = 0):
+        object.__setattr__(self, "_point_tiles", int(point_tiles))
         object.__setattr__(self, "_mask", mask)
         object.__setattr__(self, "_sizes", (B, H, L, S))
         object.__setattr__(self, "_block", block)
@@ -67,6 +72,13 @@ class BlockPlan:
     L = property(lambda self: self._sizes[2])
     S = property(lambda self: self._sizes[3])
     block = property(lambda self: self._block)
+
+    @property
+    def point_tiles(self) -> int:
+        """How many tiles had their mask evaluated point by point when the plan was built: 0 for
+        built-in masks (closed form); for a ``mask_mod``, the tiles its range evaluation left
+        undecided (ideally exactly the partial ones; every tile if ranges could not be used)."""
+        return self._point_tiles
 
     @property
     def kinds(self) -> torch.Tensor:
@@ -121,7 +133,7 @@ class BlockPlan:
         total = self._kinds.numel()
         return (f"{self._mask!r}, L={self.L}, S={self.S}, tiles {bm}×{bn} ({nq}×{nk}): "
                 f"{computed} of {total} computed ({100 * self.density:.1f}%), "
-                f"{int((self._kinds == PARTIAL).sum())} partial")
+                f"{int((self._kinds == PARTIAL).sum())} partial, {self._point_tiles} point-evaluated")
 
     def __repr__(self) -> str:
         return f"BlockPlan({self._summary()})"
@@ -140,25 +152,70 @@ class BlockPlan:
         the same block mask ``create_block_mask`` builds for this mask, without evaluating
         a built-in mask at every point. Tiles must match FlexAttention's (``block=(128, 128)``
         is its default)."""
-        from torch.nn.attention.flex_attention import BlockMask
+        return _block_mask(self._kinds, self._block, self.L, self.S, self._mask.flex_mask_mod(self.L, self.S))
 
-        k = self._kinds.clone()
-        bm, bn = self._block
-        # FlexAttention pads L and S up to whole blocks and counts the padding as masked, so a
-        # tile reaching past the end is never full there (its mask_mod runs on the real part).
-        if self.L % bm:
-            k[..., -1, :] = torch.where(k[..., -1, :] == FULL, PARTIAL, k[..., -1, :])
-        if self.S % bn:
-            k[..., :, -1] = torch.where(k[..., :, -1] == FULL, PARTIAL, k[..., :, -1])
-        partial, full = k == PARTIAL, k == FULL
-        # stable argsort of "not wanted": wanted blocks first, ascending, as create_block_mask orders them
-        kv_num = partial.sum(-1).to(torch.int32)
-        kv_idx = torch.argsort((~partial).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        full_num = full.sum(-1).to(torch.int32)
-        full_idx = torch.argsort((~full).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self._block,
-                                        mask_mod=self._mask.flex_mask_mod(self.L, self.S),
-                                        seq_lengths=(self.L, self.S))
+
+def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mask_mod, device=None):
+    """FlexAttention's ``BlockMask`` from int8 kinds ``(Bp, Hp, nq, nk)``, with its padding rule::
+
+        L = 5, bm = 4: rows 4..7 of the last query block are padding (masked), so a tile that is
+        full on its real rows is *partial* there (create_block_mask counts the padding):
+
+            q0-3  F  F          q0-3  F  F
+            q4    F  F    ->    q4-7  P  P      (its mask_mod runs on the real row 4)
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    k = kinds.clone()
+    bm, bn = block
+    if L % bm:
+        k[..., -1, :] = torch.where(k[..., -1, :] == FULL, PARTIAL, k[..., -1, :])
+    if S % bn:
+        k[..., :, -1] = torch.where(k[..., :, -1] == FULL, PARTIAL, k[..., :, -1])
+    partial, full = k == PARTIAL, k == FULL
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    # the q_* fields (each key block's query blocks) are the same ordering of the transposed map
+    q_num, q_idx = _ordered(partial.transpose(-2, -1))
+    fq_num, fq_idx = _ordered(full.transpose(-2, -1))
+    fields = dict(kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num, full_kv_indices=full_idx,
+                  q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx)
+    if device is not None:
+        fields = {n: t.to(device) for n, t in fields.items()}
+    try:
+        return BlockMask(seq_lengths=(L, S), BLOCK_SIZE=block, mask_mod=mask_mod, **fields)
+    except TypeError:  # a torch whose BlockMask takes other arguments: let it derive the q_* fields
+        return BlockMask.from_kv_blocks(fields["kv_num_blocks"], fields["kv_indices"], fields["full_kv_num_blocks"],
+                                        fields["full_kv_indices"], BLOCK_SIZE=block, mask_mod=mask_mod,
+                                        seq_lengths=(L, S))
+
+
+def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num, indices)`` int32 of a bool map ``(..., n)``: per row, how many blocks are wanted and
+    all n block indices with the wanted ones first, each part ascending — the order of
+    ``create_block_mask``'s stable descending argsort, found in O(n) by counting::
+
+        wanted  = [0, 1, 1, 0, 1]      wanted so far   cw = [0, 1, 2, 2, 3],  num = 3
+        slot of a wanted block j:   cw[j] - 1               -> blocks 1, 2, 4 to slots 0, 1, 2
+        slot of another block j:    num + (j + 1 - cw[j]) - 1 -> blocks 0, 3 to slots 3, 4
+        indices = [1, 2, 4, 0, 3]
+    """
+    n = wanted.shape[-1]
+    lead = wanted.shape[:-1]
+    w = wanted.reshape(-1, n)  # (R, n): rows in chunks that stay in cache (1M: 8192 × 8192 blocks)
+    R = w.shape[0]
+    num = torch.zeros(R, dtype=torch.int32)
+    idx = torch.empty(R, n, dtype=torch.int32)
+    ar = torch.arange(n, dtype=torch.int32)
+    step = max(1, (1 << 18) // max(n, 1))
+    for r0 in range(0, R if n else 0, step):
+        c = w[r0:r0 + step].contiguous()
+        cw = c.to(torch.int32).cumsum(-1, dtype=torch.int32)
+        cnum = cw[:, -1]
+        num[r0:r0 + step] = cnum
+        slot = torch.where(c, cw - 1, cnum.unsqueeze(-1) + ar - cw)
+        idx[r0:r0 + step].scatter_(-1, slot.long(), ar.expand(c.shape[0], n))
+    return num.view(lead), idx.view(*lead, n)
 
 
 def _check_block(block) -> tuple[int, int]:
@@ -203,7 +260,42 @@ def plan(mask, L: int, S: int | None = None, *, B: int | None = None, H: int | N
     B = B if B is not None else (mask.batch_size or 1)
     H = 1 if H is None else H
     mask.validate(B, H, L, S)
-    kinds = mask.tile_kinds(B, H, L, S, bm, bn)
+    kinds, point_tiles = mask._kinds_counted(B, H, L, S, bm, bn)
     nq, nk = math.ceil(L / bm), math.ceil(S / bn)
     assert kinds.shape[-2:] == (nq, nk), (kinds.shape, nq, nk)
-    return BlockPlan(mask, B, H, L, S, (bm, bn), kinds)
+    return BlockPlan(mask, B, H, L, S, (bm, bn), kinds, point_tiles)
+
+
+def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device="cpu",
+                      BLOCK_SIZE=128, _compile: bool = False):
+    """Drop-in for ``torch.nn.attention.flex_attention.create_block_mask``: the same signature and
+    the same ``BlockMask``, tile for tile, built from attnkit's plan instead of every point.
+
+    Shape legend: B batch, H heads, Q_LEN (= L) query length, KV_LEN (= S) key length; tiles of
+    ``BLOCK_SIZE`` (an int, or ``(q_block, kv_block)``); ``B`` / ``H`` None mean 1 (broadcast).
+
+    The ``mask_mod`` is range-evaluated over whole tiles (``attnkit.plan``), and only the tiles
+    the ranges leave undecided are evaluated at their points: O(tiles), no ``torch.compile``
+    (``_compile`` is accepted for compatibility and changes nothing). The result lives on
+    ``device``; its ``kv_num_blocks`` / ``kv_indices`` / ``full_kv_*`` (and the ``q_*`` fields
+    FlexAttention derives from them) equal ``create_block_mask``'s, including its padding rule
+    for lengths that are not a multiple of the block (a ragged edge tile is never full)::
+
+        block_mask = attnkit.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv],
+                                               None, None, 131072, 131072, device="cuda")
+        out = flex_attention(q, k, v, block_mask=block_mask)
+    """
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool tensor, "
+                        f"got {type(mask_mod).__name__}.")
+    B = 1 if B is None else _check_size("B", B)
+    H = 1 if H is None else _check_size("H", H)
+    Q_LEN, KV_LEN = _check_size("Q_LEN", Q_LEN), _check_size("KV_LEN", KV_LEN)
+    try:
+        block = _check_block(BLOCK_SIZE)
+    except ValueError:
+        raise ValueError(f"BLOCK_SIZE: expected an int >= 1 or a tuple (q_block, kv_block) of them, "
+                         f"got {BLOCK_SIZE!r}.") from None
+    p = plan(_masks.from_mod(mask_mod), Q_LEN, KV_LEN, B=B, H=H, block=block)
+    kinds = p._kinds.expand(B, H, *p._kinds.shape[-2:])  # torch's fields carry every (b, h)
+    return _block_mask(kinds, block, Q_LEN, KV_LEN, mask_mod, device=torch.device(device))

@@ -50,6 +50,9 @@ class TileContext:
         shift = ((req.mask is None or shift_invariant(req.mask)) and req.dense_mask is None and req.bias is None)
         # mask tiles of shift-invariant masks repeat along the diagonal: one per offset (this call only)
         self.tile_cache: dict | None = {} if shift else None
+        # any other mask: tiles that _tiled_fused.schedule found exactly equal along a diagonal
+        # (this call only), keyed by the group's absolute (i0, i1, j0, j1, spans)
+        self.verified: dict = {}
         # gradients wanted into a float mask or tensors the score_mod reads (plain worker only)
         self.bias_grad = req.bias is not None and req.bias.requires_grad and torch.is_grad_enabled()
         self.captured = list(req.grad_tensors) if torch.is_grad_enabled() else []

@@ -40,6 +40,9 @@ def mask_tile(c: TileContext, i0, i1, j0, j1, spans):
     req = c.req
     if not spans and req.bias is None and not c.additive:
         return None, None
+    hit = c.verified.get((i0, i1, j0, j1, spans))  # a tile schedule() found equal to its batch's first
+    if hit is not None:
+        return hit
     key = None
     if c.tile_cache is not None:
         key = (i0 - j0, i1 - i0, j1 - j0, tuple((a - j0, b - j0) for a, b in spans))
@@ -90,17 +93,30 @@ def schedule(c: TileContext):
     if c.schedule is not None:
         return c.schedule
     items = [("group", i0, i1, runs) for i0, i1, runs in c.plan.groups]
-    # A batch shares one mask tile: fine for a shift-invariant mask (the tile depends only
-    # on the offset), otherwise only for runs that need no mask tile at all.
+    # A batch shares one mask tile: fine for a mask known to be shift-invariant (the tile
+    # depends only on the offset), for runs that need no mask tile at all, and for any other
+    # mask (an opaque sliding-window mask_mod, say) where every group's tile has been evaluated
+    # and found exactly equal to the batch's first: detected from the tiles, not the mask's type.
     shift = c.tile_cache is not None
     plain = c.req.bias is None and not c.additive
+    check = not shift and plain and c.req.dense_mask is None and c.req.mask is not None
 
     def eligible(runs):
-        return len(runs) == 1 and (shift or (plain and not runs[0][2]))
+        return len(runs) == 1 and (shift or (plain and not runs[0][2]) or check)
 
     out, seq = [], []
 
     def close():
+        if check and len(seq) >= 2 and seq[0][3][0][2]:
+            parts = _equal_tiles(c, seq)
+            seq.clear()
+            for part in parts:
+                seq.extend(part)
+                emit()
+        else:
+            emit()
+
+    def emit():
         if len(seq) >= 2:
             _, i0, i1, ((j0, j1, spans),) = seq[0]
             l, n = i1 - i0, j1 - j0
@@ -132,6 +148,33 @@ def schedule(c: TileContext):
     close()
     c.schedule = out
     return out
+
+
+def _equal_tiles(c: TileContext, seq):
+    """Split diagonal groups into maximal stretches whose mask tiles are exactly equal (content
+    compared with ``torch.equal``, never assumed). Without a bias or score_mod a group's tile is
+    a function of its bool pieces (``allowed_tile`` per span, same relative spans along ``seq``),
+    so those are compared; the first tile of each stretch of two or more is built once and
+    recorded for all its groups in ``c.verified`` (forward and backward reuse it)."""
+    parts, firsts = [], []
+    for it in seq:
+        _, i0, i1, ((j0, j1, spans),) = it
+        pieces = [allowed_tile(c.req, i0, i1 - i0, a, b - a) for a, b in spans]
+        first = firsts[-1] if firsts else None
+        if first is not None and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(pieces, first)):
+            parts[-1].append(it)
+        else:
+            if parts and len(parts[-1]) < 2:
+                firsts[-1] = None  # a lone group keeps nothing (memory: one tile per stretch)
+            parts.append([it])
+            firsts.append(pieces)
+    for part in parts:
+        if len(part) >= 2:
+            _, i0, i1, ((j0, j1, spans),) = part[0]
+            tile = mask_tile(c, i0, i1, j0, j1, spans)
+            for _, a0, a1, ((k0, k1, sp),) in part:
+                c.verified[(a0, a1, k0, k1, sp)] = tile
+    return parts
 
 
 def _unbatched(schedule):

@@ -1,0 +1,70 @@
+"""attnkit.create_block_mask: torch's signature, torch's BlockMask, tile for tile (padding rule included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+import attnkit
+
+_DOC = torch.repeat_interleave(torch.arange(7), torch.tensor([40, 1, 90, 128, 17, 200, 124]))  # 600 ids
+_LENGTHS = torch.tensor([300, 77])
+
+
+def _mods():
+    doc = _DOC
+    return {
+        "causal": lambda b, h, q, kv: q >= kv,
+        "document": lambda b, h, q, kv: doc[q] == doc[kv],
+        "causal & document": lambda b, h, q, kv: (q >= kv) & (doc[q] == doc[kv]),
+        "prefix-lm": lambda b, h, q, kv: (kv <= q) | (kv < 150),
+        "sliding window": lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 100),
+        "dilated window": lambda b, h, q, kv: ((q - kv).abs() <= 120) & ((q - kv) % 3 == 0),
+        "natten 2-D": lambda b, h, q, kv: (((q // 20) - (kv // 20)).abs() <= 2) & (((q % 20) - (kv % 20)).abs() <= 2),
+        "global tokens": lambda b, h, q, kv: (q < 8) | (kv < 8) | ((q - kv).abs() < 50),
+        "chunked": lambda b, h, q, kv: (kv <= q) & (q // 128 == kv // 128),
+        "per-batch lengths": lambda b, h, q, kv: kv < _LENGTHS[b],
+        "per-head": lambda b, h, q, kv: kv <= q - 64 * h,
+    }
+
+
+_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def _assert_same(ours, theirs):
+    assert ours.BLOCK_SIZE == theirs.BLOCK_SIZE
+    assert ours.seq_lengths == theirs.seq_lengths
+    for f in _FIELDS:
+        a, b = getattr(ours, f), getattr(theirs, f)
+        assert a.dtype == b.dtype and a.shape == b.shape, (f, a.shape, b.shape)
+        assert torch.equal(a, b), f
+
+
+@pytest.mark.parametrize("name", list(_mods()))
+@pytest.mark.parametrize("L, S, block", [(600, 600, 128), (257, 600, 64), (600, 333, (32, 128)), (1, 45, 16)])
+def test_equal_to_torch_create_block_mask(name, L, S, block):
+    mod = _mods()[name]
+    B, H = (2, 3) if name in ("per-batch lengths", "per-head") else (None, None)
+    theirs = torch_create_block_mask(mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
+    ours = attnkit.create_block_mask(mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
+    _assert_same(ours, theirs)
+    assert ours.mask_mod is mod
+
+
+def test_batch_and_heads_are_expanded_like_torch():
+    mod = _mods()["causal"]
+    ours = attnkit.create_block_mask(mod, 2, 4, 256, 256, BLOCK_SIZE=64)
+    _assert_same(ours, torch_create_block_mask(mod, 2, 4, 256, 256, device="cpu", BLOCK_SIZE=64))
+    assert ours.kv_num_blocks.shape == (2, 4, 4)
+
+
+def test_bad_arguments_raise_with_the_fix():
+    mod = _mods()["causal"]
+    with pytest.raises(ValueError, match="BLOCK_SIZE"):
+        attnkit.create_block_mask(mod, 1, 1, 64, 64, BLOCK_SIZE=(0, 16))
+    with pytest.raises(ValueError, match="Q_LEN"):
+        attnkit.create_block_mask(mod, 1, 1, 0, 64)
+    with pytest.raises(TypeError, match="mask_mod"):
+        attnkit.create_block_mask("causal", 1, 1, 64, 64)

@@ -1,0 +1,81 @@
+"""Built-in masks are values: the tensors they hold cannot change behind their cached tile maps.
+
+issue 17: ``m = masks.padding([128, 100]); m.key_lengths[1] = 40`` made ``tiled``/``auto``
+disagree with ``eager`` on the same object (cached work list vs fresh evaluation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks as M
+
+from conftest import assert_close, budget, rand_qkv
+
+B, H, L, S, D = 2, 2, 128, 128, 16
+
+
+def _ids():
+    return torch.repeat_interleave(torch.arange(4), torch.tensor([20, 50, 30, 28]))
+
+
+# (name, build from data, attribute holding the data, how to change the data)
+_CASES = [
+    ("padding", lambda d: M.padding(d), "key_lengths", torch.tensor([128, 100])),
+    ("key_padding", lambda d: M.key_padding(d), "valid", torch.arange(S).expand(B, S) < torch.tensor([[128], [90]])),
+    ("document (S,)", lambda d: M.document(d), "doc_ids", _ids()),
+    ("document (B, S)", lambda d: M.document(d), "doc_ids", torch.stack([_ids(), _ids().flip(0)])),
+    ("document & causal", lambda d: M.document(d) & M.causal(), None, _ids()),
+]
+
+
+def _change(t: torch.Tensor):
+    if t.dtype == torch.bool:
+        t[..., 30:60] = ~t[..., 30:60]
+    else:
+        t.view(-1)[-40:] = t.view(-1)[-40:] // 2 + 1 if t.max() > 8 else 7
+
+
+def _run_all(mask, q, k, v):
+    return {b: attnkit.attention(q, k, v, mask=mask, backend=b) for b in ("eager", "tiled", "auto")}
+
+
+@pytest.mark.parametrize("name, build, attr, data", _CASES, ids=[c[0] for c in _CASES])
+def test_changing_the_data_a_mask_was_built_from_changes_nothing(name, build, attr, data):
+    q, k, v = rand_qkv(B, H, H, L, S, D)
+    src = data.clone()
+    mask = build(src)
+    before = _run_all(mask, q, k, v)  # fills the tile-map / work-list caches
+    want = mask.materialize(B, H, L, S).clone()
+    _change(src)  # the caller's tensor, in place
+    if attr is not None:
+        _change(getattr(mask, attr))  # the attribute: a copy, so this changes nothing either
+        with pytest.raises(AttributeError):
+            setattr(mask, attr, data)
+    assert torch.equal(mask.materialize(B, H, L, S), want), "the mask changed with the data"
+    after = _run_all(mask, q, k, v)
+    tol = budget(torch.float32, D, S)
+    for b in after:
+        assert_close(after[b], before["eager"], tol, f"{name}: {b} after the change")
+        assert_close(after[b], after["eager"], tol, f"{name}: {b} vs eager")
+
+
+def test_issue_17_padding_repro():
+    q, k, v = rand_qkv(2, 2, 2, 128, 128, 16)
+    m = M.padding([128, 100])
+    first = attnkit.attention(q, k, v, mask=m, backend="tiled")
+    m.key_lengths[1] = 40
+    assert m.key_lengths.tolist() == [128, 100]
+    tol = budget(torch.float32, 16, 128)
+    for b in ("eager", "tiled", "auto"):
+        assert_close(attnkit.attention(q, k, v, mask=m, backend=b), first, tol, b)
+
+
+def test_numpy_data_is_copied_too():
+    lengths = np.array([128, 100])
+    m = M.padding(lengths)
+    lengths[1] = 3
+    assert m.key_lengths.tolist() == [128, 100]
