@@ -60,7 +60,7 @@ class ScoreMod:
 
     @property
     def __name__(self) -> str:  # FlexAttention and error messages read a mod's __name__
-        return type(self).__name__.lower()
+        return str(type(self).__qualname__).lower()
 
 
 class Alibi(ScoreMod):

@@ -15,12 +15,16 @@ and reports the choice; ``attnkit.api`` calls ``run`` with what was decided.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import masks as _masks
+
+if TYPE_CHECKING:
+    from ..plans import BlockPlan
 
 __all__ = ["Request"]
 
@@ -42,7 +46,7 @@ class Request:
     return_lse: bool = False  # the caller asked for lse
     weight_heads: list | None = None  # heads whose exact weights are returned (None: no weights)
     sinks: torch.Tensor | None = None  # per-head sink logits, broadcastable to (B, H, L)
-    plan: object | None = None  # an explicit attnkit.plans.BlockPlan the caller passed as mask=
+    plan: BlockPlan | None = None  # an explicit attnkit.plans.BlockPlan the caller passed as mask=
     plan_extra: _masks.Mask | None = None  # causal mask added on top of that plan (causal=True)
     # Tensors the score_mod reads that require grad (its own for attnkit's ScoreMods; found in
     # the closure, defaults and globals of any other function). Backends that accept a call

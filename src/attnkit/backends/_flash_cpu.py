@@ -73,7 +73,7 @@ def _probe() -> tuple[bool, str]:
         dq, dk, dv = bwd(torch.ones_like(out), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=0.5)
         if dq.shape != q.shape or dk.shape != k.shape or dv.shape != v.shape:
             return False, "its backward returns unexpected shapes"
-    except Exception as e:  # noqa: BLE001 - any failure of a private op disables it, with the reason
+    except Exception as e:
         return False, f"calling it failed ({type(e).__name__}: {e})"
     return True, ""
 
@@ -125,7 +125,7 @@ def has_nan(*tensors: torch.Tensor) -> bool:
 
     One reduction per tensor: a NaN makes the sum NaN (so can inf - inf, a harmless false
     positive that only costs the slower, still exact, path)."""
-    total = 0.0
+    total: torch.Tensor | float = 0.0
     for t in tensors:
         total = total + t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None)
     return bool(torch.isnan(torch.as_tensor(total)))

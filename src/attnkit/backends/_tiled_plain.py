@@ -19,6 +19,8 @@ gradients); ``dq += ds k·scale``, ``dk += dsᵀ q·scale``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .. import score_mods as _score_mods
@@ -29,7 +31,7 @@ from ._tiles import allowed_tile, apply_score_mod, index_grid, tile_of
 __all__ = ["prepare", "forward", "backward"]
 
 
-def prepare(c: TileContext, q, k, v):
+def prepare(c: TileContext, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Upcast (bf16/fp16 → fp32, once) and fold the scale into q."""
     return (q.to(c.cd) * c.req.scale).contiguous(), k.to(c.cd), v.to(c.cd)
 
@@ -44,7 +46,7 @@ def _scores(c: TileContext, qb, k, i0, i1, j0, j1, spans, track=False):
     l, n = i1 - i0, j1 - j0
     s = torch.matmul(qb, k[:, :, j0:j1].transpose(-1, -2))  # (B, Hkv, g·l, n); scale folded into q
     s4 = s.view(c.B, c.H, l, n)
-    graph = None
+    graph: tuple | None = None
     if req.score_mod is not None:
         b, h, qi, kj = index_grid(c.B, c.H, i0, l, j0, n, s.device)
         fn = req.score_mod
@@ -59,13 +61,14 @@ def _scores(c: TileContext, qb, k, i0, i1, j0, j1, spans, track=False):
         else:
             s4 = apply_score_mod(req, s4, b, h, qi, kj)
         s4 = s4.to(c.cd).expand(c.B, c.H, l, n).contiguous()
-        if track and analytic and not fn.additive:
+        if track and analytic and isinstance(fn, _score_mods.ScoreMod) and not fn.additive:
             graph = ("dscore", fn.dscore(s4))
     if req.bias is not None:
         s4 = s4 + tile_of(req.bias, i0, l, j0, n).to(c.cd)
     for a, b_ in spans:
         allowed = allowed_tile(req, i0, l, a, b_ - a)
-        s4[..., a - j0:b_ - j0].masked_fill_(~allowed, float("-inf"))
+        if allowed is not None:  # a span is partial only under a mask, so this is the rule
+            s4[..., a - j0:b_ - j0].masked_fill_(~allowed, float("-inf"))
     return s4.reshape(c.B, c.Hkv, c.g * l, n), graph
 
 
@@ -104,8 +107,8 @@ def backward(c: TileContext, qs, k, v, out, lse, dout, dlse):
     dk = torch.zeros(B, Hkv, c.S, D, dtype=c.cd, device=qs.device)
     dv = torch.zeros(B, Hkv, c.S, Dv, dtype=c.cd, device=qs.device)
     bias = c.req.bias
-    dbias = torch.zeros(bias.shape, dtype=c.cd, device=bias.device) if c.bias_grad else None
-    dcap = [None] * len(c.captured)
+    dbias = torch.zeros(bias.shape, dtype=c.cd, device=bias.device) if bias is not None and c.bias_grad else None
+    dcap: list[torch.Tensor | None] = [None] * len(c.captured)
     for i0, i1, runs in c.plan.groups:
         l = i1 - i0
         qb = c.q_block(qs5, i0, i1)  # (B, Hkv, g·l, D), already scaled
@@ -128,19 +131,21 @@ def backward(c: TileContext, qs, k, v, out, lse, dout, dlse):
                 else:
                     s_raw, s_mod = graph
                     if s_mod.requires_grad:
-                        grads = torch.autograd.grad(s_mod, [s_raw, *c.captured],
+                        grads: Sequence[torch.Tensor | None] = torch.autograd.grad(s_mod, [s_raw, *c.captured],
                                                     ds.view(B, c.H, l, n).expand_as(s_mod).to(s_mod.dtype),
                                                     allow_unused=True)
                     else:  # an integer-valued mod (cast to float): no path from the score or a tensor
                         grads = [None] * (1 + len(c.captured))
                     for t, gt in enumerate(grads[1:]):
                         if gt is not None:
-                            dcap[t] = gt if dcap[t] is None else dcap[t] + gt
+                            prev = dcap[t]
+                            dcap[t] = gt if prev is None else prev + gt
                     grad = grads[0]
                     ds = torch.zeros_like(ds) if grad is None else grad.reshape(B, Hkv, g * l, n).to(c.cd)
             dqb_run = torch.matmul(ds, k[:, :, j0:j1])
             dqb = dqb_run if dqb is None else dqb.add_(dqb_run)
             dk[:, :, j0:j1] += torch.matmul(ds.transpose(-1, -2), qb)  # qb carries the scale
+        assert dqb is not None  # a group has at least one run
         dq[:, :, :, i0:i1] = (dqb * scale).view(B, Hkv, g, l, D)
     return dq.view(B, c.H, L, D), dk, dv, dbias, dcap
 

@@ -161,7 +161,7 @@ def exact_rows_backward(req: Request, rows: torch.Tensor, dout: torch.Tensor, dl
     dq = torch.zeros(req.q.shape, dtype=cd, device=req.q.device)
     dk = torch.zeros(req.k.shape, dtype=cd, device=req.q.device)
     dv = torch.zeros(req.v.shape, dtype=cd, device=req.q.device)
-    dext = [None] * len(extra)
+    dext: list[torch.Tensor | None] = [None] * len(extra)
     kd, vd = (t.detach().to(cd).requires_grad_() for t in (req.k, req.v))
     for i0, i1 in pieces:
         l = i1 - i0
@@ -180,5 +180,6 @@ def exact_rows_backward(req: Request, rows: torch.Tensor, dout: torch.Tensor, dl
                 acc += gr
         for t, gr in enumerate(grads[3:]):
             if gr is not None:
-                dext[t] = gr if dext[t] is None else dext[t] + gr
+                prev = dext[t]
+                dext[t] = gr if prev is None else prev + gr
     return dq, dk, dv, dext

@@ -100,7 +100,7 @@ def _runs_from_grid(grid: torch.Tensor, S, bn, max_run_blocks) -> tuple:
                 for c0 in range(0, seg.size, max_run_blocks):
                     blocks = seg[c0:c0 + max_run_blocks]
                     j0, j1 = int(blocks[0]) * bn, min(S, (int(blocks[-1]) + 1) * bn)
-                    spans = []
+                    spans: list[tuple[int, int]] = []
                     for kb in blocks[row[blocks] == PARTIAL]:
                         a, b = int(kb) * bn, min(S, (int(kb) + 1) * bn)
                         if spans and spans[-1][1] == a:  # merge adjacent partial tiles
@@ -118,7 +118,7 @@ def _group(runs_per_block, L, bm, max_elems, count_all):
     ``count_all=False`` counts only the keys of runs with partial tiles (the fused
     worker builds a mask tile only for those).
     """
-    groups = []
+    groups: list[tuple[int, int, tuple]] = []
     for qi, runs in enumerate(runs_per_block):
         i0, i1 = qi * bm, min(L, (qi + 1) * bm)
         if not runs:

@@ -71,7 +71,7 @@ class Trace:
 
         return trace_html(self)
 
-    def at_rank(self, rank: int) -> "Trace":
+    def at_rank(self, rank: int) -> Trace:
         """This rank-4 trace with the leading (B, H) dims dropped to match a rank-2 or rank-3 input."""
         if rank == 4:
             return self

@@ -82,6 +82,7 @@ def _attn_mask(req: Request, j0: int, j1: int):
 def _with_bias(req: Request, allowed, j0: int, j1: int):
     """The float bias over keys ``[j0, j1)``, -inf where ``allowed`` (if any) is False."""
     L = req.q.shape[2]
+    assert req.bias is not None  # only called for a request with a float bias
     bias = tile_of(req.bias, 0, L, j0, j1 - j0).to(req.q.dtype)
     if allowed is not None:
         bias = bias.masked_fill(~allowed, float("-inf"))

@@ -127,6 +127,8 @@ def partial_fraction(req: Request) -> float:
     there). Kept in the request's memo, so the run that may follow reuses the same pass."""
     B, H, L, S, *_ = req.shape
     bm, bn, _ = _sizes()
+    if req.dense_mask is None:
+        return 0.0
     grid = _worklist.dense_kinds(req.dense_mask, L, S, bm, bn, req.memo)
     return float((grid == _worklist.PARTIAL).float().mean()) if grid.numel() else 0.0
 
@@ -175,7 +177,8 @@ class _TiledAttention(torch.autograd.Function):
             dlse = None if dlse is None else dlse.masked_fill(rows, 0)
         if c.fused and dlse is None:
             bwd = _tiled_fused.causal_backward if c.causal else _tiled_fused.backward
-            dq, dk, dv = bwd(c, *(t.to(c.kernel_dtype) for t in (q, k, v, out)), lse, dout.to(c.kernel_dtype))
+            kd = c.kernel_dtype
+            dq, dk, dv = bwd(c, q.to(kd), k.to(kd), v.to(kd), out.to(kd), lse, dout.to(kd))
         else:
             if c.fused:  # a gradient into lse: the plain loop, on a work list cut for it (O(L + S) memory)
                 c.plan = _work_list(c.req, "plain", c.plan_bm_bn, c.given)
