@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_close, budget, rand_qkv
 
 import attnkit
 from attnkit import masks as M
 from attnkit.backends import _tiled_fused, tiled
-
-from conftest import assert_close, budget, rand_qkv
 
 L, W = 1024, 200
 

@@ -243,7 +243,7 @@ def _fault_cases(rank, W, out):
             out[name] = ("no error", time.time() - t)
         except akd.ContextParallelError as e:
             out[name] = ("ContextParallelError", str(e), time.time() - t)
-        except Exception as e:  # noqa: BLE001 - reported to the parent
+        except Exception as e:  # reported to the parent
             out[name] = (type(e).__name__, str(e), time.time() - t)
 
     attempt("mismatch", lambda: cp.attention(ql, kl, vl, scale=0.5 if rank == 1 else None))
@@ -291,7 +291,7 @@ def _content_fault_cases(rank, W, out):
             out[name] = ("no error", "", time.time() - t)
         except akd.ContextParallelError as e:
             out[name] = ("ContextParallelError", str(e), time.time() - t)
-        except Exception as e:  # noqa: BLE001 - reported to the parent
+        except Exception as e:  # reported to the parent
             out[name] = (type(e).__name__, str(e), time.time() - t)
 
     def run(mask=None, score_mod=None, keep_kv=True, n=L, grad=False):
@@ -349,19 +349,19 @@ def _worker(rank, W, port, cases, faults, q_out):
             t = time.time()
             try:
                 res[c["name"]] = _run_case(c, rank)
-            except Exception:  # noqa: BLE001 - reported to the parent
+            except Exception:  # reported to the parent
                 res[c["name"]] = {"error": traceback.format_exc()}
             res[c["name"]]["time"] = time.time() - t
         if W == 2:
             try:
                 res["module"] = _module_case(rank, W)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 res["module"] = {"error": traceback.format_exc()}
         if faults:
             f = {}
             _FAULTS[faults](rank, W, f)
             res["faults"] = f
-    except Exception:  # noqa: BLE001
+    except Exception:
         res["fatal"] = traceback.format_exc()
     q_out.put((rank, res))
     q_out.close()

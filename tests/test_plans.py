@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_close, budget, golden, rand_qkv
 from torch.nn.attention.flex_attention import create_block_mask
 
 import attnkit
 from attnkit import masks as M
 from attnkit.plans import EMPTY, FULL, PARTIAL
-
-from conftest import assert_close, budget, golden, rand_qkv
 
 L, S, B, H = 640, 700, 2, 3
 IDS = torch.cat([torch.zeros(150), torch.ones(333), torch.full((217,), 2)]).long()

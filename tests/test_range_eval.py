@@ -367,7 +367,7 @@ def test_narrow_integer_tables_follow_their_wraparound(dtype):
     p = attnkit.plan(wraps, 64, block=8)
     assert torch.equal(p.kinds, _dense_kinds(wraps, 1, 1, 64, 64, 8, 8).expand_as(p.kinds))
     small = (torch.arange(64) // 16).to(dtype)
-    safe = lambda b, h, q, kv: (small[kv] + 1) <= small[q] * 2  # noqa: E731
+    safe = lambda b, h, q, kv: (small[kv] + 1) <= small[q] * 2  # noqa: E731 - a user's mask_mod
     p = attnkit.plan(safe, 64, block=8)
     assert torch.equal(p.kinds, _dense_kinds(safe, 1, 1, 64, 64, 8, 8).expand_as(p.kinds))
     assert p.point_tiles < p.kinds.numel()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -111,12 +111,12 @@ def broadcast_safe(fn, score: bool, B: int, H: int, L: int, S: int, dtype=torch.
         try:
             wide = fn(*args)
             wide_err = None
-        except Exception as e:  # noqa: BLE001 - any failure means "not broadcast-safe"
+        except Exception as e:  # any failure means "not broadcast-safe"
             wide, wide_err = None, e
         try:
             flat = _flat(b, h, q, kv)
             narrow = _vmapped(fn, score)(*((args[0],) if score else ()), *flat)
-        except Exception:  # noqa: BLE001 - vmap-hostile code (.item(), data-dependent if): broadcast it
+        except Exception:  # vmap-hostile code (.item(), data-dependent if): broadcast it
             narrow = None
     if wide_err is not None and narrow is None:
         raise wide_err

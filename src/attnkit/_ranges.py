@@ -72,7 +72,7 @@ class _Range:
     """Per element, the interval ``[lo, hi]`` of the values a tensor can take (``lo``/``hi``
     broadcast together). Booleans: ``lo`` = surely True, ``hi`` = possibly True."""
 
-    __slots__ = ("lo", "hi", "kind", "exact")
+    __slots__ = ("exact", "hi", "kind", "lo")
 
     def __init__(self, lo: torch.Tensor, hi: torch.Tensor, exact: bool = False):
         self.lo, self.hi = lo, hi
@@ -147,7 +147,7 @@ class _Range:
     def logical_or(self, o): return _or(self, o)
     def minimum(self, o): return _minimum(self, o)
     def maximum(self, o): return _maximum(self, o)
-    def clamp(self, min=None, max=None): return _clamp(self, min, max)  # noqa: A002 - torch's names
+    def clamp(self, min=None, max=None): return _clamp(self, min, max)  # torch's names
     clip = clamp
     def clamp_min(self, m): return _clamp(self, m, None)
     def clamp_max(self, m): return _clamp(self, None, m)
@@ -521,7 +521,7 @@ def _maximum(a, b):
     return _Range(lo, torch.maximum(ra.hi.to(dt), rb.hi.to(dt)))
 
 
-def _clamp(x, min=None, max=None):  # noqa: A002 - torch's keyword names
+def _clamp(x, min=None, max=None):  # torch's keyword names
     out = x
     if min is not None:
         out = _maximum(out, min)
@@ -813,7 +813,7 @@ def evaluate(fn, b: torch.Tensor, h: torch.Tensor, q_lo, q_hi, kv_lo, kv_hi):
             out = fn(*args)
         except Unsupported:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure on intervals: the points decide (and raise)
+        except Exception as e:  # any failure on intervals: the points decide (and raise)
             raise Unsupported(f"{type(e).__name__}: {e}") from e
     if isinstance(out, bool):
         out = torch.tensor(out)

@@ -982,7 +982,7 @@ class ContextParallel:
         """Post one communication; a failure to post (a connection gloo closed) is a dead group too."""
         try:
             return op()
-        except Exception as e:  # noqa: BLE001 - gloo's raw RuntimeError, turned into ours
+        except Exception as e:  # gloo's raw RuntimeError, turned into ours
             who = f" with rank {peer}" if peer is not None else ""
             msg = (f"context parallel (rank {self.rank} of {self.W}, call #{self._calls}): could not communicate"
                    f"{who} during {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
@@ -1018,7 +1018,7 @@ class ContextParallel:
         mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
         peers = [p for p in range(self.W) if p != self.rank]
         bufs = {p: torch.empty_like(mine) for p in peers}
-        self._p2p({p: mine for p in peers}, bufs, 7, what)
+        self._p2p(dict.fromkeys(peers, mine), bufs, 7, what)
         sigs = {self.rank: (vals, msg)}
         for p, b in bufs.items():
             raw = bytes(b.numpy().tobytes())
@@ -1129,7 +1129,7 @@ class ContextParallel:
         packed = torch.cat([k.detach(), v.detach()], -1).contiguous()
         elt = packed.element_size()
         if self.comm == "p2p":
-            send = {t: packed for t in sched.send_to[r]}
+            send = dict.fromkeys(sched.send_to[r], packed)
             recv = {s: packed.new_empty(packed.shape[0], packed.shape[1], len(P[s]), packed.shape[3])
                     for s in sched.recv_from[r]}
             self._p2p(send, recv, 11, what, meanwhile)

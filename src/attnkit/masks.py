@@ -29,7 +29,7 @@ draws it for a small size.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -158,13 +158,13 @@ class Mask:
             )
         return out.expand(B, H, L, S)
 
-    def __and__(self, other: "Mask") -> "Mask":
+    def __and__(self, other: Mask) -> Mask:
         return And(self, _as_mask(other, "&"))
 
-    def __or__(self, other: "Mask") -> "Mask":
+    def __or__(self, other: Mask) -> Mask:
         return Or(self, _as_mask(other, "|"))
 
-    def __invert__(self) -> "Mask":
+    def __invert__(self) -> Mask:
         return Not(self)
 
     def _natural_size(self) -> tuple[int, int] | None:
@@ -274,7 +274,7 @@ def _range_kinds(fn, B, H, L, S, bm, bn) -> tuple[torch.Tensor, int]:
             undecided = got != PARTIAL  # the samples were all True or all False: not a proof
             if bool(undecided.any()):
                 got[undecided] = _point_kinds(fn, mixed[undecided], L, S, bm, bn)
-        except Exception as e:  # noqa: BLE001 - a mod that cannot run on stacked tiles: every point decides
+        except Exception as e:  # a mod that cannot run on stacked tiles: every point decides
             raise _ranges.Unsupported(f"stacked tiles: {type(e).__name__}: {e}") from e
         kinds[tuple(mixed.t())] = got
     return kinds, int(mixed.shape[0])

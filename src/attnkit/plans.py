@@ -51,7 +51,7 @@ class BlockPlan:
     :func:`attnkit.attention`.
     """
 
-    __slots__ = ("_mask", "_sizes", "_block", "_kinds", "_point_tiles")
+    __slots__ = ("_block", "_kinds", "_mask", "_point_tiles", "_sizes")
 
     def __init__(self, mask: _masks.Mask, B: int, H: int, L: int, S: int, block: tuple[int, int],
                  kinds: torch.Tensor, point_tiles: int = 0):

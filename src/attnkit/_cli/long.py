@@ -114,8 +114,8 @@ def run(args) -> int:
 
 
 def _run_minilm(args, out) -> int:
-    from . import CLIError
     from ..integrations.minilm import ModelUnavailable
+    from . import CLIError
 
     if args.text is not None and args.file is not None:
         raise CLIError("--text/--file: expected one of them, got both. Pass the text inline or in a file.")

@@ -99,7 +99,7 @@ def _tiny_config(model_type: str):
     cfg_cls = CONFIG_MAPPING[model_type]
     try:
         default = cfg_cls()
-    except Exception as e:  # noqa: BLE001 - reported as the reason for skipping
+    except Exception as e:  # reported as the reason for skipping
         raise _Skip(f"default config rejected ({type(e).__name__}: {_first_line(e)})") from None
     subs = [k for k in (getattr(default, "sub_configs", None) or {})
             if _plain_attr(default, k) is not None and k not in _OPTION_SUBCONFIGS]
@@ -117,7 +117,7 @@ def _tiny_config(model_type: str):
     for _ in range(6):  # drop what this config will not take (a read-only property, a field it validates)
         try:
             return cfg_cls(**kw)
-        except Exception as e:  # noqa: BLE001 - reported as the reason for skipping
+        except Exception as e:  # reported as the reason for skipping
             err = e
             bad = re.search(r"property '(\w+)'|field '(\w+)'", str(e))
             name = bad and (bad.group(1) or bad.group(2))
@@ -131,14 +131,14 @@ def _has(cfg, name) -> bool:
     try:
         getattr(cfg, name)
         return True
-    except Exception:  # noqa: BLE001 - missing, or a per-layer attribute transformers refuses to read globally
+    except Exception:  # missing, or a per-layer attribute transformers refuses to read globally
         return False
 
 
 def _plain_attr(cfg, name):
     try:
         return getattr(cfg, name, None)
-    except Exception:  # noqa: BLE001 - a per-layer attribute transformers refuses to read globally
+    except Exception:  # a per-layer attribute transformers refuses to read globally
         return None
 
 
@@ -221,7 +221,7 @@ def walk_one(model_type: str, cls_name: str, *, generate: bool = True) -> Result
             res.verdict, res.detail = _walk_one(transformers, model_type, cls_name, generate)
     except _Skip as e:
         res.verdict, res.detail = "skipped", str(e)
-    except Exception as e:  # noqa: BLE001 - the walk itself tripped: reported, never hidden
+    except Exception as e:  # the walk itself tripped: reported, never hidden
         res.verdict, res.detail = "CRASH", f"walk: {type(e).__name__}: {_first_line(e)}"
     res.seconds = time.perf_counter() - t0
     return res
@@ -235,19 +235,19 @@ def _walk_one(transformers, model_type, cls_name, generate):
     torch.manual_seed(0)
     try:
         eager = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _Skip(f"cannot build tiny ({type(e).__name__}: {_first_line(e)})") from None
     kw, am = _inputs(cfg, inspect.signature(cls.forward).parameters)
     try:
         with torch.no_grad():
             want = _main_output(eager(**kw))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _Skip(f"eager forward on token ids failed ({type(e).__name__}: {_first_line(e)})") from None
     if want is None or not want.is_floating_point():
         raise _Skip("no logits or hidden states to compare")
     try:
         ak = cls._from_config(copy.deepcopy(cfg), attn_implementation=ak_hf.NAME).eval()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if _from_attnkit(e):
             return "refused", f"at construction: {type(e).__name__}: {_first_line(e, 140)}"
         return "CRASH", f"construction on attnkit: {type(e).__name__}: {_first_line(e)}"
@@ -258,7 +258,7 @@ def _walk_one(transformers, model_type, cls_name, generate):
     try:
         with torch.no_grad():
             got = _main_output(ak(**kw))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if _from_attnkit(e) and isinstance(e, (ValueError, TypeError)):
             return "refused", f"first forward: {type(e).__name__}: {_first_line(e, 140)}"
         return "CRASH", f"forward on attnkit: {type(e).__name__}: {_first_line(e)}\n{traceback.format_exc(limit=-3)}"
@@ -309,12 +309,12 @@ def _check_generate(eager, ak, kw, cache):
     try:
         with torch.no_grad():
             want = eager.generate(**args)
-    except Exception:  # noqa: BLE001 - eager cannot generate this way (no static cache for it): nothing to compare
+    except Exception:  # eager cannot generate this way (no static cache for it): nothing to compare
         return False
     try:
         with torch.no_grad():
             got = ak.generate(**args)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if _from_attnkit(e) and isinstance(e, (ValueError, TypeError)):
             return "refused", f"generate ({cache} cache): {type(e).__name__}: {_first_line(e, 140)}"
         return "CRASH", f"generate ({cache} cache) on attnkit: {type(e).__name__}: {_first_line(e)}"

@@ -90,7 +90,7 @@ def _import_transformers():
     if _IMPORTED is not None:
         return _IMPORTED
     try:
-        import transformers  # noqa: F401
+        import transformers
         from transformers import masking_utils
     except ImportError as e:  # pragma: no cover - exercised by the CLI with transformers hidden
         raise ImportError(
@@ -431,7 +431,7 @@ def checked_kinds() -> dict:
                     ref = mu.sdpa_mask(batch_size=B, q_length=L, kv_length=S, q_offset=qo, kv_offset=ko,
                                        mask_function=fn, attention_mask=am, allow_is_causal_skip=False)
                     ok = ok and torch.equal(got.materialize(B, 1, L, S), ref.expand(B, 1, L, S))
-        except Exception:  # noqa: BLE001 - any surprise here means: do not trust the reading
+        except Exception:  # any surprise here means: do not trust the reading
             ok = False
         if not ok:
             warnings.warn(f"attnkit: transformers' {kind!r} mask functions do not mean what attnkit reads them as "

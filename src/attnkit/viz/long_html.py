@@ -22,7 +22,6 @@ import html as _html
 import json
 
 import numpy as np
-import torch
 
 __all__ = ["tile_mass_page", "ROW_BINS"]
 

@@ -12,8 +12,6 @@ Shape legend: B batch, H query heads, Hkv key/value heads, L query length, S key
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import masks as _masks

@@ -42,7 +42,6 @@ rows' full softmax).
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
