@@ -112,7 +112,8 @@ def _where(rng, B, H, L, S):
 
 def _minmax(rng, B, H, L, S):
     t = rng.randint(0, S)
-    return lambda b, h, q, kv: (torch.minimum(q, kv) >= t) | (torch.maximum(q - t, torch.zeros((), dtype=torch.long)) <= kv // 2)
+    zero = torch.zeros((), dtype=torch.long)
+    return lambda b, h, q, kv: (torch.minimum(q, kv) >= t) | (torch.maximum(q - t, zero) <= kv // 2)
 
 
 def _arith(rng, B, H, L, S):
