@@ -7,9 +7,10 @@ token ids. The verdict is one of:
 
 * ``exact``: logits (or last hidden states) within the float32 budget of eager's, on every
   unpadded position, and for a causal LM the greedy tokens and logits of ``generate`` (4 new
-  tokens, dynamic and static cache) equal to eager's, with attnkit's attention function called (``exact*``: attnkit was never
-  called — the model computes its own attention and asks neither hook, or the tiny model's two
-  layers are all recurrent/linear ones — so eager's code ran twice, equal by construction);
+  tokens, dynamic and static cache) equal to eager's, with attnkit's attention function called
+  (``exact*``: attnkit was never called — the model computes its own attention and asks neither
+  hook, or the tiny model's two layers are all recurrent/linear ones — so eager's code ran twice,
+  equal by construction);
 * ``refused``: a clear attnkit error (``UnsupportedModelError``, or a ``ValueError`` /
   ``TypeError`` raised by attnkit naming what it will not run) at construction or first forward;
 * ``skipped``: cannot be built tiny and offline here (composite vision/audio config, inputs other
@@ -40,6 +41,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,7 +107,7 @@ def _tiny_config(model_type: str):
             if _plain_attr(default, k) is not None and k not in _OPTION_SUBCONFIGS]
     if subs:  # its default sub-models are full size: not tiny, and not what this walk is about
         raise _Skip(f"composite config ({', '.join(subs)})")
-    kw = {k: v for k, v in TINY.items() if _has(default, k)}
+    kw: dict[str, Any] = {k: v for k, v in TINY.items() if _has(default, k)}  # config keyword -> value
     kw.update({k: v for k, v in BINDING.items() if _plain_attr(default, k) is not None})
     for k, v in dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, decoder_start_token_id=1).items():
         if _plain_attr(default, k) is not None:
@@ -168,7 +170,7 @@ def _inputs(cfg, forward_params):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3 if vocab > 3 else 0, vocab, (B, N), generator=g)
     am = torch.ones(B, N, dtype=torch.long)
-    kw = dict(input_ids=ids, attention_mask=am)
+    kw: dict[str, Any] = dict(input_ids=ids, attention_mask=am)  # forward's keyword arguments
     if "use_cache" in forward_params:  # one forward, no cache (hybrid caches refuse some inputs without one)
         kw["use_cache"] = False
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in forward_params:
@@ -320,7 +322,8 @@ def _check_generate(eager, ak, kw, cache):
         return "CRASH", f"generate ({cache} cache) on attnkit: {type(e).__name__}: {_first_line(e)}"
     if not torch.equal(got.sequences, want.sequences):
         return "WRONG", f"generate ({cache} cache): tokens differ from eager's"
-    err = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
+    # equal sequences: as many steps' logits on both sides
+    err = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True))
     budget = RTOL * max(1.0, max(b.abs().max().item() for b in want.logits))
     if not err <= budget:
         return "WRONG", f"generate ({cache} cache): logits differ by {err:.3g} > budget {budget:.3g}"
@@ -333,10 +336,7 @@ def walk(selected=None, *, sample: int = 1, generate: bool = True, progress=None
 
     ak_hf.register()
     fams = families()
-    if selected is not None:
-        fams = [f for f in fams if f[0] in set(selected)]
-    else:
-        fams = fams[::sample]
+    fams = [f for f in fams if f[0] in set(selected)] if selected is not None else fams[::sample]
     transformers.AttentionInterface.register(ak_hf.NAME, _counting)
     out = []
     try:
@@ -377,9 +377,12 @@ def main(argv=None):
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     t = time.perf_counter()
-    res = walk(a.families or None, sample=a.sample,
-               progress=lambda r: print(f"{r.family:32s} {r.verdict:8s} {r.seconds:5.2f}s {r.detail.splitlines()[0] if r.detail else ''}",
-                                        file=sys.stderr))
+
+    def progress(r):
+        first = r.detail.splitlines()[0] if r.detail else ""
+        print(f"{r.family:32s} {r.verdict:8s} {r.seconds:5.2f}s {first}", file=sys.stderr)
+
+    res = walk(a.families or None, sample=a.sample, progress=progress)
     print(table(res))
     print(f"\nwalk time: {time.perf_counter() - t:.1f}s")
     return 1 if any(r.verdict in ("WRONG", "CRASH") for r in res) else 0
