@@ -16,6 +16,6 @@ from .backends.reference import Trace
 from .explain import explain
 from .plans import BlockPlan, create_block_mask, plan
 
-__all__ = ["attention", "dispatch", "explain", "plan", "create_block_mask", "BlockPlan", "Decision", "Trace", "masks", "plans", "score_mods",
-           "positional", "nn"]
+__all__ = ["attention", "dispatch", "explain", "plan", "create_block_mask", "BlockPlan", "Decision", "Trace", "masks",
+           "plans", "score_mods", "positional", "nn"]
 __version__ = "0.1.0"
