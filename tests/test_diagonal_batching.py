@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_close, budget, rand_qkv
 
 import attnkit
 from attnkit import masks as M
 from attnkit.backends import _tiled_fused, tiled
-
-from conftest import assert_close, budget, rand_qkv
 
 L, W = 1024, 200
 
@@ -58,7 +57,7 @@ def test_diagonal_batches_are_found_from_the_tiles(monkeypatch, name, mask):
     ref.sum().backward()
     tol = budget(torch.float32, 32, L)
     assert_close(out, ref, tol, name)
-    for g, t in zip(grads, (q, k, v)):
+    for g, t in zip(grads, (q, k, v), strict=True):
         assert_close(g, t.grad, 4 * tol, f"{name}: gradient")
     batched = _batched_groups(seen[0])
     groups = sum(1 if item[0] == "group" else item[3] for item in seen[0])
@@ -66,8 +65,8 @@ def test_diagonal_batches_are_found_from_the_tiles(monkeypatch, name, mask):
         # the hole's query block (700 // 64 = 10) is never inside a batch
         for item in seen[0]:
             if item[0] == "batch":
-                _, i0, l, nb, *_ = item
-                assert not (i0 <= 700 < i0 + nb * l), "a tile that differs was batched"
+                _, i0, rows, nb, *_ = item  # ("batch", i0, l, nb, ...): nb runs of l query rows
+                assert not (i0 <= 700 < i0 + nb * rows), "a tile that differs was batched"
         assert 0 < batched < groups
     else:
         assert batched >= groups - 5, f"{name}: only {batched} of {groups} query blocks batched"

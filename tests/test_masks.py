@@ -9,7 +9,8 @@ from attnkit import masks
 
 
 def dense(fn, B, H, L, S):
-    return torch.tensor([[[[bool(fn(b, h, i, j)) for j in range(S)] for i in range(L)] for h in range(H)] for b in range(B)])
+    return torch.tensor([[[[bool(fn(b, h, i, j)) for j in range(S)] for i in range(L)] for h in range(H)]
+                         for b in range(B)])
 
 
 SIZES = [(1, 1), (1, 7), (5, 5), (7, 3), (6, 11)]

@@ -87,7 +87,7 @@ def test_integer_score_mod_matches_flex_attention_itself():
 
 
 @pytest.mark.parametrize("kind", ["float", "bool"])
-@pytest.mark.parametrize("backend", BACKENDS + ["sdpa"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "sdpa"])
 def test_1d_mask_broadcasts_over_batch_heads_and_queries(backend, kind):
     q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (4, 6, 6))
     m = torch.randn(6, dtype=torch.float64) if kind == "float" else torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)
@@ -157,15 +157,17 @@ def test_fp16_backward_tiny_causal_within_flash_attention_tolerance(run):
             q, k, v = (t.to(dtype).requires_grad_() for t in (q0, k0, v0))
             out = fn(q, k, v)
             got = torch.autograd.grad(out, (q, k, v), g.to(out.dtype), allow_unused=True)
-            return [torch.zeros_like(t, dtype=torch.float64) if x is None else x.double() for x, t in zip(got, (q, k, v))]
+            return [torch.zeros_like(t, dtype=torch.float64) if x is None else x.double()
+                    for x, t in zip(got, (q, k, v), strict=True)]
 
         ref = grads(lambda q, k, v: _naive(q, k, v, True), torch.float64)
         pt = grads(lambda q, k, v: _naive(q, k, v, False), torch.float16)
         with fused(on):
             got = grads(lambda q, k, v: attnkit.attention(q, k, v, causal=True, backend=backend), torch.float16)
-        for name, a, p, r in zip(("dq", "dk", "dv"), got, pt, ref):
+        for name, a, p, r in zip(("dq", "dk", "dv"), got, pt, ref, strict=True):
             tol = 5 * (p - r).abs().max().item() + 1e-3
             err = (a - r).abs().max().item()
             worst = max(worst, err / tol)
-            assert err <= tol, f"{run} {name} L={L} S={S} D={D} scale={scale}: {err:.3g} > 5·{(p - r).abs().max():.3g} + 1e-3"
+            assert err <= tol, (f"{run} {name} L={L} S={S} D={D} scale={scale}: "
+                                f"{err:.3g} > 5·{(p - r).abs().max():.3g} + 1e-3")
     assert worst > 0

@@ -112,7 +112,8 @@ def _where(rng, B, H, L, S):
 
 def _minmax(rng, B, H, L, S):
     t = rng.randint(0, S)
-    return lambda b, h, q, kv: (torch.minimum(q, kv) >= t) | (torch.maximum(q - t, torch.zeros((), dtype=torch.long)) <= kv // 2)
+    zero = torch.zeros((), dtype=torch.long)
+    return lambda b, h, q, kv: (torch.minimum(q, kv) >= t) | (torch.maximum(q - t, zero) <= kv // 2)
 
 
 def _arith(rng, B, H, L, S):
@@ -367,7 +368,7 @@ def test_narrow_integer_tables_follow_their_wraparound(dtype):
     p = attnkit.plan(wraps, 64, block=8)
     assert torch.equal(p.kinds, _dense_kinds(wraps, 1, 1, 64, 64, 8, 8).expand_as(p.kinds))
     small = (torch.arange(64) // 16).to(dtype)
-    safe = lambda b, h, q, kv: (small[kv] + 1) <= small[q] * 2  # noqa: E731
+    safe = lambda b, h, q, kv: (small[kv] + 1) <= small[q] * 2  # noqa: E731 - a user's mask_mod
     p = attnkit.plan(safe, 64, block=8)
     assert torch.equal(p.kinds, _dense_kinds(safe, 1, 1, 64, 64, 8, 8).expand_as(p.kinds))
     assert p.point_tiles < p.kinds.numel()

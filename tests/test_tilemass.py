@@ -33,8 +33,8 @@ def _dense_weights(q, k, allowed=None, bias=None, scale=None, softcap=None):
         s = s.masked_fill(~allowed, float("-inf"))
     m = s.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).min)
     p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    return torch.where(l > 0, p / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(p))
+    l_i = p.sum(-1, keepdim=True)
+    return torch.where(l_i > 0, p / torch.where(l_i > 0, l_i, torch.ones_like(l_i)), torch.zeros_like(p))
 
 
 def _dense_mass(w, bm, bn):
@@ -138,7 +138,7 @@ def test_row_and_tile_weights_on_demand_are_exact():
         idx = int(((tm.tiles[:, 0] == a) & (tm.tiles[:, 1] == c)).nonzero())
         assert abs(float(tw.sum((1, 2))[1]) - float(tm.mass[0, 1, idx])) < 1e-12
     # an empty tile: zeros, no work
-    a, c = [(a, c) for a in range(tm.shape[0]) for c in range(tm.shape[1]) if tm.kinds[a, c] == 0][0]
+    a, c = next((a, c) for a in range(tm.shape[0]) for c in range(tm.shape[1]) if tm.kinds[a, c] == 0)
     assert tm.tile_weights(a, c).abs().max().item() == 0.0
 
 

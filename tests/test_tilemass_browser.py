@@ -101,17 +101,17 @@ def test_page_opens_offline_zooms_and_reads_out_the_masses(page, browser, tmp_pa
     mean_mass = tm.mass[0].double().mean(0)
     mean_live = tm.live_rows[0].double().mean(0)
     for qb, kb in tm.tiles.tolist()[:12]:
-        i = [n for n, (a, c) in enumerate(tm.tiles.tolist()) if (a, c) == (qb, kb)][0]
+        i = next(n for n, (a, c) in enumerate(tm.tiles.tolist()) if (a, c) == (qb, kb))
         share = drv.execute_script(f"return attnkitLong.tileShare({qb * 64 + 3}, {kb * 64 + 3})")
         assert abs(share - float(mean_mass[i] / mean_live[qb])) < 1e-5
     text = drv.execute_script("return attnkitLong.hover(70, 10)")
     assert text.startswith("queries 64–127 → keys 0–63") and "mean of heads" in text and "share" in text
     drv.execute_script("attnkitLong.setHead(1)")
     text = drv.execute_script("return attnkitLong.hover(70, 10)")
-    i = [n for n, (a, c) in enumerate(tm.tiles.tolist()) if (a, c) == (1, 0)][0]
+    i = next(n for n, (a, c) in enumerate(tm.tiles.tolist()) if (a, c) == (1, 0))
     assert "head 1" in text and f"mass {float(tm.mass[0, 1, i]):.2f}" in text
     # an empty tile says so
-    qb, kb = [(a, c) for a in range(16) for c in range(16) if tm.kinds[a, c] == 0][0]
+    qb, kb = next((a, c) for a in range(16) for c in range(16) if tm.kinds[a, c] == 0)
     drv.execute_script(f"attnkitLong.zoom({kb * 64 - 256}, {kb * 64 + 512}, {qb * 64 - 256}, {qb * 64 + 512})")
     assert "never computed" in drv.execute_script(f"return attnkitLong.hover({qb * 64 + 1}, {kb * 64 + 1})")
 
@@ -126,7 +126,8 @@ def test_page_opens_offline_zooms_and_reads_out_the_masses(page, browser, tmp_pa
 
     drv.execute_script("attnkitLong.reset()")
     drv.execute_script("attnkitLong.back()")
-    assert drv.execute_script("return attnkitLong.view()")["x1"] - drv.execute_script("return attnkitLong.view()")["x0"] < L
+    view = drv.execute_script("return attnkitLong.view()")
+    assert view["x1"] - view["x0"] < L
     _shot(drv, tmp_path, "attnkit-long-zoomed.png")
     # nothing was fetched, and the console is clean
     assert drv.execute_script("return performance.getEntriesByType('resource').length") == 0

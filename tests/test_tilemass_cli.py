@@ -51,7 +51,7 @@ def test_cli_synthetic_writes_the_page_and_a_summary(tmp_path, capsys):
 ])
 def test_cli_errors_are_one_line_with_the_fix(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["long"] + argv) == 2
+    assert main(["long", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("attnkit long: error: ") and needle in err and len(err.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())  # nothing written
@@ -70,6 +70,7 @@ def test_page_coarsens_to_fit_and_keeps_the_mass():
     # the coarse masses are the fine ones summed (per head and mean), total = live rows
     assert abs(mass[0].sum() - 8192) < 0.05 and abs(mass[2].sum() - 8192) < 0.05
     t, ms, lv = _coarsen(tm.tiles.numpy(), tm.mass[0].double().numpy(), tm.live_rows[0].double().numpy(), f)
+    assert np.array_equal(t, np.frombuffer(base64.b64decode(mp["tiles"]), dtype=np.int32).reshape(-1, 2))
     assert np.allclose(ms, mass[:2], rtol=1e-6) and lv.sum(1).tolist() == [8192, 8192]
     rw = np.frombuffer(base64.b64decode(mp["rows"][0]["w"]), dtype=np.float32).reshape(3, -1)
     assert np.allclose(rw[:2].sum(1), 1, atol=1e-5)
@@ -128,7 +129,8 @@ from attnkit.viz.tilemass import tile_mass
 q, k, m = synthetic(131072, H=8, D=64, mask="document")
 t0 = time.perf_counter(); tm = tile_mass(q, k, mask=m); t = time.perf_counter() - t0
 page = tm.to_html(sys.argv[1])
-print(json.dumps({"s": t, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "page": len(page.encode())}))
+print(json.dumps({"s": t, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "page": len(page.encode())}))
 """
     env = dict(os.environ, OMP_NUM_THREADS="2")
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.html")], capture_output=True, text=True,

@@ -113,7 +113,7 @@ def test_generate_equals_eager_tokens_and_logits(family, cache):
         got = ak.generate(**kw)  # before the fix, static: "'And' object has no attribute 'contiguous'"
     assert torch.equal(got.sequences, want.sequences)
     assert len(got.logits) == len(want.logits) == NEW
-    err = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
+    err = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True))
     assert err <= TOL, f"{family}, {cache} cache: logits differ from eager by {err:.3g} > {TOL}"
 
 
@@ -122,7 +122,7 @@ def test_a_mask_built_ahead_of_the_forward_is_a_tensor_and_the_forward_still_get
     it is handed on through tensor-only code; a mask built inside the forward stays structured."""
     from transformers import masking_utils as mu
 
-    eager, ak = _pair("llama")
+    _, ak = _pair("llama")
     hook = mu.ALL_MASK_ATTENTION_FUNCTIONS[ak_hf.NAME]
     seen = []
 

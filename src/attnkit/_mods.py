@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+from torch.autograd.graph import Node
 
 __all__ = ["positional_arity", "eval_mask_mod", "eval_score_mod", "captured_grad_tensors", "reads_uncaptured_grad",
            "value_key"]
@@ -74,7 +75,7 @@ _SAFE_MAX = 4096
 def _code_key(fn):
     code = getattr(fn, "__code__", None)
     if code is None:
-        call = getattr(type(fn), "__call__", None)
+        call = getattr(type(fn), "__call__", None)  # noqa: B004 - reads the method's code, not a callability test
         code = getattr(call, "__code__", None)
     return code
 
@@ -87,7 +88,7 @@ def _fits(out, shape) -> bool:
     if not isinstance(out, torch.Tensor) or out.dim() > 4:
         return False
     o = (1,) * (4 - out.dim()) + tuple(out.shape)
-    return all(a in (1, w) for a, w in zip(o, shape))
+    return all(a in (1, w) for a, w in zip(o, shape, strict=True))
 
 
 def _flat(*idx):
@@ -104,19 +105,20 @@ def broadcast_safe(fn, score: bool, B: int, H: int, L: int, S: int, dtype=torch.
     q = torch.arange(min(L, 3)).view(1, 1, -1, 1)
     kv = torch.arange(min(S, 3)).view(1, 1, 1, -1)
     shape = _grid_shape(b, h, q, kv)
-    args = (b, h, q, kv)
+    idx = (b, h, q, kv)
+    args: tuple[torch.Tensor, ...] = idx
     if score:
-        args = (torch.linspace(-1.5, 1.5, steps=int(torch.tensor(shape).prod()), dtype=dtype).view(shape),) + args
+        args = (torch.linspace(-1.5, 1.5, steps=int(torch.tensor(shape).prod()), dtype=dtype).view(shape), *idx)
     with torch.no_grad():
         try:
             wide = fn(*args)
             wide_err = None
-        except Exception as e:  # noqa: BLE001 - any failure means "not broadcast-safe"
+        except Exception as e:  # any failure means "not broadcast-safe"
             wide, wide_err = None, e
         try:
             flat = _flat(b, h, q, kv)
             narrow = _vmapped(fn, score)(*((args[0],) if score else ()), *flat)
-        except Exception:  # noqa: BLE001 - vmap-hostile code (.item(), data-dependent if): broadcast it
+        except Exception:  # vmap-hostile code (.item(), data-dependent if): broadcast it
             narrow = None
     if wide_err is not None and narrow is None:
         raise wide_err
@@ -128,7 +130,8 @@ def broadcast_safe(fn, score: bool, B: int, H: int, L: int, S: int, dtype=torch.
     elif wide is None or not _fits(wide, shape):
         safe = False
     else:
-        w = wide.expand(shape) if wide.dim() == 4 else wide.reshape((1,) * (4 - wide.dim()) + tuple(wide.shape)).expand(shape)
+        w = wide if wide.dim() == 4 else wide.reshape((1,) * (4 - wide.dim()) + tuple(wide.shape))
+        w = w.expand(shape)
         n = narrow.to(w.dtype) if narrow.dtype != w.dtype else narrow
         safe = bool(torch.equal(w, n)) if w.dtype == torch.bool else bool(torch.allclose(w, n, equal_nan=True))
     if key is not None:
@@ -149,23 +152,28 @@ def _check_shape(what: str, fn, out, shape):
         )
 
 
-def eval_mask_mod(fn, b, h, q, kv, sizes) -> torch.Tensor:
+def eval_mask_mod(fn, b, h, q, kv, sizes: tuple[int, int, int, int]) -> torch.Tensor:
     """``fn(b, h, q, kv)`` on broadcasting index tensors; a bool tensor broadcastable to the grid.
 
     ``sizes = (B, H, L, S)`` of the whole call, for the one-time probe.
     """
+    B, H, L, S = sizes
     shape = _grid_shape(b, h, q, kv)
-    if broadcast_safe(fn, False, *sizes):
+    if broadcast_safe(fn, False, B, H, L, S):
         out = fn(b, h, q, kv)
         _check_shape("mask_mod", fn, out, shape)
         return out
     return _vmapped(fn, False)(*_flat(b, h, q, kv))
 
 
-def eval_score_mod(fn, s, b, h, q, kv, sizes) -> torch.Tensor:
-    """``fn(s, b, h, q, kv)`` for a score tile ``s (B', H', l, n)``; same shape as ``s``."""
+def eval_score_mod(fn, s, b, h, q, kv, sizes: tuple[int, int, int, int]) -> torch.Tensor:
+    """``fn(s, b, h, q, kv)`` for a score tile ``s (B', H', l, n)``; same shape as ``s``.
+
+    ``sizes = (B, H, L, S)`` of the whole call, for the one-time probe.
+    """
+    B, H, L, S = sizes  # unpacked by name: spread as *sizes, a fifth item would collide with dtype=
     shape = _grid_shape(b, h, q, kv)
-    if broadcast_safe(fn, True, *sizes, dtype=s.dtype if s.is_floating_point() else torch.float32):
+    if broadcast_safe(fn, True, B, H, L, S, dtype=s.dtype if s.is_floating_point() else torch.float32):
         out = fn(s, b, h, q, kv)
         _check_shape("score_mod", fn, out, shape)
         return out
@@ -203,7 +211,7 @@ def _sources(fn):
         f = f.__func__
     if not isinstance(f, types.FunctionType):  # a callable object: its attributes
         seen.extend(getattr(f, "__dict__", {}).values())
-        f = getattr(type(f), "__call__", None)
+        f = getattr(type(f), "__call__", None)  # noqa: B004 - reads the method's code, not a callability test
         if not isinstance(f, types.FunctionType):
             return seen
     seen.extend(c.cell_contents for c in (f.__closure__ or ()) if _cell_full(c))
@@ -217,7 +225,7 @@ def _sources(fn):
 
 def _cell_full(c) -> bool:
     try:
-        c.cell_contents
+        c.cell_contents  # noqa: B018 - the read is the test: an empty cell raises ValueError
     except ValueError:
         return False
     return True
@@ -238,7 +246,8 @@ def _leaves(t: torch.Tensor) -> set:
     """ids of the leaf tensors ``t`` depends on through autograd."""
     if t.grad_fn is None:
         return {id(t)} if t.requires_grad else set()
-    found, stack, seen = set(), [t.grad_fn], set()
+    found, seen = set(), set()
+    stack: list[Node | None] = [t.grad_fn]  # next_functions hold None for inputs that need no grad
     while stack:
         node = stack.pop()
         if node is None or node in seen:

@@ -72,7 +72,7 @@ class _Range:
     """Per element, the interval ``[lo, hi]`` of the values a tensor can take (``lo``/``hi``
     broadcast together). Booleans: ``lo`` = surely True, ``hi`` = possibly True."""
 
-    __slots__ = ("lo", "hi", "kind", "exact")
+    __slots__ = ("exact", "hi", "kind", "lo")
 
     def __init__(self, lo: torch.Tensor, hi: torch.Tensor, exact: bool = False):
         self.lo, self.hi = lo, hi
@@ -138,7 +138,7 @@ class _Range:
     def __ge__(self, o): return _le(o, self)
     def __eq__(self, o): return _eq(self, o)
     def __ne__(self, o): return _not(_eq(self, o))
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # unhashable (== is elementwise): the data model's idiom, not a method
 
     def abs(self): return _abs(self)
     def neg(self): return _neg(self)
@@ -147,7 +147,7 @@ class _Range:
     def logical_or(self, o): return _or(self, o)
     def minimum(self, o): return _minimum(self, o)
     def maximum(self, o): return _maximum(self, o)
-    def clamp(self, min=None, max=None): return _clamp(self, min, max)  # noqa: A002 - torch's names
+    def clamp(self, min=None, max=None): return _clamp(self, min, max)  # torch's names
     clip = clamp
     def clamp_min(self, m): return _clamp(self, m, None)
     def clamp_max(self, m): return _clamp(self, None, m)
@@ -184,7 +184,7 @@ class _Range:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        impl = _TORCH.get(name)
+        impl = _TORCH.get(name) if name is not None else None
         if impl is None:
             raise Unsupported(f"torch function {name!r}")
         return impl(*args, **kwargs)
@@ -256,7 +256,7 @@ def _widen(r: _Range, dt) -> _Range:
 def _fit(lo, hi, dt):
     """Bounds computed in int64 for a narrower integer dtype: cast back when every value in them
     fits (then no point overflowed either), else Unsupported."""
-    if dt == torch.int64 or not lo.dtype == torch.int64 or dt not in _INT:
+    if dt == torch.int64 or lo.dtype != torch.int64 or dt not in _INT:
         return lo.to(dt), hi.to(dt)
     info = torch.iinfo(dt)
     if bool((lo < info.min).any() | (hi > info.max).any()):
@@ -521,7 +521,7 @@ def _maximum(a, b):
     return _Range(lo, torch.maximum(ra.hi.to(dt), rb.hi.to(dt)))
 
 
-def _clamp(x, min=None, max=None):  # noqa: A002 - torch's keyword names
+def _clamp(x, min=None, max=None):  # torch's keyword names
     out = x
     if min is not None:
         out = _maximum(out, min)
@@ -591,10 +591,7 @@ def _getitem(t, index):
     src = t.detach()
     if _kind(src.dtype) == "float" and bool(torch.isnan(src).any()):
         raise Unsupported("indexing a tensor holding NaN")
-    if src.dtype == torch.bool:
-        src8 = src.to(torch.int8)
-    else:
-        src8 = src
+    src8 = src.to(torch.int8) if src.dtype == torch.bool else src
     # the captured tensor may live on a GPU while the intervals are on the CPU: look up there,
     # bring the (small: one value per block) answers back
     dev, home = src.device, rs[0].lo.device
@@ -687,7 +684,7 @@ class _MinMaxTable:
         """min and max over keys [lo, hi] of the row picked by the exact ``others`` indices."""
         if self.lead:
             row = torch.zeros((), dtype=torch.int64)
-            for size, i in zip(self.lead, others):
+            for size, i in zip(self.lead, others, strict=True):  # one exact index per leading dim
                 row = row * size + torch.remainder(i, size)  # negative exact indices wrap, as torch's
         else:
             row = torch.zeros((), dtype=torch.int64)
@@ -813,7 +810,7 @@ def evaluate(fn, b: torch.Tensor, h: torch.Tensor, q_lo, q_hi, kv_lo, kv_hi):
             out = fn(*args)
         except Unsupported:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure on intervals: the points decide (and raise)
+        except Exception as e:  # any failure on intervals: the points decide (and raise)
             raise Unsupported(f"{type(e).__name__}: {e}") from e
     if isinstance(out, bool):
         out = torch.tensor(out)

@@ -95,8 +95,8 @@ call stay unmatched): that call and every later one on the group raise a Context
 saying the group must be rebuilt (``destroy_process_group`` / ``init_process_group``).
 
 **Modules.** ``mha(x, context_parallel=cp)`` / :func:`block_forward` run an
-:class:`attnkit.nn.MultiHeadAttention` / :class:`attnkit.nn.TransformerBlock` on a shard ``(B, L_r, E)`` with its own weights, RoPE at the
-layout's global positions (:func:`rope_at`) and ALiBi at global positions.
+:class:`attnkit.nn.MultiHeadAttention` / :class:`attnkit.nn.TransformerBlock` on a shard ``(B, L_r, E)`` with its
+own weights, RoPE at the layout's global positions (:func:`rope_at`) and ALiBi at global positions.
 ``examples/train_context_parallel.py`` trains a tiny model both ways and prints both loss curves.
 
 **Stats.** ``cp.stats`` (last forward) and ``cp.backward_stats`` (last backward): see :class:`Stats`.
@@ -164,9 +164,10 @@ class Layout:
         self.lengths = [int(p.numel()) for p in self.positions]
         self.key = zlib.crc32(self.owner.to(torch.int32).numpy().tobytes())
         # runs of consecutive units per rank: (first local row, end local row, first unit, end unit)
-        self.runs = []
+        self.runs: list[list[tuple[int, int, int, int]]] = []
         for us in self.units:
-            runs, row = [], 0
+            runs: list[tuple[int, int, int, int]] = []
+            row = 0
             for u in us:
                 size = min(L, (u + 1) * block) - u * block
                 if runs and runs[-1][3] == u:
@@ -234,7 +235,9 @@ def _contiguous_cuts(costs: list[float], W: int) -> list[list[int]]:
     n = len(costs)
 
     def cuts(bound):
-        runs, cur, tot = [], [], 0.0
+        runs: list[list[int]] = []
+        cur: list[int] = []
+        tot = 0.0
         for i, c in enumerate(costs):
             left = n - i  # units left including this one
             if cur and (tot + c > bound or left < W - len(runs)):
@@ -264,7 +267,7 @@ def _greedy(costs: list[float], W: int, capacity: int | None = None) -> list[lis
     """Largest unit first to the least-loaded rank that has room for it (``capacity`` units
     at most: equal rows; None: no limit). Ties: fewest units, then lowest rank."""
     heap = [(0.0, 0, r) for r in range(W)]
-    out = [[] for _ in range(W)]
+    out: list[list[int]] = [[] for _ in range(W)]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         full = []
         while True:
@@ -335,12 +338,12 @@ def layout(name: str, L: int, W: int, *, mask=None, block: int | None = None, B:
     if mask is None:
         return Layout(name, L, block, _runs(n, W))
     costs = unit_costs(mask, L, block, B=B, H=H).tolist()
-    chunks = _runs(n, 2 * W) if n >= 2 * W else None
+    zigzag = _runs(n, 2 * W) if n >= 2 * W else None
     candidates = [_contiguous_cuts(costs, W),  # keeps locality (windows: neighbours only)
                   _greedy(costs, W, capacity=-(-n // W)),  # equal rows
                   _greedy(costs, W)]  # the most even work
-    if chunks is not None:
-        candidates.insert(1, [chunks[r] + chunks[2 * W - 1 - r] for r in range(W)])
+    if zigzag is not None:
+        candidates.insert(1, [zigzag[r] + zigzag[2 * W - 1 - r] for r in range(W)])
     live = _unit_live(mask, L, block, B, H)
     scored = [(imbalance(costs, c), _max_sent(c, live, block), i) for i, c in enumerate(candidates)]
     ok = [x for x in scored if x[0] <= tolerance]
@@ -384,6 +387,8 @@ class Schedule:
             return self._blocks[key]
         lay = self.layout
         out = []
+        live, full = self.unit_live, self.unit_full
+        assert live is not None and full is not None, "schedule() builds the unit maps"
         if bool(self.visible[r, s]):
             runs_r, runs_s = lay.runs[r], lay.runs[s]
             if len(runs_r) * len(runs_s) > self.MAX_BLOCKS:
@@ -392,9 +397,9 @@ class Schedule:
             else:
                 for qa, qb, ua, ub in runs_r:
                     for ka, kb, va, vb in runs_s:
-                        if not bool(self.unit_live[ua:ub, va:vb].any()):
+                        if not bool(live[ua:ub, va:vb].any()):
                             continue
-                        if bool(self.unit_full[ua:ub, va:vb].all()):
+                        if bool(full[ua:ub, va:vb].all()):
                             kind = "full"
                         elif self.pure_causal and r == s and (ua, ub) == (va, vb):
                             kind = "causal"
@@ -463,7 +468,7 @@ def _pair(q, k, v, qpos, kpos, blocks, opts):
     out = q.new_zeros(B, H, n, v.shape[-1], dtype=acc)
     lse = q.new_full((B, H, n), float("-inf"), dtype=acc)
     cur = None
-    for qa, qb, ka, kb, kind in blocks + [(None,) * 5]:
+    for qa, qb, ka, kb, kind in [*blocks, (None,) * 5]:
         if cur is not None and (qa, qb) != cur[:2]:
             out[:, :, cur[0]:cur[1]], lse[:, :, cur[0]:cur[1]] = cur[2], cur[3]
             cur = None
@@ -517,7 +522,9 @@ def _block_backward_fused(q, k, v, kind, opts, out, lse_b, dout):
     Hkv, m = k.shape[1], k.shape[2]
     g = H // Hkv
     scale = opts["scale"] if opts["scale"] is not None else 1.0 / math.sqrt(D)
-    c = lambda t: t.contiguous()
+    def c(t):
+        return t.contiguous()
+
     if g == 1 or causal:  # causal rows cannot be folded (the kernel's diagonal would move): expand K/V
         kk = k if g == 1 else k.repeat_interleave(g, dim=1)
         vv = v if g == 1 else v.repeat_interleave(g, dim=1)
@@ -527,7 +534,9 @@ def _block_backward_fused(q, k, v, kind, opts, out, lse_b, dout):
             dk = dk.reshape(B, Hkv, g, m, D).sum(2)
             dv = dv.reshape(B, Hkv, g, m, v.shape[-1]).sum(2)
         return dq, dk, dv
-    fold = lambda t: t.contiguous().view(B, Hkv, g * n, t.shape[-1])  # the g query heads of a kv head as rows
+    def fold(t):  # the g query heads of a kv head as rows
+        return t.contiguous().view(B, Hkv, g * n, t.shape[-1])
+
     dq, dk, dv = _flash_cpu.backward(fold(dout), fold(q), c(k), c(v), fold(out),
                                      lse_b.contiguous().view(B, Hkv, g * n), scale=scale)
     return dq.reshape(B, H, n, D), dk, dv
@@ -542,7 +551,8 @@ def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse, d
     lse_b = _softmax.lse_for_backward(lse)
     dout = dout.to(acc) if dout is not None else torch.zeros_like(out)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    parts, cap = {}, [None] * len(captured)
+    parts = {}
+    cap: list[torch.Tensor | None] = [None] * len(captured)
     for s in sorted(kv):
         k_s, v_s = kv[s]
         dk = torch.zeros(k_s.shape, dtype=acc, device=k_s.device)
@@ -571,7 +581,8 @@ def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse, d
                     t[:, :, sl[0]:sl[1]] += g.to(acc)
             for i, g in enumerate(grads[3:]):
                 if g is not None:
-                    cap[i] = g if cap[i] is None else cap[i] + g
+                    prev = cap[i]
+                    cap[i] = g if prev is None else prev + g
         parts[s] = (dk, dv)
     return dq, parts, cap
 
@@ -640,7 +651,9 @@ class _SimFn(torch.autograd.Function):
         q, k, v = ctx.shapes
         W, P = lay.W, lay.positions
         acc = _acc_dtype(q.dtype)
-        dqs, parts_by_owner, capg = [], [dict() for _ in range(W)], [None] * len(ctx.captured)
+        dqs = []
+        parts_by_owner: list[dict] = [{} for _ in range(W)]
+        capg: list[torch.Tensor | None] = [None] * len(ctx.captured)
         for r in range(W):
             qr, kv = ctx.saved[r]
             dq, parts, cap = _rank_backward(qr, kv, P[r], P, sched.row_blocks(r), opts, ctx.outs[r], ctx.lses[r],
@@ -658,7 +671,9 @@ class _SimFn(torch.autograd.Function):
             dk, dv = _sum_parts(parts_by_owner[s], k.index_select(2, P[s]), v.index_select(2, P[s]), acc)
             dks.append(dk)
             dvs.append(dv)
-        cat = lambda xs, like: torch.cat(xs, 2).index_select(2, lay.inverse).to(like.dtype)
+        def cat(xs, like):
+            return torch.cat(xs, 2).index_select(2, lay.inverse).to(like.dtype)
+
         return (None, None, None, cat(dqs, q), cat(dks, k), cat(dvs, v), *capg)
 
 
@@ -736,6 +751,11 @@ _FIELDS = ("status", "call", "seq_len", "layout", "B", "H", "Hkv", "D", "Dv", "r
            "score_mod", "mask", "keep_kv", "return_lse", "grad", "comm")
 _MSG = 384
 _HASHED = ("dtype", "scale", "score_mod", "mask", "layout", "comm")
+
+
+def _field_text(message: str, name: str) -> str:
+    """The ``name=...`` part of a signature's description (what was hashed), or all of it."""
+    return next((x.strip() for x in message.split("; ") if x.strip().startswith(name + "=")), message)
 
 
 # ------------------------------------------------------------------------- content digests
@@ -837,7 +857,7 @@ def _feed_container(h, x, depth, active):
         attrs = getattr(x, "__dict__", None)
         if attrs is not None:
             _feed(h, {k: v for k, v in attrs.items() if not k.startswith("_")}, depth, active)
-        call = getattr(type(x), "__call__", None)
+        call = getattr(type(x), "__call__", None)  # noqa: B004 - reads the method's code, not a callability test
         if isinstance(call, types.FunctionType):
             _feed(h, call.__code__, depth, active)
 
@@ -902,8 +922,9 @@ class ContextParallel:
             self.layout = layout
         else:
             self.layout = globals()["layout"](layout, seq_len, self.W, mask=mask, block=block, B=batch, H=heads)
-        self._scheds = {}
-        self._mask_key = None
+        self._scheds: dict[tuple, Schedule] = {}
+        self._sched: Schedule | None = None  # the schedule of the call in progress (set by _CPFn)
+        self._mask_key: int | None = None
         self._calls = 0
         self.stats = Stats()
         self.backward_stats = Stats()
@@ -928,13 +949,13 @@ class ContextParallel:
         (not differentiable: compute losses on the local shard)."""
         x = x.detach().movedim(dim, 0).contiguous()
         n = max(self.layout.lengths)
-        pad = x.new_zeros((n,) + tuple(x.shape[1:]))
+        pad = x.new_zeros((n, *x.shape[1:]))
         pad[:x.shape[0]] = x
         bufs = [torch.empty_like(pad) for _ in range(self.W)]
         self._check_alive()
         self._wait(self._issue(lambda: self.dist.all_gather(bufs, pad, group=self.group, async_op=True), "gather"),
                    None, "gather")
-        full = torch.cat([b[:m] for b, m in zip(bufs, self.layout.lengths)], 0)
+        full = torch.cat([b[:m] for b, m in zip(bufs, self.layout.lengths, strict=True)], 0)  # one per rank
         return full.index_select(0, self.layout.inverse.to(full.device)).movedim(0, dim)
 
     def schedule(self, B: int = 1, H: int = 1, causal: bool = False) -> Schedule:
@@ -982,7 +1003,7 @@ class ContextParallel:
         """Post one communication; a failure to post (a connection gloo closed) is a dead group too."""
         try:
             return op()
-        except Exception as e:  # noqa: BLE001 - gloo's raw RuntimeError, turned into ours
+        except Exception as e:  # gloo's raw RuntimeError, turned into ours
             who = f" with rank {peer}" if peer is not None else ""
             msg = (f"context parallel (rank {self.rank} of {self.W}, call #{self._calls}): could not communicate"
                    f"{who} during {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
@@ -995,10 +1016,12 @@ class ContextParallel:
         self._check_alive()
         works = []
         for peer, buf in recv.items():
-            works.append((peer, self._issue(lambda: self.dist.irecv(buf, src=self._g(peer), group=self.group,
-                                                                   tag=tag), what, peer), "recv"))
+            works.append((peer, self._issue(lambda buf=buf, peer=peer: self.dist.irecv(buf, src=self._g(peer),
+                                                                                       group=self.group, tag=tag),
+                                            what, peer), "recv"))
         for peer, t in send.items():
-            works.append((peer, self._issue(lambda: self.dist.isend(t, dst=self._g(peer), group=self.group, tag=tag),
+            works.append((peer, self._issue(lambda t=t, peer=peer: self.dist.isend(t, dst=self._g(peer),
+                                                                                   group=self.group, tag=tag),
                                             what, peer), "send"))
         if meanwhile is not None:
             try:
@@ -1018,7 +1041,7 @@ class ContextParallel:
         mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
         peers = [p for p in range(self.W) if p != self.rank]
         bufs = {p: torch.empty_like(mine) for p in peers}
-        self._p2p({p: mine for p in peers}, bufs, 7, what)
+        self._p2p(dict.fromkeys(peers, mine), bufs, 7, what)
         sigs = {self.rank: (vals, msg)}
         for p, b in bufs.items():
             raw = bytes(b.numpy().tobytes())
@@ -1031,19 +1054,20 @@ class ContextParallel:
                                        + (f" (and ranks {[f[0] for f in failed[1:]]})" if len(failed) > 1 else ""))
         ref = sigs[0][0]
         for p in sorted(sigs):
-            for name, a, b in zip(_FIELDS, ref, sigs[p][0]):
-                if a != b and name != "rows":
+            for name, v0, vp in zip(_FIELDS, ref, sigs[p][0], strict=True):  # every signature has all fields
+                if v0 != vp and name != "rows":
                     same = ""
+                    shown: tuple[object, object] = (v0, vp)
                     if name in ("causal", "keep_kv", "return_lse"):
-                        a, b = bool(a), bool(b)
+                        shown = (bool(v0), bool(vp))
                     if name in _HASHED:  # show what was hashed
-                        pick = lambda m: next((x.strip() for x in m.split("; ") if x.strip().startswith(name + "=")), m)
-                        a, b = pick(sigs[0][1]), pick(sigs[p][1])
-                        if a == b:
+                        shown = (_field_text(sigs[0][1], name), _field_text(sigs[p][1], name))
+                        if shown[0] == shown[1]:
                             same = (" — the same description, different contents: a tensor it holds or a value "
                                     "it captures differs between the ranks")
                     raise ContextParallelError(
-                        f"context parallel {what}: ranks disagree on {name}: rank 0 has {a}, rank {p} has {b}{same} "
+                        f"context parallel {what}: ranks disagree on {name}: "
+                        f"rank 0 has {shown[0]}, rank {p} has {shown[1]}{same} "
                         f"(every rank must call attention with the same shapes, dtype, options and mask data"
                         f"{'; a rank skipped or repeated a call' if name == 'call' else ''}).")
 
@@ -1124,12 +1148,13 @@ class ContextParallel:
     def _exchange_kv(self, k, v, what, stats, meanwhile=None):
         """This rank's view ``{s: (k_s, v_s)}`` of the K/V shards it needs (its own included)."""
         sched, r, P = self._sched, self.rank, self.layout.positions
+        assert sched is not None, "_CPFn sets the call's schedule first"
         D = k.shape[-1]
         kv = {r: (k, v)} if sched.visible[r, r] else {}
         packed = torch.cat([k.detach(), v.detach()], -1).contiguous()
         elt = packed.element_size()
         if self.comm == "p2p":
-            send = {t: packed for t in sched.send_to[r]}
+            send = dict.fromkeys(sched.send_to[r], packed)
             recv = {s: packed.new_empty(packed.shape[0], packed.shape[1], len(P[s]), packed.shape[3])
                     for s in sched.recv_from[r]}
             self._p2p(send, recv, 11, what, meanwhile)
@@ -1198,6 +1223,7 @@ class ContextParallel:
         except Exception as e:
             err = e
         self._status(err, "forward")
+        assert out is not None and lse is not None, "_status raised the failure"
         out = _SeqToHeads.apply(self, out, qr, H, 24)
         if return_lse:  # only then does lse travel back
             lse = _SeqToHeads.apply(self, lse.unsqueeze(-1), qr, H, 25).squeeze(-1)
@@ -1272,6 +1298,7 @@ class _CPFn(torch.autograd.Function):
             except Exception as e:
                 err = e
         cp._status(err, "forward")
+        assert out is not None, "_status raised the failure"
         ctx.cp, ctx.sched, ctx.opts, ctx.captured = cp, sched, opts, captured
         ctx.kv = kv if cp.keep_kv else None
         ctx.save_for_backward(q, k, v)
@@ -1322,6 +1349,7 @@ class _CPFn(torch.autograd.Function):
             st.bytes_received += 2 * (cp.W - 1) * nbytes // cp.W
             own = full[:, :, P[r]]
             dk, dv = own[..., :D], own[..., D:]
+        assert dq is not None, "_status raised the failure"
         grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
         return (None, None, None, *grads, *cap)
 

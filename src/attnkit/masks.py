@@ -29,7 +29,7 @@ draws it for a small size.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -158,13 +158,13 @@ class Mask:
             )
         return out.expand(B, H, L, S)
 
-    def __and__(self, other: "Mask") -> "Mask":
+    def __and__(self, other: Mask) -> Mask:
         return And(self, _as_mask(other, "&"))
 
-    def __or__(self, other: "Mask") -> "Mask":
+    def __or__(self, other: Mask) -> Mask:
         return Or(self, _as_mask(other, "|"))
 
-    def __invert__(self) -> "Mask":
+    def __invert__(self) -> Mask:
         return Not(self)
 
     def _natural_size(self) -> tuple[int, int] | None:
@@ -263,10 +263,10 @@ def _range_kinds(fn, B, H, L, S, bm, bn) -> tuple[torch.Tensor, int]:
     (the caller then evaluates every point)."""
     qlo, qhi = edges(L, bm)
     klo, khi = edges(S, bn)
-    nq, nk = qlo.numel(), klo.numel()
+    nk = klo.numel()
     rows = max(1, _RANGE_TILES // max(nk, 1))
     with _ranges.checked_once():
-        kinds, Bp, Hp = _range_chunks(fn, B, H, qlo, qhi, klo, khi, rows)
+        kinds = _range_chunks(fn, B, H, qlo, qhi, klo, khi, rows)
     mixed = (kinds == PARTIAL).nonzero()  # (T, 4): (b, h, query block, key block)
     if mixed.shape[0]:
         try:
@@ -274,14 +274,14 @@ def _range_kinds(fn, B, H, L, S, bm, bn) -> tuple[torch.Tensor, int]:
             undecided = got != PARTIAL  # the samples were all True or all False: not a proof
             if bool(undecided.any()):
                 got[undecided] = _point_kinds(fn, mixed[undecided], L, S, bm, bn)
-        except Exception as e:  # noqa: BLE001 - a mod that cannot run on stacked tiles: every point decides
+        except Exception as e:  # a mod that cannot run on stacked tiles: every point decides
             raise _ranges.Unsupported(f"stacked tiles: {type(e).__name__}: {e}") from e
         kinds[tuple(mixed.t())] = got
     return kinds, int(mixed.shape[0])
 
 
 def _range_chunks(fn, B, H, qlo, qhi, klo, khi, rows):
-    """Step 1 of ``_range_kinds``, ``rows`` query blocks per call: kinds (Bp, Hp, nq, nk), Bp, Hp."""
+    """Step 1 of ``_range_kinds``, ``rows`` query blocks per call: kinds (Bp, Hp, nq, nk)."""
     nq, nk = qlo.numel(), klo.numel()
     b_all, h_all = torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1)
     kinds, Bp, Hp = None, None, None
@@ -298,7 +298,7 @@ def _range_chunks(fn, B, H, qlo, qhi, klo, khi, rows):
         # EMPTY 0 / PARTIAL 1 / FULL 2 is the count of (surely, possibly) that hold: sound intervals
         # never give surely without possibly, and if they did it would read PARTIAL (points decide)
         kinds[:, :, r0:r1] = surely.to(torch.int8) + possibly.to(torch.int8)
-    return kinds, Bp, Hp
+    return kinds
 
 
 def _range_result(surely, possibly, B, H, nq, nk):
@@ -715,7 +715,8 @@ class FromMod(Mask):
 
     def __init__(self, fn: MaskMod):
         if not callable(fn):
-            raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool tensor, got {type(fn).__name__}.")
+            raise TypeError(
+                f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool tensor, got {type(fn).__name__}.")
         n = _mods.positional_arity(fn)  # FlexAttention's count: parameters with defaults do not count
         if n is not None and n != 4:
             raise TypeError(
@@ -799,6 +800,11 @@ def _fold(mods, op):
 class _Fold(_Combined):
     """A mask combining its parts pointwise with ``_op`` and their tile kinds with ``_kinds``."""
 
+    # set by each subclass (And, Or)
+    _op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # pointwise: a & b, a | b
+    _kinds: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # tile kinds: min, max
+    _sym: str
+
     def tile_kinds(self, B, H, L, S, bm, bn):
         return self._kinds_counted(B, H, L, S, bm, bn)[0]
 
@@ -826,16 +832,16 @@ class And(_Fold):
 
     def decode_tile(self, B, L, S, device):
         """The intersection of the parts' decode tiles, when every part offers one and no row is left empty."""
-        tiles = [p.decode_tile(B, L, S, device) for p in self.parts]
-        if any(t is None for t in tiles):
+        maybe = [p.decode_tile(B, L, S, device) for p in self.parts]
+        tiles = [t for t in maybe if t is not None]
+        if len(tiles) != len(maybe):
             return None
         j0, j1 = max(t[0] for t in tiles), min(t[1] for t in tiles)
         if j1 <= j0:
             return None
-        allowed = None
-        for tj0, _, a in tiles:
-            a = a[..., j0 - tj0:j1 - tj0]
-            allowed = a if allowed is None else allowed & a
+        allowed = tiles[0][2][..., j0 - tiles[0][0]:j1 - tiles[0][0]]
+        for tj0, _, a in tiles[1:]:
+            allowed = allowed & a[..., j0 - tj0:j1 - tj0]
         if not bool(allowed.any(-1).all()):
             return None
         return j0, j1, allowed

@@ -18,8 +18,8 @@ Built-in masks give their tile map in closed form from the tile corners (no poin
 the mask is evaluated); a ``mask_mod`` is evaluated ONCE over index *ranges* (one
 interval per query block and key block: see :mod:`attnkit._ranges`), which decides
 most tiles as empty or full, and only the tiles the ranges leave undecided are
-evaluated at their points (``plan.point_tiles`` counts them; ``print(plan)`` shows it). A plan is an immutable snapshot: an opaque
-``mask_mod`` that reads data is planned with the data of that moment, as
+evaluated at their points (``plan.point_tiles`` counts them; ``print(plan)`` shows it).
+A plan is an immutable snapshot: an opaque ``mask_mod`` that reads data is planned with the data of that moment, as
 FlexAttention's ``create_block_mask`` — build a new plan when the data changes
 (attnkit never caches an opaque mod's tiles behind your back; a plan is the explicit,
 visible cache). Memory is O(tiles): ``kinds`` is int8 ``(Bp, Hp, nq, nk)``, with
@@ -51,7 +51,13 @@ class BlockPlan:
     :func:`attnkit.attention`.
     """
 
-    __slots__ = ("_mask", "_sizes", "_block", "_kinds", "_point_tiles")
+    __slots__ = ("_block", "_kinds", "_mask", "_point_tiles", "_sizes")
+    # the slots' types (set once in __init__ through object.__setattr__: the plan is immutable)
+    _mask: _masks.Mask
+    _sizes: tuple[int, int, int, int]  # (B, H, L, S)
+    _block: tuple[int, int]  # (bm, bn)
+    _kinds: torch.Tensor  # int8 (Bp, Hp, nq, nk)
+    _point_tiles: int
 
     def __init__(self, mask: _masks.Mask, B: int, H: int, L: int, S: int, block: tuple[int, int],
                  kinds: torch.Tensor, point_tiles: int = 0):
@@ -102,7 +108,7 @@ class BlockPlan:
 
     def check(self, B: int, H: int, L: int, S: int) -> None:
         """Raise ``ValueError`` unless this plan fits a call with these sizes."""
-        pB, pH, pL, pS = self._sizes
+        pL, pS = self._sizes[2:]
         if (L, S) != (pL, pS):
             raise ValueError(
                 f"mask: this plan was built for L={pL}, S={pS}, but the call has L={L}, S={S}. "
@@ -178,15 +184,15 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
     # the q_* fields (each key block's query blocks) are the same ordering of the transposed map
     q_num, q_idx = _ordered(partial.transpose(-2, -1))
     fq_num, fq_idx = _ordered(full.transpose(-2, -1))
-    fields = dict(kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num, full_kv_indices=full_idx,
-                  q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx)
     if device is not None:
-        fields = {n: t.to(device) for n, t in fields.items()}
+        kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx = (
+            t.to(device) for t in (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx))
     try:
-        return BlockMask(seq_lengths=(L, S), BLOCK_SIZE=block, mask_mod=mask_mod, **fields)
+        return BlockMask(seq_lengths=(L, S), BLOCK_SIZE=block, mask_mod=mask_mod,
+                         kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num, full_kv_indices=full_idx,
+                         q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx)
     except TypeError:  # a torch whose BlockMask takes other arguments: let it derive the q_* fields
-        return BlockMask.from_kv_blocks(fields["kv_num_blocks"], fields["kv_indices"], fields["full_kv_num_blocks"],
-                                        fields["full_kv_indices"], BLOCK_SIZE=block, mask_mod=mask_mod,
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
                                         seq_lengths=(L, S))
 
 

@@ -33,20 +33,24 @@ def add_arguments(p):
                    help="synthetic: tokens (default 16384; 131072 for the 128k view)")
     p.add_argument("--mask", choices=("document", "window", "causal", "none"), default="document",
                    help="synthetic: packed documents with causal inside (default), a sliding window, causal, none")
-    p.add_argument("--window", type=_positive, default=512, help="synthetic: window size for --mask window (default 512)")
+    p.add_argument("--window", type=_positive, default=512,
+                   help="synthetic: window size for --mask window (default 512)")
     p.add_argument("--heads", type=_positive, default=8, help="synthetic: query heads (default 8)")
-    p.add_argument("--kv-heads", type=_positive, default=None, help="synthetic: key/value heads (GQA; default = --heads)")
+    p.add_argument("--kv-heads", type=_positive, default=None,
+                   help="synthetic: key/value heads (GQA; default = --heads)")
     p.add_argument("--dim", type=_positive, default=64, help="synthetic: head dim (default 64)")
     p.add_argument("--seed", type=int, default=0, help="synthetic: seed (default 0)")
     p.add_argument("--text", default=None, help="minilm: the text (default: a built-in paragraph filled to 512 tokens)")
     p.add_argument("--file", default=None, metavar="PATH", help="minilm: read the text from a file")
-    p.add_argument("--max-tokens", type=_positive, default=512, help="minilm: cut the text at this many tokens (<= 512)")
+    p.add_argument("--max-tokens", type=_positive, default=512,
+                   help="minilm: cut the text at this many tokens (<= 512)")
     p.add_argument("--block", type=_positive, default=None,
                    help="tile size in tokens (default 64 for synthetic, 8 for minilm)")
     p.add_argument("--rows", default=None, help="query rows whose exact weights the page embeds, e.g. 0,100,5000 "
                                                 "(default: 8 spread over the input)")
     p.add_argument("--top", type=_positive, default=5, help="heaviest tiles to list (default 5)")
-    p.add_argument("--out", default="attnkit-long.html", metavar="FILE", help="the page to write (default ./attnkit-long.html)")
+    p.add_argument("--out", default="attnkit-long.html", metavar="FILE",
+                   help="the page to write (default ./attnkit-long.html)")
 
 
 def _rows(text, L):
@@ -114,8 +118,8 @@ def run(args) -> int:
 
 
 def _run_minilm(args, out) -> int:
-    from . import CLIError
     from ..integrations.minilm import ModelUnavailable
+    from . import CLIError
 
     if args.text is not None and args.file is not None:
         raise CLIError("--text/--file: expected one of them, got both. Pass the text inline or in a file.")
@@ -124,7 +128,8 @@ def _run_minilm(args, out) -> int:
         try:
             text = Path(args.file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise CLIError(f"--file: cannot read {args.file!r} as UTF-8 text ({e}). Pass a readable text file.") from None
+            raise CLIError(
+                f"--file: cannot read {args.file!r} as UTF-8 text ({e}). Pass a readable text file.") from None
     if args.max_tokens > 512 or args.max_tokens < 3:
         raise CLIError(f"--max-tokens: expected 3..512 (all-MiniLM-L6-v2 has 512 positions), got {args.max_tokens}.")
     if text is not None and not text.strip():
@@ -145,7 +150,7 @@ def _run_minilm(args, out) -> int:
     rows = _rows(args.rows, L)
     block = args.block or 8
     maps, secs = [], 0.0
-    for layer, (q, k) in enumerate(zip(qs, ks)):
+    for layer, (q, k) in enumerate(zip(qs, ks, strict=True)):
         tm = tile_mass(q, k, block=block)
         tm.labels = tokens
         secs += tm.seconds
@@ -158,7 +163,7 @@ def _run_minilm(args, out) -> int:
     far = last.top(args.top, off_diagonal=True)
     if far:
         print("heaviest tiles away from the diagonal (mean of heads):")
-        for m, sh, (q0, q1), (k0, k1) in far:
+        for _mass, sh, (q0, q1), (k0, k1) in far:
             print(f"  queries {q0}-{q1 - 1} {' '.join(tokens[q0:q1])!r} -> keys {k0}-{k1 - 1} "
                   f"{' '.join(tokens[k0:k1])!r}: share {100 * sh:.1f}%")
     page = tile_mass_page(last, maps=maps, rows=rows,

@@ -10,6 +10,7 @@ import torch
 from .. import masks as _masks
 from .. import score_mods as _score_mods
 from ._base import Request
+from ._worklist import WorkList
 
 __all__ = ["TileContext", "additive_mod", "shift_invariant"]
 
@@ -34,7 +35,7 @@ class TileContext:
     def __init__(self, req: Request, worker: str):
         self.req = req
         self.worker = worker  # "fused" or "plain", decided by attnkit._dispatch (see tiled.choose_worker)
-        self.plan = None  # _worklist.WorkList, set by the launcher
+        self.plan: WorkList | None = None  # set by the launcher
         self.schedule: list | None = None
         self.causal: tuple | None = None  # fused, causal alone: _tiled_fused.causal_pieces (set by the launcher)
         B, H, L, S, D, Dv, Hkv = req.shape

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import masks as _masks
+from .. import score_mods as _score_mods
 from . import _flash_cpu, _softmax
 from ._tiled_ctx import TileContext
 from ._tiles import allowed_tile, index_grid, tile_of
@@ -31,6 +32,13 @@ __all__ = ["mask_tile", "schedule", "forward", "backward", "causal_pieces", "cau
 
 # Largest per-call buffer (elements) of a batch of diagonal runs (see schedule).
 BATCH_ELEMS = 1 << 22
+
+
+def _allowed(c: TileContext, i0: int, l: int, j0: int, n: int) -> torch.Tensor:
+    """``allowed_tile`` of a partial tile: there is a mask (or none of the tiles would be partial)."""
+    allowed = allowed_tile(c.req, i0, l, j0, n)
+    assert allowed is not None, "a partial tile without a mask"
+    return allowed
 
 
 def mask_tile(c: TileContext, i0, i1, j0, j1, spans):
@@ -44,17 +52,20 @@ def mask_tile(c: TileContext, i0, i1, j0, j1, spans):
     if hit is not None:
         return hit
     key = None
-    if c.tile_cache is not None:
+    cache = c.tile_cache
+    if cache is not None:
         key = (i0 - j0, i1 - i0, j1 - j0, tuple((a - j0, b - j0) for a, b in spans))
-        hit = c.tile_cache.get(key)
+        hit = cache.get(key)
         if hit is not None:
             return hit
     l, n = i1 - i0, j1 - j0
-    pieces = [allowed_tile(req, i0, l, a, b - a) for a, b in spans]
+    pieces = [_allowed(c, i0, l, a, b - a) for a, b in spans]
     bias = None if req.bias is None else tile_of(req.bias, i0, l, j0, n)
     if c.additive:  # alibi / relative_bias: score_mod(s) = s + f(h, q, kv), so f is a bias tile
-        b_, h_, q_, kv_ = index_grid(c.B, c.H, i0, l, j0, n, req.q.device)
-        mod_bias = req.score_mod.additive_bias(h_, q_, kv_, c.cd, req.q.device)
+        _, h_, q_, kv_ = index_grid(c.B, c.H, i0, l, j0, n, req.q.device)
+        mod = req.score_mod
+        assert isinstance(mod, _score_mods.ScoreMod), "c.additive: one of attnkit's additive score_mods"
+        mod_bias = mod.additive_bias(h_, q_, kv_, c.cd, req.q.device)
         bias = mod_bias if bias is None else bias.to(c.cd) + mod_bias
     shapes = [t.shape for t in pieces] + ([] if bias is None else [bias.shape])
     Bm = max(sh[0] for sh in shapes)
@@ -62,15 +73,15 @@ def mask_tile(c: TileContext, i0, i1, j0, j1, spans):
     m = torch.zeros(Bm, Hm, l, n, dtype=c.cd, device=req.q.device)
     if bias is not None:
         m += bias.to(c.cd)
-    for (a, b), allowed in zip(spans, pieces):
+    for (a, b), allowed in zip(spans, pieces, strict=True):
         m[..., a - j0:b - j0].masked_fill_(~allowed, float("-inf"))
     if Hm == 1:  # the same mask for every head: repeat it for the g heads stacked in the rows
         m = m.unsqueeze(2).expand(Bm, 1, c.g, l, n).reshape(Bm, 1, c.g * l, n) if c.g > 1 else m
     else:
         m = m.view(Bm, c.Hkv, c.g * l, n)
     out = (m, torch.isneginf(m).all(dim=-1))
-    if key is not None:
-        c.tile_cache[key] = out
+    if cache is not None and key is not None:
+        cache[key] = out
     return out
 
 
@@ -92,6 +103,7 @@ def schedule(c: TileContext):
     """
     if c.schedule is not None:
         return c.schedule
+    assert c.plan is not None, "the launcher sets the work list first"
     items = [("group", i0, i1, runs) for i0, i1, runs in c.plan.groups]
     # A batch shares one mask tile: fine for a mask known to be shift-invariant (the tile
     # depends only on the offset), for runs that need no mask tile at all, and for any other
@@ -104,7 +116,8 @@ def schedule(c: TileContext):
     def eligible(runs):
         return len(runs) == 1 and (shift or (plain and not runs[0][2]) or check)
 
-    out, seq = [], []
+    out: list[tuple] = []  # ("group", i0, i1, runs) or ("batch", i0, l, nb, j0, n, rel)
+    seq: list[tuple] = []  # the ("group", ...) items of the diagonal batch being gathered
 
     def close():
         if check and len(seq) >= 2 and seq[0][3][0][2]:
@@ -156,12 +169,15 @@ def _equal_tiles(c: TileContext, seq):
     a function of its bool pieces (``allowed_tile`` per span, same relative spans along ``seq``),
     so those are compared; the first tile of each stretch of two or more is built once and
     recorded for all its groups in ``c.verified`` (forward and backward reuse it)."""
-    parts, firsts = [], []
+    parts: list[list[tuple]] = []
+    firsts: list[list[torch.Tensor] | None] = []
     for it in seq:
         _, i0, i1, ((j0, j1, spans),) = it
-        pieces = [allowed_tile(c.req, i0, i1 - i0, a, b - a) for a, b in spans]
+        pieces = [_allowed(c, i0, i1 - i0, a, b - a) for a, b in spans]
         first = firsts[-1] if firsts else None
-        if first is not None and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(pieces, first)):
+        # seq's groups have the same relative spans: as many pieces as the first's
+        if first is not None and all(x.shape == y.shape and torch.equal(x, y)
+                                     for x, y in zip(pieces, first, strict=True)):
             parts[-1].append(it)
         else:
             if parts and len(parts[-1]) < 2:
@@ -241,6 +257,7 @@ def forward(c: TileContext, q, k, v):
                 continue
             # runs of one query block cover disjoint keys: merge by log-sum-exp, fp32 accumulators
             acc, lse_i = _softmax.merge(acc.to(c.cd), lse_i, o_r.to(c.cd), lse_r)
+        assert acc is not None and lse_i is not None, "a work-list group has at least one run"
         out[:, :, :, i0:i1] = acc.view(B, Hkv, g, l, Dv)
         lse[:, :, :, i0:i1] = lse_i.view(B, Hkv, g, l)
     return out.view(B, c.H, L, Dv), lse.view(B, c.H, L)
@@ -273,6 +290,7 @@ def backward(c: TileContext, q, k, v, out, lse, dout):
             dqb = dq_r.to(c.cd) if dqb is None else dqb.add_(dq_r)
             dk[:, :, j0:j1] += dk_r
             dv[:, :, j0:j1] += dv_r
+        assert dqb is not None, "a work-list group has at least one run"
         dq[:, :, :, i0:i1] = dqb.view(B, Hkv, g, l, D)
     return dq.view(B, c.H, L, D), dk, dv
 
@@ -310,6 +328,7 @@ def causal_forward(c: TileContext, q, k, v):
     q5 = q.view(B, Hkv, g, L, D)
     out = torch.empty(B, Hkv, g, L, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hkv, g, L, dtype=c.cd, device=q.device)
+    assert c.causal is not None, "the launcher sets the causal pieces first"
     for j in range(g):
         acc = lse_i = None
         for j0, j1, is_causal in c.causal:
@@ -320,6 +339,7 @@ def causal_forward(c: TileContext, q, k, v):
                 acc, lse_i = o_r, lse_r
             else:
                 acc, lse_i = _softmax.merge(acc.to(c.cd), lse_i, o_r.to(c.cd), lse_r)
+        assert acc is not None and lse_i is not None, "causal_pieces gives at least one piece"
         out[:, :, j] = acc
         lse[:, :, j] = lse_i
     return out.view(B, c.H, L, Dv), lse.view(B, c.H, L)
@@ -336,6 +356,7 @@ def causal_backward(c: TileContext, q, k, v, out, lse, dout):
     dq = torch.zeros(B, Hkv, g, L, D, dtype=c.cd, device=q.device)
     dk = torch.zeros(B, Hkv, c.S, D, dtype=c.cd, device=q.device)
     dv = torch.zeros(B, Hkv, c.S, Dv, dtype=c.cd, device=q.device)
+    assert c.causal is not None, "the launcher sets the causal pieces first"
     for j in range(g):
         for j0, j1, is_causal in c.causal:
             dq_r, dk_r, dv_r = _flash_cpu.backward(do5[:, :, j], q5[:, :, j], k[:, :, j0:j1], v[:, :, j0:j1],

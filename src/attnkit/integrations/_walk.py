@@ -7,9 +7,10 @@ token ids. The verdict is one of:
 
 * ``exact``: logits (or last hidden states) within the float32 budget of eager's, on every
   unpadded position, and for a causal LM the greedy tokens and logits of ``generate`` (4 new
-  tokens, dynamic and static cache) equal to eager's, with attnkit's attention function called (``exact*``: attnkit was never
-  called — the model computes its own attention and asks neither hook, or the tiny model's two
-  layers are all recurrent/linear ones — so eager's code ran twice, equal by construction);
+  tokens, dynamic and static cache) equal to eager's, with attnkit's attention function called
+  (``exact*``: attnkit was never called — the model computes its own attention and asks neither
+  hook, or the tiny model's two layers are all recurrent/linear ones — so eager's code ran twice,
+  equal by construction);
 * ``refused``: a clear attnkit error (``UnsupportedModelError``, or a ``ValueError`` /
   ``TypeError`` raised by attnkit naming what it will not run) at construction or first forward;
 * ``skipped``: cannot be built tiny and offline here (composite vision/audio config, inputs other
@@ -40,6 +41,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -99,13 +101,13 @@ def _tiny_config(model_type: str):
     cfg_cls = CONFIG_MAPPING[model_type]
     try:
         default = cfg_cls()
-    except Exception as e:  # noqa: BLE001 - reported as the reason for skipping
+    except Exception as e:  # reported as the reason for skipping
         raise _Skip(f"default config rejected ({type(e).__name__}: {_first_line(e)})") from None
     subs = [k for k in (getattr(default, "sub_configs", None) or {})
             if _plain_attr(default, k) is not None and k not in _OPTION_SUBCONFIGS]
     if subs:  # its default sub-models are full size: not tiny, and not what this walk is about
         raise _Skip(f"composite config ({', '.join(subs)})")
-    kw = {k: v for k, v in TINY.items() if _has(default, k)}
+    kw: dict[str, Any] = {k: v for k, v in TINY.items() if _has(default, k)}  # config keyword -> value
     kw.update({k: v for k, v in BINDING.items() if _plain_attr(default, k) is not None})
     for k, v in dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, decoder_start_token_id=1).items():
         if _plain_attr(default, k) is not None:
@@ -117,7 +119,7 @@ def _tiny_config(model_type: str):
     for _ in range(6):  # drop what this config will not take (a read-only property, a field it validates)
         try:
             return cfg_cls(**kw)
-        except Exception as e:  # noqa: BLE001 - reported as the reason for skipping
+        except Exception as e:  # reported as the reason for skipping
             err = e
             bad = re.search(r"property '(\w+)'|field '(\w+)'", str(e))
             name = bad and (bad.group(1) or bad.group(2))
@@ -131,14 +133,14 @@ def _has(cfg, name) -> bool:
     try:
         getattr(cfg, name)
         return True
-    except Exception:  # noqa: BLE001 - missing, or a per-layer attribute transformers refuses to read globally
+    except Exception:  # missing, or a per-layer attribute transformers refuses to read globally
         return False
 
 
 def _plain_attr(cfg, name):
     try:
         return getattr(cfg, name, None)
-    except Exception:  # noqa: BLE001 - a per-layer attribute transformers refuses to read globally
+    except Exception:  # a per-layer attribute transformers refuses to read globally
         return None
 
 
@@ -168,7 +170,7 @@ def _inputs(cfg, forward_params):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3 if vocab > 3 else 0, vocab, (B, N), generator=g)
     am = torch.ones(B, N, dtype=torch.long)
-    kw = dict(input_ids=ids, attention_mask=am)
+    kw: dict[str, Any] = dict(input_ids=ids, attention_mask=am)  # forward's keyword arguments
     if "use_cache" in forward_params:  # one forward, no cache (hybrid caches refuse some inputs without one)
         kw["use_cache"] = False
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in forward_params:
@@ -221,7 +223,7 @@ def walk_one(model_type: str, cls_name: str, *, generate: bool = True) -> Result
             res.verdict, res.detail = _walk_one(transformers, model_type, cls_name, generate)
     except _Skip as e:
         res.verdict, res.detail = "skipped", str(e)
-    except Exception as e:  # noqa: BLE001 - the walk itself tripped: reported, never hidden
+    except Exception as e:  # the walk itself tripped: reported, never hidden
         res.verdict, res.detail = "CRASH", f"walk: {type(e).__name__}: {_first_line(e)}"
     res.seconds = time.perf_counter() - t0
     return res
@@ -235,19 +237,19 @@ def _walk_one(transformers, model_type, cls_name, generate):
     torch.manual_seed(0)
     try:
         eager = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _Skip(f"cannot build tiny ({type(e).__name__}: {_first_line(e)})") from None
     kw, am = _inputs(cfg, inspect.signature(cls.forward).parameters)
     try:
         with torch.no_grad():
             want = _main_output(eager(**kw))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _Skip(f"eager forward on token ids failed ({type(e).__name__}: {_first_line(e)})") from None
     if want is None or not want.is_floating_point():
         raise _Skip("no logits or hidden states to compare")
     try:
         ak = cls._from_config(copy.deepcopy(cfg), attn_implementation=ak_hf.NAME).eval()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if _from_attnkit(e):
             return "refused", f"at construction: {type(e).__name__}: {_first_line(e, 140)}"
         return "CRASH", f"construction on attnkit: {type(e).__name__}: {_first_line(e)}"
@@ -258,7 +260,7 @@ def _walk_one(transformers, model_type, cls_name, generate):
     try:
         with torch.no_grad():
             got = _main_output(ak(**kw))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if _from_attnkit(e) and isinstance(e, (ValueError, TypeError)):
             return "refused", f"first forward: {type(e).__name__}: {_first_line(e, 140)}"
         return "CRASH", f"forward on attnkit: {type(e).__name__}: {_first_line(e)}\n{traceback.format_exc(limit=-3)}"
@@ -309,18 +311,19 @@ def _check_generate(eager, ak, kw, cache):
     try:
         with torch.no_grad():
             want = eager.generate(**args)
-    except Exception:  # noqa: BLE001 - eager cannot generate this way (no static cache for it): nothing to compare
+    except Exception:  # eager cannot generate this way (no static cache for it): nothing to compare
         return False
     try:
         with torch.no_grad():
             got = ak.generate(**args)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if _from_attnkit(e) and isinstance(e, (ValueError, TypeError)):
             return "refused", f"generate ({cache} cache): {type(e).__name__}: {_first_line(e, 140)}"
         return "CRASH", f"generate ({cache} cache) on attnkit: {type(e).__name__}: {_first_line(e)}"
     if not torch.equal(got.sequences, want.sequences):
         return "WRONG", f"generate ({cache} cache): tokens differ from eager's"
-    err = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
+    # equal sequences: as many steps' logits on both sides
+    err = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True))
     budget = RTOL * max(1.0, max(b.abs().max().item() for b in want.logits))
     if not err <= budget:
         return "WRONG", f"generate ({cache} cache): logits differ by {err:.3g} > budget {budget:.3g}"
@@ -333,10 +336,7 @@ def walk(selected=None, *, sample: int = 1, generate: bool = True, progress=None
 
     ak_hf.register()
     fams = families()
-    if selected is not None:
-        fams = [f for f in fams if f[0] in set(selected)]
-    else:
-        fams = fams[::sample]
+    fams = [f for f in fams if f[0] in set(selected)] if selected is not None else fams[::sample]
     transformers.AttentionInterface.register(ak_hf.NAME, _counting)
     out = []
     try:
@@ -377,9 +377,12 @@ def main(argv=None):
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     t = time.perf_counter()
-    res = walk(a.families or None, sample=a.sample,
-               progress=lambda r: print(f"{r.family:32s} {r.verdict:8s} {r.seconds:5.2f}s {r.detail.splitlines()[0] if r.detail else ''}",
-                                        file=sys.stderr))
+
+    def progress(r):
+        first = r.detail.splitlines()[0] if r.detail else ""
+        print(f"{r.family:32s} {r.verdict:8s} {r.seconds:5.2f}s {first}", file=sys.stderr)
+
+    res = walk(a.families or None, sample=a.sample, progress=progress)
     print(table(res))
     print(f"\nwalk time: {time.perf_counter() - t:.1f}s")
     return 1 if any(r.verdict in ("WRONG", "CRASH") for r in res) else 0

@@ -66,9 +66,11 @@ import contextvars
 import inspect
 import re
 import sys
+import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -90,7 +92,7 @@ def _import_transformers():
     if _IMPORTED is not None:
         return _IMPORTED
     try:
-        import transformers  # noqa: F401
+        import transformers
         from transformers import masking_utils
     except ImportError as e:  # pragma: no cover - exercised by the CLI with transformers hidden
         raise ImportError(
@@ -203,7 +205,7 @@ def _check_uses_attention_interface(config):
             src = inspect.getsource(mod) if mod is not None else ""
         except (OSError, TypeError):  # no source to read: do not guess
             src = ""
-        if re.search(r"^class \w*Attention\w*\(nn\.Module\):", src, re.MULTILINE) and \
+        if mod is not None and re.search(r"^class \w*Attention\w*\(nn\.Module\):", src, re.MULTILINE) and \
                 "ALL_ATTENTION_FUNCTIONS" not in src:
             sdpa = _module_supports_sdpa(mod)
             verdict = _refusal(_model_name(mod), mod.__name__, ["sdpa"] if sdpa else [])
@@ -271,7 +273,7 @@ def _built_ahead_of_the_forward() -> bool:
     mask is built as transformers' dense tensor: what sdpa gets, and exact. (Static caches are
     dense at every decoding step anyway: their query offset is a tensor, see structured_mask.)
     """
-    f = sys._getframe(2)
+    f: types.FrameType | None = sys._getframe(2)
     for _ in range(_PREBUILD_DEPTH):
         if f is None:
             return False
@@ -349,7 +351,8 @@ def _reads_non_blockmask(mod) -> bool:
 
 
 def _closure(fn) -> dict:
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in (fn.__closure__ or ()))))
+    # one cell per free variable (no free variables: no closure)
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in (fn.__closure__ or ())), strict=True))
 
 
 def _pieces(fn, mu):
@@ -370,7 +373,8 @@ def _pieces(fn, mu):
         parts = [_pieces(f, mu) for f in cells["mask_functions"]]
         if any(p is None for p in parts):
             return None
-        if len(parts) == 2 and len(parts[0]) == 1 and parts[0][0][0] == "docs" and parts[1] and parts[1][0][0] == "remap":
+        if (len(parts) == 2 and len(parts[0]) == 1 and parts[0][0][0] == "docs" and parts[1]
+                and parts[1][0][0] == "remap"):
             # packed_sequence_compatibility_function: documents, and the model's mask on per-document positions
             (_, ids), (_, (inner, pos)) = parts[0][0], parts[1][0]
             return [("packed", (ids, pos, inner))]
@@ -431,7 +435,7 @@ def checked_kinds() -> dict:
                     ref = mu.sdpa_mask(batch_size=B, q_length=L, kv_length=S, q_offset=qo, kv_offset=ko,
                                        mask_function=fn, attention_mask=am, allow_is_causal_skip=False)
                     ok = ok and torch.equal(got.materialize(B, 1, L, S), ref.expand(B, 1, L, S))
-        except Exception:  # noqa: BLE001 - any surprise here means: do not trust the reading
+        except Exception:  # any surprise here means: do not trust the reading
             ok = False
         if not ok:
             warnings.warn(f"attnkit: transformers' {kind!r} mask functions do not mean what attnkit reads them as "
@@ -449,7 +453,7 @@ def _align(d: int, L: int, S: int):
 
 def _from_pieces(pieces, L: int, S: int, d: int, kv_offset: int = 0):
     """One attnkit mask for the AND of ``pieces`` in index space (query i at key position i + d), or None."""
-    kinds = {}
+    kinds: dict[str, Any] = {}  # piece kind -> its value (a window size, padding lengths, ...)
     for kind, val in pieces:
         if kind in kinds and kinds[kind] != val:
             return None
@@ -604,7 +608,7 @@ class _Capture:
     def check_complete(self):
         """After the forward: every asked-for layer must have been recorded."""
         if self.layers is not None:
-            expected = sorted(self.layers)
+            expected: list[int] | None = sorted(self.layers)
         elif self.n_layers is not None:
             expected = list(range(self.n_layers))
         else:  # all layers of an unknown model: at least one, and no gap below the deepest one seen
@@ -791,7 +795,9 @@ def _check_kwargs(module, kwargs):
             f"(known: {', '.join(sorted(set(_HANDLED) | set(_HARMLESS) | set(_REFUSED)))}).")
 
 
-_COLLECTOR = None  # transformers' context variable of the output recorder, looked up once
+# transformers' context variable of the output recorder, looked up once (False: this transformers has none);
+# Any: its class (CompileableContextVar today) is transformers' own and changes between versions
+_COLLECTOR: Any = None
 
 
 def _recorder_wants_attentions() -> bool:
@@ -945,6 +951,7 @@ def attnkit_attention_forward(module, query, key, value, attention_mask, dropout
     out, w = res if (want_all or record) else (res, None)
     weights = None
     if record:
+        assert cap is not None and w is not None, "record is set only under a capture, which asks for weights"
         cap.weights[layer] = (w[:, heads] if (want_all and heads is not None) else w).detach()  # (B, H', L, S)
     if want_all:
         weights = w  # (B, H, L, S), as transformers' eager path returns them

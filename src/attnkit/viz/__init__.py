@@ -19,10 +19,10 @@ for the page — and token labels, so they work for any model or for
   bad arguments raise :class:`ShowInputError` (a ``ValueError`` naming the argument).
 """
 
+from ._show import ShowDependencyError, ShowInputError, ShowResult, show
 from .explain_html import explain_page, save_explain_page
 from .html import save_attention_html
 from .png import save_heads_png
-from ._show import ShowDependencyError, ShowInputError, ShowResult, show
 from .tilemass import TileMass, tile_mass
 
 __all__ = ["save_heads_png", "save_attention_html", "explain_page", "save_explain_page", "show", "ShowResult",

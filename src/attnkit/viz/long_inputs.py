@@ -12,8 +12,6 @@ Shape legend: B batch, H query heads, Hkv key/value heads, L query length, S key
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import masks as _masks
@@ -118,15 +116,17 @@ def minilm_qk(text: str | None = None, *, max_tokens: int = MINILM_MAX_TOKENS, m
     if fill and len(ids) < room:
         ids = (ids * (room // max(1, len(ids)) + 1))[:room]
     elif len(ids) > room:
-        note = f"kept the first {room} of {len(ids)} text tokens (the model has {max_tokens} positions with [CLS] and [SEP])"
+        note = (f"kept the first {room} of {len(ids)} text tokens "
+                f"(the model has {max_tokens} positions with [CLS] and [SEP])")
         ids = ids[:room]
-    input_ids = torch.tensor([[tok.cls_token_id] + ids + [tok.sep_token_id]])
+    input_ids = torch.tensor([[tok.cls_token_id, *ids, tok.sep_token_id]])
     with torch.no_grad():
         out = model(input_ids=input_ids, output_hidden_states=True)
     cfg = model.config
     nh, hd = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
     qs, ks = [], []
-    for layer, h in zip(model.encoder.layer, out.hidden_states[:-1]):  # hidden_states[l] is layer l's input
+    # hidden_states[l] is layer l's input: one per layer, and the last output
+    for layer, h in zip(model.encoder.layer, out.hidden_states[:-1], strict=True):
         sa = layer.attention.self
         with torch.no_grad():
             q = sa.query(h).view(1, -1, nh, hd).transpose(1, 2).contiguous()

@@ -42,7 +42,6 @@ rows' full softmax).
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -92,7 +91,7 @@ def _live_kinds(req, block) -> torch.Tensor:
 
 def _runs_of(kinds: torch.Tensor, block, S: int, max_run: int):
     """For each query block, its runs of adjacent non-empty key blocks, capped at ``max_run`` keys."""
-    bm, bn = block
+    bn = block[1]
     k = kinds.numpy()
     cap = max(1, max_run // bn)
     out = []
@@ -192,7 +191,8 @@ class TileMass:
     def _check_heads(self, heads) -> list:
         if heads is None:
             return list(range(self.H))
-        items = [heads] if isinstance(heads, int) else (list(heads) if isinstance(heads, (list, tuple, range)) else None)
+        items = [heads] if isinstance(heads, int) else (
+            list(heads) if isinstance(heads, (list, tuple, range)) else None)
         if not items or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < self.H for h in items):
             raise ValueError(f"heads: expected None (all), an int or a list of ints in 0..{self.H - 1}, got {heads!r}.")
         return items
@@ -234,20 +234,21 @@ class TileMass:
         if self.kinds[qb, kb] == EMPTY:
             return torch.zeros(len(heads), i1 - i0, j1 - j0, dtype=self.mass.dtype)
         # row statistics over the live key runs of this query block
-        M = l = None
+        M = l_i = None
         for a, c, _ in _runs_of(self.kinds[qb:qb + 1], self.block, self.S, MAX_RUN)[0]:
             s = self._scores(b, heads, i0, i1, a * bn, min(self.S, c * bn))[0]
             m_r = s.amax(-1)
-            if M is None:
-                M, l = m_r, torch.exp(s - _softmax.guard(m_r)[..., None]).sum(-1)
+            if M is None or l_i is None:
+                M, l_i = m_r, torch.exp(s - _softmax.guard(m_r)[..., None]).sum(-1)
             else:
                 Mn = torch.maximum(M, m_r)
                 g = _softmax.guard(Mn)
-                l = l * torch.exp(_softmax.guard(M) - g) + torch.exp(s - g[..., None]).sum(-1)
+                l_i = l_i * torch.exp(_softmax.guard(M) - g) + torch.exp(s - g[..., None]).sum(-1)
                 M = Mn
+        assert M is not None and l_i is not None, "a non-empty tile lies in one of its block's runs"
         s = self._scores(b, heads, i0, i1, j0, j1)[0]
         w = torch.exp(s - _softmax.guard(M)[..., None])
-        return torch.where(l[..., None] > 0, w / torch.where(l > 0, l, torch.ones_like(l))[..., None],
+        return torch.where(l_i[..., None] > 0, w / torch.where(l_i > 0, l_i, torch.ones_like(l_i))[..., None],
                            torch.zeros_like(w))
 
     def _scores(self, b, heads, i0, i1, j0, j1) -> torch.Tensor:
@@ -357,10 +358,12 @@ def tile_mass(q, k, *, mask=None, causal: bool = False, scale=None, score_mod=No
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                        dropout_p=0.0, return_lse=False, backend="auto")
     if req.plan is not None:
-        if block != (64, 64) and _check_block(block) != req.plan.block:
-            raise ValueError(f"block: the plan passed as mask has tiles {req.plan.block}, got block={block!r}. "
+        plan = req.plan
+        assert isinstance(plan, _plans.BlockPlan), "Request.plan is a BlockPlan (typed object there: no import cycle)"
+        if block != (64, 64) and _check_block(block) != plan.block:
+            raise ValueError(f"block: the plan passed as mask has tiles {plan.block}, got block={block!r}. "
                              "Leave block out (the plan's tiles are used) or build the plan with this block.")
-        block = req.plan.block
+        block = plan.block
     block = _check_block(block)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -373,9 +376,8 @@ def tile_mass(q, k, *, mask=None, causal: bool = False, scale=None, score_mod=No
 
 def _run(req, block, max_run, workers) -> TileMass:
     B, H, L, S, D, _, Hkv = req.shape
-    bm, bn = block
     kinds = _live_kinds(req, block)
-    nq, nk = kinds.shape
+    nq = kinds.shape[0]
     tiles = torch.nonzero(kinds != EMPTY)  # (T, 2) sorted by query block, then key block
     T = tiles.shape[0]
     od = torch.float64 if req.compute_dtype() == torch.float64 else torch.float32
@@ -397,9 +399,12 @@ def _run(req, block, max_run, workers) -> TileMass:
         prev = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
+            def share(qbs):
+                for qb in qbs:
+                    _one_block(req, block, qb, all_runs[qb], int(starts[qb]), out)
+
             with ThreadPoolExecutor(workers) as ex:
-                list(ex.map(lambda qbs: [_one_block(req, block, qb, all_runs[qb], int(starts[qb]), out)
-                                         for qb in qbs], chunks))
+                list(ex.map(share, chunks))  # list(): wait for every share, re-raising its error
         finally:
             torch.set_num_threads(prev)
     else:
@@ -440,7 +445,8 @@ def _one_block(req, block, qb, runs, pos, out) -> None:
     if len(parts) == 1:
         sums = parts[0]
     else:  # bring every run to the row's overall max
-        sums = torch.cat([p * torch.exp(_softmax.guard(m) - Mg).unsqueeze(-1) for p, m in zip(parts, maxes)], -1)
+        sums = torch.cat([p * torch.exp(_softmax.guard(m) - Mg).unsqueeze(-1)
+                          for p, m in zip(parts, maxes, strict=True)], -1)  # one max per run
     l_i = sums.sum(-1)  # (B, H, l)
     alive = l_i > 0
     safe = torch.where(alive, l_i, torch.ones_like(l_i))
