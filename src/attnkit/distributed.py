@@ -852,11 +852,15 @@ def _feed_container(h, x, depth, active):
     elif isinstance(x, torch.nn.Module):
         _tag(h, "module", type(x).__module__, type(x).__qualname__)
         _feed(h, dict(x.state_dict()), depth, active)
-    else:  # an object (a mask, a score_mod, a callable): its type and public attributes
+    else:  # an object (a mask, a score_mod, a callable): its type and attributes
         _tag(h, "object", type(x).__module__, type(x).__qualname__)
         attrs = getattr(x, "__dict__", None)
         if attrs is not None:
-            _feed(h, {k: v for k, v in attrs.items() if not k.startswith("_")}, depth, active)
+            # attnkit's masks keep their data private (Document's ids, Padding's lengths: copies the
+            # caller cannot change) and no lazy cache in __dict__, so every attribute is content;
+            # another object's private attributes may be caches filled on some ranks only.
+            whole = isinstance(x, _masks.Mask)
+            _feed(h, {k: v for k, v in attrs.items() if whole or not k.startswith("_")}, depth, active)
         call = getattr(type(x), "__call__", None)  # noqa: B004 - reads the method's code, not a callability test
         if isinstance(call, types.FunctionType):
             _feed(h, call.__code__, depth, active)
