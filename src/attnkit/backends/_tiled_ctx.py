@@ -36,6 +36,10 @@ class TileContext:
         self.req = req
         self.worker = worker  # "fused" or "plain", decided by attnkit._dispatch (see tiled.choose_worker)
         self.plan: WorkList | None = None  # set by the launcher
+        # the tile shape and caller's tile map the work list was cut from (set by the launcher; the
+        # backward cuts a plain work list from them when a gradient flows into lse)
+        self.plan_bm_bn: tuple[int, int] = (0, 0)
+        self.given: torch.Tensor | None = None
         self.schedule: list | None = None
         self.causal: tuple | None = None  # fused, causal alone: _tiled_fused.causal_pieces (set by the launcher)
         B, H, L, S, D, Dv, Hkv = req.shape

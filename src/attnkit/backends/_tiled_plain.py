@@ -78,6 +78,7 @@ def forward(c: TileContext, qs, k, v):
     qs5 = qs.view(B, Hkv, g, L, qs.shape[-1])
     out = torch.zeros(B, Hkv, g, L, Dv, dtype=c.cd, device=qs.device)
     lse = torch.full((B, Hkv, g, L), float("-inf"), dtype=c.cd, device=qs.device)
+    assert c.plan is not None  # set by the launcher
     for i0, i1, runs in c.plan.groups:
         l = i1 - i0
         qb = c.q_block(qs5, i0, i1)
@@ -109,6 +110,7 @@ def backward(c: TileContext, qs, k, v, out, lse, dout, dlse):
     bias = c.req.bias
     dbias = torch.zeros(bias.shape, dtype=c.cd, device=bias.device) if bias is not None and c.bias_grad else None
     dcap: list[torch.Tensor | None] = [None] * len(c.captured)
+    assert c.plan is not None  # set by the launcher
     for i0, i1, runs in c.plan.groups:
         l = i1 - i0
         qb = c.q_block(qs5, i0, i1)  # (B, Hkv, g·l, D), already scaled
