@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import textwrap
@@ -29,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = ("console", "bash", "sh", "shell")
 MAX_NOT_RUN = 6
 _MARK = re.compile(r"^<!--\s*(not-run|shows-error)\s*:?\s*(.*?)\s*-->$")
@@ -125,17 +124,34 @@ def test_no_command_line_escapes_the_test():
     assert not bad, "command lines outside a console block:\n" + "\n".join(bad)
 
 
+# One interpreter per page: the Python blocks in order in one namespace, then each command line
+# through attnkit's own entry point (`attnkit.cli.main`, what the `attnkit` script calls) with its
+# stdout and stderr captured; the import of torch is paid once per page, not once per line.
 _RUNNER = textwrap.dedent('''
-    import json, sys, traceback
-    blocks = json.load(open(sys.argv[1], encoding="utf-8"))
+    import contextlib, io, json, shlex, sys, traceback
+    job = json.load(open(sys.argv[1], encoding="utf-8"))
     ns = {"__name__": "__main__"}
-    for where, src in blocks:
+    for where, src in job["python"]:
         try:
             exec(compile(src, where, "exec"), ns)
         except BaseException:
             print("FAILED in block " + where, file=sys.stderr)
             traceback.print_exc()
             sys.exit(1)
+    from attnkit import cli
+    results = []
+    for where, cmd in job["commands"]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = cli.main(shlex.split(cmd, comments=True)[1:])
+            except SystemExit as e:  # argparse's own errors and --help/--version
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+                rc = "traceback"
+        results.append(dict(where=where, cmd=cmd, rc=rc, stderr=err.getvalue()[-4000:]))
+    json.dump(results, open(sys.argv[2], "w", encoding="utf-8"))
 ''')
 
 
@@ -149,25 +165,21 @@ def _pages_with_code():
 def test_page_examples_run(page, tmp_path):
     bs = [b for b in blocks(page) if b.mark != "not-run"]
     py = [(b.where, b.text) for b in bs if b.lang == "python"]
+    cmds = [(b, c) for b in bs if b.lang in SHELL for c in command_lines(b)]
     t0 = time.perf_counter()
-    if py:
-        (tmp_path / ".blocks.json").write_text(json.dumps(py), encoding="utf-8")
-        (tmp_path / ".run.py").write_text(_RUNNER, encoding="utf-8")
-        r = subprocess.run([sys.executable, ".run.py", ".blocks.json"], cwd=tmp_path, env=_env(),
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    for b in bs:
-        if b.lang not in SHELL:
-            continue
-        for cmd in command_lines(b):
-            argv = shlex.split(cmd, comments=True)
-            r = subprocess.run([sys.executable, "-m", "attnkit", *argv[1:]], cwd=tmp_path, env=_env(),
-                               capture_output=True, text=True, timeout=600)
-            if b.mark == "shows-error":
-                assert r.returncode == 2 and "Traceback" not in r.stderr, f"{b.where}: {cmd}\n{r.stderr}"
-                assert r.stderr.strip().count("\n") == 0, f"{b.where}: {cmd}: not one line:\n{r.stderr}"
-            else:
-                assert r.returncode == 0, f"{b.where}: `{cmd}` exited {r.returncode}\n{r.stderr[-4000:]}"
-    print(f"{page.name}: {len(py)} python blocks, "
-          f"{sum(len(command_lines(b)) for b in bs if b.lang in SHELL)} command lines, "
-          f"{time.perf_counter() - t0:.1f}s")
+    (tmp_path / ".job.json").write_text(json.dumps({"python": py, "commands": [(b.where, c) for b, c in cmds]}),
+                                        encoding="utf-8")
+    (tmp_path / ".run.py").write_text(_RUNNER, encoding="utf-8")
+    r = subprocess.run([sys.executable, ".run.py", ".job.json", ".results.json"], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    results = json.loads((tmp_path / ".results.json").read_text(encoding="utf-8"))
+    assert len(results) == len(cmds)
+    for (b, cmd), res in zip(cmds, results, strict=True):
+        where = f"{b.where}: `{cmd}`"
+        if b.mark == "shows-error":  # a user error: status 2, one line, no traceback
+            assert res["rc"] == 2 and "Traceback" not in res["stderr"], f"{where}\n{res}"
+            assert res["stderr"].strip().count("\n") == 0, f"{where}: not one line:\n{res['stderr']}"
+        else:
+            assert res["rc"] == 0, f"{where} exited {res['rc']}\n{res['stderr']}\n{r.stderr[-3000:]}"
+    print(f"{page.name}: {len(py)} python blocks, {len(cmds)} command lines, {time.perf_counter() - t0:.1f}s")

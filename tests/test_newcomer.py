@@ -83,7 +83,7 @@ def test_explain_html_checks_the_path_before_printing(tmp_path, capsys, where):
 
 
 def test_explain_html_still_writes_a_good_path(tmp_path, capsys):
-    rc, out, err = _run(capsys, ["explain", "--html", str(tmp_path / "p.html")])
+    rc, out, _ = _run(capsys, ["explain", "--html", str(tmp_path / "p.html")])
     assert rc == 0 and (tmp_path / "p.html").stat().st_size > 1000 and "5.0000" in out
 
 
