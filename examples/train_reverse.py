@@ -3,6 +3,10 @@
     python examples/train_reverse.py                    # seq_len 12, vocab 16, stops at 99.9 % accuracy
     python examples/train_reverse.py --out maps.png --seq-len 16
 
+The picture goes to ``attnkit-out/reverse_attention.png`` (the folder ``attnkit demo`` writes to,
+ignored by git) unless ``--out`` names another file, so a run never litters the directory it
+starts in.
+
 Reversal needs attention (output i copies input L-1-i), so the trained model's
 attention maps show an anti-diagonal. The model, data and training loop are
 ``reverse_task.py`` next to this script (also used by the test suite); this script adds
@@ -69,6 +73,9 @@ def plot_attention(model, tokens: torch.Tensor, path: str) -> None:
     plt.close(fig)
 
 
+DEFAULT_OUT = pathlib.Path("attnkit-out") / "reverse_attention.png"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=12)
@@ -79,7 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3000, help="upper bound; stops early at --target")
     ap.add_argument("--target", type=float, default=0.999, help="held-out token accuracy to stop at")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="reverse_attention.png", help="PNG of the attention maps")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), metavar="PNG",
+                    help=f"PNG of the attention maps (default {DEFAULT_OUT}; its folder is created)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads; 1 is fastest for a model this small, and does not stall "
                          "when other processes share the cores")
@@ -96,6 +104,7 @@ def main(argv=None) -> int:
     print(f"done: {res.steps} steps in {res.seconds:.1f} s; fresh test set: token accuracy {test_acc:.4f}, "
           f"whole-sequence accuracy {seq_acc:.4f}")
     out = args.out if args.out.lower().endswith(".png") else args.out + ".png"  # say where it really goes
+    pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
     plot_attention(res.model, x[0], out)
     print(f"attention maps -> {out}  (total {time.perf_counter() - t0:.1f} s)")
     return 0 if test_acc >= 0.99 else 1

@@ -88,6 +88,16 @@ def on_page_markdown(markdown, page, config, files):  # the MkDocs hook signatur
 _ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|exc|obj):(?=<code>)")
 
 
+# reST's literal-block marker, as docstrings use it ("a picture::" then an indented block): the
+# block already renders as code, so the marker reads as reST says — "text::" → "text:",
+# "text ::" and a lone "::" → nothing.
+_LITERAL = re.compile(r"(\s*)::</p>")
+_LONE_LITERAL = re.compile(r"<p>\s*::</p>\n?")
+
+
 def on_page_content(html, page, config, files):  # the MkDocs hook signature
-    """Docstrings use Sphinx roles (:func:`x`); the code span stays, the role prefix goes."""
-    return _ROLE.sub("", html)
+    """Docstrings use Sphinx roles (:func:`x`) and reST's ``::``: the code span stays, the role
+    prefix goes; the ``::`` ending a paragraph becomes what reST prints."""
+    html = _ROLE.sub("", html)
+    html = _LONE_LITERAL.sub("", html)
+    return _LITERAL.sub(lambda m: "</p>" if m.group(1) else ":</p>", html)

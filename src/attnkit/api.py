@@ -42,7 +42,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the scaled
             scores (FlexAttention's signature), applied before bias and mask. An integer or
             bool result is promoted to the working precision, as FlexAttention does.
-        dropout_p: dropout on the weights (eager path only).
+        dropout_p: dropout on the weights: ``eager`` and ``sdpa`` (not with ``return_lse``);
+            ``auto`` picks ``eager``; the other backends refuse it.
         return_lse: also return ``lse (B, H, L)``, the log-sum-exp of each row.
         return_weights: also return the exact attention weights ``(B, H', L, S)``, recomputed
             from q, k and lse (``exp(s - lse)``) on whichever backend ran, so the fast path

@@ -28,7 +28,7 @@ _COMMANDS = {
     "masks": "draw a mask as ASCII (causal, sliding window, document, prefix-LM, padding)",
     "show": "a real model's attention on your sentence: table, PNG and offline HTML",
     "bench": "benchmark attnkit against torch SDPA, FlexAttention and naive attention",
-    "demo": "the tour: explain, a real model's attention, a speed table",
+    "demo": "a three-part demo: explain, a real model's attention, a speed table (the tour is examples/tour.ipynb)",
     "long": "attention over a long input (128k tokens, or MiniLM's 512): a zoomable map of the mass per tile",
 }
 

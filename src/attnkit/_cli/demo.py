@@ -1,11 +1,15 @@
-"""``attnkit demo``: the tour — the 3-token example step by step, a real model's attention, a speed table.
+"""``attnkit demo``: a three-part demo in the terminal — the 3-token example step by step, a real
+model's attention, a speed table. (The *tour* is the notebook ``examples/tour.ipynb``.)
 
 What ``make demo`` runs on a fresh machine. Each part stands alone: without the
-model extra the second part says how to install it and the others still run.
+model extra the second part says how to install it and the others still run. An option
+the user gave that cannot be honoured (``--model`` not a model directory, ``--out`` not
+writable) is refused before anything runs: exit status 2, one line.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -23,7 +27,26 @@ def add_arguments(p):
                    help="where the model pictures go (default ./attnkit-out)")
     p.add_argument("--quick", action="store_true",
                    help="a smaller, shorter speed table (L=256, 2 runs) for smoke tests")
-    p.add_argument("--model", default=None, metavar="PATH", help="model directory for part 2 (default: bundled)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="a Hugging Face model directory (config.json + weights) for part 2 (default: the bundled "
+                        "all-MiniLM-L6-v2)")
+
+
+def _check_options(args):
+    """Refuse an option the user gave that part 2 could not use, before part 1 prints anything."""
+    from . import CLIError
+
+    if args.model is not None:
+        if not os.path.isdir(args.model):
+            what = "a file" if os.path.exists(args.model) else "no such directory"
+            raise CLIError(f"--model: expected a Hugging Face model directory (config.json + weights), got "
+                           f"{args.model!r} ({what}). Pass such a directory, or leave --model out for the bundled "
+                           "all-MiniLM-L6-v2.")
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise CLIError(f"--model: expected a Hugging Face model directory (config.json + weights), got "
+                           f"{args.model!r} (no config.json in it). Pass the folder that holds config.json.")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise CLIError(f"--out: expected a directory for the pictures, got {args.out!r} (a file). Pass a folder path.")
 
 
 def _step(n, title):
@@ -56,9 +79,10 @@ def _model_part(out, model_path):
     except (ModelUnavailable, ShowDependencyError) as e:  # no model extra (or no matplotlib): say how to install
         print(f"skipped: {e}")
         return
-    except ShowInputError as e:  # --model or --out unusable: the tour goes on without this part
-        print(f"skipped: {'--model' if e.param == 'model_path' else '--' + e.param}: {e.message}")
-        return
+    except ShowInputError as e:  # --model or --out given but unusable (past _check_options): a user error
+        from . import CLIError
+
+        raise CLIError(f"{'--model' if e.param == 'model_path' else '--' + e.param}: {e.message}") from None
     print(res.table)
     print(f"\nwrote {res.png}\nwrote {res.html}  (offline page: pick layer and head, hover a token)")
 
@@ -120,6 +144,7 @@ def _speed_part(quick):
 
 
 def run(args) -> int:
+    _check_options(args)
     t0 = time.perf_counter()
     _step(1, "Attention step by step on the 3-token example (attnkit.explain)")
     _explain_part()

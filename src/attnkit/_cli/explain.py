@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -347,6 +348,8 @@ def run(args) -> int:
     from .._format import format_trace
     from .._request import make_request
 
+    if args.html:  # where the page goes is checked before anything is computed or printed
+        _check_html_path(args.html)
     if args.example == "positional" and not (args.q or args.k or args.v):
         if args.html:
             raise _err("--html: the page walks through attention; --example positional has none. "
@@ -396,6 +399,20 @@ def run(args) -> int:
     if args.html:
         _write_page(args.html, t, title, q_tokens, k_tokens, args.precision)
     return 0
+
+
+def _check_html_path(path: Path):
+    """The page's folder must exist and be writable, and the path must not be a folder."""
+    parent = path.resolve().parent
+    if path.is_dir():
+        raise _err(f"--html: expected a file path for the page, got {str(path)!r} (a directory). "
+                   "Pass a file name such as page.html.")
+    if not parent.is_dir():
+        raise _err(f"--html: the folder {str(parent)!r} does not exist (for {str(path)!r}). "
+                   "Create it first, or pass a path in an existing folder.")
+    if not os.access(parent, os.W_OK):
+        raise _err(f"--html: the folder {str(parent)!r} is not writable (for {str(path)!r}). "
+                   "Pass a path in a writable folder.")
 
 
 def _write_page(path: Path, t, title, q_tokens, k_tokens, prec):

@@ -16,6 +16,11 @@ masks do not — invert them when you switch::
     attnkit_mha(x, mask=~pad[:, None, None, :])       # (B, 1, 1, S): True = attend
     torch_mha(x, x, x, attn_mask=block)               # block (L, S): True = not allowed
     attnkit_mha(x, mask=~block)
+
+A module made by ``from_torch`` also takes torch's own keyword, ``key_padding_mask=pad`` with
+torch's polarity (bool ``(B, S)``, True = padding; or a float ``(B, S)`` added to the scores), so
+code written for the torch module keeps working; it becomes ``mask=~pad[:, None, None, :]``
+(or the float bias ``pad[:, None, None, :]``).
 """
 
 from __future__ import annotations
@@ -69,7 +74,38 @@ def _from_torch(module: nn.MultiheadAttention, MultiHeadAttention):
             for lin, b in ((mha.q_proj, bq), (mha.k_proj, bk), (mha.v_proj, bv), (mha.out_proj, module.out_proj.bias)):
                 lin.bias.copy_(b)
     mha.train(module.training)
+    mha.register_forward_pre_hook(_torch_key_padding_mask, with_kwargs=True)
     return mha
+
+
+def _torch_key_padding_mask(module, args, kwargs):
+    """Forward pre-hook of a ``from_torch`` module: torch's ``key_padding_mask=`` (True = ignore)
+    becomes attnkit's ``mask=`` (True = attend), ``(B, S)`` → ``(B, 1, 1, S)``::
+
+        key_padding_mask  [[F F F T],      mask  [[T T T F],      (B, 1, 1, S): per sequence,
+                           [F F T T]]  →          [T T F F]]      the same for every head and query
+    """
+    if "key_padding_mask" not in kwargs:
+        return None
+    pad = kwargs.pop("key_padding_mask")
+    if pad is None:
+        return args, kwargs
+    if kwargs.get("mask") is not None:
+        raise ValueError("key_padding_mask: pass either torch's key_padding_mask= (True = ignore) or attnkit's "
+                         "mask= (True = attend), not both. Fold the padding into the mask: "
+                         "mask & ~key_padding_mask[:, None, None, :].")
+    if not isinstance(pad, torch.Tensor) or pad.dim() != 2:
+        got = f"shape {tuple(pad.shape)}" if isinstance(pad, torch.Tensor) else type(pad).__name__
+        raise ValueError(f"key_padding_mask: expected torch's (B, S) tensor (bool True = padding, or float added "
+                         f"to the scores), got {got}. For other masks use mask= (True = attend).")
+    if pad.dtype == torch.bool:
+        kwargs["mask"] = ~pad[:, None, None, :]
+    elif pad.is_floating_point():
+        kwargs["mask"] = pad[:, None, None, :]
+    else:
+        raise ValueError(f"key_padding_mask: expected a bool (True = padding) or float tensor, got {pad.dtype}. "
+                         "Pass key_padding_mask.bool() for 0/1 padding flags.")
+    return args, kwargs
 
 
 def to_torch(mha, *, batch_first: bool = True) -> nn.MultiheadAttention:
