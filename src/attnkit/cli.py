@@ -48,7 +48,8 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnkit", description="Exact Transformer attention: run it, see it, build with it.",
+    p = argparse.ArgumentParser(prog="attnkit",
+                                description="Exact Transformer attention: run it, see it, build with it.",
                                 epilog="exit status: 0 ok, 2 bad input, 141 when stdout's reader goes away (| head).")
     p.add_argument("--version", action="version", version=f"attnkit {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

@@ -13,6 +13,11 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["add_arguments", "run"]
 
@@ -110,12 +115,18 @@ def _speed_part(quick):
     for name, mask in (("causal", masks.causal()), (f"sliding window {window}", masks.sliding_window(window))):
         dense = mask.materialize(1, 1, L, L)  # (1, 1, L, S) bool, for naive and SDPA
         is_causal = name == "causal"
-        impls = {
-            "naive": lambda dense=dense: _naive(q, k, v, dense, scale),
-            "torch SDPA": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)) if is_causal
-            else (lambda dense=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)),
-            "attnkit": lambda mask=mask: attnkit.attention(q, k, v, mask=mask),
-        }
+        def naive(dense=dense):
+            return _naive(q, k, v, dense, scale)
+
+        def sdpa(dense=dense, is_causal=is_causal):
+            if is_causal:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+        def ours(mask=mask):
+            return attnkit.attention(q, k, v, mask=mask)
+
+        impls: dict[str, Callable[[], torch.Tensor]] = {"naive": naive, "torch SDPA": sdpa, "attnkit": ours}
         cases.append((name, mask, impls))
     print(f"B={B}, H={H}, L=S={L}, D={D}, float32, forward only; median of {runs} interleaved runs after a warm-up.")
     print("A quick indicative timing on this machine, not a benchmark (see `attnkit bench` / benchmarks/).\n")
@@ -127,7 +138,7 @@ def _speed_part(quick):
                 err = (f() - ref).abs().max().item()
                 if not err < 1e-4:  # a speed table of wrong answers would be worse than none
                     raise RuntimeError(f"{name}: implementations disagree by {err:.3g}; please report this")
-            times = {n: [] for n in impls}
+            times: dict[str, list[float]] = {n: [] for n in impls}
             for _ in range(runs):
                 for n, f in impls.items():
                     t0 = time.perf_counter()

@@ -16,6 +16,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,9 +34,10 @@ MASK_FILE_HELP = ("A mask file is an (L, S) matrix (rows = queries, columns = ke
                   "-inf is masked, any other value is added; write -inf, or -Infinity in JSON).")
 
 # The worked examples. ``note(trace, masked, prec)`` writes the note from what was computed.
-EXAMPLES = {
+EXAMPLES: dict[str, dict[str, Any]] = {
     "3-token": dict(
-        title="The 3-token example: Q = [[1,0],[0,1],[1,1]], K = [[1,1],[1,0],[0,1]], V = [[10,0],[0,10],[5,5]], d_k = 2",
+        title=("The 3-token example: Q = [[1,0],[0,1],[1,1]], K = [[1,1],[1,0],[0,1]], "
+               "V = [[10,0],[0,10],[5,5]], d_k = 2"),
         q=[[1, 0], [0, 1], [1, 1]], k=[[1, 1], [1, 0], [0, 1]], v=[[10, 0], [0, 10], [5, 5]],
         tokens=None,
     ),
@@ -117,7 +119,8 @@ def _read_text(path: Path, name: str) -> np.ndarray:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise _err(f"--{name}: {path.name!r} is not a text file; expected {_TEXT_FORMAT}.") from None
-    rows, lines = [], []
+    rows: list[list[str]] = []
+    lines: list[int] = []
     for ln, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
@@ -138,12 +141,13 @@ def _read_text(path: Path, name: str) -> np.ndarray:
     if all(_INT.match(t) for t in flat):
         return np.array([[int(t) for t in r] for r in rows], dtype=np.int64)
     out = np.empty((len(rows), len(rows[0])), dtype=np.float64)
-    for i, (ln, r) in enumerate(zip(lines, rows)):
+    for i, (ln, r) in enumerate(zip(lines, rows, strict=True)):
         for j, t in enumerate(r):
             try:
                 out[i, j] = float(t)
             except ValueError:
-                raise _err(f"--{name}: {path.name!r} line {ln}: {t!r} is not a number; expected {_TEXT_FORMAT}.") from None
+                raise _err(f"--{name}: {path.name!r} line {ln}: {t!r} is not a number; "
+                           f"expected {_TEXT_FORMAT}.") from None
     return out
 
 
@@ -251,7 +255,7 @@ def parse_mask(spec: str | None, L: int, S: int):
 
     if spec is None:
         return None
-    kind, colon, arg = spec.partition(":")
+    kind, _, arg = spec.partition(":")
     try:
         if kind == "causal":
             if arg not in ("", "bottom_right", "top_left"):
@@ -295,7 +299,7 @@ def _vec(x, prec):
 def _note_3token(t, masked, prec, q, k, v):
     w, row = t.weights[0], t.output[0]
     if not masked:
-        terms = " + ".join(f"{wi:.4f}·{_vec(vi, 0)}" for wi, vi in zip(w, v))
+        terms = " + ".join(f"{wi:.4f}·{_vec(vi, 0)}" for wi, vi in zip(w, v, strict=True))
         equal = ("; q0 scores k0 and k1 equally, so their weights are equal and the row is exactly "
                  f"{_vec(row, 1)}" if t.scores[0, 0] == t.scores[0, 1] else "")
         return (f"First output row: {_vec(row, prec)} = {terms}{equal}. Erratum for a known misprint of this "
@@ -359,9 +363,9 @@ def run(args) -> int:
     tokens, note = None, None
     if any(own):
         if not all(own):
-            missing = ", ".join(f"--{n}" for n, p in zip("qkv", own) if not p)
+            missing = ", ".join(f"--{n}" for n, p in zip("qkv", own, strict=True) if not p)
             raise _err(f"--q, --k, --v: pass all three files (or none, for a built-in --example); missing {missing}.")
-        q, k, v = (_qkv(p, n) for p, n in zip(own, "qkv"))
+        q, k, v = (_qkv(p, n) for p, n in zip(own, "qkv", strict=True))
         title = f"Your Q {q.shape}, K {k.shape}, V {v.shape}"
     elif args.example == "random":
         rng = np.random.default_rng(args.seed)
