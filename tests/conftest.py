@@ -28,7 +28,9 @@ EPS = {torch.float64: 2.2e-16, torch.float32: 1.2e-7, torch.bfloat16: 7.8e-3, to
 
 def golden(q, k, v, **kw):
     """Float64 reference output (and lse) on float64 copies of the inputs."""
-    up = lambda t: t.detach().to(torch.float64) if isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
+    def up(t):
+        return t.detach().to(torch.float64) if isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
+
     kw = dict(kw)
     m = kw.get("mask")
     if isinstance(m, torch.Tensor) and m.is_floating_point():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import assert_close, budget, golden, low_precision_error, rand_qkv
 
 import attnkit
 from attnkit import masks, score_mods
-from conftest import assert_close, budget, golden, low_precision_error, rand_qkv
 
 BACKENDS = ["eager", "sdpa", "tiled"]
 
@@ -100,7 +100,7 @@ def test_alibi_reference_by_hand():
 
 def test_sdpa_refuses_score_mod():
     q, k, v = rand_qkv(1, 1, 1, 4, 4, 8)
-    with pytest.raises(ValueError, match="sdpa.*score_mod"):
+    with pytest.raises(ValueError, match=r"sdpa.*score_mod"):
         attnkit.attention(q, k, v, score_mod=score_mods.softcap(5.0), backend="sdpa")
 
 
@@ -116,7 +116,7 @@ def test_low_precision_within_budget(backend, dtype):
         assert_close(out, ref, 2 * naive + 4 * 2 ** -8, f"{backend} {dtype} {mask!r}")
 
 
-@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_numpy_in_numpy_out_and_unbatched_ranks(backend):
     rng = np.random.default_rng(0)
     q2, k2, v2 = rng.standard_normal((5, 8)), rng.standard_normal((7, 8)), rng.standard_normal((7, 8))
@@ -141,7 +141,7 @@ def test_non_contiguous_inputs(backend):
     assert_close(attnkit.attention(q, k, v, causal=True, backend=backend), ref, budget(torch.float32, 32, 33))
 
 
-@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_fully_masked_rows_are_zero_with_neg_inf_lse(backend):
     q, k, v = rand_qkv(2, 2, 2, 6, 5, 8, dtype=torch.float64)
     allowed = torch.ones(2, 1, 6, 5, dtype=torch.bool)
@@ -172,7 +172,7 @@ def test_scores_around_1e4_stay_finite():
 def test_nan_propagates_only_to_affected_rows():
     q, k, v = rand_qkv(1, 1, 1, 4, 4, 8, dtype=torch.float64)
     q[0, 0, 2, 0] = float("nan")
-    for backend in ["reference"] + BACKENDS:
+    for backend in ["reference", *BACKENDS]:
         out = attnkit.attention(q, k, v, backend=backend)
         out = torch.as_tensor(out)
         assert torch.isnan(out[0, 0, 2]).all(), backend

@@ -76,7 +76,7 @@ def test_default_run_writes_nothing(run_dir, capsys, monkeypatch):
                    "--peers", "sdpa,tiled", "--no-progress"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert f"| window-64 float32 fwd |" in out
+    assert "| window-64 float32 fwd |" in out
     assert list(run_dir.iterdir()) == [] and "wrote" not in err
 
 

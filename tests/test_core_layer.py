@@ -9,12 +9,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import assert_close, budget, golden, rand_qkv
 
 import attnkit
 from attnkit import masks as M
 from attnkit.backends import NAMES, _flash_cpu, _softmax, get
-
-from conftest import assert_close, budget, golden, rand_qkv
 
 SRC = pathlib.Path(attnkit.__file__).parent
 
@@ -78,6 +77,7 @@ def test_probe_failure_disables_the_fused_worker_with_one_warning(monkeypatch):
     assert_close(lse, ref_lse, budget(torch.float32, 16, 150), "lse without the op")
     ref2, ref2_lse = golden(q, k, v, causal=True)
     assert_close(out2, ref2, budget(torch.float32, 16, 150), "causal lse without the op")
+    assert_close(lse2, ref2_lse, budget(torch.float32, 16, 150), "causal lse without the op: lse")
     with pytest.raises(ValueError, match="unavailable"):
         attnkit.attention(q, k, v, causal=True, return_lse=True, backend="sdpa")
 
@@ -124,9 +124,11 @@ def test_sinks_match_a_float64_formula_and_give_gradients():
                                     backend="tiled")
     s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.5
     s = s.masked_fill(~mask, float("-inf"))
-    full = torch.cat([s, sinks.view(1, 2, 1, 1).expand(1, 2, 6, 1)], -1).softmax(-1)
+    logits = torch.cat([s, sinks.view(1, 2, 1, 1).expand(1, 2, 6, 1)], -1)
+    full = logits.softmax(-1)
     want = full[..., :7] @ v.repeat_interleave(2, 1)
     assert torch.allclose(out, want, atol=1e-12)
+    assert torch.allclose(lse, logits.logsumexp(-1), atol=1e-12)  # lse = log(e^sink + Σ_j e^(s_j))
     assert torch.allclose(w, full[..., :7], atol=1e-12)
     out.sum().backward()
     assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
@@ -135,9 +137,11 @@ def test_sinks_match_a_float64_formula_and_give_gradients():
 
 def test_return_weights_on_every_backend():
     q, k, v = rand_qkv(2, 4, 2, 33, 40, 8)
-    ref = attnkit.attention(q.double(), k.double(), v.double(), causal=True, return_weights=True, backend="eager")[1]
+    ref_out, ref = attnkit.attention(q.double(), k.double(), v.double(), causal=True, return_weights=True,
+                                     backend="eager")
     for backend in ("auto", "tiled", "eager", "sdpa", "reference"):
         out, w = attnkit.attention(q, k, v, causal=True, return_weights=[1, 3], backend=backend)
+        assert torch.allclose(out.double(), ref_out, atol=1e-5), backend
         assert w.shape == (2, 2, 33, 40)
         assert torch.allclose(w.double(), ref[:, [1, 3]], atol=1e-5), backend
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
@@ -150,7 +154,7 @@ def _module_imports(path: pathlib.Path) -> set[str]:
     """attnkit modules imported at module level (function-level lazy imports excluded)."""
     tree = ast.parse(path.read_text())
     rel = path.relative_to(SRC.parent).with_suffix("")
-    pkg = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    pkg = list(rel.parts[:-1])  # "." is the same package from a module and from its package's __init__
     out = set()
     for node in tree.body:
         if isinstance(node, ast.ImportFrom):
@@ -184,9 +188,9 @@ def test_no_import_cycles():
         state[n] = 1
         for m in g.get(n, ()):
             if state.get(m) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack + [n, m]))
+                raise AssertionError("import cycle: " + " -> ".join([*stack, n, m]))
             if m in g and not state.get(m):
-                visit(m, stack + [n])
+                visit(m, [*stack, n])
         state[n] = 2
 
     for n in g:

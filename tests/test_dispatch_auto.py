@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rand_qkv
 
 import attnkit
 from attnkit import _fast
 from attnkit import masks as M
 from attnkit import score_mods as SM
 from attnkit.backends import eager, sdpa, tiled
-
-from conftest import rand_qkv
 
 
 @pytest.fixture

@@ -11,10 +11,9 @@ import re
 
 import numpy as np
 import pytest
+from test_browser import _shot, browser  # noqa: F401  (the shared headless Chromium fixture)
 
 from attnkit.cli import main
-
-from test_browser import _shot, browser  # noqa: F401  (the shared headless Chromium fixture)
 
 pytestmark = [pytest.mark.browser]
 
@@ -78,7 +77,8 @@ def test_hover_score_highlights_its_query_and_key(pages, browser, tmp_path):  # 
     ActionChains(drv).move_to_element(out).perform()
     assert readout() == ("output[q0, dv0] = Σ_j weight[q0, j] × V[j, dv0] = 0.4011×10.0000 + 0.4011×0.0000 + "
                          "0.1978×5.0000 = 5.0000")
-    v_hl = [(c.get_attribute("data-i"), c.get_attribute("data-j")) for c in drv.find_elements(By.CSS_SELECTOR, "#V td.hl")]
+    v_hl = [(c.get_attribute("data-i"), c.get_attribute("data-j"))
+            for c in drv.find_elements(By.CSS_SELECTOR, "#V td.hl")]
     assert v_hl == [("0", "0"), ("1", "0"), ("2", "0")]
     assert [r.get_attribute("data-i") for r in drv.find_elements(By.CSS_SELECTOR, "#weights tr.hl")] == ["0"]
     assert drv.find_elements(By.CSS_SELECTOR, "#Q tr.hl") == []  # the previous highlight is gone

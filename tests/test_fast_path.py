@@ -12,11 +12,10 @@ import logging
 import numpy as np
 import pytest
 import torch
+from conftest import budget, golden
 
 import attnkit
 from attnkit import _fast, masks
-
-from conftest import budget, golden
 
 SPY = []
 
@@ -133,7 +132,7 @@ def test_fast_path_gradients_equal_golden(spy):
         qd, kd, vd = (t.detach().clone().requires_grad_() for t in (q, k, v))
         ref = attnkit.attention(qd, kd, vd, backend="eager", **kw)
         refs = torch.autograd.grad(ref, (qd, kd, vd), go)
-        for a, b in zip(grads, refs):
+        for a, b in zip(grads, refs, strict=True):
             assert (a - b).abs().max().item() <= 1e-12
 
 
@@ -245,7 +244,7 @@ def test_decode_tile_equals_the_mask_it_stands_for():
             if tile is None:  # offered away when a row would see no key (windows, chunks: whenever L > S;
                 # key_padding: when S is not its own length, an invalid size)
                 assert (not dense.any(-1).all() or (isinstance(mask, (masks.SlidingWindow, masks.Chunked)) and L > S)
-                        or isinstance(mask, masks.And) and L > S), (mask, L, S)
+                        or (isinstance(mask, masks.And) and L > S)), (mask, L, S)
                 continue
             j0, j1, allowed = tile
             assert dense.any(-1).all(), (mask, L, S)

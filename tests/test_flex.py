@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_close, budget, golden, rand_qkv
 
 import attnkit
 from attnkit import _dispatch, _request
 from attnkit import masks as M
 from attnkit import score_mods as SM
-
-from conftest import assert_close, budget, golden, rand_qkv
 
 L, S = 200, 260  # awkward: neither divides the 128 tile
 IDS = torch.arange(S) // 70

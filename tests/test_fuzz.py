@@ -127,11 +127,11 @@ def ref_attention(q, k, v, *, scale=None, score_mod=None, bias=None, allowed=Non
     m = s.detach().amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    pos = l > 0
-    out = (p / torch.where(pos, l, torch.ones_like(l))) @ vv
-    lse = torch.where(pos, m + torch.log(torch.where(pos, l, torch.ones_like(l))),
-                      torch.full_like(l, float("-inf"))).squeeze(-1)
+    l_i = p.sum(-1, keepdim=True)  # the paper's row sum
+    pos = l_i > 0
+    out = (p / torch.where(pos, l_i, torch.ones_like(l_i))) @ vv
+    lse = torch.where(pos, m + torch.log(torch.where(pos, l_i, torch.ones_like(l_i))),
+                      torch.full_like(l_i, float("-inf"))).squeeze(-1)
     return out, lse
 
 
@@ -144,7 +144,10 @@ LAYOUTS = ["contiguous", "transposed", "transposed_ld", "stride2_last", "sliced_
 def make_input(shape, dtype, layout, gen):
     """A tensor of ``shape`` laid out as ``layout`` (its values are whatever the view reads)."""
     B, H, L, D = shape
-    rnd = lambda *sh: torch.randn(*sh, generator=gen, dtype=torch.float64).to(dtype)
+
+    def rnd(*sh):
+        return torch.randn(*sh, generator=gen, dtype=torch.float64).to(dtype)
+
     if layout == "contiguous":
         return rnd(B, H, L, D)
     if layout == "transposed":  # (B, L, H, D) memory, as a fused projection gives
@@ -171,7 +174,7 @@ def make_input(shape, dtype, layout, gen):
     else:
         raise AssertionError(layout)
     offset = 5
-    n = offset + sum((size - 1) * st_ for size, st_ in zip(shape, strides)) + 1
+    n = offset + sum((size - 1) * st_ for size, st_ in zip(shape, strides, strict=True)) + 1
     return rnd(n).as_strided(shape, strides, offset)
 
 
@@ -208,7 +211,7 @@ def build(spec):
 
 
 def dense(spec, B, H, L, S):
-    b, h, i, j = grids(B, H, L, S)
+    _, _, i, j = grids(B, H, L, S)
     kind = spec[0]
     if kind == "causal":
         out = j <= i + _off(spec[1], L, S)
@@ -246,7 +249,7 @@ MODS = {
 
 
 def _band_dense(w, B, H, L, S):
-    b, h, i, j = grids(B, H, L, S)
+    _, _, i, j = grids(B, H, L, S)
     return (i - j).abs() <= w
 
 
@@ -270,7 +273,10 @@ def mask_specs(draw, B, H, L, S, depth=2):
     if depth > 0:
         choices += ["and", "or", "not"]
     kind = draw(st.sampled_from(choices))
-    align = lambda: draw(st.sampled_from(["bottom_right", "top_left"]))
+
+    def align():
+        return draw(st.sampled_from(["bottom_right", "top_left"]))
+
     if kind == "causal":
         return ("causal", align())
     if kind == "window":
@@ -384,7 +390,9 @@ def _tf_mask_params(B, L, S, g, dtype):
     return {"tf_mask": m}
 
 
-DIST = lambda H, L, S, g: {"dist": torch.randn(max(L, S), generator=g, dtype=torch.float64) * 0.5}
+def DIST(H, L, S, g):
+    return {"dist": torch.randn(max(L, S), generator=g, dtype=torch.float64) * 0.5}
+
 
 SCORE_MODS = {
     # name: (attnkit mod from params, reference mod from float64 params, params(H, L, S, gen))
@@ -523,7 +531,7 @@ def problems(draw, grads="values+qkv"):
         # int_distance reach ~100), rounds differently: both are exact softmaxes of differently
         # rounded scores, and no dtype-level budget can tell them apart. finfo.min rows absorb
         # any mod value whatever the order, so they take that place.
-        mask = mask[:3] + ("finfo.min",)
+        mask = (*mask[:3], "finfo.min")
     return_lse = draw(st.booleans())
     blocks = draw(st.sampled_from([None, None, (16, 16), (16, 32), (32, 16)]))
     seed = draw(st.integers(0, 2 ** 20))
@@ -586,7 +594,7 @@ def check_problem(pb):
     B, H, Hkv, L, S, D, Dv = pb["shape"]
     gen = torch.Generator().manual_seed(pb["seed"])
     qkv = [make_input(sh, dtype, lay, gen)
-           for sh, lay in zip([(B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv)], pb["layouts"])]
+           for sh, lay in zip([(B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv)], pb["layouts"], strict=True)]
     if pb["rank"] == 3:
         qkv = [t[0] for t in qkv]
     elif pb["rank"] == 2:
@@ -603,7 +611,9 @@ def check_problem(pb):
     # the loss: <out, g_out> + <finite lse, g_lse>
     g_out = torch.randn(B, H, L, Dv, generator=gen, dtype=torch.float64)
     g_lse = torch.randn(B, H, L, generator=gen, dtype=torch.float64) if pb["return_lse"] else None
-    to4 = lambda t: t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+
+    def to4(t):
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
 
     # reference, float64 leaves holding exactly the values the views read
     r_leaves = [t.detach().double().clone().requires_grad_(qkv_grad) for t in qkv]
@@ -631,16 +641,19 @@ def check_problem(pb):
         ref_loss = ref_loss + (torch.where(torch.isfinite(ref_lse), ref_lse, 0.0) * g_lse).sum()
     r_wrt = (r_leaves if qkv_grad else []) + (list(r_params.values()) if cap_grad else [])
     ref_grads = torch.autograd.grad(ref_loss, r_wrt, allow_unused=True) if r_wrt else ()
-    ref_grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(r_wrt, ref_grads)]
+    ref_grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(r_wrt, ref_grads, strict=True)]
 
     tol_out = budget(dtype, D, S, max(1.0, float(qkv[2].abs().max())))
     tol_lse = 4 * budget(dtype, D, S)  # relative to max(1, |lse|), entry by entry (see close)
-    shp = lambda t: t.reshape(tuple(qkv[0].shape[:-1]) + tuple(t.shape[3:]))  # back to the input rank
+
+    def shp(t):  # back to the input rank
+        return t.reshape(tuple(qkv[0].shape[:-1]) + tuple(t.shape[3:]))
+
     desc = (f"{dtype} B,H,Hkv,L,S,D,Dv={pb['shape']} rank={pb['rank']} layouts={pb['layouts']} numpy={pb['numpy_in']} "
             f"mask={spec_str(pb['mask'][1]) if pb['mask'][0] == 'spec' else pb['mask'][:2]} causal={pb['causal']} "
             f"mod={mod} grad={grad} lse={pb['return_lse']} blocks={pb['blocks']}")
     blocks = tiled.block_sizes(*pb["blocks"]) if pb["blocks"] else contextlib.nullcontext()
-    backends = ("reference",) + BACKENDS
+    backends = ("reference", *BACKENDS)
     with blocks:
         for be in backends:
             p = None if params is None else {n: t.to(dtype).clone().requires_grad_(cap_grad and be != "reference")
@@ -682,7 +695,7 @@ def check_problem(pb):
                 raise AssertionError(f"{be}: no gradient path to {grad} | {desc}")
             grads = torch.autograd.grad(loss, wrt, allow_unused=True)
             names = (["dq", "dk", "dv"] if qkv_grad else []) + ([f"d{n}" for n in p] if cap_grad else [])
-            for name, gr, rg in zip(names, grads, ref_grads):
+            for name, gr, rg in zip(names, grads, ref_grads, strict=True):
                 if gr is None:
                     assert not rg.abs().max() > 0, f"{be} {name}: gradient dropped (None) | {desc}"
                     continue
@@ -733,6 +746,34 @@ def test_fuzz_mod_data_changes_between_calls(pb):
     check_change(pb)
 
 
+def _changing_mod(how, change, state, off):
+    """The user's mod over ``state``'s data: ``inplace`` closes over the tensor itself (later
+    mutated), otherwise the mod looks the name up in ``state`` at call time (later rebound)."""
+    if how == "score_mod":
+        if change == "inplace":
+            bias = state["bias"]
+            return lambda s, b, h, q_, kv: s + bias[kv]
+        return lambda s, b, h, q_, kv: s + state["bias"][kv]
+    if change == "inplace":
+        ids = state["ids"]
+        return lambda b, h, q_, kv: ids[q_ + off] == ids[kv]
+    return lambda b, h, q_, kv: state["ids"][q_ + off] == state["ids"][kv]
+
+
+def _mod_kwargs(how, fn):
+    """attention()'s keyword arguments passing ``fn`` the way ``how`` names (a fresh from_mod per call)."""
+    if how == "from_mod":
+        return dict(mask=M.from_mod(fn))
+    if how == "plain_mod":
+        return dict(mask=fn)
+    return dict(score_mod=fn)
+
+
+def _blocks(pb):
+    """The drawn tile shape for the tiled backend, or no change."""
+    return tiled.block_sizes(*pb["blocks"]) if pb["blocks"] else contextlib.nullcontext()
+
+
 def check_change(pb):
     """A mod closing over data is called, the data changes (mutated in place or the
     closure's name rebound), and it is called again: the second call must use the new data.
@@ -745,21 +786,13 @@ def check_change(pb):
     v = torch.randn(B, H, S, D, generator=gen, dtype=torch.float64).to(dtype)
     ids0, ids1 = (torch.tensor(x) for x in pb["ids"])
     how, change = pb["how"], pb["change"]
-    blocks = lambda: tiled.block_sizes(*pb["blocks"]) if pb["blocks"] else contextlib.nullcontext()
     for be in BACKENDS:
         state = {"ids": ids0.clone()}
         ids = state["ids"]
         if how == "score_mod":
             bias = (ids.double() * 0.3).to(dtype)
             state["bias"] = bias
-            fn = (lambda s, b, h, q_, kv: s + bias[kv]) if change == "inplace" else \
-                (lambda s, b, h, q_, kv: s + state["bias"][kv])
-        elif change == "inplace":
-            fn = lambda b, h, q_, kv: ids[q_ + S - L] == ids[kv]
-        else:
-            fn = lambda b, h, q_, kv: state["ids"][q_ + S - L] == state["ids"][kv]
-        mk = {"from_mod": lambda: dict(mask=M.from_mod(fn)), "plain_mod": lambda: dict(mask=fn),
-              "score_mod": lambda: dict(score_mod=fn)}
+        fn = _changing_mod(how, change, state, S - L)
         built = M.document(ids) if how == "document_builtin" else None
         for step, new in enumerate((ids0, ids1)):
             if step == 1:  # change the data
@@ -774,19 +807,21 @@ def check_change(pb):
                 # a value: the ids at construction (copy) or now (track) -- both are accepted
                 kw, allowed_opts = dict(mask=built), [ids0, new]
             else:
-                kw, allowed_opts = mk[how](), [new]
+                kw, allowed_opts = _mod_kwargs(how, fn), [new]
             kw["causal"] = pb["causal"]
-            with blocks():
+            with _blocks(pb):
                 out = call(be, q, k, v, **kw)
             if out is None:
                 continue
             STATS[f"ran:{be}"] += 1
             errs = []
             for cur in allowed_opts:
-                b_, h_, i, j = grids(B, H, L, S)
+                _, _, i, j = grids(B, H, L, S)
                 if how == "score_mod":
                     allowed = None
-                    smod = lambda s, b, h, i_, j_, cur=cur: s + (cur.double() * 0.3).to(dtype).double()[j_]
+
+                    def smod(s, b, h, i_, j_, cur=cur):
+                        return s + (cur.double() * 0.3).to(dtype).double()[j_]
                 else:
                     allowed = (cur[i + S - L] == cur[j]).expand(B, H, L, S)
                     smod = None
@@ -859,7 +894,6 @@ def check_edited(pb):
     k, v = (torch.randn(B, Hkv, S, D, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
     g_out = torch.randn(B, H, L, D, generator=gen, dtype=torch.float64)
     values = [_mask_values(pb, gen) for _ in range(3)]
-    blocks = lambda: tiled.block_sizes(*pb["blocks"]) if pb["blocks"] else contextlib.nullcontext()
     for be in BACKENDS:
         mask = values[0].clone()
         for step, new in enumerate(values):
@@ -872,7 +906,7 @@ def check_edited(pb):
                     mask.masked_fill_(torch.ones_like(mask, dtype=torch.bool), 0)
                     mask.add_(new) if mask.is_floating_point() else mask.logical_or_(new)
             qq, kk, vv = (t.clone().requires_grad_(pb["grad"]) for t in (q, k, v))
-            with blocks():
+            with _blocks(pb):
                 out = call(be, qq, kk, vv, mask=mask, causal=pb["causal"])
             if out is None:
                 continue
@@ -892,7 +926,7 @@ def check_edited(pb):
                 STATS["grad_checks"] += 1
                 grads = torch.autograd.grad((out.double() * g_out).sum(), (qq, kk, vv), allow_unused=True)
                 ref_grads = torch.autograd.grad((ref * g_out).sum(), (rq, rk, rv), allow_unused=True)
-                for name, gr, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+                for name, gr, rg in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
                     rg = torch.zeros_like(rq if name == "dq" else rk) if rg is None else rg
                     gr = torch.zeros_like(rg) if gr is None else gr
                     close(gr, rg, grad_tol(dtype, D, L, S, rg), f"{name} {desc}")
@@ -958,7 +992,7 @@ def check_captured(pb):
         wrt = list(p.values()) + (qq if pb["qkv_grad"] else [])
         grads = torch.autograd.grad((out.double() * g_out).sum(), wrt, allow_unused=True)
         names = [f"d{n}" for n in p] + (["dq", "dk", "dv"] if pb["qkv_grad"] else [])
-        for name, gr, rg in zip(names, grads, ref_grads):
+        for name, gr, rg in zip(names, grads, ref_grads, strict=True):
             assert gr is not None or not rg.abs().max() > 0, f"{desc}: {name} dropped (None)"
             if gr is not None:
                 close(gr, rg, grad_tol(dtype, D, L, S, rg), f"{name} {desc}")
@@ -1078,7 +1112,7 @@ def test_flex_valid_chained_indexing(backend):
     q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (L, S, S))
     bias = torch.randn(B, L, dtype=torch.float64, requires_grad=True)
     doc = torch.tensor([[0] * 7 + [1] * 12, [0] * 11 + [1] * 8])
-    b, h, i, j = grids(B, H, L, S)
+    b, _, i, j = grids(B, H, L, S)
     ref, _ = ref_attention(q, k, v, score_mod=lambda s, b_, h_, i_, j_: s + bias[b_, i_],
                            allowed=(doc[b, i] == doc[b, j]).expand(B, H, L, S))
     ref_g, = torch.autograd.grad(ref.sum(), bias)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import EPS
 
 import attnkit
 from attnkit import masks as M
 from attnkit import score_mods as SM
-
-from conftest import EPS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
@@ -53,7 +52,7 @@ def test_cuda_conformance(name, backend, dtype):
     g = torch.randn_like(ref)
     out.backward(g.to(device="cuda", dtype=dtype))
     ref.backward(g)
-    for got, want in zip((q, k, v), up):
+    for got, want in zip((q, k, v), up, strict=True):
         assert got.grad is not None and not got.grad.isnan().any()
         assert (got.grad.double().cpu() - want.grad).abs().max() <= 10 * tol * (1 + want.grad.abs().max())
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rand_qkv
 
 import attnkit
 from attnkit import masks, score_mods
-from conftest import rand_qkv
-
 
 MASKS = {
     "none": None,
@@ -24,14 +23,20 @@ MASKS = {
 def test_eager_gradcheck(name):
     q, k, v = rand_qkv(2, 4, 2, 6, 6, 5, 3, dtype=torch.float64, requires_grad=True)
     mod = score_mods.softcap(3.0) if name == "window" else None
-    fn = lambda q, k, v: attnkit.attention(q, k, v, mask=MASKS[name], score_mod=mod, backend="eager")
+
+    def fn(q, k, v):
+        return attnkit.attention(q, k, v, mask=MASKS[name], score_mod=mod, backend="eager")
+
     assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7)
 
 
 def test_eager_bias_gradient_flows():
     q, k, v = rand_qkv(1, 2, 2, 5, 5, 4, dtype=torch.float64)
     bias = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
-    fn = lambda b: attnkit.attention(q, k, v, mask=b, backend="eager")
+
+    def fn(b):
+        return attnkit.attention(q, k, v, mask=b, backend="eager")
+
     assert torch.autograd.gradcheck(fn, (bias,), eps=1e-6, atol=1e-7)
 
 
@@ -44,7 +49,7 @@ def test_backend_gradients_match_eager(backend, name):
     for be in ("eager", backend):
         out = attnkit.attention(q, k, v, mask=MASKS[name], backend=be)
         grads[be] = torch.autograd.grad(out, (q, k, v), g)
-    for a, b, n in zip(grads["eager"], grads[backend], "qkv"):
+    for a, b, n in zip(grads["eager"], grads[backend], "qkv", strict=True):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10, msg=f"d{n} {backend} {name}")
 
 
@@ -64,7 +69,7 @@ def test_fully_masked_rows_have_zero_gradients(backend):
 
 def test_reference_refuses_autograd():
     q, k, v = rand_qkv(1, 1, 1, 3, 3, 4, requires_grad=True)
-    with pytest.raises(ValueError, match="reference.*autograd"):
+    with pytest.raises(ValueError, match=r"reference.*autograd"):
         attnkit.attention(q, k, v, backend="reference")
     with torch.no_grad():
         attnkit.attention(q, k, v, backend="reference")
@@ -74,7 +79,7 @@ def test_dropout_eager_only_and_scaled():
     q, k, v = rand_qkv(1, 2, 2, 64, 64, 16)
     d = attnkit.dispatch(q, k, v, dropout_p=0.5)
     assert d.backend == "eager" and "dropout" in d.reason
-    with pytest.raises(ValueError, match="reference.*dropout"):
+    with pytest.raises(ValueError, match=r"reference.*dropout"):
         attnkit.attention(q, k, v, dropout_p=0.5, backend="reference")
     torch.manual_seed(1)
     outs = torch.stack([attnkit.attention(q, k, v, dropout_p=0.5) for _ in range(200)]).mean(0)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
+from conftest import assert_close, budget, golden
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks, score_mods
-from conftest import assert_close, budget, golden
-
 
 
 @st.composite
@@ -51,6 +50,12 @@ def test_all_backends_match_golden(problem):
     v = torch.randn(B, Hkv, S, Dv, generator=g, dtype=torch.float64).to(dtype)
     ref, ref_lse = golden(q, k, v, mask=mask, score_mod=score_mod)
     backends = ["eager", "auto", "tiled"] + ([] if score_mod else ["sdpa"])
+    finite = torch.isfinite(ref_lse)
     for backend in backends:
-        out = attnkit.attention(q, k, v, mask=mask, score_mod=score_mod, backend=backend)
+        if backend in ("eager", "tiled"):  # lse as well ("auto" and "sdpa" keep the no-lse route)
+            out, lse = attnkit.attention(q, k, v, mask=mask, score_mod=score_mod, backend=backend, return_lse=True)
+            assert torch.equal(torch.isfinite(lse), finite), f"{backend} {mask!r}: lse -inf pattern differs"
+            assert_close(lse[finite], ref_lse[finite], budget(dtype, D, S) * 4, f"{backend} {mask!r} lse")
+        else:
+            out = attnkit.attention(q, k, v, mask=mask, score_mod=score_mod, backend=backend)
         assert_close(out, ref, budget(dtype, D, S), f"{backend} {mask!r}")

@@ -128,7 +128,8 @@ def test_overflow_raises_and_drops_nothing():
 def test_batch_mismatch_raises():
     m = MultiHeadAttention(8, 2)
     cache = m.new_cache(2, 4)
-    with pytest.raises(ValueError, match=r"kv_cache: built for batch size 2, got .* batch size 3.*new_cache\(3, max_length\)"):
+    with pytest.raises(ValueError,
+                       match=r"kv_cache: built for batch size 2, got .* batch size 3.*new_cache\(3, max_length\)"):
         m(torch.randn(3, 1, 8), kv_cache=cache)
     assert cache.length == 0
 
@@ -140,7 +141,7 @@ def test_cache_of_another_layer_raises():
         b(torch.randn(1, 1, 16), kv_cache=a.new_cache(1, 4))
     with pytest.raises(TypeError, match=r"kv_cache: holds torch.float64"):
         b(torch.randn(1, 1, 16), kv_cache=KVCache(1, 4, 4, 4, dtype=torch.float64))
-    with pytest.raises(TypeError, match="kv_cache: expected an attnkit.nn.KVCache"):
+    with pytest.raises(TypeError, match=r"kv_cache: expected an attnkit\.nn\.KVCache"):
         b(torch.randn(1, 1, 16), kv_cache=(torch.zeros(1), torch.zeros(1)))
 
 
@@ -271,7 +272,7 @@ def test_append_checks_values_too_and_fast_append_equals_checked_append():
         a2 = c1.append(k[:, :, :1], v[:, :, :1])
     b = c2.append(k, v)  # grad enabled: the checked path
     b2 = c2.append(k[:, :, :1], v[:, :, :1])
-    assert all(torch.equal(x, y) for x, y in zip(a + a2, b + b2)) and c1.length == c2.length == 4
+    assert all(torch.equal(x, y) for x, y in zip(a + a2, b + b2, strict=True)) and c1.length == c2.length == 4
     with torch.no_grad():
         with pytest.raises(TypeError, match=r"values of torch.float64"):
             c1.append(k[:, :, :1], v[:, :, :1].double())

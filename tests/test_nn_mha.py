@@ -17,7 +17,9 @@ def reference_mha(m, query, key=None, value=None, allowed=None, causal=False, bi
     """Independent float64 MHA: explicit projections, repeat_interleave for GQA, plain softmax.
 
     ``allowed`` (bool, True = attend) and ``bias`` broadcast to (B, H, L, S)."""
-    f = lambda t: t.detach().double()
+    def f(t):
+        return t.detach().double()
+
     key = query if key is None else key
     value = key if value is None else value
     B, L, E = query.shape
@@ -116,18 +118,18 @@ def test_to_torch_round_trip(kdim, vdim, bias):
     ref, _ = tm(q, k, v, key_padding_mask=~keep)
     torch.testing.assert_close(m(q, k, v, mask=keep[:, None, None, :]), ref, **TOL)
     back = MultiHeadAttention.from_torch(tm)
-    for a, b in zip(m.state_dict().values(), back.state_dict().values()):
+    for a, b in zip(m.state_dict().values(), back.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_conversion_refusals():
     with pytest.raises(ValueError, match=r"num_kv_heads=2 != num_heads=4"):
         MultiHeadAttention(16, 4, num_kv_heads=2).to_torch()
-    with pytest.raises(ValueError, match="positional='rope'"):
+    with pytest.raises(ValueError, match=r"positional='rope'"):
         MultiHeadAttention(16, 4, positional="rope").to_torch()
     with pytest.raises(ValueError, match="add_bias_kv"):
         MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
-    with pytest.raises(TypeError, match="torch.nn.MultiheadAttention"):
+    with pytest.raises(TypeError, match=r"torch\.nn\.MultiheadAttention"):
         MultiHeadAttention.from_torch(torch.nn.Linear(2, 2))
 
 
@@ -225,7 +227,7 @@ def test_dropout_only_in_training():
     torch.testing.assert_close(a, ref.eval()(x), rtol=0, atol=1e-6)
     m.train()
     assert (m(x) - a).abs().max() > 1e-3
-    out, w = m(x, need_weights=True)  # weights are the exact softmax, before dropout
+    _, w = m(x, need_weights=True)  # weights are the exact softmax, before dropout
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 8))
 
 
@@ -276,7 +278,8 @@ def test_transformer_block_dropout_train_eval():
 
 
 def test_bad_construction():
-    with pytest.raises(ValueError, match=r"embed_dim: expected a multiple of num_heads=3.*got 10.*Use embed_dim 9 or 12"):
+    with pytest.raises(ValueError,
+                       match=r"embed_dim: expected a multiple of num_heads=3.*got 10.*Use embed_dim 9 or 12"):
         MultiHeadAttention(10, 3)
     with pytest.raises(ValueError, match=r"num_kv_heads: expected a divisor of num_heads=6.*got 4.*\[1, 2, 3, 6\]"):
         MultiHeadAttention(12, 6, num_kv_heads=4)
@@ -312,7 +315,7 @@ def test_bad_call():
         m(torch.randn(2, 5, 16), value=torch.randn(2, 3, 16))
     with pytest.raises(TypeError, match=r"query: expected torch.float32 .*got torch.float64"):
         m(torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 3, 6, dtype=torch.float64))
-    with pytest.raises(TypeError, match="query: expected a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"query: expected a torch\.Tensor"):
         m([[1.0]])
     r = MultiHeadAttention(16, 4, positional="rope")
     with pytest.raises(ValueError, match="self-attention only"):

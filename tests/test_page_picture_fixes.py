@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from attnkit.viz import _show as show_cli
 from attnkit.cli import main
+from attnkit.viz import _show as show_cli
 from attnkit.viz.png import short_title
 
 
@@ -91,7 +91,6 @@ def test_reverse_example_png_has_a_colour_bar(tmp_path):
     pytest.importorskip("matplotlib")
     import importlib.util
     import pathlib
-
     import sys
 
     import torch

@@ -6,8 +6,13 @@ import pytest
 import torch
 
 import attnkit
-from attnkit.positional import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
-                                alibi_slopes, sinusoidal)
+from attnkit.positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    alibi_slopes,
+    sinusoidal,
+)
 
 # ---------------------------------------------------------------- sinusoidal
 
@@ -55,10 +60,7 @@ def rope_complex(x, positions, base, interleaved):
     """Independent RoPE: each dimension pair as a complex number times e^{i·p·θ_j}."""
     D = x.shape[-1]
     theta = base ** (-2.0 * torch.arange(D // 2, dtype=torch.float64) / D)
-    if interleaved:
-        z = torch.complex(x[..., 0::2], x[..., 1::2])
-    else:
-        z = torch.complex(x[..., : D // 2], x[..., D // 2:])
+    z = torch.complex(x[..., 0::2], x[..., 1::2]) if interleaved else torch.complex(x[..., : D // 2], x[..., D // 2:])
     ang = positions.to(torch.float64)[:, None] * theta  # (L, D/2)
     r = z * torch.polar(torch.ones_like(ang), ang)
     if interleaved:
@@ -218,7 +220,7 @@ def test_sinusoidal_bad_input_function_and_module_agree():
         SinusoidalPositionalEncoding(0)
     with pytest.raises(TypeError, match=r"d_model: expected a positive int"):
         sinusoidal(4, True)
-    with pytest.raises(TypeError, match="dtype: expected a floating torch.dtype"):
+    with pytest.raises(TypeError, match=r"dtype: expected a floating torch\.dtype"):
         sinusoidal(4, 8, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"base: expected a finite float > 1"):
         RotaryEmbedding(8, base=1.0)

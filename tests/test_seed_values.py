@@ -65,7 +65,7 @@ def test_cli_explain_default_prints_corrected_numbers(capsys):
     assert main(["explain"]) == 0
     out = capsys.readouterr().out
     steps = out[out.index("1. Raw scores"):]  # after the inputs (step 0)
-    q0_rows = [l.split("│")[1].split() for l in steps.splitlines() if l.strip().startswith("q0 │")]
+    q0_rows = [line.split("│")[1].split() for line in steps.splitlines() if line.strip().startswith("q0 │")]
     # raw scores, scaled scores, weights, output: the 3-token example's first row at every step
     assert q0_rows == [["1.0000", "1.0000", "0.0000"], ["0.7071", "0.7071", "0.0000"],
                        ["0.4011", "0.4011", "0.1978"], ["5.0000", "5.0000"]]
@@ -100,7 +100,8 @@ def test_cli_explain_own_files_and_mask(tmp_path, capsys):
     masked_q0 = out.split("3. Masked", 1)[1].splitlines()[3]
     assert masked_q0.split("│")[1].split() == ["0.7071", "-inf", "-inf"]
     # causal: q0 sees only k0 -> output row 0 = V[0]
-    assert [l for l in out.splitlines() if l.strip().startswith("q0 │")][-1].split("│")[1].split() == ["10.0000", "0.0000"]
+    last_q0 = [line for line in out.splitlines() if line.strip().startswith("q0 │")][-1]
+    assert last_q0.split("│")[1].split() == ["10.0000", "0.0000"]
 
 
 def test_cli_explain_bad_input(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def test_html_page_escapes_and_stays_self_contained(tmp_path):
     path = viz_html.save_attention_html(tmp_path / "p.html",
                                         [{"label": "</script><b>x", "tokens": ["<a", "b", "c"]},
                                          {"label": "two", "tokens": ["d", "e"]}], {0: w}, title="t <i>")
-    page = open(path, encoding="utf-8").read()
+    page = pathlib.Path(path).read_text(encoding="utf-8")
     assert "</script><b>" not in page and "<i>" not in page.split("<body>")[0]
     assert EXTERNAL.search(page) is None
     with pytest.raises(ValueError, match="weights"):
@@ -84,6 +85,7 @@ def test_html_page_escapes_and_stays_self_contained(tmp_path):
 
 def test_empty_sentence_is_one_line_exit_2(capsys):
     rc, out, err = _cli(capsys, "   ")
+    assert out == "", out  # an error exit writes only its one line, to stderr
     assert rc == 2 and "empty sentence" in _one_line_error(err)
 
 
@@ -95,6 +97,7 @@ def test_empty_sentence_is_one_line_exit_2(capsys):
 ])
 def test_bad_word_layer_head_are_one_line_exit_2(tmp_path, capsys, argv, needle):
     rc, out, err = _cli(capsys, *argv, "--out", str(tmp_path))
+    assert out == "", out  # an error exit writes only its one line, to stderr
     assert rc == 2 and needle in _one_line_error(err)
     assert not (tmp_path / "attention.png").exists()
 
@@ -103,6 +106,7 @@ def test_bad_word_layer_head_are_one_line_exit_2(tmp_path, capsys, argv, needle)
 def test_model_path_without_weights_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     rc, out, err = _cli(capsys, "--model", str(tmp_path))
+    assert out == "", out  # an error exit writes only its one line, to stderr
     line = _one_line_error(err)
     assert rc == 2 and "model weights" in line and "--model" in line
 
@@ -110,6 +114,7 @@ def test_model_path_without_weights_is_one_line_exit_2(tmp_path, capsys):
 def test_transformers_missing_is_one_line_with_install_hint(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     rc, out, err = _cli(capsys)
+    assert out == "", out  # an error exit writes only its one line, to stderr
     line = _one_line_error(err)
     assert rc == 2 and "pip install 'attnkit[model]'" in line
 
@@ -141,9 +146,10 @@ def _page_data(page):
 
 @needs_model
 def test_left_padding_gives_the_same_table_tokens_and_page_as_right_padding(tmp_path, monkeypatch, no_png):
-    from attnkit.viz import _show as show_mod
-    from attnkit.integrations import minilm
     from transformers import AutoTokenizer
+
+    from attnkit.integrations import minilm
+    from attnkit.viz import _show as show_mod
 
     tok, model = show_mod._load_cached(None)
     left = AutoTokenizer.from_pretrained(str(minilm.default_model_path()), local_files_only=True, padding_side="left")
@@ -158,12 +164,12 @@ def test_left_padding_gives_the_same_table_tokens_and_page_as_right_padding(tmp_
         want = right_res if word is None else show_mod.show(sents, word=word, out=str(tmp_path / "r"), quiet=True)
         assert got.tokens == want.tokens == ["[CLS]", "hi", "there", "[SEP]"]
         assert got.word == want.word and got.table == want.table
-        a = _page_data(open(got.html, encoding="utf-8").read())
-        b = _page_data(open(want.html, encoding="utf-8").read())
+        a = _page_data(pathlib.Path(got.html).read_text(encoding="utf-8"))
+        b = _page_data(pathlib.Path(want.html).read_text(encoding="utf-8"))
         assert a["items"] == b["items"] and a["initial"] == b["initial"]
         assert a["items"][1]["tokens"][:3] == ["[CLS]", "the", "river"]
         for layer in b["weights"]:
-            for wa, wb in zip(a["weights"][layer], b["weights"][layer]):
+            for wa, wb in zip(a["weights"][layer], b["weights"][layer], strict=True):
                 assert np.allclose(wa, wb, atol=2e-4)
                 assert np.allclose(np.sum(wa, -1), 1, atol=1e-3)  # no padding column was kept
 
@@ -195,14 +201,15 @@ def test_html_title_with_slot_markers_pulls_nothing_into_the_heading():
 
 @needs_model
 def test_bundled_model_load_failure_names_its_path(monkeypatch, capsys):
-    from attnkit.viz import _show as show_mod
     from attnkit.integrations import minilm
+    from attnkit.viz import _show as show_mod
 
     def broken(path):
         raise OSError("Unable to load weights")
 
     monkeypatch.setattr(show_mod, "_load_cached", broken)
     rc, out, err = _cli(capsys)
+    assert out == "", out  # an error exit writes only its one line, to stderr
     line = _one_line_error(err)
     assert rc == 2 and "None" not in line
     assert f"bundled all-MiniLM-L6-v2 from {str(minilm.default_model_path())!r}: Unable to load weights" in line
@@ -228,6 +235,7 @@ def test_truncation_note_exactly_past_128_tokens(tmp_path, capsys, no_png, n_tok
 @pytest.mark.parametrize("sentence", ["\u200b", "\x00"])
 def test_sentence_the_tokenizer_drops_entirely_is_one_line_exit_2(tmp_path, capsys, sentence):
     rc, out, err = _cli(capsys, sentence, "--out", str(tmp_path))
+    assert out == "", out  # an error exit writes only its one line, to stderr
     assert rc == 2 and "no word the tokenizer keeps" in _one_line_error(err)
 
 
@@ -235,6 +243,7 @@ def test_sentence_the_tokenizer_drops_entirely_is_one_line_exit_2(tmp_path, caps
 def test_unwritable_output_file_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "attention.png").mkdir()  # a directory where the PNG should go
     rc, out, err = _cli(capsys, "--out", str(tmp_path))
+    assert out == "", out  # an error exit writes only its one line, to stderr
     assert rc == 2 and "--out: cannot write" in _one_line_error(err)
 
 
@@ -245,6 +254,7 @@ def test_corrupt_model_weights_are_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text((minilm.default_model_path() / "config.json").read_text())
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     rc, out, err = _cli(capsys, "--model", str(tmp_path))
+    assert out == "", out  # an error exit writes only its one line, to stderr
     line = _one_line_error(err)
     assert rc == 2 and line.startswith("attnkit show: error: --model: could not load a model from")
 
@@ -263,9 +273,10 @@ def test_a_genuine_bug_keeps_its_traceback(monkeypatch, capsys, tmp_path):
 
 @needs_model
 def test_words_and_positions_follow_the_attention_mask_with_left_padding():
-    from attnkit.viz import _show as show_mod
-    from attnkit.integrations import minilm
     from transformers import AutoTokenizer
+
+    from attnkit.integrations import minilm
+    from attnkit.viz import _show as show_mod
 
     left = AutoTokenizer.from_pretrained(str(minilm.default_model_path()), local_files_only=True, padding_side="left")
     sents = ["Hi there", "The river bank was eroding."]
@@ -317,12 +328,13 @@ def test_library_show_bad_layer_is_a_value_error_and_the_cli_names_the_flag(tmp_
         show(layer=6, out=str(tmp_path), quiet=True)
     assert info.value.param == "layer"
     rc, out, err = _cli(capsys, "--layer", "6", "--out", str(tmp_path))
+    assert out == "", out  # an error exit writes only its one line, to stderr
     assert rc == 2 and _one_line_error(err).startswith("attnkit show: error: --layer: expected 0..5")
 
 
 def test_cli_show_module_only_parses_and_prints():
-    from attnkit._cli import show as cli_show
     import attnkit.viz
+    from attnkit._cli import show as cli_show
 
     assert cli_show.show is attnkit.viz.show  # one implementation, in the library
-    assert "CLIError" not in open(attnkit.viz._show.__file__, encoding="utf-8").read()
+    assert "CLIError" not in pathlib.Path(attnkit.viz._show.__file__).read_text(encoding="utf-8")

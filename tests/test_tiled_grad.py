@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_close, rand_qkv
 
 import attnkit
 from attnkit import masks as M
 from attnkit import score_mods as SM
 from attnkit.backends import tiled
-
-from conftest import assert_close, rand_qkv
 
 
 @pytest.fixture(params=[True, False], ids=["fused", "plain"])
@@ -36,13 +35,14 @@ def _check(q, k, v, g_lse=False, blocks=(16, 16), tol=1e-10, **kw):
     gl = torch.randn(q.shape[:3], dtype=q.dtype) if g_lse else None
     _, got = _grads("tiled", q, k, v, g, gl, blocks, **kw)
     _, want = _grads("eager", q, k, v, g, gl, blocks, **kw)
-    for name, a, b in zip("qkv", got, want):
+    for name, a, b in zip("qkv", got, want, strict=True):
         assert not torch.isnan(a).any(), f"d{name}: NaN"
         assert_close(a, b, tol, f"d{name}")
 
 
 def _docs(S):
-    return torch.repeat_interleave(torch.arange(4), torch.tensor([S // 4, S // 2, S // 8, S - S // 4 - S // 2 - S // 8]))
+    sizes = [S // 4, S // 2, S // 8, S - S // 4 - S // 2 - S // 8]
+    return torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
 
 
 MASKS = {
@@ -108,7 +108,7 @@ def test_grad_bf16_close_to_fp32(worker):
     g = torch.randn(1, 4, 64, 32)
     _, got = _grads("tiled", q, k, v, g.bfloat16(), blocks=(32, 32), mask=M.sliding_window(20))
     _, want = _grads("eager", q.double(), k.double(), v.double(), g.double(), mask=M.sliding_window(20))
-    for name, a, b in zip("qkv", got, want):
+    for name, a, b in zip("qkv", got, want, strict=True):
         assert a.dtype == torch.bfloat16
         scale = b.abs().max().item()
         assert_close(a, b, 0.03 * scale, f"d{name} bf16")

@@ -35,4 +35,5 @@ def test_window_32k_forward_backward_peak_rss():
     assert res.returncode == 0, res.stderr[-2000:]
     before, peak = (int(x) / 1024 for x in res.stdout.split())  # KiB
     assert peak < 1024, f"peak RSS {peak:.0f} MiB"
-    assert peak - before < 256, f"attention added {peak - before:.0f} MiB (one score tensor: {one_score_tensor_mib:.0f} MiB)"
+    assert peak - before < 256, (f"attention added {peak - before:.0f} MiB "
+                                 f"(one score tensor: {one_score_tensor_mib:.0f} MiB)")

@@ -8,6 +8,7 @@ causal: query 0 sees only key 0, first row [10, 0].
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -62,7 +63,7 @@ def _user_error(rc, err, *needles):
 
 
 def _write_qkv(tmp_path):
-    for n, a in zip("qkv", (Q, K, V)):
+    for n, a in zip("qkv", (Q, K, V), strict=True):
         np.save(tmp_path / f"{n}.npy", a)
     return ["--q", str(tmp_path / "q.npy"), "--k", str(tmp_path / "k.npy"), "--v", str(tmp_path / "v.npy")]
 
@@ -106,7 +107,7 @@ def test_float_mask_file_values_are_added_to_the_scaled_scores(tmp_path, capsys,
     assert rc == 0, err
     masked = _table(out, "Masked")
     np.testing.assert_allclose(masked[0, :2], [1 / math.sqrt(2) + b, 1 / math.sqrt(2)], atol=5e-5)
-    assert out.splitlines()[[i for i, ln in enumerate(out.splitlines()) if ln.startswith("3. Masked")][0] + 3] \
+    assert out.splitlines()[next(i for i, ln in enumerate(out.splitlines()) if ln.startswith("3. Masked")) + 3] \
         .split()[-1] == "-inf"
     # weights ∝ [2e, e, 0] -> [2/3, 1/3, 0]; output = [20/3, 10/3]
     np.testing.assert_allclose(_table(out, "Weights")[0], [2 / 3, 1 / 3, 0], atol=5e-5)
@@ -139,6 +140,7 @@ def test_mask_help_documents_the_file_types(capsys):
 
 def test_mask_file_of_the_wrong_shape_names_L_and_S(tmp_path, capsys):
     rc, out, err = _run(capsys, "explain", "--mask", _write(tmp_path / "m.npy", np.ones((4, 3), bool)))
+    assert out == "", out  # a user error writes only its one line, to stderr
     _user_error(rc, err, "--mask", "(L, S) = (3, 3)", "(4, 3)")
 
 
@@ -175,6 +177,7 @@ def test_show_cli_passes_the_sentences_it_says(monkeypatch, capsys, argv, want, 
     monkeypatch.setattr(show_mod, "show", fake_show)
     rc, out, err = _run(capsys, "show", *argv)
     assert rc == 0 and seen["sentences"] == want
+    assert out.startswith("T\n") and "note: joined" not in out, out  # the table show() returned; notes on stderr
     assert ("note: joined" in err) is noted
 
 
@@ -219,6 +222,7 @@ def test_causal_note_states_the_computed_first_row(capsys):
 
 def test_unmasked_note_states_the_computed_first_row_and_weights(capsys):
     rc, out, _ = _run(capsys, "explain")
+    assert rc == 0
     row, w = _table(out, "Output")[0], _table(out, "Weights")[0]
     np.testing.assert_allclose(row, [5, 5], atol=5e-5)
     np.testing.assert_allclose(w, [0.4011, 0.4011, 0.1978], atol=5e-5)
@@ -240,10 +244,8 @@ def test_cat_note_under_a_mask_names_the_key_that_really_wins(capsys):
                                   ["explain", "--example", "random"], ["explain", "--example", "positional"],
                                   ["explain", "--help"], ["--help"]])
 def test_user_text_names_examples_by_what_they_are(capsys, argv):
-    try:
+    with contextlib.suppress(SystemExit):  # --help exits
         cli.main(argv)
-    except SystemExit:
-        pass
     out = capsys.readouterr().out
     assert out.strip()
     assert not re.search(r"seed 0\d\d|tutorial|seed example", out, re.I), out
@@ -257,6 +259,7 @@ def test_old_example_name_seed_still_runs_the_3_token_example(capsys):
 
 def test_random_example_prints_what_explain_computes_for_its_seed(capsys):
     rc, out, _ = _run(capsys, "explain", "--example", "random", "--seed", "7", "--precision", "6")
+    assert rc == 0
     rng = np.random.default_rng(7)
     q, k, v = (rng.standard_normal((3, 4)) for _ in range(3))
     np.testing.assert_allclose(_table(out, "Output"), attnkit.explain(q, k, v).output, atol=5e-7)
@@ -371,6 +374,7 @@ def test_precision_bounds_work(capsys, prec, row0):
 @pytest.mark.parametrize("spec", ["window:abc", "window:", "prefix:x", "padding:1.5", "document:a,b,c", "nonsense"])
 def test_bad_mask_spec_names_option_accepted_specs_and_what_was_got(capsys, spec):
     rc, out, err = _run(capsys, "explain", "--mask", spec)
+    assert out == "", out  # a user error writes only its one line, to stderr
     line = _user_error(rc, err, "--mask", repr(spec))
     for accepted in ("causal", "window:N", "prefix:N", "padding:N", "document:ID,ID", ".npy/.csv/.txt/.json"):
         assert accepted in line, accepted
@@ -384,6 +388,7 @@ def test_bad_mask_spec_names_option_accepted_specs_and_what_was_got(capsys, spec
 ])
 def test_mask_spec_out_of_range_is_a_clear_error(capsys, spec, needles):
     rc, out, err = _run(capsys, "explain", "--mask", spec)
+    assert out == "", out  # a user error writes only its one line, to stderr
     _user_error(rc, err, *needles)
 
 
@@ -402,7 +407,7 @@ def test_good_mask_specs(capsys, spec, row0):
 @pytest.mark.parametrize("suffix", [".csv", ".txt"])
 def test_np_savetxt_default_output_loads(tmp_path, capsys, suffix):
     paths = []
-    for n, a in zip("qkv", (Q, K, V)):
+    for n, a in zip("qkv", (Q, K, V), strict=True):
         np.savetxt(tmp_path / f"{n}{suffix}", a)  # "1.000000000000000000e+00 0.000000000000000000e+00"
         paths += [f"--{n}", str(tmp_path / f"{n}{suffix}")]
     np.savetxt(tmp_path / f"mask{suffix}", CAUSAL_BIAS)  # floats: an additive bias, "-inf" in the file
@@ -425,6 +430,7 @@ def test_bad_text_table_says_what_format_is_expected(tmp_path, capsys):
     (tmp_path / "q.csv").write_text("1;0\n0;1\n1;1\n")
     rc, out, err = _run(capsys, "explain", "--q", str(tmp_path / "q.csv"), "--k", str(tmp_path / "q.csv"),
                         "--v", str(tmp_path / "q.csv"))
+    assert out == "", out  # a user error writes only its one line, to stderr
     _user_error(rc, err, "--q", "'1;0' is not a number", "separated by commas or by whitespace")
 
 

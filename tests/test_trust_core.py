@@ -7,17 +7,14 @@ torch autograd on a dense formula written here).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
+from conftest import assert_close, budget, golden, rand_qkv
 
 import attnkit
 from attnkit import masks, score_mods
 from attnkit.backends import _flash_cpu
-
-from conftest import assert_close, budget, golden, rand_qkv
 
 
 def dense_ref(q, k, v, *, score_mod=None, bias=None, allowed=None, scale=None):
@@ -84,7 +81,7 @@ def test_item1_stride_grads_tiled():
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     allowed = masks.sliding_window(7).materialize(1, 2, 40, 70)
     dense_ref(q64, k64, v64, allowed=allowed).square().sum().backward()
-    for got, want, n in zip(leaves, (q64, k64, v64), "qkv"):
+    for got, want, n in zip(leaves, (q64, k64, v64), "qkv", strict=True):
         assert_close(got.grad, want.grad, 1e-4, f"d{n}")
 
 
@@ -207,7 +204,7 @@ def _grad_case(backend, bias_requires_qkv=True, L=80, S=80):
     assert table.grad is not None, f"{backend}: gradient into the captured table was dropped"
     assert_close(table.grad, t64.grad, 1e-4, f"{backend} d table")
     if bias_requires_qkv:
-        for got, want, n in zip(leaves, (q64, k64, v64), "qkv"):
+        for got, want, n in zip(leaves, (q64, k64, v64), "qkv", strict=True):
             assert_close(got.grad, want.grad, 1e-4, f"{backend} d{n}")
 
 

@@ -173,7 +173,7 @@ def test_gemma2_softcap_gradients_equal_eager():
         model.zero_grad()
         (model(input_ids=ids).logits ** 2).mean().backward()
         grads.append([layer.self_attn.q_proj.weight.grad for layer in model.model.layers])
-    for ga, gb in zip(*reversed(grads)):
+    for ga, gb in zip(*reversed(grads), strict=True):
         assert gb.abs().max() > 0 and _rel(ga, gb) <= GRAD_RTOL
 
 
@@ -209,7 +209,7 @@ def test_t5_position_bias_logits_and_bias_table_gradient_equal_eager():
                                       for s in (model.encoder, model.decoder)]))
     (b, grads_b), (a, grads_a) = res
     assert _maxdiff(a, b) <= TOL
-    for ga, gb in zip(grads_a, grads_b):
+    for ga, gb in zip(grads_a, grads_b, strict=True):
         assert gb.abs().max() > 0 and _rel(ga, gb) <= GRAD_RTOL
 
 
@@ -264,7 +264,7 @@ def test_gpt_oss_sinks_logits_and_sink_gradient_equal_eager():
         wa = ak(input_ids=ids, attention_mask=am, output_attentions=True).attentions
         wb = eager(input_ids=ids, attention_mask=am, output_attentions=True).attentions
     rows = valid[:, None, :, None].expand_as(wb[0])
-    assert all(_maxdiff(x, y, rows) <= 1e-6 for x, y in zip(wa, wb))
+    assert all(_maxdiff(x, y, rows) <= 1e-6 for x, y in zip(wa, wb, strict=True))
     assert (wa[0].sum(-1)[valid[:, None].expand(-1, 4, -1)] < 1 - 1e-3).any()
     # the sinks matter in this model: without them the logits move
     no_sink = copy.deepcopy(ak)
@@ -340,7 +340,7 @@ def test_gpt2_output_attentions_returns_weights_equal_eager():
         b = eager(input_ids=ids, attention_mask=am, output_attentions=True)
         plain = ak(input_ids=ids, attention_mask=am)
     assert len(a.attentions) == len(b.attentions) == 2
-    for x, y in zip(a.attentions, b.attentions):
+    for x, y in zip(a.attentions, b.attentions, strict=True):
         assert x.shape == y.shape == (2, 4, 9, 9)
         assert _maxdiff(x, y) <= 1e-6
     assert _maxdiff(a.logits, b.logits) <= TOL
@@ -461,7 +461,7 @@ def test_bart_cross_attention_with_padding_equals_eager():
         b = eager(input_ids=ids, attention_mask=am, decoder_input_ids=dec, decoder_attention_mask=dam,
                   output_attentions=True)
     assert _maxdiff(a.logits, b.logits, dam.bool()) <= TOL
-    for x, y in zip(a.cross_attentions, b.cross_attentions):
+    for x, y in zip(a.cross_attentions, b.cross_attentions, strict=True):
         assert _maxdiff(x, y, dam.bool()[:, None, :, None].expand_as(y)) <= 1e-6
 
 

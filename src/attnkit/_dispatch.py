@@ -132,7 +132,8 @@ def auto_backend(req: Request, device_type: str) -> Decision:
         if sdpa_no and get("sdpa").backward_flaw(req) == sdpa_no:
             reason = f"tiled kernel, exact gradients where SDPA's are not: {sdpa_no}"
         else:
-            reason = f"block-sparse tiled kernel for {sdpa_no}" if sdpa_no else "torch SDPA cannot return what was asked"
+            reason = (f"block-sparse tiled kernel for {sdpa_no}" if sdpa_no
+                      else "torch SDPA cannot return what was asked")
         return Decision("tiled", reason)
     return Decision("eager", f"tiled backend unavailable ({tiled_why}); eager math path")
 
@@ -151,12 +152,14 @@ def _auto_cuda(req: Request) -> Decision:
         return Decision("sdpa", f"{kind} attention on a GPU: torch SDPA's fused kernels (flash / cuDNN / efficient)")
     why_flex = get("flex").unsupported(req)
     if why_flex is None:
-        what = "a score_mod" if req.score_mod is not None else f"mask {req.mask!r}" if req.mask is not None else "a tensor mask"
+        what = ("a score_mod" if req.score_mod is not None
+                else f"mask {req.mask!r}" if req.mask is not None else "a tensor mask")
         return Decision("flex", f"{what} on a GPU: FlexAttention's kernel with attnkit's BlockMask (no dense mask)")
     if (req.bias is not None or req.dense_mask is not None) and req.mask is None and req.score_mod is None and sdpa_ok:
         return Decision("sdpa", f"a tensor mask on a GPU, FlexAttention unavailable ({why_flex}): SDPA applies it")
     if get("tiled").unsupported(req) is None:
-        return Decision("tiled", f"FlexAttention cannot honour this ({why_flex}): the tiled plain worker runs on any device")
+        return Decision("tiled",
+                        f"FlexAttention cannot honour this ({why_flex}): the tiled plain worker runs on any device")
     return Decision("eager", f"neither FlexAttention ({why_flex}) nor tiled can honour this: eager math path")
 
 

@@ -76,9 +76,8 @@ def attention(q, k, v, mask, causal, scale):
     Bv, Hv, Sv, _ = v.shape
     if not (B == Bk == Bv and D == Dk and S == Sv and Hkv == Hv and Hkv and H % Hkv == 0 and S and D):
         return None
-    if scale is not None:
-        if (type(scale) is not float and type(scale) is not int) or not math.isfinite(scale):
-            return None
+    if scale is not None and ((type(scale) is not float and type(scale) is not int) or not math.isfinite(scale)):
+        return None
     if _log.isEnabledFor(logging.DEBUG):
         return None
     if dt is torch.float16 and dev.type == "cpu" and torch.is_grad_enabled() and (
@@ -135,7 +134,5 @@ def _tensor_mask(m: torch.Tensor, dt, dev, B: int, H: int, L: int, S: int) -> bo
             return False
     elif m.dtype != dt:
         return False
-    for got, want in zip(reversed(m.shape), (S, L, H, B)):
-        if got != 1 and got != want:
-            return False
-    return True
+    # a 2- or 3-dim mask pairs with the trailing (S, L[, H]) only: the shorter zip is intended
+    return all(got in (1, want) for got, want in zip(reversed(m.shape), (S, L, H, B), strict=False))

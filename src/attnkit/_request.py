@@ -101,7 +101,7 @@ def _check_qkv(q, k, v):
 def _check_qkv_full(q, k, v):
     kinds = {_kind(q), _kind(k), _kind(v)}
     if not kinds <= {"torch", "numpy"}:
-        bad = [n for n, x in (("q", q), ("k", k), ("v", v)) if _kind(x) not in ("torch", "numpy")][0]
+        bad = next(n for n, x in (("q", q), ("k", k), ("v", v)) if _kind(x) not in ("torch", "numpy"))
         x = {"q": q, "k": k, "v": v}[bad]
         raise TypeError(f"{bad}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}.")
     if len(kinds) > 1:
@@ -191,7 +191,7 @@ def _check_tensor_mask(mask, q: torch.Tensor, B, H, L, S):
         raise ValueError(f"mask: expected at most 4 dims broadcastable to (B, H, L, S), got shape {tuple(m.shape)}.")
     m4 = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
     target = (B, H, L, S)
-    for dim, (got, want) in enumerate(zip(m4.shape, target)):
+    for dim, (got, want) in enumerate(zip(m4.shape, target, strict=True)):
         if got not in (1, want):
             raise ValueError(
                 f"mask: shape {tuple(m.shape)} is not broadcastable to (B, H, L, S) = {target} "
@@ -224,7 +224,8 @@ def make_request(
 
     if score_mod is not None:
         if not callable(score_mod):
-            raise TypeError(f"score_mod: expected a callable (score, b, h, q_idx, kv_idx) -> score, got {type(score_mod).__name__}.")
+            raise TypeError(f"score_mod: expected a callable (score, b, h, q_idx, kv_idx) -> score, "
+                            f"got {type(score_mod).__name__}.")
         n = _mods.positional_arity(score_mod)  # FlexAttention's count: defaults do not count
         if n is not None and n != 5:
             raise TypeError(
@@ -236,7 +237,8 @@ def make_request(
             score_mod.validate(B, H, L, S)
 
     if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected True or False, got {causal!r}. For top-left alignment pass mask=attnkit.masks.causal('top_left').")
+        raise TypeError(f"causal: expected True or False, got {causal!r}. "
+                        "For top-left alignment pass mask=attnkit.masks.causal('top_left').")
 
     req = Request(q=q4, k=k4, v=v4, scale=scale, score_mod=score_mod, dropout_p=float(dropout_p),
                   need_lse=bool(return_lse), return_lse=bool(return_lse), input_rank=rank, numpy_in=numpy_in)
@@ -326,7 +328,8 @@ def _check_weight_heads(return_weights, H: int):
     if (heads is None or isinstance(return_weights, (str, bytes)) or not heads
             or any(isinstance(h, bool) for h in return_weights)):
         raise TypeError(
-            f"return_weights: expected True, False or a non-empty sequence of query-head indices, got {return_weights!r}.")
+            "return_weights: expected True, False or a non-empty sequence of query-head indices, "
+            f"got {return_weights!r}.")
     bad = [h for h in heads if not 0 <= h < H]
     if bad:
         raise ValueError(f"return_weights: head indices must be in [0, {H}) (H={H}), got {bad}. Pass heads 0..{H - 1}.")
@@ -344,7 +347,7 @@ def _check_sinks(sinks, q: torch.Tensor, B: int, H: int, L: int) -> torch.Tensor
         if sinks.shape[0] != H:
             raise ValueError(f"sinks: expected one logit per query head, shape ({H},), got {tuple(sinks.shape)}.")
         return sinks.view(1, H, 1)
-    if sinks.dim() != 3 or any(g not in (1, w) for g, w in zip(sinks.shape, (B, H, L))):
+    if sinks.dim() != 3 or any(g not in (1, w) for g, w in zip(sinks.shape, (B, H, L), strict=True)):
         raise ValueError(
             f"sinks: expected shape (H,) or a 3-D tensor broadcastable to (B, H, L) = {(B, H, L)}, got "
             f"{tuple(sinks.shape)}.")

@@ -116,8 +116,9 @@ def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dr
     >>> d = attnkit.dispatch(q, k, v, mask=attnkit.masks.sliding_window(256))
     >>> d.backend, d.worker
     ('tiled', 'fused')
-    >>> d.reason
-    "block-sparse tiled kernel for mask sliding_window(256, align='bottom_right') (SDPA would need a dense (B, H, L, S) mask)"
+    >>> print(d.reason)  # doctest: +NORMALIZE_WHITESPACE
+    block-sparse tiled kernel for mask sliding_window(256, align='bottom_right')
+    (SDPA would need a dense (B, H, L, S) mask)
     """
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                        dropout_p=dropout_p, return_lse=return_lse, backend=backend,

@@ -60,7 +60,8 @@ def apply_score_mod(req: Request, s: torch.Tensor, b, h, q, kv) -> torch.Tensor:
             f"score_mod: expected it to return a tensor of scores, got {type(out).__name__}. "
             "Return a tensor, e.g. score + bias[h] (FlexAttention's score_mod signature).")
     if out.dtype.is_complex:
-        raise TypeError(f"score_mod: expected real scores, got a tensor of dtype {out.dtype}. Return out.real or a float tensor.")
+        raise TypeError(f"score_mod: expected real scores, got a tensor of dtype {out.dtype}. "
+                        "Return out.real or a float tensor.")
     if not out.is_floating_point():
         # An integer (or bool) score, e.g. ``kv_idx - q_idx``: FlexAttention's own math promotes it
         # to the working precision (torch.where against its float -inf), so do the same, on every

@@ -12,7 +12,8 @@ empty. attnkit hands it:
 * a float mask as a ``score_mod`` that adds it, a bool tensor mask as a ``mask_mod`` that reads it.
 
 The compiled function is built once per process (``torch.compile(flex_attention,
-dynamic=False)``: a specialisation per shape is what the CPU code generator handles reliably); torch's own compile cache then holds one specialisation per mod and
+dynamic=False)``: a specialisation per shape is what the CPU code generator handles
+reliably); torch's own compile cache then holds one specialisation per mod and
 shape signature. Block masks of cacheable masks (built-in ones, pure mask_mods) are
 cached per (mask key, sizes, device). torch keeps at most
 ``torch._dynamo.config.recompile_limit`` specialisations of one function; past that it

@@ -38,7 +38,8 @@ def unsupported(req: Request) -> str | None:
     if req.need_lse and req.q.shape[-1] != req.v.shape[-1]:
         return "lse from torch SDPA needs D == Dv (the CPU flash kernel's restriction)"
     if req.need_lse and not _flash_cpu.available():
-        return f"lse from torch SDPA needs torch's private CPU flash kernel, unavailable here ({_flash_cpu.unavailable_reason()})"
+        return ("lse from torch SDPA needs torch's private CPU flash kernel, "
+                f"unavailable here ({_flash_cpu.unavailable_reason()})")
     if req.need_lse and req.requires_grad():
         return "lse from torch SDPA comes from a private kernel without autograd here (use backend='tiled' or 'eager')"
     return None
@@ -144,8 +145,11 @@ def choose_worker(req: Request) -> tuple[str, str]:
             return "math", flaw + "; with dropout, the same formula in plain ops (autograd through it)"
         worker, why = tiled.choose_worker(req)
         return "tiled", f"{flaw}; the same CPU flash kernel through the tiled engine ({worker} worker: {why})"
-    why = "torch.nn.functional.scaled_dot_product_attention" + (" (lse from its CPU flash kernel)" if req.need_lse else "")
-    return "fused", why + "; an all-zero output row the mask does not empty is re-checked for NaN (then recomputed by plain ops)"
+    why = "torch.nn.functional.scaled_dot_product_attention"
+    if req.need_lse:
+        why += " (lse from its CPU flash kernel)"
+    return "fused", (why + "; an all-zero output row the mask does not empty is re-checked for NaN "
+                     "(then recomputed by plain ops)")
 
 
 def run(req: Request, worker: str | None = None):

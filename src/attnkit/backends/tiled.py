@@ -143,9 +143,10 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, c: TileContext, *captured):
         # out_hi: the output before its rounding to q's dtype (fp32 for fp16 on either worker and for
-        # bf16 on the plain one; the fused worker's bf16 kernel rounds its own output), kept for the backward's delta = rowsum(dO ∘ O): from a rounded O, delta
-        # is off by ~2^-11·|dO||O| (fp16), which the cancellation in dp - delta on a peaked row turns
-        # into gradient errors many times PyTorch's own fp16 error (issue 18, item 5).
+        # bf16 on the plain one; the fused worker's bf16 kernel rounds its own output), kept for the
+        # backward's delta = rowsum(dO ∘ O): from a rounded O, delta is off by ~2^-11·|dO||O| (fp16),
+        # which the cancellation in dp - delta on a peaked row turns into gradient errors many times
+        # PyTorch's own fp16 error (issue 18, item 5).
         if c.fused:
             kq, kk, kv = (t.to(c.kernel_dtype) for t in (q, k, v))  # a copy for fp16 only
             fwd = _tiled_fused.causal_forward if c.causal else _tiled_fused.forward
@@ -189,10 +190,10 @@ class _TiledAttention(torch.autograd.Function):
             dq, dk, dv = dq.to(c.cd) + rq, dk.to(c.cd) + rk, dv.to(c.cd) + rv
             if c.bias_grad:
                 dbias = _add(dbias, rext.pop(0))
-            dcap = [_add(a, b) for a, b in zip(dcap, rext)]
+            dcap = [_add(a, b) for a, b in zip(dcap, rext, strict=True)]
         if dbias is not None:
             dbias = dbias.to(c.req.bias.dtype)
-        dcap = [None if g is None else g.to(t.dtype) for g, t in zip(dcap, c.captured)]
+        dcap = [None if g is None else g.to(t.dtype) for g, t in zip(dcap, c.captured, strict=True)]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None, *dcap)
 
 
@@ -203,7 +204,7 @@ def _add(a, b):
 
 def _launch(req: Request, worker: str):
     B, H, L, S, D, Dv, Hkv = req.shape
-    bm, bn, max_run = _sizes()
+    bm, bn, _ = _sizes()
     given = None
     if req.plan is not None:  # the caller's explicit plan: its tiles, its tile shape
         bm, bn = req.plan.block
