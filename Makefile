@@ -73,9 +73,10 @@ lint: $(STAMP_TEST)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/mypy
 
-# The tour notebook in JupyterLab (a local server; stop it with Ctrl-C).
+# The tour notebook in JupyterLab (a local server on localhost, serving examples/; stop it with Ctrl-C).
+# Jupyter refuses to run as root without --allow-root (containers, CI): given only then.
 notebook: $(STAMP_NB)
-	$(BIN)/jupyter lab examples/tour.ipynb
+	$(BIN)/jupyter lab examples/tour.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # The differential fuzz test with 10x the examples (the default profile runs in `make test`).
 fuzz: $(STAMP_TEST)
