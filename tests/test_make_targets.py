@@ -4,6 +4,7 @@ model runs without the packages its metadata pulls (sentence-transformers, sciki
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -22,8 +23,11 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 def _dry_run(target, tmp_path):
     """The commands `make TARGET` would run on a fresh machine (no venv yet), in order."""
-    r = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'v'}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=30)
+    # Under `make test` this runs as a sub-make: without the parent's MAKEFLAGS/MAKELEVEL (and with
+    # --no-print-directory) it prints only the commands, as on a fresh shell.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    r = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={tmp_path / 'v'}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30, env=env)
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
 
