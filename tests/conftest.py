@@ -15,6 +15,7 @@ hand-tuned constant.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -84,3 +85,15 @@ def rand_qkv(B, H, Hkv, L, S, D, Dv=None, dtype=torch.float32, scale=1.0, requir
         for t in (q, k, v):
             t.requires_grad_(True)
     return q, k, v
+
+
+@contextlib.contextmanager
+def fused(on: bool):
+    """Run the tiled backend with its fused worker switched on or off (restored afterwards)."""
+    from attnkit.backends import tiled
+
+    saved, tiled.FUSED = tiled.FUSED, on
+    try:
+        yield
+    finally:
+        tiled.FUSED = saved

@@ -24,15 +24,14 @@ flaw gives errors of order 1 (fp32 and fp64 alike: it is log S that is lost, not
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
-from conftest import EPS
+from conftest import EPS, fused
 
 import attnkit
-from attnkit.backends import _tiles, tiled
+from attnkit.backends import _tiles
 
 B, H, HKV, L, S, D = 2, 4, 2, 13, 11, 8  # GQA (g = 2), L != S
 
@@ -112,14 +111,6 @@ RUNS = {
     "auto": ("auto", True, ("tiled", "fused")),
 }
 
-
-@contextlib.contextmanager
-def fused(on):
-    saved, tiled.FUSED = tiled.FUSED, on
-    try:
-        yield
-    finally:
-        tiled.FUSED = saved
 
 
 def check(got, want, dtype, what):

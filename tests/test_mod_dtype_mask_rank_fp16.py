@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import warnings
 
 import pytest
 import torch
+from conftest import fused
 
 import attnkit
-from attnkit.backends import tiled
 
 BACKENDS = ["eager", "tiled", "auto", "reference"]
 
-
-@contextlib.contextmanager
-def fused(on):
-    saved, tiled.FUSED = tiled.FUSED, on
-    try:
-        yield
-    finally:
-        tiled.FUSED = saved
 
 
 # --------------------------------------------------------------------------- integer score_mods

@@ -230,7 +230,8 @@ def _check_block(block) -> tuple[int, int]:
     ok = (isinstance(block, (tuple, list)) and len(block) == 2
           and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in block))
     if not ok:
-        raise ValueError(f"block: expected (bm, bn), two ints >= 1 (or one int for both), got {block!r}.")
+        raise ValueError(f"block: expected (bm, bn), two ints >= 1 (or one int for both), got {block!r}. "
+                         "Pass e.g. block=(64, 64).")
     return int(block[0]), int(block[1])
 
 

@@ -59,17 +59,6 @@ __all__ = ["TileMass", "tile_mass", "MAX_RUN"]
 MAX_RUN = 2048  # keys per GEMM: a (B·H·bm × MAX_RUN) fp32 score tile stays a few MB
 
 
-def _check_block(block) -> tuple[int, int]:
-    if isinstance(block, int) and not isinstance(block, bool):
-        block = (block, block)
-    ok = (isinstance(block, (tuple, list)) and len(block) == 2
-          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in block))
-    if not ok:
-        raise ValueError(f"block: expected (bm, bn), two ints >= 1 (or one int for both), got {block!r}. "
-                         "Pass e.g. block=(64, 64).")
-    return int(block[0]), int(block[1])
-
-
 def _live_kinds(req, block) -> torch.Tensor:
     """``(nq, nk)`` tile kinds valid for every (batch, head): EMPTY tiles are skipped."""
     B, H, L, S, *_ = req.shape
@@ -359,12 +348,12 @@ def tile_mass(q, k, *, mask=None, causal: bool = False, scale=None, score_mod=No
                        dropout_p=0.0, return_lse=False, backend="auto")
     if req.plan is not None:
         plan = req.plan
-        assert isinstance(plan, _plans.BlockPlan), "Request.plan is a BlockPlan (typed object there: no import cycle)"
-        if block != (64, 64) and _check_block(block) != plan.block:
+        assert isinstance(plan, _plans.BlockPlan), "an explicit plan reaches the request as a BlockPlan"
+        if block != (64, 64) and _plans._check_block(block) != plan.block:
             raise ValueError(f"block: the plan passed as mask has tiles {plan.block}, got block={block!r}. "
                              "Leave block out (the plan's tiles are used) or build the plan with this block.")
         block = plan.block
-    block = _check_block(block)
+    block = _plans._check_block(block)
     t0 = time.perf_counter()
     with torch.no_grad():
         res = _run(req, block, max_run, workers)
