@@ -742,8 +742,9 @@ def test_signature_digest_is_of_content_not_description():
     assert d(0.5) != d(None) and d(1.0) != d(1)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: context-parallel merge by lse is inexact on rows of finfo.min "
-                   "(lse rounds to the row max); see docs/context_parallel.md, Limits")
+@pytest.mark.xfail(strict=True, reason="known bug, documented under Limits in docs/context_parallel.md: ranks merge "
+                   "partial results by lse, which rounds to the row max on rows whose scores are all finfo.min; "
+                   "mask padding with attnkit.masks.padding/key_padding (or -inf) instead; strict: a fix turns it red")
 def test_simulate_rows_of_finfo_min_known_wrong():
     """Rows whose every score is finfo.min: the forward must be the mean of V (as eager gives)."""
     torch.manual_seed(0)

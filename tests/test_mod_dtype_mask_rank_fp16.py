@@ -59,7 +59,7 @@ def test_integer_score_mod_is_cast_as_flex_attention_does(backend, name, on):
 
 
 def test_integer_score_mod_matches_flex_attention_itself():
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    flex = pytest.importorskip("torch.nn.attention.flex_attention", reason="compares with FlexAttention (torch >= 2.5)")
     q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
     mod = INT_MODS["kv-q"]
     with torch.no_grad():

