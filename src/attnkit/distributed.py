@@ -41,9 +41,16 @@ Only those pairs are sent and computed. Sliding window under a contiguous layout
 
 Each pair's partial result (out, lse) comes from :func:`attnkit.attention` on the local rows,
 with the mask and score_mod evaluated at the **global** positions of those rows; the partial
-results of rank r are merged with :func:`attnkit.backends._softmax.merge` in fp32 (fp64 for fp64
-inputs) in ascending key-rank order (deterministic; independent of W up to rounding), and cast
-once at the end.
+results of rank r are merged in fp32 (fp64 for fp64 inputs) in ascending key-rank order
+(deterministic; independent of W up to rounding), and cast once at the end. The merge carries each
+row's lse in two parts, ``lse = c + r`` (``c`` the lse, ``r`` 0 on ordinary rows): on a row whose
+every score is a huge finite negative (``finfo.min``, -1e9 padding) the lse rounds to the row max,
+so such rows are recomputed with their scores shifted by ``c`` and ``r`` is the exact lse of the
+shifted scores — the weights of the merge, and the backward's ``p = exp(s − lse)``, stay exact::
+
+    a row of 16 keys all at finfo.min, W = 4 (4 keys a rank)
+    by lse alone:   every lse = finfo.min → weights 1, 1, 1, 1 → out = 4 × mean(V)      (wrong)
+    two parts:      c = finfo.min, r = log 4 on each → weights ¼, ¼, ¼, ¼ → out = mean(V)
 
 **Blocks.** Within a pair, each (query run, key run) of consecutive units is one block
 (:meth:`Schedule.blocks`): a block whose tiles are all full gets no mask, a run against itself
@@ -440,11 +447,13 @@ def schedule(lay: Layout, mask, *, B: int | None = None, H: int | None = None) -
 
 # ----------------------------------------------------------------------------------------- pair math
 
-def _block(q, k, v, qpos, kpos, kind, *, gmod, score_mod, scale, pure_causal=False):
+def _block(q, k, v, qpos, kpos, kind, *, gmod, score_mod, scale, pure_causal=False, shift=None):
     """Partial ``(out, lse)`` of local queries at global positions ``qpos`` against keys at ``kpos``
     (one block of a pair, see :meth:`Schedule.blocks`): "full" no mask, "causal" plain causal
     (the same positions on both sides: j ≤ i ⇔ kpos[j] ≤ qpos[i]), "mask" the global mask at those
-    positions (a ``from_mod`` on the index maps). A score_mod always sees global positions."""
+    positions (a ``from_mod`` on the index maps). A score_mod always sees global positions.
+    ``shift (B, H, n)``: subtracted from each row's scores after the score_mod (the softmax is
+    unchanged; the lse returned is the block's lse − shift)."""
     mask = None
     causal = kind == "causal"
     if kind == "mask" and gmod is not None:
@@ -452,32 +461,73 @@ def _block(q, k, v, qpos, kpos, kind, *, gmod, score_mod, scale, pure_causal=Fal
             return gmod(b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
         mask = _masks.from_mod(pair_mask)
     sm = None
-    if score_mod is not None:
+    if score_mod is not None or shift is not None:
         def sm(score, b, h, qi, ki):
-            return score_mod(score, b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
+            if score_mod is not None:
+                score = score_mod(score, b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
+            return score if shift is None else score - shift.to(score.device, score.dtype)[b, h, qi]
     return _attention(q, k, v, mask=mask, causal=causal, score_mod=sm, scale=scale, return_lse=True)
 
 
+def _block_exact(q, k, v, qpos, kpos, kind, opts):
+    """A block's partial result as ``(out, c, r)``, its lse kept in two parts: ``lse = c + r``.
+
+    Ordinary rows: ``c = lse``, ``r = 0``. A row whose lse is finite and huge (every score near
+    ``finfo.min`` or −1e9: a score_mod that pads whole rows) cannot be merged by lse alone, which
+    rounds to the row max there (two shards of n keys each would merge with weights 1 and 1, not
+    ½ and ½). Such rows are computed again with their scores shifted by ``c`` = the first lse
+    (within an ulp of the row max, so the shifted scores are moderate), and ``r`` is the exact lse
+    of the shifted scores. The second pass runs only when such rows exist."""
+    o, lse = _block(q, k, v, qpos, kpos, kind, **opts)
+    bad = _softmax.inexact_rows(lse)
+    if not bool(bad.any()):
+        return o, lse, torch.zeros_like(lse)
+    shift = torch.where(bad, lse, torch.zeros_like(lse)).detach()
+    o2, l2 = _block(q, k, v, qpos, kpos, kind, **opts, shift=shift)
+    return o2, torch.where(bad, shift, l2), torch.where(bad, l2, torch.zeros_like(l2))
+
+
+def _merge(a, b):
+    """Merge two partials ``(out, c, r)`` (``lse = c + r``, :func:`_block_exact`) of the same rows over
+    disjoint keys, exact on rows of huge finite scores too: with ``c = max(c_a, c_b)`` the weights
+    are ``exp((c_a − c) + r_a)`` and ``exp((c_b − c) + r_b)``. A dead side (``c = −inf``) contributes
+    nothing; both dead: out 0, c −inf, r 0."""
+    out_a, c_a, r_a = a
+    out_b, c_b, r_b = b
+    c = torch.maximum(c_a, c_b)
+    cg = _softmax.guard(c)
+    e_a, e_b = (c_a - cg) + r_a, (c_b - cg) + r_b
+    top = _softmax.guard(torch.maximum(e_a, e_b))  # exp() stays in range whatever the r's are
+    w_a, w_b = (e_a - top).exp(), (e_b - top).exp()
+    tot = w_a + w_b
+    safe = torch.where(tot > 0, tot, torch.ones_like(tot))
+    out = out_a * (w_a / safe).unsqueeze(-1) + out_b * (w_b / safe).unsqueeze(-1)
+    r = torch.where(torch.isneginf(c), torch.zeros_like(c), top + torch.log(safe))
+    return out, c, r
+
+
 def _pair(q, k, v, qpos, kpos, blocks, opts):
-    """Partial ``(out, lse)`` of a pair from its blocks: one block is returned as it is; several are
-    merged per query run in key order (fp32) and placed in their rows (rows seeing no block: 0, -inf)."""
+    """Partial ``(out, c, r)`` of a pair (``lse = c + r``, :func:`_block_exact`) from its blocks: one
+    block is returned as it is; several are merged per query run in key order (fp32) and placed in
+    their rows (rows seeing no block: 0, -inf, 0)."""
     if len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2]):
-        return _block(q, k, v, qpos, kpos, blocks[0][4], **opts)
+        return _block_exact(q, k, v, qpos, kpos, blocks[0][4], opts)
     acc = _acc_dtype(q.dtype)
     B, H, n = q.shape[:3]
     out = q.new_zeros(B, H, n, v.shape[-1], dtype=acc)
-    lse = q.new_full((B, H, n), float("-inf"), dtype=acc)
+    c = q.new_full((B, H, n), float("-inf"), dtype=acc)
+    r = q.new_zeros((B, H, n), dtype=acc)
     cur = None
     for qa, qb, ka, kb, kind in [*blocks, (None,) * 5]:
         if cur is not None and (qa, qb) != cur[:2]:
-            out[:, :, cur[0]:cur[1]], lse[:, :, cur[0]:cur[1]] = cur[2], cur[3]
+            out[:, :, cur[0]:cur[1]], c[:, :, cur[0]:cur[1]], r[:, :, cur[0]:cur[1]] = cur[2]
             cur = None
         if qa is None:
             break
-        o, l = _block(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], qpos[qa:qb], kpos[ka:kb], kind, **opts)
-        o, l = o.to(acc), l.to(acc)
-        cur = (qa, qb, o, l) if cur is None else (qa, qb, *_softmax.merge(cur[2], cur[3], o, l))
-    return out, lse
+        part = _block_exact(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], qpos[qa:qb], kpos[ka:kb], kind, opts)
+        part = tuple(t.to(acc) for t in part)
+        cur = (qa, qb, part if cur is None else _merge(cur[2], part))
+    return out, c, r
 
 
 def _acc_dtype(dtype):
@@ -486,22 +536,22 @@ def _acc_dtype(dtype):
 
 def _rank_forward(q, kv: dict, qpos, positions, blocks: dict, opts, partials=None, Dv=None):
     """Merge the partial results of the key ranks in ``kv`` for one rank's queries, in ascending
-    key-rank order (``partials``: those already computed, e.g. the local pair during the exchange)."""
+    key-rank order (``partials``: those already computed, e.g. the local pair during the exchange).
+    Returns ``(out, c, r)``: the rows' lse is ``c + r``, kept in two parts (:func:`_block_exact`)."""
     acc = _acc_dtype(q.dtype)
     partials = dict(partials or {})
-    out = lse = None
+    res = None
     for s in sorted(kv):
         if s not in partials:
             partials[s] = _pair(q, kv[s][0], kv[s][1], qpos, positions[s], blocks[s], opts)
-        o, l = partials.pop(s)
-        o, l = o.to(acc), l.to(acc)
-        out, lse = (o, l) if out is None else _softmax.merge(out, lse, o, l)
-    if out is None:  # no visible key at all
+        part = tuple(t.to(acc) for t in partials.pop(s))
+        res = part if res is None else _merge(res, part)
+    if res is None:  # no visible key at all
         B, H, n = q.shape[0], q.shape[1], q.shape[2]
         Dv = next(iter(kv.values()))[1].shape[-1] if kv else (q.shape[-1] if Dv is None else Dv)
-        out = q.new_zeros(B, H, n, Dv, dtype=acc)
-        lse = q.new_full((B, H, n), float("-inf"), dtype=acc)
-    return out, lse
+        res = (q.new_zeros(B, H, n, Dv, dtype=acc), q.new_full((B, H, n), float("-inf"), dtype=acc),
+               q.new_zeros((B, H, n), dtype=acc))
+    return res
 
 
 def _block_backward_fused(q, k, v, kind, opts, out, lse_b, dout):
@@ -542,13 +592,17 @@ def _block_backward_fused(q, k, v, kind, opts, out, lse_b, dout):
     return dq.reshape(B, H, n, D), dk, dv
 
 
-def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse, dout, dlse, captured):
+def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse2, dout, dlse, captured):
     """dq of this rank, the (dk, dv) partials for each key rank in ``kv`` (acc dtype), and the
     gradients of the score_mod's captured tensors (local share). Block by block: the fused FA2
     kernel where it applies, else the block recomputed with autograd and weighted by the global
-    lse (``w = exp(lse_block - lse)``: its share of each row)."""
+    lse (``w = exp(lse_block - lse)``: its share of each row). ``lse2 = (c, r)``: the rows' lse in two
+    parts (:func:`_block_exact`); a block holding rows of huge finite lse is recomputed with those
+    rows' scores shifted by ``c``, so its share is ``exp(lse_shifted − r)``, exact."""
     acc = _acc_dtype(q.dtype)
-    lse_b = _softmax.lse_for_backward(lse)
+    c_all, r_all = lse2
+    lse_b = _softmax.lse_for_backward(c_all + r_all)
+    bad = _softmax.inexact_rows(c_all)
     dout = dout.to(acc) if dout is not None else torch.zeros_like(out)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     parts = {}
@@ -560,7 +614,10 @@ def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse, d
         for qa, qb, ka, kb, kind in blocks[s]:
             qs, ks, vs = q[:, :, qa:qb], k_s[:, :, ka:kb], v_s[:, :, ka:kb]
             o_g, l_g, d_g = out[:, :, qa:qb], lse_b[:, :, qa:qb], dout[:, :, qa:qb]
-            fast = None if dlse is not None else _block_backward_fused(qs, ks, vs, kind, opts, o_g, l_g, d_g)
+            b_g = bad[:, :, qa:qb]
+            shifted = bool(b_g.any())
+            fast = None if dlse is not None or shifted else _block_backward_fused(qs, ks, vs, kind, opts, o_g, l_g,
+                                                                                   d_g)
             if fast is not None:
                 dq[:, :, qa:qb] += fast[0].to(acc)
                 dk[:, :, ka:kb] += fast[1].to(acc)
@@ -568,8 +625,14 @@ def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse, d
                 continue
             with torch.enable_grad():
                 qq, kk, vv = (t.detach().requires_grad_() for t in (qs, ks, vs))
-                o, l = _block(qq, kk, vv, qpos[qa:qb], positions[s][ka:kb], kind, **opts)
-                w = torch.exp(l.detach().to(acc) - l_g)  # this block's share of each row (0 on dead rows)
+                base = l_g
+                if shifted:
+                    shift = torch.where(b_g, c_all[:, :, qa:qb], torch.zeros_like(l_g))
+                    o, l = _block(qq, kk, vv, qpos[qa:qb], positions[s][ka:kb], kind, **opts, shift=shift)
+                    base = torch.where(b_g, r_all[:, :, qa:qb], l_g)
+                else:
+                    o, l = _block(qq, kk, vv, qpos[qa:qb], positions[s][ka:kb], kind, **opts)
+                w = torch.exp(l.detach().to(acc) - base)  # this block's share of each row (0 on dead rows)
                 g_l = w * (d_g * (o.detach().to(acc) - o_g)).sum(-1)
                 if dlse is not None:
                     g_l = g_l + w * dlse[:, :, qa:qb].to(acc)
@@ -634,12 +697,12 @@ class _SimFn(torch.autograd.Function):
         for r in range(W):
             qr = q.index_select(2, P[r])
             kv = {s: (k.index_select(2, P[s]), v.index_select(2, P[s])) for s in range(W) if sched.visible[r, s]}
-            o, l = _rank_forward(qr, kv, P[r], P, sched.row_blocks(r), opts, Dv=v.shape[-1])
+            o, c, rr = _rank_forward(qr, kv, P[r], P, sched.row_blocks(r), opts, Dv=v.shape[-1])
             outs.append(o)
-            lses.append(l)
+            lses.append((c, rr))
             saved.append((qr, kv))
         out = torch.cat(outs, 2).index_select(2, lay.inverse)
-        lse = torch.cat(lses, 2).index_select(2, lay.inverse)
+        lse = torch.cat([c + rr for c, rr in lses], 2).index_select(2, lay.inverse)
         ctx.lay, ctx.sched, ctx.opts, ctx.saved, ctx.outs, ctx.lses = lay, sched, opts, saved, outs, lses
         ctx.shapes = (q, k, v)
         ctx.captured = captured
@@ -1283,7 +1346,7 @@ class _CPFn(torch.autograd.Function):
         st.tiles_skipped = int(sched.empty[r].sum())
         st.pairs_computed = int(sched.visible[r].sum())
         st.pairs_skipped = cp.W - st.pairs_computed
-        err = out = lse = None
+        err = out = lse = lse2 = None
         local = {}
 
         def compute_local():  # the local pair runs while the K/V messages travel
@@ -1297,7 +1360,9 @@ class _CPFn(torch.autograd.Function):
         kv = cp._exchange_kv(k, v, "forward K/V exchange", st, compute_local)
         if err is None:
             try:
-                out, lse = _rank_forward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, local, v.shape[-1])
+                out, c, rr = _rank_forward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, local, v.shape[-1])
+                lse2 = (c, rr)
+                lse = c + rr
                 st.steps = len(kv)
             except Exception as e:
                 err = e
@@ -1306,7 +1371,7 @@ class _CPFn(torch.autograd.Function):
         ctx.cp, ctx.sched, ctx.opts, ctx.captured = cp, sched, opts, captured
         ctx.kv = kv if cp.keep_kv else None
         ctx.save_for_backward(q, k, v)
-        ctx.out, ctx.lse = out, lse
+        ctx.out, ctx.lse2 = out, lse2
         ctx.call = cp._calls
         return out.to(q.dtype), lse
 
@@ -1320,7 +1385,7 @@ class _CPFn(torch.autograd.Function):
         kv = ctx.kv if ctx.kv is not None else cp._exchange_kv(k, v, "backward K/V exchange", st)
         err, dq, parts, cap = None, None, {}, []
         try:
-            dq, parts, cap = _rank_backward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, ctx.out, ctx.lse,
+            dq, parts, cap = _rank_backward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, ctx.out, ctx.lse2,
                                             dout, dlse, list(ctx.captured))
             st.steps = len(kv)
         except Exception as e:
