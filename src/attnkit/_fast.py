@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from . import masks as _masks
 from ._request import _CAUSAL, _simplify
+from .backends._decode import FOLD_MAX_L, foldable, sdpa_folded
 from .backends.sdpa import DECODE_MAX_L, may_hide_nan
 
 _T = torch.Tensor
@@ -115,8 +116,12 @@ def attention(q, k, v, mask, causal, scale):
             j0, j1, attn_mask = tile
             if j1 - j0 < S:
                 k, v = k.narrow(2, j0, j1 - j0), v.narrow(2, j0, j1 - j0)  # views: the keys the mask can reach
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                         scale=None if scale is None else float(scale), enable_gqa=H != Hkv)
+    sc = None if scale is None else float(scale)
+    if H != Hkv and L <= FOLD_MAX_L and foldable(q, k, attn_mask, is_causal) is None:
+        out = sdpa_folded(q, k, v, attn_mask, sc)  # K/V read once per group, not once per query head
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=sc,
+                                             enable_gqa=H != Hkv)
     if may_hide_nan(out):
         return None  # the full path tells a hidden NaN from zero values and recomputes
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _flash_cpu, eager, tiled
+from . import _decode, _flash_cpu, eager, tiled
 from ._base import Request
 from ._tiles import allowed_tile, has_nan, tile_of
 
@@ -148,6 +148,9 @@ def choose_worker(req: Request) -> tuple[str, str]:
     why = "torch.nn.functional.scaled_dot_product_attention"
     if req.need_lse:
         why += " (lse from its CPU flash kernel)"
+    elif _folds(req):
+        why += (f" with the {req.q.shape[1] // req.k.shape[1]} query heads of each K/V head folded into rows "
+                "(grouped-query decode: K/V read once per group, not once per query head)")
     return "fused", (why + "; an all-zero output row the mask does not empty is re-checked for NaN "
                      "(then recomputed by plain ops)")
 
@@ -173,6 +176,23 @@ def run(req: Request, worker: str | None = None):
     return out, lse
 
 
+def _folds(req: Request, head_free_mask: bool | None = None) -> bool:
+    """Whether :func:`_fused` folds the query heads of each K/V head into rows (:mod:`._decode`): a
+    grouped-query decode-sized CPU call with no lse, dropout or bias, whose mask (if any) is the
+    built-in decode tile — the same for every head. ``head_free_mask``: known by the caller."""
+    B, H, L, S, D, Dv, Hkv = req.shape
+    if H == Hkv or L > _decode.FOLD_MAX_L or req.need_lse or req.dropout_p > 0 or req.bias is not None:
+        return False
+    is_causal = _is_causal_only(req)
+    if _decode.foldable(req.q, req.k, None, is_causal) is not None:
+        return False
+    if head_free_mask is None:
+        if req.plan is not None or req.dense_mask is not None:
+            return False
+        head_free_mask = req.mask is None or req.mask.decode_tile(B, L, S, req.q.device) is not None
+    return head_free_mask
+
+
 def _fused(req: Request):
     B, H, L, S, D, Dv, Hkv = req.shape
     is_causal = _is_causal_only(req)
@@ -188,6 +208,8 @@ def _fused(req: Request):
             j0, j1 = 0, S
         attn_mask = _attn_mask(req, j0, j1)
     k, v = req.k[:, :, j0:j1], req.v[:, :, j0:j1]  # views: only the keys the mask can reach
+    if _folds(req, tile is not None or (attn_mask is None and req.dense_mask is None and req.plan is None)):
+        return _decode.sdpa_folded(req.q, k, v, attn_mask, req.scale), None, attn_mask
     if not req.need_lse:
         out = F.scaled_dot_product_attention(
             req.q, k, v, attn_mask=attn_mask, dropout_p=req.dropout_p, is_causal=is_causal,
