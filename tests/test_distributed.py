@@ -151,6 +151,9 @@ def cases_for(W):
         _case("causal-contiguous-stats", W, L, "causal", "contiguous", check_stats="causal"),
         _case("dead-rows-contiguous", W, L, "dead", "contiguous", with_lse=True),
         _case("causal-zigzag-refetch", W, L, "causal", "zigzag", keep_kv=False),
+        _case("stream-causal-zigzag-auto", W, L, "causal", "zigzag", keep_kv="auto", with_lse=True),
+        _case("stream-doc-balanced-auto", W, L, "doc", "balanced", keep_kv="auto", score_mod="pad_rows"),
+        _case("stream-window-contiguous-auto", W, L, "window", "contiguous", keep_kv="auto"),
         _case("learnable-alibi-window-balanced", W, L, "window", "balanced", score_mod="alibi", learn=True),
         # D == Dv and no lse gradient: full pairs and a rank's own causal pair take the fused FA2 backward
         _case("fused-bwd-causal-zigzag-gqa", W, L, "causal", "zigzag", D=8, Dv=8),
@@ -205,6 +208,14 @@ def _run_case(c, rank):
     P = cp.layout.lengths
     res["expect_bytes_sent"] = kv_row * P[rank] * len(sched.send_to[rank])
     res["expect_bytes_recv"] = kv_row * sum(P[s] for s in sched.recv_from[rank])
+    # backward K/V traffic again: to the receivers that did not keep what they got (keep_kv rule)
+    def keeps(t):
+        return c["keep_kv"] is True or (c["keep_kv"] == "auto" and len(sched.recv_from[t]) <= 1)
+
+    res["expect_bwd_kv_sent"] = kv_row * P[rank] * sum(1 for t in sched.send_to[rank] if not keeps(t))
+    res["expect_bwd_kv_recv"] = 0 if keeps(rank) else res["expect_bytes_recv"]
+    res["expect_held"] = sched.held(c["keep_kv"])
+    res["keep_kv"] = c["keep_kv"]
     res["lengths"] = P
     return res
 
@@ -460,10 +471,16 @@ def test_processes_match_float64_reference(W, name):
             assert list(st["peers_received"]) == r["expect_recv"]
             assert st["bytes_sent"] == r["expect_bytes_sent"], (rank, st, r["expect_bytes_sent"])
             assert st["bytes_received"] == r["expect_bytes_recv"]
-            # backward: dK/dV partials (fp32) go back to their owners; K/V travel again without keep_kv
-            again = "refetch" in name
-            assert r["bstats"]["bytes_sent"] == r["expect_bytes_recv"] + again * r["expect_bytes_sent"]
-            assert r["bstats"]["bytes_received"] == r["expect_bytes_sent"] + again * r["expect_bytes_recv"]
+            # backward: dK/dV partials (fp32) go back to their owners; K/V travel again to the ranks that
+            # did not keep them (keep_kv False, or "auto" on a rank with several peers)
+            assert r["bstats"]["bytes_sent"] == r["expect_bytes_recv"] + r["expect_bwd_kv_sent"]
+            assert r["bstats"]["bytes_received"] == r["expect_bytes_sent"] + r["expect_bwd_kv_recv"]
+            # streamed: the received K/V alive at once, counted where they are allocated and freed, is the
+            # schedule's figure on paper, and at most 2 unless every shard is kept (keep_kv=True)
+            for which in ("stats", "bstats"):
+                assert r[which]["kv_held_max"] <= r["expect_held"], (which, r[which]["kv_held_max"])
+                if r["keep_kv"] is not True:
+                    assert r[which]["kv_held_max"] <= 2, (which, r[which]["kv_held_max"])
         assert st["steps"] == st["pairs_computed"] >= len(r["expect_recv"])
         assert st["pairs_computed"] + st["pairs_skipped"] == W
         assert st["tiles_computed"] > 0
@@ -475,6 +492,42 @@ def test_processes_match_float64_reference(W, name):
         if name == "causal-contiguous-stats":
             assert st["peers_sent"] == tuple(range(rank + 1, W))  # the last rank sends nothing
             assert st["tiles_skipped"] > 0
+
+
+@pytest.mark.slow
+def test_processes_stream_with_two_shards_at_W5_and_W8():
+    """Streaming at more ranks than the main runs: exact, traffic as scheduled, and no rank ever holds
+    more than two received K/V shards (forward and backward) with the default keep_kv="auto"."""
+    for W, L in ((5, 53), (8, 67)):
+        cases = [_case(f"stream-causal-zigzag-W{W}", W, L, "causal", "zigzag", keep_kv="auto", with_lse=True),
+                 _case(f"stream-doc-balanced-W{W}", W, L, "doc", "balanced", keep_kv=False)]
+        results = spawn(W, cases, limit=180)
+        for rank, res in sorted(results.items()):
+            for c in cases:
+                r = res[c["name"]]
+                assert "error" not in r, f"rank {rank}: {r['error']}"
+                for key in ("out", "lse", "dq", "dk", "dv"):
+                    assert r[key] <= TOL, (W, rank, c["name"], key, r[key])
+                assert r["sim"] <= 1e-6
+                assert r["stats"]["kv_held_max"] <= 2 and r["bstats"]["kv_held_max"] <= 2, (W, rank, r["stats"])
+                assert r["bstats"]["bytes_sent"] == r["expect_bytes_recv"] + r["expect_bwd_kv_sent"]
+
+
+@pytest.mark.parametrize("mname", ["causal", "window", "doc"])
+@pytest.mark.parametrize("W", [2, 3, 4, 5, 8, 64])
+def test_streaming_holds_at_most_two_shards_on_paper(W, mname):
+    """The schedule's own count (what every rank holds at once under p2p), up to W = 64: two shards
+    with keep_kv False or "auto"; with keep_kv=True, every visible shard (what the old exchange held)."""
+    L = 64 * W
+    mask = {"causal": M.causal(), "window": M.sliding_window(24), "doc": M.document(_doc_ids(L))}[mname]
+    lay = akd.layout("zigzag" if mname == "causal" else "contiguous", L, W, mask=mask, block=8)
+    sched = akd.schedule(lay, mask)
+    assert sched.held(False) <= 2 and sched.held("auto") <= 2
+    assert sched.held(True) == max(len(x) for x in sched.recv_from)
+    if mname == "window":  # neighbours only: one round, nothing to stream past
+        assert sched.rounds() == [1] and sched.held(True) <= 1
+    if mname == "causal" and W == 64:
+        assert sched.held(True) == 63  # what a rank held before streaming
 
 
 def test_processes_faults_raise_everywhere_quickly():

@@ -420,6 +420,23 @@ class Schedule:
         """``{s: blocks(r, s)}`` for every key rank s."""
         return {s: self.blocks(r, s) for s in range(self.layout.W)}
 
+    def rounds(self) -> list[int]:
+        """The streaming rounds d (1 ≤ d < W) in which some rank r needs rank (r − d) mod W's keys;
+        the others are skipped by every rank (a window under a contiguous layout: round 1 only)."""
+        W = self.layout.W
+        return [d for d in range(1, W) if any(bool(self.visible[(s + d) % W, s]) for s in range(W))]
+
+    def held(self, keep_kv=False) -> int:
+        """On paper: the most received K/V shards any rank holds at once under ``comm="p2p"`` (the one
+        computed on and the next in flight; with ``keep_kv`` the kept ones too — ``"auto"`` keeps
+        only a single peer's)."""
+        W, most = self.layout.W, 0
+        for r in range(W):
+            n = len(self.recv_from[r])
+            keep = n <= 1 if keep_kv == "auto" else bool(keep_kv)
+            most = max(most, n if keep else min(n, 2))
+        return most
+
 
 def schedule(lay: Layout, mask, *, B: int | None = None, H: int | None = None) -> Schedule:
     """The :class:`Schedule` of ``mask`` (None: full attention) under ``lay``."""
@@ -534,14 +551,16 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rank_forward(q, kv: dict, qpos, positions, blocks: dict, opts, partials=None, Dv=None):
-    """Merge the partial results of the key ranks in ``kv`` for one rank's queries, in ascending
-    key-rank order (``partials``: those already computed, e.g. the local pair during the exchange).
+def _rank_forward(q, kv: dict, rank: int, qpos, positions, blocks: dict, opts, partials=None, Dv=None):
+    """Merge the partial results of the key ranks in ``kv`` for the queries of ``rank``, in the order
+    they stream in (:func:`_order`; ``partials``: those already computed, e.g. the local pair).
     Returns ``(out, c, r)``: the rows' lse is ``c + r``, kept in two parts (:func:`_block_exact`)."""
     acc = _acc_dtype(q.dtype)
     partials = dict(partials or {})
     res = None
-    for s in sorted(kv):
+    for s in _order(rank, len(positions)):
+        if s not in kv:
+            continue
         if s not in partials:
             partials[s] = _pair(q, kv[s][0], kv[s][1], qpos, positions[s], blocks[s], opts)
         part = tuple(t.to(acc) for t in partials.pop(s))
@@ -592,29 +611,36 @@ def _block_backward_fused(q, k, v, kind, opts, out, lse_b, dout):
     return dq.reshape(B, H, n, D), dk, dv
 
 
-def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse2, dout, dlse, captured):
-    """dq of this rank, the (dk, dv) partials for each key rank in ``kv`` (acc dtype), and the
-    gradients of the score_mod's captured tensors (local share). Block by block: the fused FA2
-    kernel where it applies, else the block recomputed with autograd and weighted by the global
-    lse (``w = exp(lse_block - lse)``: its share of each row). ``lse2 = (c, r)``: the rows' lse in two
-    parts (:func:`_block_exact`); a block holding rows of huge finite lse is recomputed with those
-    rows' scores shifted by ``c``, so its share is ``exp(lse_shifted − r)``, exact."""
-    acc = _acc_dtype(q.dtype)
-    c_all, r_all = lse2
-    lse_b = _softmax.lse_for_backward(c_all + r_all)
-    bad = _softmax.inexact_rows(c_all)
-    dout = dout.to(acc) if dout is not None else torch.zeros_like(out)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    parts = {}
-    cap: list[torch.Tensor | None] = [None] * len(captured)
-    for s in sorted(kv):
-        k_s, v_s = kv[s]
+class _RowsBackward:
+    """The backward of one rank's query rows, one key rank's pair at a time (:meth:`pair`), so the
+    pairs can stream through in any order: dq and the captured tensors' gradients accumulate here.
+
+    Block by block: the fused FA2 kernel where it applies, else the block recomputed with autograd
+    and weighted by the global lse (``w = exp(lse_block - lse)``: its share of each row).
+    ``lse2 = (c, r)``: the rows' lse in two parts (:func:`_block_exact`); a block holding rows of
+    huge finite lse is recomputed with those rows' scores shifted by ``c``, so its share is
+    ``exp(lse_shifted − r)``, exact."""
+
+    def __init__(self, q, qpos, positions, opts, out, lse2, dout, dlse, captured):
+        self.acc = acc = _acc_dtype(q.dtype)
+        self.q, self.qpos, self.positions, self.opts, self.out = q, qpos, positions, opts, out
+        self.c_all, self.r_all = lse2
+        self.lse_b = _softmax.lse_for_backward(self.c_all + self.r_all)
+        self.bad = _softmax.inexact_rows(self.c_all)
+        self.dout = dout.to(acc) if dout is not None else torch.zeros_like(out)
+        self.dlse, self.captured = dlse, captured
+        self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        self.cap: list[torch.Tensor | None] = [None] * len(captured)
+
+    def pair(self, s: int, k_s, v_s, blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (dk, dv) partial for key rank ``s`` (acc dtype); adds to dq and the captured grads."""
+        acc, q, opts, dq, dlse = self.acc, self.q, self.opts, self.dq, self.dlse
         dk = torch.zeros(k_s.shape, dtype=acc, device=k_s.device)
         dv = torch.zeros(v_s.shape, dtype=acc, device=v_s.device)
-        for qa, qb, ka, kb, kind in blocks[s]:
+        for qa, qb, ka, kb, kind in blocks:
             qs, ks, vs = q[:, :, qa:qb], k_s[:, :, ka:kb], v_s[:, :, ka:kb]
-            o_g, l_g, d_g = out[:, :, qa:qb], lse_b[:, :, qa:qb], dout[:, :, qa:qb]
-            b_g = bad[:, :, qa:qb]
+            o_g, l_g, d_g = self.out[:, :, qa:qb], self.lse_b[:, :, qa:qb], self.dout[:, :, qa:qb]
+            b_g = self.bad[:, :, qa:qb]
             shifted = bool(b_g.any())
             fast = None if dlse is not None or shifted else _block_backward_fused(qs, ks, vs, kind, opts, o_g, l_g,
                                                                                    d_g)
@@ -623,31 +649,54 @@ def _rank_backward(q, kv: dict, qpos, positions, blocks: dict, opts, out, lse2, 
                 dk[:, :, ka:kb] += fast[1].to(acc)
                 dv[:, :, ka:kb] += fast[2].to(acc)
                 continue
+            kpos = self.positions[s][ka:kb]
             with torch.enable_grad():
                 qq, kk, vv = (t.detach().requires_grad_() for t in (qs, ks, vs))
                 base = l_g
                 if shifted:
-                    shift = torch.where(b_g, c_all[:, :, qa:qb], torch.zeros_like(l_g))
-                    o, l = _block(qq, kk, vv, qpos[qa:qb], positions[s][ka:kb], kind, **opts, shift=shift)
-                    base = torch.where(b_g, r_all[:, :, qa:qb], l_g)
+                    shift = torch.where(b_g, self.c_all[:, :, qa:qb], torch.zeros_like(l_g))
+                    o, l = _block(qq, kk, vv, self.qpos[qa:qb], kpos, kind, **opts, shift=shift)
+                    base = torch.where(b_g, self.r_all[:, :, qa:qb], l_g)
                 else:
-                    o, l = _block(qq, kk, vv, qpos[qa:qb], positions[s][ka:kb], kind, **opts)
+                    o, l = _block(qq, kk, vv, self.qpos[qa:qb], kpos, kind, **opts)
                 w = torch.exp(l.detach().to(acc) - base)  # this block's share of each row (0 on dead rows)
                 g_l = w * (d_g * (o.detach().to(acc) - o_g)).sum(-1)
                 if dlse is not None:
                     g_l = g_l + w * dlse[:, :, qa:qb].to(acc)
                 g_o = d_g * w.unsqueeze(-1)
-                grads = torch.autograd.grad([o, l], [qq, kk, vv, *captured], [g_o.to(o.dtype), g_l.to(l.dtype)],
-                                            allow_unused=True)
+                grads = torch.autograd.grad([o, l], [qq, kk, vv, *self.captured],
+                                            [g_o.to(o.dtype), g_l.to(l.dtype)], allow_unused=True)
             for t, g, sl in ((dq, grads[0], (qa, qb)), (dk, grads[1], (ka, kb)), (dv, grads[2], (ka, kb))):
                 if g is not None:
                     t[:, :, sl[0]:sl[1]] += g.to(acc)
             for i, g in enumerate(grads[3:]):
                 if g is not None:
-                    prev = cap[i]
-                    cap[i] = g if prev is None else prev + g
-        parts[s] = (dk, dv)
-    return dq, parts, cap
+                    prev = self.cap[i]
+                    self.cap[i] = g if prev is None else prev + g
+        return dk, dv
+
+
+def _order(r: int, W: int) -> list[int]:
+    """The key ranks of query rank r in the order their K/V stream in (and their partial results
+    are merged): r itself, then round d = 1, 2, … brings rank (r − d) mod W."""
+    return [(r - d) % W for d in range(W)]
+
+
+def _owner_order(s: int, W: int) -> list[int]:
+    """The order in which key rank s sums the dK/dV partials sent back to it: its own, then round d
+    brings rank (s + d) mod W's."""
+    return [(s + d) % W for d in range(W)]
+
+
+def _rank_backward(q, kv: dict, rank: int, qpos, positions, blocks: dict, opts, out, lse2, dout, dlse, captured):
+    """dq of this rank, the (dk, dv) partials for each key rank in ``kv`` (acc dtype), and the
+    gradients of the score_mod's captured tensors (local share), pairs in :func:`_order`."""
+    rows = _RowsBackward(q, qpos, positions, opts, out, lse2, dout, dlse, captured)
+    parts = {}
+    for s in _order(rank, len(positions)):
+        if s in kv:
+            parts[s] = rows.pair(s, kv[s][0], kv[s][1], blocks[s])
+    return rows.dq, parts, rows.cap
 
 
 def _options(seq_len, mask, causal, scale, score_mod):
@@ -697,7 +746,7 @@ class _SimFn(torch.autograd.Function):
         for r in range(W):
             qr = q.index_select(2, P[r])
             kv = {s: (k.index_select(2, P[s]), v.index_select(2, P[s])) for s in range(W) if sched.visible[r, s]}
-            o, c, rr = _rank_forward(qr, kv, P[r], P, sched.row_blocks(r), opts, Dv=v.shape[-1])
+            o, c, rr = _rank_forward(qr, kv, r, P[r], P, sched.row_blocks(r), opts, Dv=v.shape[-1])
             outs.append(o)
             lses.append((c, rr))
             saved.append((qr, kv))
@@ -719,7 +768,7 @@ class _SimFn(torch.autograd.Function):
         capg: list[torch.Tensor | None] = [None] * len(ctx.captured)
         for r in range(W):
             qr, kv = ctx.saved[r]
-            dq, parts, cap = _rank_backward(qr, kv, P[r], P, sched.row_blocks(r), opts, ctx.outs[r], ctx.lses[r],
+            dq, parts, cap = _rank_backward(qr, kv, r, P[r], P, sched.row_blocks(r), opts, ctx.outs[r], ctx.lses[r],
                                             None if dout is None else dout.index_select(2, P[r]),
                                             None if dlse is None else dlse.index_select(2, P[r]),
                                             list(ctx.captured))
@@ -731,7 +780,7 @@ class _SimFn(torch.autograd.Function):
                     capg[i] = g if capg[i] is None else capg[i] + g
         dks, dvs = [], []
         for s in range(W):
-            dk, dv = _sum_parts(parts_by_owner[s], k.index_select(2, P[s]), v.index_select(2, P[s]), acc)
+            dk, dv = _sum_parts(parts_by_owner[s], k.index_select(2, P[s]), v.index_select(2, P[s]), acc, s, W)
             dks.append(dk)
             dvs.append(dv)
         def cat(xs, like):
@@ -740,11 +789,11 @@ class _SimFn(torch.autograd.Function):
         return (None, None, None, cat(dqs, q), cat(dks, k), cat(dvs, v), *capg)
 
 
-def _sum_parts(parts: dict, k_own, v_own, acc):
-    """The owner's dK, dV: its partials summed in ascending source-rank order (deterministic)."""
+def _sum_parts(parts: dict, k_own, v_own, acc, owner: int, W: int):
+    """The owner's dK, dV: its partials summed in the order they stream back (:func:`_owner_order`)."""
     dk = torch.zeros(k_own.shape, dtype=acc, device=k_own.device)
     dv = torch.zeros(v_own.shape, dtype=acc, device=v_own.device)
-    for t in sorted(parts):
+    for t in (t for t in _owner_order(owner, W) if t in parts):
         dk += parts[t][0]
         dv += parts[t][1]
     return dk, dv
@@ -795,7 +844,9 @@ class Stats:
     rank (all_gather/all_reduce: the bytes this rank's shard contributes to / receives from the others);
     ``tiles_computed`` / ``tiles_skipped``: non-empty / empty tiles (the layout's ``block`` grid) of this
     rank's query rows; ``pairs_computed`` / ``pairs_skipped``: key ranks computed / skipped;
-    ``peers_sent`` / ``peers_received``: ranks this one sent to / received from."""
+    ``peers_sent`` / ``peers_received``: ranks this one sent to / received from;
+    ``kv_held_max``: the most received K/V shards this rank held at once (counted where they are
+    allocated and freed: ≤ 2 under ``comm="p2p"`` unless K/V are kept for the backward)."""
     steps: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -805,6 +856,7 @@ class Stats:
     pairs_skipped: int = 0
     peers_sent: tuple = ()
     peers_received: tuple = ()
+    kv_held_max: int = 0
 
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -958,12 +1010,14 @@ class ContextParallel:
         group: the process group (None: WORLD).
         block: the layout unit and plan tile (default :func:`default_block`).
         timeout: seconds to wait for a peer before raising (None: the group's timeout).
-        keep_kv: keep the received K/V for backward (True) or exchange it again (False: less memory).
+        keep_kv: "auto" (default): a rank that received K/V from one rank keeps it for the backward, one
+            that received from several streams them again (memory bounded by two shards, K/V traffic
+            ×2); True: keep every received shard (memory: the visible K/V); False: always stream again.
         batch, heads: sizes for a mask whose tiles depend on the batch row / head (an opaque mask_mod).
     """
 
     def __init__(self, seq_len: int, mask=None, layout="contiguous", *, comm: str = "p2p", group=None,
-                 block: int | None = None, timeout: float | None = None, keep_kv: bool = True,
+                 block: int | None = None, timeout: float | None = None, keep_kv: bool | str = "auto",
                  batch: int | None = None, heads: int | None = None):
         import torch.distributed as dist
         if not dist.is_available() or not dist.is_initialized():
@@ -980,6 +1034,8 @@ class ContextParallel:
         self.rank = dist.get_rank(group)
         self.seq_len, self.mask, self.comm = seq_len, mask, comm
         self.timeout = timeout
+        if keep_kv not in (True, False, "auto"):
+            raise ValueError(f"keep_kv: expected True, False or 'auto', got {keep_kv!r}.")
         self.keep_kv = keep_kv
         self._B, self._H = batch, heads
         if isinstance(layout, Layout):
@@ -1125,8 +1181,11 @@ class ContextParallel:
                 if v0 != vp and name != "rows":
                     same = ""
                     shown: tuple[object, object] = (v0, vp)
-                    if name in ("causal", "keep_kv", "return_lse"):
+                    if name in ("causal", "return_lse"):
                         shown = (bool(v0), bool(vp))
+                    if name == "keep_kv":
+                        names = {0: False, 1: True, 2: "auto"}
+                        shown = (names[v0], names[vp])
                     if name in _HASHED:  # show what was hashed
                         shown = (_field_text(sigs[0][1], name), _field_text(sigs[p][1], name))
                         if shown[0] == shown[1]:
@@ -1183,7 +1242,7 @@ class ContextParallel:
                       return_lse=int(bool(return_lse)),
                       grad=int(q.requires_grad) + 2 * int(k.requires_grad) + 4 * int(v.requires_grad),
                       layout=self.layout.key, seq_len=self.seq_len, mask=self._mask_digest(),
-                      keep_kv=int(bool(self.keep_kv)), comm=_MODES.index(self.comm))
+                      keep_kv=2 if self.keep_kv == "auto" else int(bool(self.keep_kv)), comm=_MODES.index(self.comm))
         if n != rows or k.shape[2] != rows or v.shape[2] != rows:
             raise ValueError(f"rank {self.rank} owns {rows} rows under layout {self.layout.name!r}, got q/k/v with "
                              f"{n}/{k.shape[2]}/{v.shape[2]} on dim 2. Pass cp.shard(x) of the full sequence.")
@@ -1213,37 +1272,30 @@ class ContextParallel:
         return self._mask_key
 
     def _exchange_kv(self, k, v, what, stats, meanwhile=None):
-        """This rank's view ``{s: (k_s, v_s)}`` of the K/V shards it needs (its own included)."""
+        """``comm="allgather"``: this rank's view ``{s: (k_s, v_s)}`` of the K/V shards it needs (its
+        own included), every shard all-gathered (padded to the longest). ``comm="p2p"`` streams
+        instead (:func:`_p2p_forward`)."""
         sched, r, P = self._sched, self.rank, self.layout.positions
         assert sched is not None, "_CPFn sets the call's schedule first"
         D = k.shape[-1]
         kv = {r: (k, v)} if sched.visible[r, r] else {}
         packed = torch.cat([k.detach(), v.detach()], -1).contiguous()
         elt = packed.element_size()
-        if self.comm == "p2p":
-            send = dict.fromkeys(sched.send_to[r], packed)
-            recv = {s: packed.new_empty(packed.shape[0], packed.shape[1], len(P[s]), packed.shape[3])
-                    for s in sched.recv_from[r]}
-            self._p2p(send, recv, 11, what, meanwhile)
-            stats.bytes_sent += packed.numel() * elt * len(send)
-            stats.bytes_received += sum(b.numel() * elt for b in recv.values())
-            stats.peers_sent, stats.peers_received = tuple(send), tuple(recv)
-        else:
-            n = max(self.layout.lengths)
-            pad = packed.new_zeros(packed.shape[0], packed.shape[1], n, packed.shape[3])
-            pad[:, :, :packed.shape[2]] = packed
-            bufs = [torch.empty_like(pad) for _ in range(self.W)]
-            self._check_alive()
-            work = self._issue(lambda: self.dist.all_gather(bufs, pad, group=self.group, async_op=True), what)
-            try:
-                if meanwhile is not None:
-                    meanwhile()
-            finally:
-                self._wait(work, None, what)
-            recv = {s: bufs[s][:, :, :len(P[s])] for s in range(self.W) if s != r}
-            stats.bytes_sent += pad.numel() * elt * (self.W - 1)
-            stats.bytes_received += pad.numel() * elt * (self.W - 1)
-            stats.peers_sent = stats.peers_received = tuple(s for s in range(self.W) if s != r)
+        n = max(self.layout.lengths)
+        pad = packed.new_zeros(packed.shape[0], packed.shape[1], n, packed.shape[3])
+        pad[:, :, :packed.shape[2]] = packed
+        bufs = [torch.empty_like(pad) for _ in range(self.W)]
+        self._check_alive()
+        work = self._issue(lambda: self.dist.all_gather(bufs, pad, group=self.group, async_op=True), what)
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            self._wait(work, None, what)
+        recv = {s: bufs[s][:, :, :len(P[s])] for s in range(self.W) if s != r}
+        stats.bytes_sent += pad.numel() * elt * (self.W - 1)
+        stats.bytes_received += pad.numel() * elt * (self.W - 1)
+        stats.peers_sent = stats.peers_received = tuple(s for s in range(self.W) if s != r)
         for s, buf in recv.items():
             if sched.visible[r, s]:
                 kv[s] = (buf[..., :D], buf[..., D:])
@@ -1335,6 +1387,67 @@ class ContextParallel:
             raise err
 
 
+class _Stream:
+    """Point-to-point rounds of one call (``comm="p2p"``): in round d = 1, 2, … rank r sends its shard
+    to rank (r + d) mod W and receives rank (r − d) mod W's, each only where the schedule says that
+    pair is visible, and rounds in which no pair is visible are skipped (a window talks to its
+    neighbours in one round). Every rank walks the same rounds, each message has its round's tag,
+    and a rank posts round d + 1 before it computes round d — so a rank holds at most **two**
+    received shards (the one it computes on, the one in flight) whatever W is::
+
+        W = 4, causal zigzag (every pair visible): rounds 1, 2, 3
+        rank 0:  local pair │ recv 3 ──── compute 3 │ recv 2 ── compute 2 │ recv 1 ── compute 1
+                            │        recv 2 in flight│     recv 1 in flight│
+    """
+
+    KV_TAG, GRAD_TAG = 1000, 3000
+
+    def __init__(self, cp, sched, held_from: int = 0):
+        self.cp, self.sched = cp, sched
+        self.r, self.W, self.P = cp.rank, cp.W, cp.layout.positions
+        self.rounds = sched.rounds()
+        self.held = held_from  # received shards alive now (kept ones included)
+        self.held_max = held_from
+
+    def src(self, d):  # whose K/V this rank needs in round d (None: none)
+        s = (self.r - d) % self.W
+        return s if bool(self.sched.visible[self.r, s]) else None
+
+    def dst(self, d):  # who needs this rank's K/V in round d (None: nobody)
+        t = (self.r + d) % self.W
+        return t if bool(self.sched.visible[t, self.r]) else None
+
+    def post(self, d, send, recv_like, tag, what, send_to=None, recv_from=None):
+        """Post round d: ``send`` to ``send_to`` and a receive like ``recv_like(peer)`` from
+        ``recv_from`` (each skipped when None). Returns ``(peer, buffer, works)``."""
+        cp, works, buf = self.cp, [], None
+        if recv_from is not None:
+            buf = recv_like(recv_from)
+            works.append((recv_from, cp._issue(lambda: cp.dist.irecv(buf, src=cp._g(recv_from), group=cp.group,
+                                                                     tag=tag + d), what, recv_from), "recv"))
+        if send_to is not None and send is not None:
+            works.append((send_to, cp._issue(lambda: cp.dist.isend(send, dst=cp._g(send_to), group=cp.group,
+                                                                   tag=tag + d), what, send_to), "send"))
+        return recv_from, buf, works
+
+    def wait(self, works, what):
+        for peer, w, kind in works:
+            self.cp._wait(w, peer, f"{what} ({kind})")
+
+    def hold(self, n: int):
+        self.held += n
+        self.held_max = max(self.held_max, self.held)
+
+
+def _keeps(cp, sched, r: int) -> bool:
+    """Whether rank r keeps the K/V it received in the forward for the backward: ``keep_kv=True``
+    always, ``False`` never, ``"auto"`` when it received from at most one rank (a window's
+    neighbour: keeping it holds no more than streaming would)."""
+    if cp.keep_kv == "auto":
+        return len(sched.recv_from[r]) <= 1
+    return bool(cp.keep_kv)
+
+
 class _CPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cp, sched, opts, q, k, v, *captured):
@@ -1346,34 +1459,40 @@ class _CPFn(torch.autograd.Function):
         st.tiles_skipped = int(sched.empty[r].sum())
         st.pairs_computed = int(sched.visible[r].sum())
         st.pairs_skipped = cp.W - st.pairs_computed
-        err = out = lse = lse2 = None
-        local = {}
+        keep = _keeps(cp, sched, r) if cp.comm == "p2p" else cp.keep_kv is not False
+        kept: dict | None = None
+        if cp.comm == "p2p":
+            out, lse2, kept, err = _p2p_forward(cp, sched, opts, q.detach(), k.detach(), v.detach(), st, keep)
+        else:
+            err = out = lse2 = None
+            local = {}
 
-        def compute_local():  # the local pair runs while the K/V messages travel
-            nonlocal err
-            if sched.visible[r, r] and err is None:
+            def compute_local():  # the local pair runs while the K/V messages travel
+                nonlocal err
+                if sched.visible[r, r] and err is None:
+                    try:
+                        local[r] = _pair(q.detach(), k.detach(), v.detach(), P[r], P[r], sched.blocks(r, r), opts)
+                    except Exception as e:
+                        err = e
+
+            kept = cp._exchange_kv(k, v, "forward K/V exchange", st, compute_local)
+            st.kv_held_max = sum(1 for s in kept if s != r)
+            if err is None:
                 try:
-                    local[r] = _pair(q.detach(), k.detach(), v.detach(), P[r], P[r], sched.blocks(r, r), opts)
+                    out, c, rr = _rank_forward(q.detach(), kept, r, P[r], P, sched.row_blocks(r), opts, local,
+                                               v.shape[-1])
+                    lse2 = (c, rr)
+                    st.steps = len(kept)
                 except Exception as e:
                     err = e
-
-        kv = cp._exchange_kv(k, v, "forward K/V exchange", st, compute_local)
-        if err is None:
-            try:
-                out, c, rr = _rank_forward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, local, v.shape[-1])
-                lse2 = (c, rr)
-                lse = c + rr
-                st.steps = len(kv)
-            except Exception as e:
-                err = e
         cp._status(err, "forward")
-        assert out is not None, "_status raised the failure"
+        assert out is not None and lse2 is not None, "_status raised the failure"
         ctx.cp, ctx.sched, ctx.opts, ctx.captured = cp, sched, opts, captured
-        ctx.kv = kv if cp.keep_kv else None
+        ctx.kv = kept if keep else None
         ctx.save_for_backward(q, k, v)
         ctx.out, ctx.lse2 = out, lse2
         ctx.call = cp._calls
-        return out.to(q.dtype), lse
+        return out.to(q.dtype), lse2[0] + lse2[1]
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -1382,45 +1501,187 @@ class _CPFn(torch.autograd.Function):
         r, P = cp.rank, cp.layout.positions
         cp._sched = sched
         st = cp.backward_stats = Stats()
+        acc = _acc_dtype(q.dtype)
+        if cp.comm == "p2p":
+            dq, dk, dv, cap = _p2p_backward(cp, sched, opts, q.detach(), k.detach(), v.detach(), ctx, dout, dlse,
+                                            st)
+            return (None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *cap)
         kv = ctx.kv if ctx.kv is not None else cp._exchange_kv(k, v, "backward K/V exchange", st)
         err, dq, parts, cap = None, None, {}, []
         try:
-            dq, parts, cap = _rank_backward(q.detach(), kv, P[r], P, sched.row_blocks(r), opts, ctx.out, ctx.lse2,
+            dq, parts, cap = _rank_backward(q.detach(), kv, r, P[r], P, sched.row_blocks(r), opts, ctx.out, ctx.lse2,
                                             dout, dlse, list(ctx.captured))
             st.steps = len(kv)
         except Exception as e:
             err = e
         cp._status(err, "backward")
-        acc = _acc_dtype(q.dtype)
         D = k.shape[-1]
-        mine = {}
-        if r in parts:
-            mine[r] = parts.pop(r)
-        if cp.comm == "p2p":
-            send = {s: torch.cat(parts[s], -1).contiguous() for s in sched.recv_from[r]}
-            recv = {t: torch.empty(k.shape[0], k.shape[1], k.shape[2], D + v.shape[-1], dtype=acc)
-                    for t in sched.send_to[r]}
-            cp._p2p(send, recv, 13, "backward dK/dV return")
-            st.bytes_sent += sum(t.numel() * t.element_size() for t in send.values())
-            st.bytes_received += sum(t.numel() * t.element_size() for t in recv.values())
-            for t, buf in recv.items():
-                mine[t] = (buf[..., :D], buf[..., D:])
-            dk, dv = _sum_parts(mine, k, v, acc)
-        else:
-            full = torch.zeros(k.shape[0], k.shape[1], cp.seq_len, D + v.shape[-1], dtype=acc)
-            for s, (pk, pv) in list(parts.items()) + list(mine.items()):
-                full[:, :, P[s]] += torch.cat([pk, pv], -1)
-            cp._check_alive()
-            what = "backward dK/dV all_reduce"
-            cp._wait(cp._issue(lambda: cp.dist.all_reduce(full, group=cp.group, async_op=True), what), None, what)
-            nbytes = full.numel() * full.element_size()
-            st.bytes_sent += 2 * (cp.W - 1) * nbytes // cp.W  # ring all-reduce traffic per rank
-            st.bytes_received += 2 * (cp.W - 1) * nbytes // cp.W
-            own = full[:, :, P[r]]
-            dk, dv = own[..., :D], own[..., D:]
+        full = torch.zeros(k.shape[0], k.shape[1], cp.seq_len, D + v.shape[-1], dtype=acc)
+        for s, (pk, pv) in parts.items():
+            full[:, :, P[s]] += torch.cat([pk, pv], -1)
+        cp._check_alive()
+        what = "backward dK/dV all_reduce"
+        cp._wait(cp._issue(lambda: cp.dist.all_reduce(full, group=cp.group, async_op=True), what), None, what)
+        nbytes = full.numel() * full.element_size()
+        st.bytes_sent += 2 * (cp.W - 1) * nbytes // cp.W  # ring all-reduce traffic per rank
+        st.bytes_received += 2 * (cp.W - 1) * nbytes // cp.W
+        own = full[:, :, P[r]]
+        dk, dv = own[..., :D], own[..., D:]
         assert dq is not None, "_status raised the failure"
         grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
         return (None, None, None, *grads, *cap)
+
+
+def _p2p_forward(cp, sched, opts, q, k, v, st, keep: bool):
+    """Stream the K/V this rank needs, round by round (:class:`_Stream`), merging each pair's partial
+    result as it is computed (:func:`_order`, the simulator's order). Returns ``(out, (c, r), kept,
+    error)``: ``kept`` the received K/V when ``keep`` (for the backward), an exception raised by
+    the local compute (the communication still runs to the end, so no peer waits forever)."""
+    r, P = cp.rank, cp.layout.positions
+    D = k.shape[-1]
+    stream = _Stream(cp, sched)
+    packed = torch.cat([k, v], -1).contiguous() if any(stream.dst(d) is not None for d in stream.rounds) else None
+    elt = k.element_size()
+    shape = (k.shape[0], k.shape[1])
+
+    def recv_like(s):
+        return k.new_empty(*shape, len(P[s]), D + v.shape[-1])
+
+    def post(d):
+        return stream.post(d, packed, recv_like, _Stream.KV_TAG, "forward K/V stream", stream.dst(d), stream.src(d))
+
+    acc = _acc_dtype(q.dtype)
+    res, err, kept = None, None, {r: (k, v)} if sched.visible[r, r] else {}
+    sent, received = [], []
+    cp._check_alive()
+    pending = post(stream.rounds[0]) if stream.rounds else None
+    if pending is not None and pending[1] is not None:
+        stream.hold(1)
+    try:
+        if sched.visible[r, r]:
+            res = tuple(t.to(acc) for t in _pair(q, k, v, P[r], P[r], sched.blocks(r, r), opts))
+    except Exception as e:
+        err = e
+    for i, d in enumerate(stream.rounds):
+        assert pending is not None
+        s, buf, works = pending
+        stream.wait(works, "forward K/V stream")
+        pending = post(stream.rounds[i + 1]) if i + 1 < len(stream.rounds) else None
+        if pending is not None and pending[1] is not None:
+            stream.hold(1)
+        t = stream.dst(d)
+        if t is not None and packed is not None:
+            sent.append(t)
+            st.bytes_sent += packed.numel() * elt
+        if buf is None:
+            continue
+        received.append(s)
+        st.bytes_received += buf.numel() * elt
+        if err is None:
+            try:
+                part = tuple(x.to(acc) for x in _pair(q, buf[..., :D], buf[..., D:], P[r], P[s], sched.blocks(r, s),
+                                                      opts))
+                res = part if res is None else _merge(res, part)
+            except Exception as e:
+                err = e
+        if keep:
+            kept[s] = (buf[..., :D], buf[..., D:])
+        else:
+            stream.hold(-1)
+    st.peers_sent, st.peers_received = tuple(sorted(sent)), tuple(sorted(received))
+    st.steps = (1 if sched.visible[r, r] else 0) + len(received)
+    st.kv_held_max = stream.held_max
+    if res is None and err is None:
+        B, H, n = q.shape[:3]
+        res = (q.new_zeros(B, H, n, v.shape[-1], dtype=acc), q.new_full((B, H, n), float("-inf"), dtype=acc),
+               q.new_zeros((B, H, n), dtype=acc))
+    if res is None:
+        return None, None, kept, err
+    return res[0], (res[1], res[2]), kept, err
+
+
+def _p2p_backward(cp, sched, opts, q, k, v, ctx, dout, dlse, st):
+    """The backward, streamed like the forward: per round, the K/V of rank (r − d) arrives (again,
+    unless kept), this rank's (dK, dV) partial for it is computed and sent back, and the partial
+    of rank (r + d) for this rank's keys arrives and is added (:func:`_owner_order`). At most two
+    received K/V shards and one dK/dV partial each way are alive at once."""
+    r, P = cp.rank, cp.layout.positions
+    D, Dv = k.shape[-1], v.shape[-1]
+    acc = _acc_dtype(q.dtype)
+    kept = ctx.kv
+    stream = _Stream(cp, sched, held_from=0 if kept is None else sum(1 for s in kept if s != r))
+    elt = k.element_size()
+    shape = (k.shape[0], k.shape[1])
+    # the senders know whether each receiver kept its K/V (the same rule, from the schedule)
+    refetch = {d: (stream.dst(d) is not None and not _keeps(cp, sched, stream.dst(d))) for d in stream.rounds}
+    packed = torch.cat([k, v], -1).contiguous() if any(refetch.values()) else None
+
+    def kv_post(d):
+        src = stream.src(d) if kept is None else None
+        return stream.post(d, packed, lambda s: k.new_empty(*shape, len(P[s]), D + Dv), _Stream.KV_TAG,
+                           "backward K/V stream", stream.dst(d) if refetch[d] else None, src)
+
+    rows = None
+    err = None
+    try:
+        rows = _RowsBackward(q, P[r], P, opts, ctx.out, ctx.lse2, dout, dlse, list(ctx.captured))
+    except Exception as e:
+        err = e
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    cp._check_alive()
+    pending = kv_post(stream.rounds[0]) if stream.rounds else None
+    if pending is not None and pending[1] is not None:
+        stream.hold(1)
+    if sched.visible[r, r] and rows is not None and err is None:
+        try:
+            pk, pv = rows.pair(r, k, v, sched.blocks(r, r))
+            dk += pk
+            dv += pv
+        except Exception as e:
+            err = e
+    steps = 1 if sched.visible[r, r] else 0
+    for i, d in enumerate(stream.rounds):
+        assert pending is not None
+        _, buf, works = pending
+        stream.wait(works, "backward K/V stream")
+        if refetch[d] and packed is not None:
+            st.bytes_sent += packed.numel() * elt
+        if buf is not None:
+            st.bytes_received += buf.numel() * elt
+        pending = kv_post(stream.rounds[i + 1]) if i + 1 < len(stream.rounds) else None
+        if pending is not None and pending[1] is not None:
+            stream.hold(1)
+        s = stream.src(d)
+        grad = None
+        if s is not None:
+            steps += 1
+            ks, vs = (buf[..., :D], buf[..., D:]) if buf is not None else kept[s]
+            if err is None and rows is not None:
+                try:
+                    grad = torch.cat(rows.pair(s, ks, vs, sched.blocks(r, s)), -1).contiguous()
+                except Exception as e:
+                    err = e
+            if grad is None:  # failed here: still answer the owner (the status exchange reports the failure)
+                grad = torch.zeros(*shape, len(P[s]), D + Dv, dtype=acc, device=k.device)
+        if buf is not None:
+            stream.hold(-1)
+        t = stream.dst(d)
+        _, gbuf, gworks = stream.post(d, grad, lambda t: torch.empty(*shape, k.shape[2], D + Dv, dtype=acc,
+                                                                     device=k.device),
+                                      _Stream.GRAD_TAG, "backward dK/dV return", s, t)
+        stream.wait(gworks, "backward dK/dV return")
+        if grad is not None:
+            st.bytes_sent += grad.numel() * grad.element_size()
+        if gbuf is not None:
+            st.bytes_received += gbuf.numel() * gbuf.element_size()
+            dk += gbuf[..., :D]
+            dv += gbuf[..., D:]
+    st.steps = steps
+    st.kv_held_max = stream.held_max
+    cp._status(err, "backward")
+    assert rows is not None
+    return rows.dq, dk, dv, rows.cap
 
 
 # ------------------------------------------------------------------------------------------ modules
