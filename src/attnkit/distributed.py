@@ -22,11 +22,16 @@ a layout gives each rank a sorted set of units, the same for q and k/v. W = 2, L
 
     contiguous   0 0 0 0 1 1 1 1      rank 0 owns positions 0-7, rank 1 owns 8-15
     zigzag       0 0 1 1 1 1 0 0      2W chunks: rank r holds chunks r and 2W-1-r
-    balanced     from the plan's per-unit cost (non-empty tiles × their size, partial = ½):
-                 candidates are contiguous cuts by prefix sums, zigzag, greedy with equal rows
-                 and free greedy (largest unit first to the least loaded rank); of those within
-                 3% of even work, the one whose busiest rank sends least (else the most even).
-                 Causal gets a zigzag-like mirror; a window contiguous cuts (neighbours only).
+    balanced     tokens AND work even: every per-token layer (MLP, projections, loss) waits on
+                 the rank with the most positions, attention on the one with the most work.
+                 From the plan's per-unit cost (non-empty tiles × their size, partial = ½) the
+                 candidates are contiguous cuts (by work; and capped at ⌈n/W⌉ units: equal
+                 tokens), zigzag, free greedy, and chunked greedy — chunks of 1-32 consecutive
+                 units that see each other (never across a document break), costliest first to
+                 the least-loaded rank with room (equal tokens). Of those within 5% of even
+                 tokens and 10% of even work, the one whose busiest rank sends least (else the
+                 most even work). Causal gets zigzag; a window capped contiguous cuts
+                 (neighbours only); packed documents chunks of one document kept together.
 
 **Which pairs are exchanged.** The mask's :class:`attnkit.plans.BlockPlan` at ``block`` tiles
 says, for each (query rank r, key rank s), whether r's queries see at least one of s's keys.
@@ -289,6 +294,79 @@ def _greedy(costs: list[float], W: int, capacity: int | None = None) -> list[lis
     return out
 
 
+def _capped_cuts(costs: list[float], W: int, cap: int) -> list[list[int]]:
+    """Contiguous runs of at most ``cap`` units each (equal tokens when cap = ⌈n/W⌉), minimising the
+    largest run's work (binary search on the bound; the greedy cut is optimal for a given bound)."""
+
+    def cuts(bound):
+        runs: list[list[int]] = []
+        cur: list[int] = []
+        tot = 0.0
+        for i, c in enumerate(costs):
+            if cur and (tot + c > bound or len(cur) >= cap):
+                runs.append(cur)
+                cur, tot = [], 0.0
+            cur.append(i)
+            tot += c
+        runs.append(cur)
+        return runs
+
+    lo, hi = max(costs), sum(costs) + 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if len(cuts(mid)) <= W:
+            hi = mid
+        else:
+            lo = mid
+    runs = cuts(hi)
+    while len(runs) < W:  # split the longest run
+        i = max(range(len(runs)), key=lambda j: (len(runs[j]), -j))
+        r = runs.pop(i)
+        runs[i:i] = [r[:len(r) // 2], r[len(r) // 2:]]
+    return runs
+
+
+def _chunked_lpt(costs: list[float], live: torch.Tensor, W: int, cap: int, chunk: int) -> list[list[int]]:
+    """Equal tokens and even work, keeping neighbours together: the units are cut into chunks of at most
+    ``chunk`` consecutive units that see each other (never across a break of the plan: a document
+    boundary at a unit edge), and the chunks, costliest first, go to the least-loaded rank with room
+    for them (``cap`` units a rank; a chunk that fits nowhere is dealt out unit by unit). O(n·W / chunk)."""
+    n = len(costs)
+    link = (live.diagonal(1) | live.diagonal(-1)).tolist() if n > 1 else []
+    chunks: list[list[int]] = []
+    a = 0
+    for i in range(n):
+        if i == n - 1 or not link[i] or i + 1 - a >= chunk:
+            chunks.append(list(range(a, i + 1)))
+            a = i + 1
+    chunks.sort(key=lambda ch: (-sum(costs[j] for j in ch), ch[0]))
+    load, room = [0.0] * W, [cap] * W
+    out: list[list[int]] = [[] for _ in range(W)]
+    queue, qi = chunks, 0
+    while qi < len(queue):
+        ch = queue[qi]
+        qi += 1
+        best = None
+        for r in range(W):
+            if room[r] >= len(ch) and (best is None or load[r] < load[best]):
+                best = r
+        if best is None:
+            queue[qi:qi] = [[j] for j in ch]
+            continue
+        out[best].extend(ch)
+        load[best] += sum(costs[j] for j in ch)
+        room[best] -= len(ch)
+    return [sorted(u) for u in out]
+
+
+def token_imbalance(units: list[list[int]], L: int, block: int) -> float:
+    """Busiest rank's positions over the mean (1.0 = perfect): what every per-token layer (MLP,
+    projections, loss) waits on."""
+    n = -(-L // block)
+    rows = [sum(block if i < n - 1 else L - block * (n - 1) for i in us) for us in units]
+    return max(rows) / (L / len(units))
+
+
 def _unit_live(mask, L: int, block: int, B=None, H=None) -> torch.Tensor:
     """(n, n) bool: unit i's queries see at least one key of unit j (for some batch row / head)."""
     n = -(-L // block)
@@ -324,7 +402,7 @@ def default_block(L: int, W: int) -> int:
 
 
 def layout(name: str, L: int, W: int, *, mask=None, block: int | None = None, B: int | None = None,
-           H: int | None = None, tolerance: float = 1.03) -> Layout:
+           H: int | None = None, tolerance: float = 1.10, tokens_tolerance: float = 1.05) -> Layout:
     """Build layout ``name`` ("contiguous", "zigzag", "balanced") of ``L`` positions over ``W`` ranks.
 
     ``balanced`` needs the mask (None: every query sees every key, so contiguous is balanced).
@@ -344,19 +422,35 @@ def layout(name: str, L: int, W: int, *, mask=None, block: int | None = None, B:
         return Layout(name, L, block, [chunks[r] + chunks[2 * W - 1 - r] for r in range(W)])
     if mask is None:
         return Layout(name, L, block, _runs(n, W))
+    return Layout(name, L, block, _balanced_units(mask, L, W, block, B, H, tolerance, tokens_tolerance))
+
+
+def _balanced_units(mask, L: int, W: int, block: int, B, H, tolerance: float, tokens_tolerance: float):
+    """The "balanced" layout's choice (see the module docstring): candidates that keep tokens within
+    ``tokens_tolerance`` of even and work within ``tolerance``; of those, the least traffic on the
+    busiest rank (then the most even work). None qualifies: the most even work among those with even
+    tokens (equal-token candidates always exist)."""
+    n = -(-L // block)
     costs = unit_costs(mask, L, block, B=B, H=H).tolist()
-    zigzag = _runs(n, 2 * W) if n >= 2 * W else None
-    candidates = [_contiguous_cuts(costs, W),  # keeps locality (windows: neighbours only)
-                  _greedy(costs, W, capacity=-(-n // W)),  # equal rows
-                  _greedy(costs, W)]  # the most even work
-    if zigzag is not None:
-        candidates.insert(1, [zigzag[r] + zigzag[2 * W - 1 - r] for r in range(W)])
     live = _unit_live(mask, L, block, B, H)
-    scored = [(imbalance(costs, c), _max_sent(c, live, block), i) for i, c in enumerate(candidates)]
-    ok = [x for x in scored if x[0] <= tolerance]
-    # within the tolerance: the least traffic on the busiest link; else: the most even work
-    best = min(ok, key=lambda x: (x[1], x[0], x[2])) if ok else min(scored)
-    return Layout(name, L, block, candidates[best[2]])
+    cap = -(-n // W)
+    candidates = [_contiguous_cuts(costs, W),  # the most even work with locality (tokens may be uneven)
+                  _capped_cuts(costs, W, cap),  # equal tokens with locality (windows: neighbours only)
+                  _greedy(costs, W)]  # the most even work
+    if n >= 2 * W:
+        zz = _runs(n, 2 * W)
+        candidates.append([zz[r] + zz[2 * W - 1 - r] for r in range(W)])  # causal's mirror pairs
+    candidates += [_chunked_lpt(costs, live, W, cap, c) for c in (1, 2, 4, 8, 16, 32) if c <= cap]
+    scored = [(token_imbalance(c, L, block), imbalance(costs, c), _max_sent(c, live, block), i)
+              for i, c in enumerate(candidates)]
+    # few units a rank (⌈n/W⌉ against n/W) can make even tokens unreachable: then the most even there is
+    tok = max(tokens_tolerance, min(x[0] for x in scored) + 1e-9)
+    ok = [x for x in scored if x[0] <= tok and x[1] <= tolerance]
+    if ok:
+        best = min(ok, key=lambda x: (x[2], x[1], x[3]))
+    else:
+        best = min((x for x in scored if x[0] <= tok), key=lambda x: (x[1], x[2], x[3]))
+    return candidates[best[3]]
 
 
 # -------------------------------------------------------------------------------------------- schedule
