@@ -124,12 +124,12 @@ from __future__ import annotations
 from .context_parallel import ContextParallel
 from .guard import ContextParallelError
 from .guard import _digest as _digest  # the content signature (tests pin it)
-from .layout import Layout, default_block, imbalance, layout, token_imbalance, unit_costs
-from .layout import _runs as _runs
+from .layouts import Layout, default_block, imbalance, layout, token_imbalance, unit_costs
+from .layouts import _runs as _runs
 from .modules import block_forward, rope_at
 from .pairs import _check_unsupported as _check_unsupported
-from .schedule import Schedule, schedule
-from .simulate import simulate
+from .schedules import Schedule, schedule
+from .simulator import simulate
 from .stats import Stats
 
 __all__ = ["ContextParallel", "ContextParallelError", "Layout", "Schedule", "Stats", "layout", "schedule",

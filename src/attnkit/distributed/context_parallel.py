@@ -21,10 +21,10 @@ from .guard import (
     _group_object,
     _short,
 )
-from .layout import Layout
-from .layout import layout as _layout
+from .layouts import Layout
+from .layouts import layout as _layout
 from .pairs import _captured, _check_unsupported, _options
-from .schedule import Schedule, _plan_B, _plan_H, schedule
+from .schedules import Schedule, _plan_B, _plan_H, schedule
 from .stats import Stats
 from .transport import TRANSPORTS, Transport
 

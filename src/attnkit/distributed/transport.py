@@ -27,7 +27,7 @@ from .. import masks as _masks
 from ..api import attention as _attention
 from .function import CPFunction
 from .pairs import _acc_dtype, _merge, _options, _pair, _rank_backward, _rank_forward, _RowsBackward
-from .schedule import _needs_bh
+from .schedules import _needs_bh
 from .stats import Stats
 
 

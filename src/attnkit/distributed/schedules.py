@@ -9,7 +9,7 @@ import torch
 from .. import masks as _masks
 from .. import plans as _plans
 from .._tiling import EMPTY
-from .layout import Layout
+from .layouts import Layout
 
 
 @dataclass

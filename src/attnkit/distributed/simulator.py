@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Layout
-from .layout import layout as _layout
+from .layouts import Layout
+from .layouts import layout as _layout
 from .pairs import _acc_dtype, _captured, _options, _owner_order, _rank_backward, _rank_forward
-from .schedule import _plan_B, _plan_H, schedule
+from .schedules import _plan_B, _plan_H, schedule
 
 
 class _SimFn(torch.autograd.Function):
