@@ -73,8 +73,8 @@ def _merge(a, b):
 
 def _pair(q, k, v, qpos, kpos, blocks, opts):
     """Partial ``(out, c, r)`` of a pair (``lse = c + r``, :func:`_block_exact`) from its blocks: one
-    block is returned as it is; several are merged per query run in key order (fp32) and placed in
-    their rows (rows seeing no block: 0, -inf, 0)."""
+    block is returned as it is; several are merged into their rows in block order (fp32; rows seeing
+    no block: 0, -inf, 0)."""
     if len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2]):
         return _block_exact(q, k, v, qpos, kpos, blocks[0][4], opts)
     acc = _acc_dtype(q.dtype)
@@ -82,16 +82,11 @@ def _pair(q, k, v, qpos, kpos, blocks, opts):
     out = q.new_zeros(B, H, n, v.shape[-1], dtype=acc)
     c = q.new_full((B, H, n), float("-inf"), dtype=acc)
     r = q.new_zeros((B, H, n), dtype=acc)
-    cur = None
-    for qa, qb, ka, kb, kind in [*blocks, (None,) * 5]:
-        if cur is not None and (qa, qb) != cur[:2]:
-            out[:, :, cur[0]:cur[1]], c[:, :, cur[0]:cur[1]], r[:, :, cur[0]:cur[1]] = cur[2]
-            cur = None
-        if qa is None:
-            break
+    for qa, qb, ka, kb, kind in blocks:  # merged into their rows in block order (a row may get several)
         part = _block_exact(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], qpos[qa:qb], kpos[ka:kb], kind, opts)
         part = tuple(t.to(acc) for t in part)
-        cur = (qa, qb, part if cur is None else _merge(cur[2], part))
+        rows = (out[:, :, qa:qb], c[:, :, qa:qb], r[:, :, qa:qb])
+        out[:, :, qa:qb], c[:, :, qa:qb], r[:, :, qa:qb] = _merge(rows, part)
     return out, c, r
 
 

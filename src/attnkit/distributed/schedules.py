@@ -62,9 +62,35 @@ class Schedule:
                         elif self.pure_causal and r == s and (ua, ub) == (va, vb):
                             kind = "causal"
                         else:
-                            kind = "mask"
+                            out += self._mask_blocks(qa, qb, ua, ub, ka, kb, va, vb)
+                            continue
                         out.append((qa, qb, ka, kb, kind))
         self._blocks[key] = out
+        return out
+
+    #: a masked block is cut into pieces of at most this many query positions (memory: a piece's
+    #: recomputation in the backward, not a shard's)
+    MASK_ROWS = 4096
+
+    def _mask_blocks(self, qa, qb, ua, ub, ka, kb, va, vb) -> list:
+        """The masked block (query rows qa:qb = units ua:ub) × (keys ka:kb = units va:vb), cut into pieces
+        of at most :attr:`MASK_ROWS` query positions, each trimmed to the units that see something: a
+        window's pair with the previous rank is its first ``window`` queries × last ``window`` keys,
+        not two whole shards; its own pair a band of pieces, each against the keys of its band."""
+        live, b = self.unit_live, self.layout.block
+        assert live is not None
+        step = max(1, self.MASK_ROWS // b)
+        out = []
+        for u in range(ua, ub, step):
+            blk = live[u:min(ub, u + step), va:vb]
+            rows = torch.nonzero(blk.any(1)).flatten()
+            if rows.numel() == 0:
+                continue
+            cols = torch.nonzero(blk.any(0)).flatten()
+            u0, u1 = u + int(rows[0]), u + int(rows[-1]) + 1
+            v0, v1 = va + int(cols[0]), va + int(cols[-1]) + 1
+            out.append((qa + (u0 - ua) * b, min(qb, qa + (u1 - ua) * b), ka + (v0 - va) * b,
+                        min(kb, ka + (v1 - va) * b), "mask"))
         return out
 
     def row_blocks(self, r: int) -> dict:
