@@ -206,13 +206,18 @@ def _run_case(c, rank):
     res["expect_recv"] = list(sched.recv_from[rank])
     kv_row = c["B"] * c["Hkv"] * (c["D"] + c["Dv"]) * 4  # bytes of one K/V position (fp32, real Hkv heads)
     P = cp.layout.lengths
-    res["expect_bytes_sent"] = kv_row * P[rank] * len(sched.send_to[rank])
-    res["expect_bytes_recv"] = kv_row * sum(P[s] for s in sched.recv_from[rank])
+    # only the rows of a shard that the receiver's blocks read travel (Schedule.span)
+    def rows(r, s):
+        a, b = sched.span(r, s)
+        return b - a
+
+    res["expect_bytes_sent"] = kv_row * sum(rows(t, rank) for t in sched.send_to[rank])
+    res["expect_bytes_recv"] = kv_row * sum(rows(rank, s) for s in sched.recv_from[rank])
     # backward K/V traffic again: to the receivers that did not keep what they got (keep_kv rule)
     def keeps(t):
         return c["keep_kv"] is True or (c["keep_kv"] == "auto" and len(sched.recv_from[t]) <= 1)
 
-    res["expect_bwd_kv_sent"] = kv_row * P[rank] * sum(1 for t in sched.send_to[rank] if not keeps(t))
+    res["expect_bwd_kv_sent"] = kv_row * sum(rows(t, rank) for t in sched.send_to[rank] if not keeps(t))
     res["expect_bwd_kv_recv"] = 0 if keeps(rank) else res["expect_bytes_recv"]
     res["expect_held"] = sched.held(c["keep_kv"])
     res["keep_kv"] = c["keep_kv"]
@@ -658,6 +663,11 @@ def test_window_under_contiguous_exchanges_with_neighbours_only():
     assert torch.equal(sched.visible, want)
     assert sched.send_to == [[r + 1] for r in range(7)] + [[]]
     assert int(sched.tiles.sum()) == int((attnkit.plan(M.sliding_window(300), 4096, block=64).kinds != 0).sum())
+    # what travels is what the window reads: rank r - 1's last 299 keys, rounded out to whole units (5 × 64)
+    # — not its 512-row shard; and the queries that read them are rank r's first 299, in whole units
+    for r in range(1, 8):
+        assert sched.span(r, r - 1) == (512 - 320, 512)
+        assert [(qa, qb) for qa, qb, *_ in sched.blocks(r, r - 1)] == [(0, 320)]
 
 
 SIM = [

@@ -175,8 +175,10 @@ class _RowsBackward:
         self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.cap: list[torch.Tensor | None] = [None] * len(captured)
 
-    def pair(self, s: int, k_s, v_s, blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (dk, dv) partial for key rank ``s`` (acc dtype); adds to dq and the captured grads."""
+    def pair(self, s: int, k_s, v_s, blocks, kpos=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (dk, dv) partial for key rank ``s`` (acc dtype); adds to dq and the captured grads.
+        ``kpos``: the global positions of ``k_s``'s rows (default: all of rank s's)."""
+        kpos_s = self.positions[s] if kpos is None else kpos
         acc, q, opts, dq, dlse = self.acc, self.q, self.opts, self.dq, self.dlse
         dk = torch.zeros(k_s.shape, dtype=acc, device=k_s.device)
         dv = torch.zeros(v_s.shape, dtype=acc, device=v_s.device)
@@ -192,7 +194,7 @@ class _RowsBackward:
                 dk[:, :, ka:kb] += fast[1].to(acc)
                 dv[:, :, ka:kb] += fast[2].to(acc)
                 continue
-            kpos = self.positions[s][ka:kb]
+            kpos = kpos_s[ka:kb]
             with torch.enable_grad():
                 qq, kk, vv = (t.detach().requires_grad_() for t in (qs, ks, vs))
                 base = l_g

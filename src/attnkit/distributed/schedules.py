@@ -35,11 +35,22 @@ class Schedule:
     #: above this many (query run × key run) blocks a pair is computed as one block
     MAX_BLOCKS = 64
 
-    def blocks(self, r: int, s: int) -> list:
+    def span(self, r: int, s: int) -> tuple[int, int]:
+        """The rows ``[a, b)`` of rank s's shard that rank r's blocks read (what travels from s to r;
+        (0, 0) when none): a window's neighbour sends its last ``window`` keys, not its shard."""
+        bl = self.blocks(r, s)
+        if not bl:
+            return 0, 0
+        return min(x[2] for x in bl), max(x[3] for x in bl)
+
+    def blocks(self, r: int, s: int, shift: bool = False) -> list:
         """The blocks of pair (r, s), in order: ``(qa, qb, ka, kb, kind)`` with local row ranges of
         r's queries and s's keys (one per pair of runs of consecutive units that holds a visible
         tile) and ``kind`` "full" (no mask), "causal" (a run against itself under a causal mask:
         plain ``causal=True``) or "mask" (the global mask at those positions)."""
+        if shift:  # key rows counted from the start of span(r, s): the rows that travelled
+            a = self.span(r, s)[0]
+            return [(qa, qb, ka - a, kb - a, kind) for qa, qb, ka, kb, kind in self.blocks(r, s)]
         key = (r, s)
         if key in self._blocks:
             return self._blocks[key]

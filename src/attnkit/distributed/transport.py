@@ -77,21 +77,27 @@ class _Stream:
         return t if bool(self.sched.visible[t, self.r]) else None
 
     def post(self, d, send, recv_like, tag, what, send_to=None, recv_from=None):
-        """Post round d: ``send`` to ``send_to`` and a receive like ``recv_like(peer)`` from
-        ``recv_from`` (each skipped when None). Returns ``(peer, buffer, works)``."""
+        """Post round d: ``send`` (a tensor, or a function of the peer making it) to ``send_to`` and
+        a receive like ``recv_like(peer)`` from ``recv_from`` (each skipped when None). Returns
+        ``(peer, buffer, works)``; each work keeps its tensor alive until it is waited on."""
         cp, works, buf = self.cp, [], None
         if recv_from is not None:
             buf = recv_like(recv_from)
             works.append((recv_from, cp._issue(lambda: cp.dist.irecv(buf, src=cp._g(recv_from), group=cp.group,
-                                                                     tag=tag + d), what, recv_from), "recv"))
+                                                                     tag=tag + d), what, recv_from), "recv", buf))
         if send_to is not None and send is not None:
-            works.append((send_to, cp._issue(lambda: cp.dist.isend(send, dst=cp._g(send_to), group=cp.group,
-                                                                   tag=tag + d), what, send_to), "send"))
+            t = send(send_to) if callable(send) else send
+            works.append((send_to, cp._issue(lambda: cp.dist.isend(t, dst=cp._g(send_to), group=cp.group,
+                                                                   tag=tag + d), what, send_to), "send", t))
         return recv_from, buf, works
 
     def wait(self, works, what):
-        for peer, w, kind in works:
+        for peer, w, kind, _ in works:
             self.cp._wait(w, peer, f"{what} ({kind})")
+
+    @staticmethod
+    def sent_bytes(works) -> int:
+        return sum(t.numel() * t.element_size() for _, _, kind, t in works if kind == "send")
 
     def hold(self, n: int):
         self.held += n
@@ -330,11 +336,17 @@ def _p2p_forward(cp, sched, opts, q, k, v, st, keep: bool):
     elt = k.element_size()
     shape = (k.shape[0], k.shape[1])
 
-    def recv_like(s):
-        return k.new_empty(*shape, len(P[s]), D + v.shape[-1])
+    def recv_like(s):  # only the key rows this rank's blocks read (sched.span)
+        a, b = sched.span(r, s)
+        return k.new_empty(*shape, b - a, D + v.shape[-1])
+
+    def send(t):  # the rows of this rank's shard that rank t reads
+        a, b = sched.span(t, r)
+        assert packed is not None
+        return packed[:, :, a:b].contiguous() if (a, b) != (0, packed.shape[2]) else packed
 
     def post(d):
-        return stream.post(d, packed, recv_like, _Stream.KV_TAG, "forward K/V stream", stream.dst(d), stream.src(d))
+        return stream.post(d, send, recv_like, _Stream.KV_TAG, "forward K/V stream", stream.dst(d), stream.src(d))
 
     acc = _acc_dtype(q.dtype)
     res, err, kept = None, None, {r: (k, v)} if sched.visible[r, r] else {}
@@ -352,21 +364,23 @@ def _p2p_forward(cp, sched, opts, q, k, v, st, keep: bool):
         assert pending is not None
         s, buf, works = pending
         stream.wait(works, "forward K/V stream")
+        st.bytes_sent += _Stream.sent_bytes(works)
+        works = None
         pending = post(stream.rounds[i + 1]) if i + 1 < len(stream.rounds) else None
         if pending is not None and pending[1] is not None:
             stream.hold(1)
         t = stream.dst(d)
         if t is not None and packed is not None:
             sent.append(t)
-            st.bytes_sent += packed.numel() * elt
         if buf is None:
             continue
         received.append(s)
         st.bytes_received += buf.numel() * elt
         if err is None:
             try:
-                part = tuple(x.to(acc) for x in _pair(q, buf[..., :D], buf[..., D:], P[r], P[s], sched.blocks(r, s),
-                                                      opts))
+                a, _ = sched.span(r, s)
+                part = tuple(x.to(acc) for x in _pair(q, buf[..., :D], buf[..., D:], P[r], P[s][a:],
+                                                      sched.blocks(r, s, shift=True), opts))
                 res = part if res is None else _merge(res, part)
             except Exception as e:
                 err = e
@@ -402,10 +416,19 @@ def _p2p_backward(cp, sched, opts, q, k, v, ctx, dout, dlse, st):
     refetch = {d: (stream.dst(d) is not None and not _keeps(cp, sched, stream.dst(d))) for d in stream.rounds}
     packed = torch.cat([k, v], -1).contiguous() if any(refetch.values()) else None
 
+    def kv_send(t):
+        a, b = sched.span(t, r)
+        assert packed is not None
+        return packed[:, :, a:b].contiguous() if (a, b) != (0, packed.shape[2]) else packed
+
+    def kv_like(s):
+        a, b = sched.span(r, s)
+        return k.new_empty(*shape, b - a, D + Dv)
+
     def kv_post(d):
         src = stream.src(d) if kept is None else None
-        return stream.post(d, packed, lambda s: k.new_empty(*shape, len(P[s]), D + Dv), _Stream.KV_TAG,
-                           "backward K/V stream", stream.dst(d) if refetch[d] else None, src)
+        return stream.post(d, kv_send, kv_like, _Stream.KV_TAG, "backward K/V stream",
+                           stream.dst(d) if refetch[d] else None, src)
 
     rows = None
     err = None
@@ -431,8 +454,8 @@ def _p2p_backward(cp, sched, opts, q, k, v, ctx, dout, dlse, st):
         assert pending is not None
         _, buf, works = pending
         stream.wait(works, "backward K/V stream")
-        if refetch[d] and packed is not None:
-            st.bytes_sent += packed.numel() * elt
+        st.bytes_sent += _Stream.sent_bytes(works)
+        works = None
         if buf is not None:
             st.bytes_received += buf.numel() * elt
         pending = kv_post(stream.rounds[i + 1]) if i + 1 < len(stream.rounds) else None
@@ -443,26 +466,30 @@ def _p2p_backward(cp, sched, opts, q, k, v, ctx, dout, dlse, st):
         if s is not None:
             steps += 1
             ks, vs = (buf[..., :D], buf[..., D:]) if buf is not None else kept[s]
+            a, b = sched.span(r, s)
             if err is None and rows is not None:
                 try:
-                    grad = torch.cat(rows.pair(s, ks, vs, sched.blocks(r, s)), -1).contiguous()
+                    grad = torch.cat(rows.pair(s, ks, vs, sched.blocks(r, s, shift=True), kpos=P[s][a:]), -1)
+                    grad = grad.contiguous()
                 except Exception as e:
                     err = e
             if grad is None:  # failed here: still answer the owner (the status exchange reports the failure)
-                grad = torch.zeros(*shape, len(P[s]), D + Dv, dtype=acc, device=k.device)
+                grad = torch.zeros(*shape, b - a, D + Dv, dtype=acc, device=k.device)
         if buf is not None:
             stream.hold(-1)
         t = stream.dst(d)
-        _, gbuf, gworks = stream.post(d, grad, lambda t: torch.empty(*shape, k.shape[2], D + Dv, dtype=acc,
-                                                                     device=k.device),
-                                      _Stream.GRAD_TAG, "backward dK/dV return", s, t)
+        def grad_like(t):  # rank t's partial for the rows of this shard it read
+            a, b = sched.span(t, r)
+            return torch.empty(*shape, b - a, D + Dv, dtype=acc, device=k.device)
+
+        _, gbuf, gworks = stream.post(d, grad, grad_like, _Stream.GRAD_TAG, "backward dK/dV return", s, t)
         stream.wait(gworks, "backward dK/dV return")
-        if grad is not None:
-            st.bytes_sent += grad.numel() * grad.element_size()
+        st.bytes_sent += _Stream.sent_bytes(gworks)
         if gbuf is not None:
             st.bytes_received += gbuf.numel() * gbuf.element_size()
-            dk += gbuf[..., :D]
-            dv += gbuf[..., D:]
+            a, b = sched.span(t, r)
+            dk[:, :, a:b] += gbuf[..., :D]
+            dv[:, :, a:b] += gbuf[..., D:]
     st.steps = steps
     st.kv_held_max = stream.held_max
     cp._status(err, "backward")
