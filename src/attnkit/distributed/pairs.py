@@ -12,16 +12,24 @@ from ..api import attention as _attention
 from ..backends import _softmax
 
 
-def _block(q, k, v, qpos, kpos, kind, *, gmod, score_mod, scale, pure_causal=False, shift=None):
+def _block(q, k, v, qpos, kpos, kind, *, gmod, score_mod, scale, pure_causal=False, band=None, shift=None):
     """Partial ``(out, lse)`` of local queries at global positions ``qpos`` against keys at ``kpos``
     (one block of a pair, see :meth:`Schedule.blocks`): "full" no mask, "causal" plain causal
     (the same positions on both sides: j ≤ i ⇔ kpos[j] ≤ qpos[i]), "mask" the global mask at those
     positions (a ``from_mod`` on the index maps). A score_mod always sees global positions.
     ``shift (B, H, n)``: subtracted from each row's scores after the score_mod (the softmax is
-    unchanged; the lse returned is the block's lse − shift)."""
+    unchanged; the lse returned is the block's lse − shift). ``band``: the window size when the global
+    mask is a sliding window — a block of contiguous positions whose last query and last key are the
+    same position is then the built-in ``sliding_window(band)`` itself (closed-form tiles, the fused
+    kernels), not index maps::
+
+        global positions 100-103 (queries) × 98-103 (keys), window 3:  S − L = 2 = 100 − 98
+        → sliding_window(3) on the block's own indices"""
     mask = None
     causal = kind == "causal"
-    if kind == "mask" and gmod is not None:
+    if kind == "mask" and band is not None and _band_aligned(qpos, kpos):
+        mask = _masks.sliding_window(band)
+    elif kind == "mask" and gmod is not None:
         def pair_mask(b, h, qi, ki):
             return gmod(b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
         mask = _masks.from_mod(pair_mask)
@@ -32,6 +40,24 @@ def _block(q, k, v, qpos, kpos, kind, *, gmod, score_mod, scale, pure_causal=Fal
                 score = score_mod(score, b, h, qpos.to(qi.device)[qi], kpos.to(ki.device)[ki])
             return score if shift is None else score - shift.to(score.device, score.dtype)[b, h, qi]
     return _attention(q, k, v, mask=mask, causal=causal, score_mod=sm, scale=scale, return_lse=True)
+
+
+def _band_aligned(qpos, kpos) -> bool:
+    """Both position runs contiguous and ending at the same position (see :func:`_block`)."""
+    n, m = len(qpos), len(kpos)
+    if not n or not m:
+        return False
+    q0, q1, k0, k1 = (int(x) for x in (qpos[0], qpos[-1], kpos[0], kpos[-1]))
+    return q1 == k1 and q1 - q0 == n - 1 and k1 - k0 == m - 1 and m >= n
+
+
+def _band_of(base) -> int | None:
+    """The window size when ``base`` is a sliding window (alone, or with causal: the same mask)."""
+    parts = list(getattr(base, "parts", ())) if isinstance(base, _masks.And) else [base]
+    sizes = [p.size for p in parts if isinstance(p, _masks.SlidingWindow)]
+    if not sizes or any(not isinstance(p, (_masks.SlidingWindow, _masks.Causal)) for p in parts):
+        return None
+    return min(sizes)
 
 
 def _block_exact(q, k, v, qpos, kpos, kind, opts):
@@ -250,7 +276,8 @@ def _options(seq_len, mask, causal, scale, score_mod):
         base = _masks.causal() if base is None else (base & _masks.causal())
     gmod = None if base is None else base.bind(seq_len, seq_len)
     # with L = S both alignments of causal are the same mask
-    return base, dict(gmod=gmod, score_mod=score_mod, scale=scale, pure_causal=isinstance(base, _masks.Causal))
+    return base, dict(gmod=gmod, score_mod=score_mod, scale=scale, pure_causal=isinstance(base, _masks.Causal),
+                      band=_band_of(base))
 
 
 _UNSUPPORTED = {"dropout_p": 0.0, "sinks": None, "return_weights": False, "mask": None, "backend": "auto"}
