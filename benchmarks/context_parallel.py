@@ -75,25 +75,29 @@ def measure(L: int, W: int, mname: str, mask, ids):
         lay = akd.layout(lname, L, W, mask=mask)
         per = torch.stack([work[p].sum() for p in lay.positions])
         balance = float(per.max() / per.mean())
+        tokens = max(lay.lengths) / (L / W)
         if plan_aware:
             sched = akd.schedule(lay, mask)
-            sent = [lay.lengths[s] * len(sched.send_to[s]) for s in range(W)]
+            # only the rows of a shard that the receiver's blocks read travel (Schedule.span)
+            sent = [sum(sched.span(t, s)[1] - sched.span(t, s)[0] for t in sched.send_to[s]) for s in range(W)]
             peers = max(len(t) for t in sched.send_to)
             computed = float(sched.visible.double().mean())
+            held = sched.held("auto")
         else:
             sent = [lay.lengths[s] * (W - 1) for s in range(W)]  # the shard visits every other rank
             peers = W - 1
             computed = 1.0
+            held = 2  # a ring holds the shard it computes on and the next
         mib = [x * BYTES_PER_POS / 2**20 for x in sent]
-        rows.append((scheme, max(mib), sum(mib) / W, peers, balance, computed))
+        rows.append((scheme, max(mib), sum(mib) / W, peers, balance, computed, tokens, held))
     # heads: every rank sends (W-1)/W of its rows of q, k, v and of the output; work is even by heads
     lay = akd.layout("contiguous", L, W)
     per_pos = Q_BYTES_PER_POS + BYTES_PER_POS + OUT_BYTES_PER_POS
     mib = [n * (W - 1) / W * per_pos / 2**20 for n in lay.lengths]
     if 32 % W == 0:  # needs H % W == 0
-        rows.append(("heads (Ulysses, H = 32)", max(mib), sum(mib) / W, W - 1, 1.0, 1.0))
+        rows.append(("heads (Ulysses, H = 32)", max(mib), sum(mib) / W, W - 1, 1.0, 1.0, 1.0, 0))
     else:
-        rows.append(("heads (Ulysses, H = 32)", float("nan"), float("nan"), W - 1, float("nan"), 1.0))
+        rows.append(("heads (Ulysses, H = 32)", float("nan"), float("nan"), W - 1, float("nan"), 1.0, 1.0, 0))
     return rows
 
 
@@ -103,19 +107,22 @@ def _f(x, fmt):
 
 def table(L: int, W: int):
     print(f"\n### L = {L:,}, W = {W} (default block {akd.default_block(L, W)})\n")
-    print("| mask | scheme | sent/rank MiB max (mean) | peers | work busiest/mean | pairs computed |")
-    print("|---|---|---|---|---|---|")
+    print("| mask | scheme | sent/rank MiB max (mean) | peers | work busiest/mean | tokens busiest/mean "
+          "| K/V shards held | pairs computed |")
+    print("|---|---|---|---|---|---|---|---|")
     for mname, mask, ids in masks_for(L):
-        for scheme, mx, mean, peers, bal, comp in measure(L, W, mname, mask, ids):
+        for scheme, mx, mean, peers, bal, comp, tok, held in measure(L, W, mname, mask, ids):
             sent = _f(mx, ",.0f") + ("" if mx != mx else f" ({mean:,.0f})")
-            print(f"| {mname} | {scheme} | {sent} | {peers} | {_f(bal, '.3f')} | {comp:.0%} |")
+            held_s = "— (whole sequence, H/W heads)" if scheme.startswith("heads") else str(held)
+            print(f"| {mname} | {scheme} | {sent} | {peers} | {_f(bal, '.3f')} | {tok:.2f} | {held_s} | {comp:.0%} |")
 
 
 def scaling(Ls, Ws):
     print("\n### Scaling (plan-aware balanced vs plain ring; counting only)\n")
     print("| L | W | mask | ring sent/rank MiB | balanced sent/rank MiB max | heads sent/rank MiB "
-          "| ring work busiest/mean | balanced work busiest/mean | plan+layout s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| ring work busiest/mean | balanced work busiest/mean | balanced tokens busiest/mean | K/V shards held "
+          "| plan+layout s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for L in Ls:
         for mname, mask, ids in masks_for(L):
             for W in Ws:
@@ -123,7 +130,7 @@ def scaling(Ls, Ws):
                 r = {s[0]: s for s in measure(L, W, mname, mask, ids)}
                 ring, bal, heads = r["ring, contiguous"], r["plan-aware, balanced"], r["heads (Ulysses, H = 32)"]
                 print(f"| {L:,} | {W} | {mname} | {ring[1]:,.0f} | {bal[1]:,.0f} | {_f(heads[1], ',.0f')} "
-                      f"| {ring[4]:.3f} | {bal[4]:.3f} "
+                      f"| {ring[4]:.3f} | {bal[4]:.3f} | {bal[6]:.2f} | {bal[7]} "
                       f"| {time.time() - t:.1f} |")
 
 

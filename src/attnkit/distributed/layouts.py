@@ -233,16 +233,25 @@ def _unit_live(mask, L: int, block: int, B=None, H=None) -> torch.Tensor:
 
 
 def _max_sent(units: list[list[int]], live: torch.Tensor, block: int) -> float:
-    """The most K/V rows one rank sends under the plan-aware schedule of this assignment."""
-    W, n = len(units), live.shape[0]
-    own = torch.zeros(W, n, dtype=torch.float64)
-    for r, us in enumerate(units):
-        own[r, us] = 1.0
-    vis = (own @ live.double() @ own.T) > 0  # (W, W): query rank t sees key rank s
-    vis.fill_diagonal_(False)
-    peers = vis.sum(dim=0)  # per key rank s: ranks that need it
-    rows = own.sum(dim=1) * block
-    return float((rows * peers).max())
+    """The most K/V rows one rank sends under the plan-aware schedule of this assignment: to each rank
+    that sees it, the run of its units from the first to the last one that rank reads (what
+    ``Schedule.span`` sends, at unit resolution)."""
+    W = len(units)
+    idx = [torch.tensor(sorted(us), dtype=torch.long) for us in units]
+    most = 0.0
+    for s in range(W):
+        if not len(idx[s]):
+            continue
+        cols = live[:, idx[s]]  # (n, units of s): which query units see each of s's units
+        sent = 0
+        for t in range(W):
+            if t == s or not len(idx[t]):
+                continue
+            need = torch.nonzero(cols[idx[t]].any(0)).flatten()
+            if need.numel():
+                sent += int(need[-1]) - int(need[0]) + 1
+        most = max(most, float(sent * block))
+    return most
 
 
 def imbalance(costs, units: list[list[int]]) -> float:
