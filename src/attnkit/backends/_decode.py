@@ -28,6 +28,10 @@ import torch.nn.functional as F
 __all__ = ["FOLD_MAX_L", "foldable", "sdpa_folded"]
 
 FOLD_MAX_L = 16  # the decode sizes (sdpa.DECODE_MAX_L): beyond, the kernel is compute-bound anyway
+# Several query rows with a mask: the mask is repeated g times and SDPA converts it on every call, which
+# costs more than reading K/V g times until K/V are large (benchmarks/decode.py, 2 threads, H = 8, Hkv = 2:
+# L = 4 causal 0.67x -> 0.49x SDPA at S = 128, 0.92x -> 0.78x at L = 16, S = 2048; 1.67x faster at S = 32768)
+FOLD_MASKED_MIN_S = 8192
 
 
 def foldable(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> str | None:
@@ -43,6 +47,8 @@ def foldable(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, i
         return "SDPA's is_causal (the folded rows would move its diagonal)"
     if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] != 1:
         return "a mask that differs per head"
+    if attn_mask is not None and L > 1 and attn_mask.shape[-1] < FOLD_MASKED_MIN_S:
+        return f"a mask over {attn_mask.shape[-1]} < {FOLD_MASKED_MIN_S} keys for {L} rows (repeating it costs more)"
     return None
 
 

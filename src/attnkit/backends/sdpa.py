@@ -189,7 +189,10 @@ def _folds(req: Request, head_free_mask: bool | None = None) -> bool:
     if head_free_mask is None:
         if req.plan is not None or req.dense_mask is not None:
             return False
-        head_free_mask = req.mask is None or req.mask.decode_tile(B, L, S, req.q.device) is not None
+        tile = None if req.mask is None else req.mask.decode_tile(B, L, S, req.q.device)
+        if req.mask is not None and (tile is None or _decode.foldable(req.q, req.k, tile[2], is_causal) is not None):
+            return False
+        head_free_mask = True
     return head_free_mask
 
 
@@ -208,7 +211,8 @@ def _fused(req: Request):
             j0, j1 = 0, S
         attn_mask = _attn_mask(req, j0, j1)
     k, v = req.k[:, :, j0:j1], req.v[:, :, j0:j1]  # views: only the keys the mask can reach
-    if _folds(req, tile is not None or (attn_mask is None and req.dense_mask is None and req.plan is None)):
+    if _folds(req, (tile is not None or (attn_mask is None and req.dense_mask is None and req.plan is None))
+              and _decode.foldable(req.q, k, attn_mask, is_causal) is None):
         return _decode.sdpa_folded(req.q, k, v, attn_mask, req.scale), None, attn_mask
     if not req.need_lse:
         out = F.scaled_dot_product_attention(
