@@ -105,3 +105,19 @@ def test_refusals_name_the_model_and_the_fix():
     with pytest.raises(RuntimeError, match="prepare"):
         akcp._attention(model.model.layers[0].self_attn, torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8),
                         torch.zeros(1, 2, 3, 8), None)
+
+
+@pytest.mark.slow
+def test_llama_example_trains_like_one_process():
+    """examples/train_llama_context_parallel.py, small: 2 processes it spawns itself, 3 steps."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ex = Path(__file__).parent.parent / "examples" / "train_llama_context_parallel.py"
+    r = subprocess.run([sys.executable, str(ex), "--steps", "3", "--seq-len", "64", "--world", "2"],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "-> OK" in r.stdout and "2 ranks" in r.stdout
+    diffs = [float(line.split()[-1]) for line in r.stdout.splitlines() if line[:5].strip().isdigit()]
+    assert len(diffs) == 3 and max(diffs) < 1e-4, r.stdout
