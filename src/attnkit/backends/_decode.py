@@ -43,7 +43,7 @@ def foldable(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, i
         return f"tensors on {q.device.type} (its SDPA kernels read K/V once per group already)"
     if L > FOLD_MAX_L:
         return f"L = {L} > {FOLD_MAX_L} (compute-bound: nothing to save)"
-    if is_causal and L > 1:
+    if is_causal:
         return "SDPA's is_causal (the folded rows would move its diagonal)"
     if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] != 1:
         return "a mask that differs per head"
