@@ -143,3 +143,13 @@ def test_a_mask_that_differs_per_head_is_not_folded_and_is_right():
     assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 64)
     assert _decode.foldable(q, k, m, False) == "a mask that differs per head"
     assert "folded" not in str(attnkit.dispatch(q, k, v, mask=m))
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_top_left_causal_is_never_folded(L):
+    """SDPA's is_causal (top-left) with one query row lets it see key 0 only: folding the heads into
+    rows would move that diagonal (a wrong answer the hypothesis test caught once)."""
+    q, k, v = rand_qkv(1, 8, 2, L, 9, 16)
+    ref, _ = golden(q, k, v, mask=M.causal("top_left"))
+    out = attnkit.attention(q, k, v, mask=M.causal("top_left"))
+    assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 9)
