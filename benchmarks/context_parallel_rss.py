@@ -11,7 +11,7 @@ in a fresh process, ~285 MiB) falls ≥ 1.7× per doubling of W.
 Forward + backward of self-attention with a sliding window over one sequence of length L
 (B = 1, H = Hkv = 2, D = 64, fp32): once in a single process (``attnkit.attention``, the
 tiled backend), once split over W gloo processes on 127.0.0.1 (``attnkit.distributed``,
-contiguous layout, plan-aware p2p). Each process reports its peak RSS (``ru_maxrss``) and
+contiguous layout, plan-aware p2p). Each process reports its peak RSS (``VmHWM``: its own, not the parent's at fork) and
 the time of the call; the table compares them. Every process starts fresh, so the peaks are
 its own.
 """
@@ -25,7 +25,8 @@ import subprocess
 import sys
 
 _CHILD = r'''
-import json, os, resource, sys, time, torch
+import json, os, sys, time, torch
+from attnkit.bench.runner import peak_rss_kib
 import torch.distributed as dist
 torch.set_num_threads(int(os.environ.get("CP_THREADS", "1")))
 import attnkit, attnkit.distributed as akd
@@ -34,7 +35,7 @@ L, W, window, rank = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(s
 torch.manual_seed(0)
 if W == 1:
     q, k, v = (torch.randn(1, 2, L, 64, requires_grad=True) for _ in range(3))
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak_rss_kib()
     t0 = time.perf_counter()
     attnkit.attention(q, k, v, mask=masks.sliding_window(window)).sum().backward()
 else:
@@ -42,15 +43,15 @@ else:
     cp = akd.ContextParallel(seq_len=L, mask=masks.sliding_window(window), layout="contiguous")
     n = len(cp.positions)  # each rank holds only its own rows, as it would in a real model
     q, k, v = (torch.randn(1, 2, n, 64, requires_grad=True) for _ in range(3))
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak_rss_kib()
     t0 = time.perf_counter()
     out = cp.attention(q, k, v)
-    fwd_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fwd_peak = peak_rss_kib()
     if os.environ.get("CP_FWD_ONLY") != "1":
         out.sum().backward()
     sent = cp.stats.bytes_sent
 t = time.perf_counter() - t0
-print(json.dumps({"rank": rank, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+print(json.dumps({"rank": rank, "peak_mib": peak_rss_kib() / 1024,
                   "inputs_mib": base / 1024, "seconds": t,
                   "sent_mib": (sent / 2**20) if W > 1 else 0.0}), flush=True)
 if W > 1:
@@ -58,8 +59,8 @@ if W > 1:
 '''
 
 
-_IMPORT = ("import json, resource, torch, attnkit, attnkit.distributed; "
-           "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))")
+_IMPORT = ("import json, torch, attnkit, attnkit.distributed; from attnkit.bench.runner import peak_rss_kib; "
+           "print(json.dumps(peak_rss_kib() / 1024))")
 
 
 def _run(L, W, window, port, threads=1):

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=2 python benchmarks/tilemass.py                  # 131072 tokens, H=8, document + window
     OMP_NUM_THREADS=2 python benchmarks/tilemass.py --length 32768 --masks window
 
-Each case runs in a fresh subprocess (its peak RSS is the child's ``ru_maxrss``): it builds the
+Each case runs in a fresh subprocess (its peak RSS is the child's own ``VmHWM``): it builds the
 seeded synthetic q, k (D=64, float32) with ``attnkit.viz.long_inputs.synthetic``, computes
 ``attnkit.viz.tile_mass`` (the timed part: "map s"), and writes the offline page ("page s",
 "page MB"). Goals: map ≤ 10 s on 2 cores, peak RSS ≤ 1.5 GiB, page ≤ 5 MB.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ CHILD = r"""
 import json, sys, time, torch
 from attnkit.viz.long_inputs import synthetic
 from attnkit.viz.tilemass import tile_mass
+from attnkit.bench.runner import peak_rss_kib
 L, H, mask, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 q, k, m = synthetic(L, H=H, D=64, mask=mask)
 t0 = time.perf_counter(); tm = tile_mass(q, k, mask=m); t_map = time.perf_counter() - t0
@@ -32,20 +32,17 @@ t0 = time.perf_counter(); page = tm.to_html(out); t_page = time.perf_counter() -
 T = tm.tiles.shape[0]
 print(json.dumps({"map_s": t_map, "page_s": t_page, "page_bytes": len(page.encode()), "tiles": T,
                   "tiles_total": tm.kinds.numel(), "gflop": 2 * H * 64 * T * 64 * 64 / 1e9,
-                  "threads": torch.get_num_threads()}))
+                  "threads": torch.get_num_threads(), "peak_kib": peak_rss_kib()}))
 """
 
 
 def run_case(L, H, mask):
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "page.html")
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         p = subprocess.run([sys.executable, "-c", CHILD, str(L), str(H), mask, out], capture_output=True, text=True,
                            check=True)
-        rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         res = json.loads(p.stdout.strip().splitlines()[-1])
-        # ru_maxrss of children is the largest child so far: run cases largest first, or one per process
-        res["peak_rss_gib"] = max(rss_kb, before) / 2 ** 20
+        res["peak_rss_gib"] = res["peak_kib"] / 2 ** 20
         return res
 
 

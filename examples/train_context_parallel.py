@@ -104,8 +104,9 @@ def run(rank, world, port, args, report):
                                     for p, r in zip(model.parameters(), ref.parameters(), strict=True))
             ref_opt.step()
             curve.append((total, ref_loss.item()))
-    import resource
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])  # MiB (Linux: KiB)
+    from attnkit.bench.runner import peak_rss_kib  # this process's own peak (not the parent's at fork)
+
+    rss = torch.tensor([peak_rss_kib() / 1024.0])  # MiB
     all_rss = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(all_rss, rss)
     if rank == 0:

@@ -1,6 +1,7 @@
 """One rank of the two-host context-parallel test (tests/test_cp_two_hosts.py), started by torchrun
 inside a network namespace: a causal attention over 4 ranks on 2 "hosts", forward and backward,
-checked against the float64 single-process reference; prints one line per rank."""
+checked against the float64 single-process reference; each rank prints one line and writes it to
+``$AK_OUT_DIR/rank<r>.txt``."""
 
 from __future__ import annotations
 
@@ -33,9 +34,13 @@ def main():
     err = (out.double() - cp.shard(ref.detach())).abs().max().item()
     gerr = max((a.grad.double() - cp.shard(b.grad)).abs().max().item() for a, b in ((ql, q2), (kl, k2), (vl, v2)))
     st = cp.stats
-    print(f"rank {rank}/{W} on {os.environ.get('AK_HOST_IP', '?')} (node {os.environ.get('GROUP_RANK', '?')}): "
-          f"rows {len(cp.positions)}, out err {err:.2e}, grad err {gerr:.2e}, sent {st.bytes_sent} B to "
-          f"{list(st.peers_sent)}, K/V held at most {cp.backward_stats.kv_held_max}", flush=True)
+    line = (f"rank {rank}/{W} on {os.environ.get('AK_HOST_IP', '?')} (node {os.environ.get('GROUP_RANK', '?')}): "
+            f"rows {len(cp.positions)}, out err {err:.2e}, grad err {gerr:.2e}, sent {st.bytes_sent} B to "
+            f"{list(st.peers_sent)}, K/V held at most {cp.backward_stats.kv_held_max}")
+    print(line, flush=True)
+    # torchrun interleaves its children's stdout (two ranks' lines ran together once): the test reads files
+    with open(os.path.join(os.environ["AK_OUT_DIR"], f"rank{rank}.txt"), "w") as f:
+        f.write(line + "\n")
     dist.destroy_process_group()
 
 

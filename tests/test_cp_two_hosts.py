@@ -46,12 +46,13 @@ def two_hosts():
 
 
 @pytest.mark.slow
-def test_torchrun_two_nodes_over_a_veth_link(two_hosts):
+def test_torchrun_two_nodes_over_a_veth_link(two_hosts, tmp_path):
     ns, ifs = two_hosts
     port = "29517"
     procs = []
     for node in (0, 1):
         env = dict(os.environ, GLOO_SOCKET_IFNAME=ifs[node], AK_HOST_IP=ADDR[node], OMP_NUM_THREADS="1",
+                   AK_OUT_DIR=str(tmp_path),
                    PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
         cmd = ["ip", "netns", "exec", ns[node], sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", ADDR[0], "--master-port", port,
@@ -68,7 +69,8 @@ def test_torchrun_two_nodes_over_a_veth_link(two_hosts):
     text = "\n".join(outs)
     print(text)
     assert all(p.returncode == 0 for p in procs), text[-3000:]
-    lines = re.findall(r"rank (\d)/4 on (\S+) .*out err (\S+), grad err (\S+),", text)
+    ranks = "".join(f.read_text() for f in sorted(tmp_path.glob("rank*.txt")))
+    lines = re.findall(r"rank (\d)/4 on (\S+) .*?out err (\S+), grad err (\S+),", ranks)
     assert sorted(int(r) for r, *_ in lines) == [0, 1, 2, 3], text[-3000:]
     assert {ip for _, ip, *_ in lines} == set(ADDR), "ranks on both hosts"
     for _, _, err, gerr in lines:

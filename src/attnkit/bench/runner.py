@@ -153,12 +153,14 @@ def run_case(case: Case, peers, repeats: int, budget: float, progress: Progress 
 
 # --- memory --------------------------------------------------------------------------
 
-_MEM_CHILD = """
-import resource, sys, torch, attnkit
 
-def peak_kib():
-    # VmHWM is this process's own high-water mark; ru_maxrss can include the parent's pages
-    # at fork time (the parent here is a benchmark that has held GiBs)
+def peak_rss_kib() -> int:
+    """This process's own peak resident memory in KiB (``VmHWM``; Linux).
+
+    Not ``ru_maxrss``: on Linux that survives ``exec`` and so starts at the parent's
+    RSS at fork time — a child of a test run holding 3 GiB reports 3 GiB however
+    little it uses. Falls back to ``ru_maxrss`` where ``/proc`` is absent.
+    """
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -166,7 +168,14 @@ def peak_kib():
                     return int(line.split()[1])
     except OSError:
         pass
+    import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+_MEM_CHILD = """
+import sys, torch, attnkit
+from attnkit.bench.runner import peak_rss_kib
 
 L, run = int(sys.argv[1]), sys.argv[2] == "run"
 torch.manual_seed(0)
@@ -174,7 +183,7 @@ q, k, v = (torch.randn(1, 8, L, 64, requires_grad=True) for _ in range(3))
 if run:
     out = attnkit.attention(q, k, v, mask=attnkit.masks.sliding_window(256), backend="tiled")
     out.sum().backward()  # dO is an expanded scalar: the peak is attention's, not the harness's
-print(peak_kib())
+print(peak_rss_kib())
 """
 
 
