@@ -8,6 +8,11 @@ STAMP   := $(VENV)/.attnkit-demo
 STAMP_TEST := $(VENV)/.attnkit-test
 STAMP_DOCS := $(VENV)/.attnkit-docs
 STAMP_NB   := $(VENV)/.attnkit-notebook
+STAMP_NATIVE := $(VENV)/.attnkit-native
+# attnkit's compiled CPU kernel (src/attnkit/csrc, C++17 + OpenMP; setup.py): built by every `pip install` of
+# attnkit below, rebuilt here when its sources change. Needs g++ >= 9 or clang++ >= 10; without one the install
+# still succeeds and attnkit runs torch's kernels, with one warning (attnkit.backends._native.status()).
+NATIVE_SRC := setup.py $(wildcard src/attnkit/csrc/*.h src/attnkit/csrc/*.cpp)
 # --no-compile: no bytecode for every installed module up front; Python writes it on first import, for the modules
 # that run (a smaller venv and a shorter install; transformers alone ships thousands of modules the demo never uses)
 PIP     := $(BIN)/pip install --disable-pip-version-check --progress-bar on --no-compile -c constraints.txt
@@ -58,13 +63,21 @@ $(STAMP_NB): $(STAMP)
 	$(PIP) -e '.[transformers,viz,notebook]'
 	touch $@
 
-venv: $(STAMP)
+$(STAMP_NATIVE): $(STAMP) $(NATIVE_SRC)
+	@echo "==> attnkit's compiled CPU kernel"
+	@test -n "$$(find src/attnkit -maxdepth 1 -name '_native*' -newer setup.py 2>/dev/null)" && \
+	  test -z "$$(find $(NATIVE_SRC) -newer $$(ls -t src/attnkit/_native* | head -1))" || \
+	  $(PIP) --no-deps -e .
+	@$(BIN)/python -c "from attnkit.backends import _native; print('   ', _native.status())"
+	touch $@
 
-demo: $(STAMP)
+venv: $(STAMP) $(STAMP_NATIVE)
+
+demo: $(STAMP) $(STAMP_NATIVE)
 	$(BIN)/attnkit demo
 
 # Lint, type-check, then the suite; the first that finds something stops the run.
-test: $(STAMP_TEST)
+test: $(STAMP_TEST) $(STAMP_NATIVE)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q

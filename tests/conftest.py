@@ -89,11 +89,14 @@ def rand_qkv(B, H, Hkv, L, S, D, Dv=None, dtype=torch.float32, scale=1.0, requir
 
 @contextlib.contextmanager
 def fused(on: bool):
-    """Run the tiled backend with its fused worker switched on or off (restored afterwards)."""
+    """Run the tiled backend with its fused worker (torch's CPU flash kernel per run) switched on, or
+    with the plain worker only; the compiled kernel is kept off either way (restored afterwards).
+    ``native()`` selects the compiled kernel."""
     from attnkit.backends import tiled
 
-    saved, tiled.FUSED = tiled.FUSED, on
+    saved = tiled.FUSED, tiled.NATIVE
+    tiled.FUSED, tiled.NATIVE = on, False
     try:
         yield
     finally:
-        tiled.FUSED = saved
+        tiled.FUSED, tiled.NATIVE = saved

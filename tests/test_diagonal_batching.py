@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close, budget, rand_qkv
+from conftest import assert_close, budget, fused, rand_qkv
 
 import attnkit
 from attnkit import masks as M
@@ -47,7 +47,7 @@ def _batched_groups(schedule):
 def test_diagonal_batches_are_found_from_the_tiles(monkeypatch, name, mask):
     q, k, v = rand_qkv(1, 2, 2, L, L, 32, requires_grad=True)
     seen = _schedules(monkeypatch)
-    with tiled.block_sizes(64, 64):
+    with tiled.block_sizes(64, 64), fused(True):  # the fused worker's batching (the compiled kernel has none)
         out = attnkit.attention(q, k, v, mask=mask, backend="tiled")
         out.sum().backward()
     grads = [t.grad.clone() for t in (q, k, v)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close, budget, golden, rand_qkv
+from conftest import assert_close, budget, fused, golden, rand_qkv
 
 import attnkit
 from attnkit import masks as M
@@ -17,9 +17,12 @@ from attnkit.backends import tiled
 BLOCKS = [(16, 16), (32, 16), (64, 64)]
 
 
-@pytest.fixture(params=[True, False], ids=["fused", "plain"])
+@pytest.fixture(params=["native", "fused", "plain"])
 def worker(request, monkeypatch):
-    monkeypatch.setattr(tiled, "FUSED", request.param)
+    """Each test runs on the compiled kernel (where the call fits it), torch's flash kernel per run,
+    and plain torch ops."""
+    monkeypatch.setattr(tiled, "FUSED", request.param != "plain")
+    monkeypatch.setattr(tiled, "NATIVE", request.param == "native")
     return request.param
 
 
@@ -275,7 +278,8 @@ def test_causal_alone_uses_the_kernels_causal_skipping_and_is_exact(L, S, align,
     k = torch.randn(2, Hkv, S, 32, generator=g).requires_grad_()
     v = torch.randn(2, Hkv, S, 32, generator=g).requires_grad_()
     mask = M.causal(align)
-    d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
+    with fused(True):
+        d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
     assert d.worker == "fused" and "causal block skipping" in d.worker_reason, d
     req = attnkit._request.make_request(q, k, v, mask=mask, causal=False, scale=None, score_mod=None,
                                         dropout_p=0.0, return_lse=False, backend="tiled")

@@ -120,6 +120,22 @@ class Mask:
         then takes the general path, which validates and handles empty rows)."""
         return None
 
+    def row_intervals(self, B: int, L: int, S: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per query row, the one stretch of keys it sees, when the mask is such a stretch.
+
+        ``(lo, hi)``: int32 CPU tensors of shape ``(1, L)`` (same for the batch) or ``(B, L)``;
+        row ``i`` sees keys ``lo <= j < hi`` (``lo >= hi``: none). ``None`` when some row's
+        visible keys are not one contiguous stretch (or the mask differs per head). The
+        compiled kernel masks partial tiles with these two edges; O(B·L), no (L, S) evaluation::
+
+            causal, L = S = 4       lo  hi           sliding_window(2)   lo  hi
+            q0  █ · · ·              0   1           q0  █ · · ·          0   1
+            q1  █ █ · ·              0   2           q1  █ █ · ·          0   2
+            q2  █ █ █ ·              0   3           q2  · █ █ ·          1   3
+            q3  █ █ █ █              0   4           q3  · · █ █          2   4
+        """
+        return None
+
     def tile_kinds(self, B: int, H: int, L: int, S: int, bm: int, bn: int) -> torch.Tensor:
         """int8 kinds ``(Bp, Hp, ceil(L/bm), ceil(S/bn))`` of EMPTY / PARTIAL / FULL tiles
         (see :mod:`attnkit._tiling`). Built-in masks answer in closed form from the tile
@@ -201,6 +217,11 @@ class Mask:
             return f"{self!r}\n{self.draw()}"
         except (ValueError, TypeError, IndexError, RuntimeError) as e:  # a mask_mod that cannot run at 8 × 8
             return f"{self!r}\n(not drawn at the default size: {e}; use mask.draw(L, S))"
+
+
+def _intervals(lo: torch.Tensor, hi: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_intervals``' result: edges clamped to [0, S], int32, contiguous."""
+    return (lo.clamp(0, S).to(torch.int32).contiguous(), hi.clamp(0, S).to(torch.int32).contiguous())
 
 
 def _band_kinds(off: int, w: int | None, L: int, S: int, bm: int, bn: int) -> torch.Tensor:
@@ -378,6 +399,9 @@ class Full(Mask):
     def tile_kinds(self, B, H, L, S, bm, bn):
         return torch.full((1, 1, -(-L // bm), -(-S // bn)), FULL, dtype=torch.int8)
 
+    def row_intervals(self, B, L, S):
+        return _intervals(torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S, dtype=torch.long), S)
+
     def __repr__(self):
         return "full()"
 
@@ -407,6 +431,10 @@ class Causal(Mask):
             return None
         j1 = min(S, L + off)  # row i sees keys j <= i + off
         return 0, j1, torch.ones(L, j1, dtype=torch.bool, device=device).tril_(off)
+
+    def row_intervals(self, B, L, S):
+        p = torch.arange(L).view(1, L) + _offset(self.align, L, S)
+        return _intervals(torch.zeros_like(p), p + 1, S)
 
     def __repr__(self):
         return f"causal(align={self.align!r})"
@@ -441,6 +469,10 @@ class SlidingWindow(Mask):
         # local column c = j - j0; row i keeps off + i - w < j <= off + i
         t = torch.ones(L, j1 - j0, dtype=torch.bool, device=device)
         return j0, j1, t.tril_(off - j0).triu_(off - j0 - w + 1)
+
+    def row_intervals(self, B, L, S):
+        p = torch.arange(L).view(1, L) + _offset(self.align, L, S)
+        return _intervals(p - self.size + 1, p + 1, S)
 
     def __repr__(self):
         return f"sliding_window({self.size}, align={self.align!r})"
@@ -522,6 +554,10 @@ class Padding(Mask):
             self._on[key] = allowed
         return 0, n, allowed
 
+    def row_intervals(self, B, L, S):
+        hi = self._key_lengths.view(-1, 1).expand(-1, L)
+        return _intervals(torch.zeros_like(hi), hi, S)
+
     def __repr__(self):
         return f"padding({self._key_lengths.tolist()})"
 
@@ -577,6 +613,16 @@ class KeyPadding(Mask):
         S = int(self._valid.shape[1])
         return (S, S)
 
+    def row_intervals(self, B, L, S):
+        valid = self._valid  # (B, S)
+        first = torch.where(valid.any(1), valid.int().argmax(1), S)
+        last = S - valid.flip(1).int().argmax(1)  # one past the last valid key
+        n = valid.sum(1)
+        if bool((n > 0).any()) and not bool(((last - first == n) | (n == 0)).all()):
+            return None  # a hole inside some row's valid keys
+        lo, hi = torch.where(n > 0, first, 0), torch.where(n > 0, last, 0)
+        return _intervals(lo.view(-1, 1).expand(-1, L), hi.view(-1, 1).expand(-1, L), S)
+
     def __repr__(self):
         return f"key_padding(<{tuple(self._valid.shape)} flags>)"
 
@@ -617,6 +663,10 @@ class Chunked(Mask):
         p = torch.arange(off, off + L, device=device).view(L, 1)
         j = torch.arange(j0, j1, device=device).view(1, -1)
         return j0, j1, (j <= p) & (torch.div(j, c, rounding_mode="floor") == torch.div(p, c, rounding_mode="floor"))
+
+    def row_intervals(self, B, L, S):
+        p = torch.arange(L).view(1, L) + _offset(self.align, L, S)
+        return _intervals(torch.div(p, self.size, rounding_mode="floor") * self.size, p + 1, S)
 
     def __repr__(self):
         return f"chunked({self.size}, align={self.align!r})"
@@ -670,6 +720,20 @@ class Document(Mask):
         S = int(self._doc_ids.shape[-1])
         return (S, S)
 
+    def row_intervals(self, B, L, S):
+        ids = self._ids2d()  # (Bi, S)
+        new = torch.ones_like(ids, dtype=torch.bool)
+        new[:, 1:] = ids[:, 1:] != ids[:, :-1]  # a run of equal ids starts here
+        runs = new.sum(1)
+        if any(int(r) != int(torch.unique(row).numel()) for r, row in zip(runs, ids, strict=True)):
+            return None  # some document is split into several runs: not one stretch per row
+        pos = torch.arange(S).expand_as(ids)
+        start = torch.cummax(torch.where(new, pos, 0), 1).values
+        end_new = torch.ones_like(new)
+        end_new[:, :-1] = new[:, 1:]  # a run ends here
+        end = torch.flip(torch.cummin(torch.flip(torch.where(end_new, pos + 1, S), [1]), 1).values, [1])
+        return _intervals(start[:, S - L:], end[:, S - L:], S)
+
     def __repr__(self):
         return f"document(<{tuple(self._doc_ids.shape)} ids>)"
 
@@ -694,6 +758,10 @@ class PrefixLM(Mask):
         prefix = kinds_from((khi < p).view(1, 1, 1, -1).expand(1, 1, nq, -1),
                             (klo >= p).view(1, 1, 1, -1).expand(1, 1, nq, -1))
         return torch.maximum(prefix, _band_kinds(S - L, None, L, S, bm, bn))
+
+    def row_intervals(self, B, L, S):
+        p = torch.arange(L).view(1, L) + (S - L)
+        return _intervals(torch.zeros_like(p), torch.clamp(p + 1, min=self.prefix_length), S)
 
     def __repr__(self):
         return f"prefix_lm({self.prefix_length})"
@@ -845,6 +913,22 @@ class And(_Fold):
         if not bool(allowed.any(-1).all()):
             return None
         return j0, j1, allowed
+
+    def row_intervals(self, B, L, S):
+        """The intersection of the parts' stretches (one stretch too), when every part has them."""
+        lo: torch.Tensor | None = None
+        hi: torch.Tensor | None = None
+        for p in self.parts:
+            iv = p.row_intervals(B, L, S)
+            if iv is None:
+                return None
+            if lo is None or hi is None:
+                lo, hi = iv
+            else:
+                lo, hi = torch.maximum(lo, iv[0]), torch.minimum(hi, iv[1])
+        if lo is None or hi is None:
+            return None
+        return lo.contiguous(), hi.contiguous()
 
 
 class Or(_Fold):

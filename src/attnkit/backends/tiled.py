@@ -47,7 +47,8 @@ import os
 
 import torch
 
-from . import _flash_cpu, _softmax, _tiled_fused, _tiled_plain, _tiles, _worklist
+from .. import masks as _masks
+from . import _flash_cpu, _native, _softmax, _tiled_fused, _tiled_plain, _tiles, _worklist
 from ._base import Request
 from ._tiled_ctx import TileContext, additive_mod
 from ._tiles import has_nan
@@ -61,8 +62,10 @@ BLOCK_N = 64
 # Keys per GEMM in the plain worker: large enough to amortise Python per step, small
 # enough that a score tile of (B·H·bm × MAX_RUN) stays cache-friendly.
 MAX_RUN = 1024
-# False sends every request to the plain worker (tests run both workers).
+# False sends every request to the plain worker (tests run every worker).
 FUSED = True
+# False keeps requests off attnkit's compiled kernel (backends._native; tests compare the workers).
+NATIVE = True
 # Largest (rows × keys) mask tile the fused worker builds for one group of query blocks.
 FUSED_MASK_ELEMS = 1 << 22
 
@@ -98,11 +101,47 @@ def unsupported(req: Request) -> str | None:
     return None
 
 
+def native_unfit(req: Request) -> str | None:
+    """Why attnkit's compiled kernel cannot run this call (None: it can). On success the mask's
+    row intervals are left in ``req.memo["row_intervals"]`` for the run that follows."""
+    if not NATIVE:
+        return "the compiled kernel is switched off (tiled.NATIVE = False)"
+    if req.q.device.type != "cpu":
+        return f"tensors on {req.q.device.type} (the compiled kernel is CPU-only)"
+    if req.q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"{req.q.dtype} (the compiled kernel computes in fp32; float64 stays in float64)"
+    if req.score_mod is not None:
+        return "a score_mod (the compiled kernel takes masks only)"
+    if req.bias is not None or req.dense_mask is not None:
+        return "a tensor mask (the compiled kernel takes a mask as row intervals)"
+    if req.plan is not None:
+        return "an explicit BlockPlan (its tiles are run as given)"
+    if req.extra_grads():
+        return "gradients into tensors other than q, k, v"
+    B, H, L, S, *_ = req.shape
+    iv = req.memo.get("row_intervals")
+    if iv is None:
+        mask = req.mask if req.mask is not None else _masks.full()
+        iv = mask.row_intervals(B, L, S)
+        if iv is None:
+            return f"mask {req.mask!r} is not one stretch of keys per row (its tiles come from the plan)"
+        req.memo["row_intervals"] = iv
+    if not _native.available():
+        _native.warn_missing()
+        return _native.unavailable_reason()
+    return None
+
+
 def choose_worker(req: Request) -> tuple[str, str]:
-    """``("fused", why)`` when torch's private CPU flash kernel can run every run of this call
-    exactly, else ``("plain", why not)``. The first reason that applies is given."""
+    """``("native", why)`` when attnkit's compiled kernel can run this call, else ``("fused", why)``
+    when torch's private CPU flash kernel can run every run of it exactly, else ``("plain", why not)``.
+    The first reason that applies is given."""
     if not FUSED:
         return "plain", "the fused worker is switched off (tiled.FUSED = False)"
+    why_not = native_unfit(req)
+    if why_not is None:
+        return "native", (f"attnkit's compiled kernel ({_native.isa()}): block-sparse FlashAttention-2 over the "
+                          "mask's row intervals, empty tiles skipped, full tiles unmasked")
     if req.score_mod is not None and not additive_mod(req.score_mod):
         return "plain", "a score_mod that is not an additive bias (the fused kernel takes only a bias tile)"
     if req.q.shape[-1] != req.v.shape[-1]:
@@ -118,8 +157,10 @@ def choose_worker(req: Request) -> tuple[str, str]:
         return "plain", "NaN in q, k or v (the fused kernel would hide it)"
     if _tiled_fused.causal_pieces(req, req.plan) is not None:
         return "fused", ("torch's CPU flash kernel with its own causal block skipping (causal alone: "
-                         "one call per query-head group and key range, merged by log-sum-exp)")
-    return "fused", "torch's CPU flash kernel per run of keys, merged by log-sum-exp"
+                         f"one call per query-head group and key range, merged by log-sum-exp; not the compiled "
+                         f"kernel: {why_not})")
+    return "fused", ("torch's CPU flash kernel per run of keys, merged by log-sum-exp "
+                     f"(not the compiled kernel: {why_not})")
 
 
 def partial_fraction(req: Request) -> float:
@@ -142,6 +183,14 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, c: TileContext, *captured):
+        if c.worker == "native":
+            lo, hi = c.req.memo["row_intervals"]
+            out_hi, lse = _native.forward(q, k, v, lo, hi, c.req.scale)
+            out = out_hi.to(q.dtype)
+            ctx.save_for_backward(q, k, v, out_hi, lse)
+            ctx.c = c
+            ctx.set_materialize_grads(False)
+            return out, lse
         # out_hi: the output before its rounding to q's dtype (fp32 for fp16 on either worker and for
         # bf16 on the plain one; the fused worker's bf16 kernel rounds its own output), kept for the
         # backward's delta = rowsum(dO ∘ O): from a rounded O, delta is off by ~2^-11·|dO||O| (fp16),
@@ -176,7 +225,10 @@ class _TiledAttention(torch.autograd.Function):
             dout_all, dlse_all = dout, dlse
             dout = dout.masked_fill(rows.unsqueeze(-1), 0)
             dlse = None if dlse is None else dlse.masked_fill(rows, 0)
-        if c.fused and dlse is None:
+        if c.worker == "native":
+            lo, hi = c.req.memo["row_intervals"]
+            dq, dk, dv = _native.backward(q, k, v, lo, hi, c.req.scale, out, lse, dout, dlse)
+        elif c.fused and dlse is None:
             bwd = _tiled_fused.causal_backward if c.causal else _tiled_fused.backward
             kd = c.kernel_dtype
             dq, dk, dv = bwd(c, q.to(kd), k.to(kd), v.to(kd), out.to(kd), lse, dout.to(kd))
@@ -212,6 +264,10 @@ def _launch(req: Request, worker: str):
         if req.plan_extra is not None:  # causal=True on top of the plan: closed form, intersected
             given = torch.minimum(given, _worklist.tile_map(req.plan_extra, B, H, L, S, bm, bn))
     c = TileContext(req, worker)
+    if worker == "native":  # the kernel finds its tiles from the row intervals: no work list to build
+        if "row_intervals" not in req.memo and native_unfit(req) is not None:
+            raise RuntimeError(f"the compiled kernel cannot run this call: {native_unfit(req)}")
+        return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)
     c.plan_bm_bn, c.given = (bm, bn), given
     c.causal = _tiled_fused.causal_pieces(req, given) if worker == "fused" else None
     c.plan = _work_list(req, worker, (bm, bn), given)

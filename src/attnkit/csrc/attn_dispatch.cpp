@@ -1,0 +1,93 @@
+// The C ABI of attnkit's CPU kernel (loaded with ctypes by attnkit/backends/_native.py) and the
+// run-time choice of instruction set. Also a (method-less) Python extension module, so that
+// setuptools builds and installs it like any other.
+#include <Python.h>
+
+#include "attn_common.h"
+
+#define AK_DECLARE(ns)                                                                                          \
+  namespace ns {                                                                                                \
+  void run_forward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,            \
+                   const int32_t*, float*, float*);                                                             \
+  void run_backward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,           \
+                    const int32_t*, const float*, const int64_t*, const float*, const float*, float*, float*,   \
+                    float*);                                                                                    \
+  }
+AK_DECLARE(ak_base)
+#if defined(__x86_64__) && defined(__GNUC__)
+AK_DECLARE(ak_avx2)
+AK_DECLARE(ak_avx512)
+#endif
+
+// 2: AVX-512, 1: AVX2 + FMA, 0: portable
+static int best_isa() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+  return 0;
+}
+
+static int isa_in_use = -1;
+
+#define AK_API __attribute__((visibility("default")))
+
+extern "C" {
+
+// The instruction set this machine can run; ak_set_isa(lower) forces a lower one (tests).
+AK_API int ak_best_isa() { return best_isa(); }
+
+AK_API int ak_set_isa(int isa) {
+  int best = best_isa();
+  isa_in_use = isa < 0 || isa > best ? best : isa;
+  return isa_in_use;
+}
+
+AK_API int ak_isa() {
+  if (isa_in_use < 0) isa_in_use = best_isa();
+  return isa_in_use;
+}
+
+AK_API int ak_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// meta (int64): B, H, Hkv, L, S, D, Dv, q strides (batch, head, row), k strides, v strides, lo/hi batch
+// stride (0 or L), threads. lo, hi: int32 (1 or B, L); out (B, H, L, Dv), lse (B, H, L) written.
+AK_API void ak_forward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
+                       const int32_t* lo, const int32_t* hi, float* out, float* lse) {
+  switch (ak_isa()) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    case 2: ak_avx512::run_forward(meta, scale, q, k, v, lo, hi, out, lse); return;
+    case 1: ak_avx2::run_forward(meta, scale, q, k, v, lo, hi, out, lse); return;
+#endif
+    default: ak_base::run_forward(meta, scale, q, k, v, lo, hi, out, lse);
+  }
+}
+
+AK_API void ak_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
+                        const int32_t* lo, const int32_t* hi, const float* dout,
+                        const int64_t* sdo, const float* lse, const float* delta, float* dq_part, float* dk,
+                        float* dv) {
+  switch (ak_isa()) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    case 2: ak_avx512::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, lse, delta, dq_part, dk, dv); return;
+    case 1: ak_avx2::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, lse, delta, dq_part, dk, dv); return;
+#endif
+    default: ak_base::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, lse, delta, dq_part, dk, dv);
+  }
+}
+
+}  // extern "C"
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
+                                    "attnkit's CPU attention kernel (C ABI, loaded with ctypes).", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

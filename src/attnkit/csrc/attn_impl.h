@@ -1,0 +1,449 @@
+// attnkit's CPU attention kernel: block-sparse FlashAttention (FA2) forward and backward.
+//
+// This header is compiled once per instruction set (attn_avx512.cpp, attn_avx2.cpp, attn_base.cpp),
+// each inside its own namespace with AK_VW floats per vector; attn_dispatch.cpp picks one at run
+// time. The arithmetic is written with GCC/Clang vector extensions, so one source serves every target.
+//
+// Masks come as per-row key intervals: query row i of batch b sees keys [lo[b, i], hi[b, i]).
+// Causal, sliding window, chunked, document, padding, prefix-LM and their intersections are all
+// such intervals, so a tile is
+//   skipped   when no row's interval meets it,
+//   full      when it lies inside every row's interval (no mask work at all),
+//   partial   otherwise: two comparisons per score against the row's edges.
+//
+// Layout: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), fp32, last dimension contiguous,
+// any other strides (given in elements). GQA: query head h reads kv head h / (H / Hkv), no copy.
+// Scores, statistics and lse in natural units, fp32 (exponentials computed as exp2 of x * log2(e)); a row that sees no key
+// gets out = 0 and lse = -inf.
+
+// Every helper below is static (or in an anonymous-linkage template) and no std:: template is
+// instantiated here: each instruction set's copy must stay its own — a shared COMDAT (std::fill,
+// std::vector) compiled for AVX-512 could be picked by the linker for the portable path too.
+#include "attn_common.h"
+
+#ifndef AK_VW
+#error "AK_VW (floats per vector) must be defined"
+#endif
+
+namespace AK_NS {
+
+constexpr int VW = AK_VW;
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef int32_t vi_u __attribute__((vector_size(VW * 4), aligned(4)));
+
+constexpr int BM = 64;  // query rows per block
+constexpr int BN = 64;  // keys per tile (a multiple of every VW)
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// register block of the micro-GEMM: R rows x NC vectors (AVX-512: 6 x 4 zmm = 24 accumulators)
+#if AK_VW >= 16
+constexpr int R = 4, NC = 4;  // 16 accumulators + 4 rows of B: FMA-bound, and 64 rows split evenly
+#elif AK_VW >= 8
+constexpr int R = 4, NC = 2;
+#else
+constexpr int R = 4, NC = 2;
+#endif
+
+static inline vf load(const float* p) { return *(const vf_u*)p; }
+static inline void store(float* p, vf x) { *(vf_u*)p = x; }
+// x - 0.0, not x + 0.0: subtracting +0 is exact for every x (-0.0 included), so the compiler drops it and
+// emits one broadcast; adding +0 cannot be dropped (-0.0 + 0.0 = +0.0) and cost an add per broadcast
+static inline vf splat(float x) { return x - (vf){}; }
+static inline vi splati(int32_t x) { return x - (vi){}; }
+
+static inline vi iota() {
+  vi r;
+  for (int i = 0; i < VW; i++) r[i] = i;
+  return r;
+}
+
+static inline float hmax(vf x) {
+  float m = x[0];
+  for (int i = 1; i < VW; i++) m = x[i] > m ? x[i] : m;
+  return m;
+}
+static inline float hsum(vf x) {
+  float s = 0.f;
+  for (int i = 0; i < VW; i++) s += x[i];
+  return s;
+}
+
+// 2^x for x <= 0 (scores minus the row max); x < -126 (and -inf) gives exactly 0.
+// n = round(x), f = x - n in [-0.5, 0.5], 2^f by its Taylor series to degree 7 (error < 1e-8
+// relative), 2^n added to the exponent bits.
+static inline vf exp2v(vf x) {
+  vi dead = x < splat(-126.0f);
+  x = dead ? splat(-126.0f) : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf r = (x + magic) - magic;
+  vf f = x - r;
+  vi n = __builtin_convertvector(r, vi);
+  vf p = splat(1.5252733804059841e-05f);
+  p = p * f + splat(1.5403530393381609e-04f);
+  p = p * f + splat(1.3333558146428443e-03f);
+  p = p * f + splat(9.6181291076284772e-03f);
+  p = p * f + splat(5.5504108664821580e-02f);
+  p = p * f + splat(2.4022650695910071e-01f);
+  p = p * f + splat(6.9314718055994531e-01f);
+  p = p * f + splat(1.0f);
+  vi bits = (vi)p + (n << 23);
+  vf out = (vf)bits;
+  return dead ? splat(0.0f) : out;
+}
+
+static inline float exp2s(float x) { return x == NEG_INF ? 0.f : std::exp2(x); }
+
+// C[M x N] (+)= A[M x K] . B[K x N]; A(i, k) = A[i*sai + k*sak] (any layout: its elements are
+// broadcast), B rows contiguous with stride ldb, N a multiple of VW.
+template <int RR, int NV, bool ZERO>
+static inline void mk(int K, const float* __restrict A, long sai, long sak, const float* __restrict B, long ldb,
+                      float* __restrict C, long ldc) {
+  vf acc[RR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < RR; r++)
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; c++) acc[r][c] = ZERO ? splat(0.f) : load(C + r * ldc + c * VW);
+  for (int k = 0; k < K; k++) {
+    vf b[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; c++) b[c] = load(B + k * ldb + c * VW);
+#pragma GCC unroll 8
+    for (int r = 0; r < RR; r++) {
+      vf a = splat(A[r * sai + k * sak]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; c++) acc[r][c] += a * b[c];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RR; r++)
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; c++) store(C + r * ldc + c * VW, acc[r][c]);
+}
+
+template <int NV, bool ZERO>
+static inline void gemm_cols(int M, int K, const float* A, long sai, long sak, const float* B, long ldb, float* C,
+                             long ldc) {
+  int i = 0;
+  for (; i + R <= M; i += R) mk<R, NV, ZERO>(K, A + i * sai, sai, sak, B, ldb, C + i * ldc, ldc);
+  for (; i < M; i++) mk<1, NV, ZERO>(K, A + i * sai, sai, sak, B, ldb, C + i * ldc, ldc);
+}
+
+// ZERO: C = A . B (C's old values are not read)
+template <bool ZERO = false>
+static void gemm(int M, int N, int K, const float* A, long sai, long sak, const float* B, long ldb, float* C,
+                 long ldc) {
+  int n0 = 0;
+  for (; n0 + NC * VW <= N; n0 += NC * VW) gemm_cols<NC, ZERO>(M, K, A, sai, sak, B + n0, ldb, C + n0, ldc);
+  int left = (N - n0) / VW;
+  // NC <= 4 everywhere: at most three vectors are left
+  if (left == 3) gemm_cols<3, ZERO>(M, K, A, sai, sak, B + n0, ldb, C + n0, ldc);
+  else if (left == 2) gemm_cols<2, ZERO>(M, K, A, sai, sak, B + n0, ldb, C + n0, ldc);
+  else if (left == 1) gemm_cols<1, ZERO>(M, K, A, sai, sak, B + n0, ldb, C + n0, ldc);
+}
+
+static inline long round_up(long x, long m) { return (x + m - 1) / m * m; }
+template <class T>
+static inline T mn(T a, T b) { return a < b ? a : b; }
+template <class T>
+static inline T mx2(T a, T b) { return a < b ? b : a; }
+static inline void fill(float* a, float* e, float x) {
+  for (; a < e; a++) *a = x;
+}
+
+// a zeroed scratch array of n elements, freed at scope exit
+template <class T>
+struct Buf {
+  T* p;
+  explicit Buf(long n) : p((T*)calloc(n > 0 ? n : 1, sizeof(T))) {}
+  ~Buf() { free(p); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  T& operator[](long i) { return p[i]; }
+  T* data() { return p; }
+  T* begin() { return p; }
+};
+
+struct Shape {
+  long B, H, Hkv, L, S, D, Dv;
+  long sq[3], sk[3], sv[3];  // strides (elements) of batch, head, row; the last dimension is contiguous
+  const int32_t* lo;
+  const int32_t* hi;
+  long lob;  // batch stride of lo/hi (0: shared by the batch, or L)
+  float scale;
+  int threads;
+};
+
+// Per query block: the smallest lo and largest hi of its live rows (the keys it may touch) and
+// the largest lo and smallest hi of all rows (tiles inside [flo, fhi) need no mask).
+struct Block {
+  int32_t kmin, kmax, flo, fhi;
+};
+
+static Block block_of(const Shape& s, long b, long i0, long m) {
+  const int32_t* lo = s.lo + b * s.lob + i0;
+  const int32_t* hi = s.hi + b * s.lob + i0;
+  Block r{(int32_t)s.S, 0, 0, (int32_t)s.S};
+  for (long i = 0; i < m; i++) {
+    int32_t a = mx2<int32_t>(lo[i], 0), e = mn<int32_t>(hi[i], (int32_t)s.S);
+    r.flo = mx2(r.flo, a);
+    r.fhi = mn(r.fhi, e);
+    if (a < e) {
+      r.kmin = mn(r.kmin, a);
+      r.kmax = mx2(r.kmax, e);
+    }
+  }
+  if (m < BM) r.fhi = 0;  // a short block: its padding columns are always masked
+  return r;
+}
+
+static inline bool tile_touched(const int32_t* lo, const int32_t* hi, long m, long j0, long j1) {
+  for (long i = 0; i < m; i++)
+    if (lo[i] < j1 && hi[i] > j0 && lo[i] < hi[i]) return true;
+  return false;
+}
+
+// The kernel works on transposed score tiles, S^T = K Q^T (keys x queries, BN x BM): K and V are read
+// in place (their elements are broadcast), only the query block is transposed (once per block), and the
+// softmax statistics of BM queries are vectors, so no horizontal reduction is ever needed.
+//
+// edges of the BM queries of a block (padding columns: lo = 1, hi = 0, never visible)
+static void block_edges(const Shape& s, long b, long i0, long m, int32_t* lo, int32_t* hi) {
+  const int32_t* l = s.lo + b * s.lob + i0;
+  const int32_t* h = s.hi + b * s.lob + i0;
+  for (long i = 0; i < BM; i++) {
+    lo[i] = i < m ? l[i] : 1;
+    hi[i] = i < m ? h[i] : 0;
+  }
+}
+
+// S^T rows j < n (key j0 + j): -inf where query i does not see the key
+static inline void mask_tile(float* st, long n, long j0, const int32_t* lo, const int32_t* hi) {
+  for (int c = 0; c < BM; c += VW) {
+    vi lov = *(const vi_u*)(lo + c), hiv = *(const vi_u*)(hi + c);
+    for (long j = 0; j < n; j++) {
+      vi jj = splati((int32_t)(j0 + j));
+      vi keep = (jj >= lov) & (jj < hiv);
+      store(st + j * BM + c, keep ? load(st + j * BM + c) : splat(NEG_INF));
+    }
+  }
+}
+
+// Q^T of a query block (D x BM), times `mul`, zero in the padding columns
+static inline void pack_t(float* dst, const float* src, long stride, long m, long D, float mul) {
+  for (long i = 0; i < m; i++) {
+    const float* r = src + i * stride;
+    for (long d = 0; d < D; d++) dst[d * BM + i] = r[d] * mul;
+  }
+  if (m < BM)
+    for (long d = 0; d < D; d++) fill(dst + d * BM + m, dst + d * BM + BM, 0.f);
+}
+
+// rows (m x X) into an (m x Xp) buffer, zero-padded columns
+static inline void pack_rows(float* dst, const float* src, long stride, long m, long X, long Xp) {
+  for (long i = 0; i < m; i++) {
+    std::memcpy(dst + i * Xp, src + i * stride, X * sizeof(float));
+    if (Xp > X) fill(dst + i * Xp + X, dst + (i + 1) * Xp, 0.f);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// forward: out (B, H, L, Dv) contiguous, lse (B, H, L) contiguous
+// ---------------------------------------------------------------------------------------------------
+static void forward(const Shape& s, const float* q, const float* k, const float* v, float* out, float* lse) {
+  const long nq = (s.L + BM - 1) / BM, g = s.H / s.Hkv;
+  const long Dvp = round_up(s.Dv, VW);
+  const long items = s.B * s.H * nq;
+  const bool v_in_place = Dvp == s.Dv;
+#pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
+  {
+    Buf<float> qt(s.D * BM), st(BN * BM), vp(v_in_place ? 1 : BN * Dvp), acc(BM * Dvp), mrow(BM), lrow(BM);
+    Buf<int32_t> lo(BM), hi(BM);
+#pragma omp for schedule(dynamic, 1)
+    for (long it = 0; it < items; it++) {
+      const long qb = nq - 1 - it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H, hk = h / g;
+      const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
+      float* o = out + ((b * s.H + h) * s.L + i0) * s.Dv;
+      float* ls = lse + (b * s.H + h) * s.L + i0;
+      const Block blk = block_of(s, b, i0, m);
+      if (blk.kmin >= blk.kmax) {  // no row of this block sees a key
+        fill(o, o + m * s.Dv, 0.f);
+        fill(ls, ls + m, NEG_INF);
+        continue;
+      }
+      block_edges(s, b, i0, m, lo.p, hi.p);
+      pack_t(qt.p, q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D, 1.f);
+      fill(acc.p, acc.p + BM * Dvp, 0.f);
+      fill(mrow.p, mrow.p + BM, NEG_INF);
+      fill(lrow.p, lrow.p + BM, 0.f);
+      const float* kb = k + b * s.sk[0] + hk * s.sk[1];
+      const float* vb = v + b * s.sv[0] + hk * s.sv[1];
+      for (long j0 = blk.kmin / BN * BN; j0 < blk.kmax; j0 += BN) {
+        const long n = mn<long>(BN, s.S - j0);
+        const bool full = n == BN && j0 >= blk.flo && j0 + n <= blk.fhi;
+        if (!full && !tile_touched(lo.p, hi.p, m, j0, j0 + n)) continue;
+        gemm<true>(n, BM, s.D, kb + j0 * s.sk[2], s.sk[2], 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
+        if (!full) mask_tile(st.p, n, j0, lo.p, hi.p);
+        // Scores and their running max stay in natural units, s = fl(q.k) * scale as every other path
+        // rounds them (so lse = max + log(sum) matches a softmax recomputed from these scores to the
+        // last bits: weights rebuilt as exp(s - lse) agree); only the exponent goes to base 2.
+        const vf sc = splat(s.scale), l2e = splat(LOG2E);
+        for (int cc = 0; cc < BM; cc += VW) {  // online softmax, VW queries at a time
+          vf mx = splat(NEG_INF);
+          for (long j = 0; j < n; j++) {
+            vf x = load(st.p + j * BM + cc) * sc;
+            store(st.p + j * BM + cc, x);
+            mx = x > mx ? x : mx;
+          }
+          vf mold = load(mrow.p + cc);
+          vf mnew = mx > mold ? mx : mold;
+          vf base = mnew == splat(NEG_INF) ? splat(0.f) : mnew;  // a column with nothing yet: P = 0
+          vf alpha = exp2v((mold - base) * l2e);
+          vf sum = splat(0.f);
+          for (long j = 0; j < n; j++) {
+            vf p = exp2v((load(st.p + j * BM + cc) - base) * l2e);
+            store(st.p + j * BM + cc, p);
+            sum += p;
+          }
+          store(lrow.p + cc, load(lrow.p + cc) * alpha + sum);
+          store(mrow.p + cc, mnew);
+          for (int r = 0; r < VW; r++) {
+            const float a = alpha[r];
+            if (a != 1.f) {
+              float* ar = acc.p + (cc + r) * Dvp;
+              vf av = splat(a);
+              for (long d = 0; d < Dvp; d += VW) store(ar + d, load(ar + d) * av);
+            }
+          }
+        }
+        const float* vt = vb + j0 * s.sv[2];
+        long ldv = s.sv[2];
+        if (!v_in_place) {
+          pack_rows(vp.p, vt, s.sv[2], n, s.Dv, Dvp);
+          vt = vp.p, ldv = Dvp;
+        }
+        gemm(m, Dvp, n, st.p, 1, BM, vt, ldv, acc.p, Dvp);  // O += P V, P(i, j) = S^T[j][i]
+      }
+      for (long i = 0; i < m; i++) {
+        if (lrow.p[i] == 0.f) {
+          fill(o + i * s.Dv, o + (i + 1) * s.Dv, 0.f);
+          ls[i] = NEG_INF;
+          continue;
+        }
+        const float inv = 1.f / lrow.p[i];
+        for (long d = 0; d < s.Dv; d++) o[i * s.Dv + d] = acc.p[i * Dvp + d] * inv;
+        ls[i] = mrow.p[i] + std::log(lrow.p[i]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// backward (FA2): one work item per (batch, kv head, key tile); the g query heads of the kv head and
+// every query block that sees the tile are visited inside, so dK and dV are written once, by one
+// thread. dQ goes to the thread's own slice of dq_part (threads, B, H, L, Dq), Dq = D rounded up to 16
+// (the same for every instruction set), summed and scaled by the caller.
+// delta = rowsum(dO * O) - dlse (B, H, L); lse in natural-log units (B, H, L).
+// ---------------------------------------------------------------------------------------------------
+static void backward(const Shape& s, const float* q, const float* k, const float* v, const float* dout,
+                     const long* sdo, const float* lse, const float* delta, float* dq_part, float* dk, float* dv) {
+  const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
+  const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(s.D, 16);
+  const long Bl = s.lob ? s.B : 1;
+  Buf<Block> blocks(Bl * nq);
+  for (long b = 0; b < Bl; b++)
+    for (long qb = 0; qb < nq; qb++) blocks[b * nq + qb] = block_of(s, b, qb * BM, mn<long>(BM, s.L - qb * BM));
+  const long items = s.B * s.Hkv * nk;
+#pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
+  {
+    int t = 0;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+#endif
+    float* dqt = dq_part + (long)t * s.B * s.H * s.L * Dq;
+    Buf<float> qt(s.D * BM), dot(s.Dv * BM), qr(BM * Dp), dor(BM * Dvp), kp(BN * Dp), pt(BN * BM), dpt(BN * BM),
+        dka(BN * Dp), dva(BN * Dvp), l2(BM), dl(BM);
+    Buf<int32_t> lo(BM), hi(BM);
+#pragma omp for schedule(dynamic, 1)
+    for (long it = 0; it < items; it++) {
+      const long kbk = it % nk, bh = it / nk, b = bh / s.Hkv, hk = bh % s.Hkv;
+      const long j0 = kbk * BN, n = mn<long>(BN, s.S - j0);
+      const float* kr = k + b * s.sk[0] + hk * s.sk[1] + j0 * s.sk[2];  // this tile's K rows (n x D)
+      const float* vr = v + b * s.sv[0] + hk * s.sv[1] + j0 * s.sv[2];  // and V rows (n x Dv)
+      float* dkr = dk + ((b * s.Hkv + hk) * s.S + j0) * s.D;
+      float* dvr = dv + ((b * s.Hkv + hk) * s.S + j0) * s.Dv;
+      fill(dka.p, dka.p + BN * Dp, 0.f);
+      fill(dva.p, dva.p + BN * Dvp, 0.f);
+      const float* kb = kr;  // K as the right-hand side of dQ = dS K: in place when rows need no padding
+      long ldk = s.sk[2];
+      bool packed = false;
+      for (long h = hk * g; h < (hk + 1) * g; h++) {
+        for (long qb = 0; qb < nq; qb++) {
+          const Block& bl = blocks[(s.lob ? b : 0) * nq + qb];
+          if (!(bl.kmin < j0 + n && bl.kmax > j0)) continue;
+          const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
+          block_edges(s, b, i0, m, lo.p, hi.p);
+          const bool full = n == BN && j0 >= bl.flo && j0 + n <= bl.fhi;
+          if (!full && !tile_touched(lo.p, hi.p, m, j0, j0 + n)) continue;
+          if (!packed && Dp != s.D) {
+            pack_rows(kp.p, kr, s.sk[2], n, s.D, Dp);
+            kb = kp.p, ldk = Dp;
+          }
+          packed = true;
+          const float* qs = q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
+          const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
+          const float* lr = lse + (b * s.H + h) * s.L + i0;
+          const float* dr = delta + (b * s.H + h) * s.L + i0;
+          pack_t(qt.p, qs, s.sq[2], m, s.D, 1.f);
+          pack_t(dot.p, ds, sdo[2], m, s.Dv, 1.f);
+          const float* qb_rows = qs;  // Q rows (m x D) as the right-hand side of dK = dS^T Q
+          long ldq = s.sq[2];
+          if (Dp != s.D) {
+            pack_rows(qr.p, qs, s.sq[2], m, s.D, Dp);
+            qb_rows = qr.p, ldq = Dp;
+          }
+          const float* do_rows = ds;
+          long lddo = sdo[2];
+          if (Dvp != s.Dv) {
+            pack_rows(dor.p, ds, sdo[2], m, s.Dv, Dvp);
+            do_rows = dor.p, lddo = Dvp;
+          }
+          for (long i = 0; i < BM; i++) {  // +inf for a row that sees nothing (and padding): P = 0 there
+            l2[i] = i < m && lr[i] != NEG_INF ? lr[i] : std::numeric_limits<float>::infinity();
+            dl[i] = i < m ? dr[i] : 0.f;
+          }
+          // P^T = exp(scale K Q^T - lse) (as the forward rounds it), masked
+          gemm<true>(n, BM, s.D, kr, s.sk[2], 1, qt.p, BM, pt.p, BM);
+          if (!full) mask_tile(pt.p, n, j0, lo.p, hi.p);
+          const vf sc = splat(s.scale), l2e = splat(LOG2E);
+          for (int cc = 0; cc < BM; cc += VW) {
+            vf lv = load(l2.p + cc);
+            for (long j = 0; j < n; j++)
+              store(pt.p + j * BM + cc, exp2v((load(pt.p + j * BM + cc) * sc - lv) * l2e));
+          }
+          // dV += P^T dO
+          gemm(n, Dvp, m, pt.p, BM, 1, do_rows, lddo, dva.p, Dvp);
+          // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
+          gemm<true>(n, BM, s.Dv, vr, s.sv[2], 1, dot.p, BM, dpt.p, BM);
+          for (int cc = 0; cc < BM; cc += VW) {
+            vf dv2 = load(dl.p + cc);
+            for (long j = 0; j < n; j++)
+              store(dpt.p + j * BM + cc, load(pt.p + j * BM + cc) * (load(dpt.p + j * BM + cc) - dv2));
+          }
+          // dK += dS^T Q ; dQ += dS K   (the softmax scale applied at the end / by the caller)
+          gemm(n, Dp, m, dpt.p, BM, 1, qb_rows, ldq, dka.p, Dp);
+          gemm(m, Dp, n, dpt.p, 1, BM, kb, ldk, dqt + ((b * s.H + h) * s.L + i0) * Dq, Dq);
+        }
+      }
+      for (long j = 0; j < n; j++) {
+        for (long d = 0; d < s.D; d++) dkr[j * s.D + d] = dka[j * Dp + d] * s.scale;
+        std::memcpy(dvr + j * s.Dv, &dva[j * Dvp], s.Dv * sizeof(float));
+      }
+    }
+  }
+}
+
+}  // namespace AK_NS
