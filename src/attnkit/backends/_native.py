@@ -72,7 +72,7 @@ def _load() -> None:
     lib.ak_backward.restype = None
     ptr, f32 = ctypes.c_void_p, ctypes.c_float
     lib.ak_forward.argtypes = (ptr, f32, *(ptr,) * 7)
-    lib.ak_backward.argtypes = (ptr, f32, *(ptr,) * 12)
+    lib.ak_backward.argtypes = (ptr, f32, *(ptr,) * 13)
     forced = os.environ.get("ATTNKIT_NATIVE_ISA", "").lower()
     if forced:
         if forced not in _ISA_ENV:
@@ -164,25 +164,22 @@ def forward(q, k, v, lo, hi, scale: float):
 
 
 def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None):
-    """(dq, dk, dv) in fp32 for the forward above; ``dlse`` a gradient into lse (or None)."""
+    """(dq, dk, dv) in fp32 for the forward above (``out``, ``lse`` its results); ``dlse`` a gradient
+    into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ and the scale are
+    all done inside the kernel."""
     lib = _require()
     q, k, v, dout = _fit(q), _fit(k), _fit(v), _fit(dout)
     B, H, L, D = q.shape
     lo, hi, lob = _edges(lo, hi, B, L)
-    delta = (dout * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    out = out.float().contiguous()
     lse = lse.float().contiguous()
-    T = torch.get_num_threads()
-    Dp = -(-D // 16) * 16
-    dq_part = torch.zeros(T, B, H, L, Dp)
+    dlse = None if dlse is None else dlse.float().contiguous()
+    dq = torch.empty(B, H, L, D)
     dk = torch.empty(B, k.shape[1], k.shape[2], D)
     dv = torch.empty(B, v.shape[1], v.shape[2], v.shape[-1])
     meta = _meta(q, k, v, lob)
     sdo = torch.tensor(dout.stride()[:3], dtype=torch.int64)
     lib.ak_backward(meta.data_ptr(), float(scale), q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
-                     hi.data_ptr(), dout.data_ptr(), sdo.data_ptr(), lse.data_ptr(), delta.data_ptr(),
-                     dq_part.data_ptr(), dk.data_ptr(), dv.data_ptr())
-    dq = (dq_part[0] if T == 1 else dq_part.sum(0))[..., :D] * scale
+                    hi.data_ptr(), dout.data_ptr(), sdo.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    None if dlse is None else dlse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
     return dq, dk, dv

@@ -10,8 +10,8 @@
   void run_forward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,            \
                    const int32_t*, float*, float*);                                                             \
   void run_backward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,           \
-                    const int32_t*, const float*, const int64_t*, const float*, const float*, float*, float*,   \
-                    float*);                                                                                    \
+                    const int32_t*, const float*, const int64_t*, const float*, const float*, const float*,     \
+                    float*, float*, float*);                                                                    \
   }
 AK_DECLARE(ak_base)
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -60,7 +60,8 @@ AK_API int ak_openmp() {
 }
 
 // meta (int64): B, H, Hkv, L, S, D, Dv, q strides (batch, head, row), k strides, v strides, lo/hi batch
-// stride (0 or L), threads. lo, hi: int32 (1 or B, L); out (B, H, L, Dv), lse (B, H, L) written.
+// stride (0 or L), threads. lo, hi: int32 (1 or B, L). Forward writes out (B, H, L, Dv), lse (B, H, L); backward
+// reads out (contiguous), lse and dlse (or null) and writes dq, dk, dv (contiguous, fp32).
 AK_API void ak_forward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
                        const int32_t* lo, const int32_t* hi, float* out, float* lse) {
   switch (ak_isa()) {
@@ -74,14 +75,14 @@ AK_API void ak_forward(const int64_t* meta, float scale, const float* q, const f
 
 AK_API void ak_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
                         const int32_t* lo, const int32_t* hi, const float* dout,
-                        const int64_t* sdo, const float* lse, const float* delta, float* dq_part, float* dk,
+                        const int64_t* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
                         float* dv) {
   switch (ak_isa()) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    case 2: ak_avx512::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, lse, delta, dq_part, dk, dv); return;
-    case 1: ak_avx2::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, lse, delta, dq_part, dk, dv); return;
+    case 2: ak_avx512::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv); return;
+    case 1: ak_avx2::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv); return;
 #endif
-    default: ak_base::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, lse, delta, dq_part, dk, dv);
+    default: ak_base::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv);
   }
 }
 

@@ -158,7 +158,8 @@ static inline void fill(float* a, float* e, float x) {
 template <class T>
 struct Buf {
   T* p;
-  explicit Buf(long n) : p((T*)calloc(n > 0 ? n : 1, sizeof(T))) {}
+  explicit Buf(long n, bool zero = true)
+      : p((T*)(zero ? calloc(n > 0 ? n : 1, sizeof(T)) : malloc((n > 0 ? n : 1) * sizeof(T)))) {}
   ~Buf() { free(p); }
   Buf(const Buf&) = delete;
   Buf& operator=(const Buf&) = delete;
@@ -250,6 +251,98 @@ static inline void pack_rows(float* dst, const float* src, long stride, long m, 
   }
 }
 
+
+// ---- partial tiles: compute only what some query sees (a band's corners are never multiplied) ----
+//
+// A tile's layout is S^T (keys x queries). `Edges` holds, per vector of VW queries, the smallest lo
+// and largest hi of its live queries, and the block's own lo/hi per query.
+struct Edges {
+  int32_t vlo[BM / VW], vhi[BM / VW];
+  const int32_t* lo;
+  const int32_t* hi;
+};
+
+static inline void edges_of(Edges& e, const int32_t* lo, const int32_t* hi) {
+  e.lo = lo, e.hi = hi;
+  for (int v = 0; v < BM / VW; v++) {
+    int32_t a = std::numeric_limits<int32_t>::max(), b = std::numeric_limits<int32_t>::min();
+    for (int i = v * VW; i < (v + 1) * VW; i++)
+      if (lo[i] < hi[i]) a = mn(a, lo[i]), b = mx2(b, hi[i]);
+    e.vlo[v] = a, e.vhi[v] = b;
+  }
+}
+
+// the query vectors [v0, v1) that see any of keys [ja, jb) (v0 == v1: none)
+static inline void vectors_seeing(const Edges& e, long ja, long jb, int& v0, int& v1) {
+  v0 = BM / VW, v1 = 0;
+  for (int v = 0; v < BM / VW; v++)
+    if (e.vlo[v] < jb && e.vhi[v] > ja) v0 = mn(v0, v), v1 = v + 1;
+  if (v1 <= v0) v0 = v1 = 0;
+}
+
+// the keys [ka, kb) (tile-relative, within [0, n)) that any of queries [i, i + r) sees
+static inline void keys_seen(const Edges& e, long i, long r, long j0, long n, long& ka, long& kb) {
+  long a = j0 + n, b = j0;
+  for (long x = i; x < i + r; x++)
+    if (e.lo[x] < e.hi[x]) a = mn<long>(a, e.lo[x]), b = mx2<long>(b, e.hi[x]);
+  ka = mx2<long>(a, j0) - j0, kb = mn<long>(b, j0 + n) - j0;
+  if (kb < ka) kb = ka;
+}
+
+template <bool ZERO>
+static inline void mk_any(int rows, int nv, int K, const float* A, long sai, long sak, const float* B, long ldb,
+                          float* C, long ldc) {
+  // rows <= R, nv <= NC vectors
+  if (rows == R) {
+    switch (nv) {
+      case 4: if (NC >= 4) { mk<R, (NC >= 4 ? 4 : NC), ZERO>(K, A, sai, sak, B, ldb, C, ldc); return; } break;
+      case 3: if (NC >= 3) { mk<R, (NC >= 3 ? 3 : NC), ZERO>(K, A, sai, sak, B, ldb, C, ldc); return; } break;
+      case 2: mk<R, 2, ZERO>(K, A, sai, sak, B, ldb, C, ldc); return;
+      case 1: mk<R, 1, ZERO>(K, A, sai, sak, B, ldb, C, ldc); return;
+    }
+  }
+  gemm<ZERO>(rows, nv * VW, K, A, sai, sak, B, ldb, C, ldc);
+}
+
+// S^T (n x BM) = Kr (n x K, rows in place) . Bt (K x BM), each group of R keys only over the query vectors
+// that see them; the entries left out are garbage, and invisible (mask_tile sets them to -inf)
+static void scores_trimmed(long n, long j0, int K, const float* Kr, long ldk, const float* Bt, float* st,
+                           const Edges& e) {
+  for (long r0 = 0; r0 < n; r0 += R) {
+    const int rows = (int)mn<long>(R, n - r0);
+    int v0, v1;
+    vectors_seeing(e, j0 + r0, j0 + r0 + rows, v0, v1);
+    for (int v = v0; v < v1; v += NC) {
+      const int nv = mn(NC, v1 - v);
+      mk_any<true>(rows, nv, K, Kr + r0 * ldk, ldk, 1, Bt + v * VW, BM, st + r0 * BM + v * VW, BM);
+    }
+  }
+}
+
+// C (m x N) += P (m x n, P(i, j) = pt[j * BM + i]) . B (n x N, rows ldb), each group of R queries over the
+// keys it sees only (P is exactly 0 elsewhere)
+static void by_keys_trimmed(long m, long n, long j0, long N, const float* pt, const float* B, long ldb, float* C,
+                            long ldc, const Edges& e) {
+  for (long i = 0; i < m; i += R) {
+    const long rows = mn<long>(R, m - i);
+    long ka, kb;
+    keys_seen(e, i, rows, j0, n, ka, kb);
+    if (kb > ka) gemm((int)rows, (int)N, (int)(kb - ka), pt + ka * BM + i, 1, BM, B + ka * ldb, ldb, C + i * ldc, ldc);
+  }
+}
+
+// C (n x N) += PT (n x m, rows BM) . B (m x N, rows ldb), each group of R keys over the queries that see it
+static void by_queries_trimmed(long n, long m, long j0, long N, const float* pt, const float* B, long ldb, float* C,
+                               long ldc, const Edges& e) {
+  for (long r0 = 0; r0 < n; r0 += R) {
+    const long rows = mn<long>(R, n - r0);
+    int v0, v1;
+    vectors_seeing(e, j0 + r0, j0 + r0 + rows, v0, v1);
+    const long ia = (long)v0 * VW, ib = mn<long>((long)v1 * VW, m);
+    if (ib > ia) gemm((int)rows, (int)N, (int)(ib - ia), pt + r0 * BM + ia, BM, 1, B + ia * ldb, ldb, C + r0 * ldc, ldc);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // forward: out (B, H, L, Dv) contiguous, lse (B, H, L) contiguous
 // ---------------------------------------------------------------------------------------------------
@@ -275,6 +368,8 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
         continue;
       }
       block_edges(s, b, i0, m, lo.p, hi.p);
+      Edges edges;
+      edges_of(edges, lo.p, hi.p);
       pack_t(qt.p, q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D, 1.f);
       fill(acc.p, acc.p + BM * Dvp, 0.f);
       fill(mrow.p, mrow.p + BM, NEG_INF);
@@ -285,8 +380,12 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
         const long n = mn<long>(BN, s.S - j0);
         const bool full = n == BN && j0 >= blk.flo && j0 + n <= blk.fhi;
         if (!full && !tile_touched(lo.p, hi.p, m, j0, j0 + n)) continue;
-        gemm<true>(n, BM, s.D, kb + j0 * s.sk[2], s.sk[2], 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
-        if (!full) mask_tile(st.p, n, j0, lo.p, hi.p);
+        if (full) {
+          gemm<true>(n, BM, s.D, kb + j0 * s.sk[2], s.sk[2], 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
+        } else {
+          scores_trimmed(n, j0, (int)s.D, kb + j0 * s.sk[2], s.sk[2], qt.p, st.p, edges);
+          mask_tile(st.p, n, j0, lo.p, hi.p);
+        }
         // Scores and their running max stay in natural units, s = fl(q.k) * scale as every other path
         // rounds them (so lse = max + log(sum) matches a softmax recomputed from these scores to the
         // last bits: weights rebuilt as exp(s - lse) agree); only the exponent goes to base 2.
@@ -325,7 +424,10 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
           pack_rows(vp.p, vt, s.sv[2], n, s.Dv, Dvp);
           vt = vp.p, ldv = Dvp;
         }
-        gemm(m, Dvp, n, st.p, 1, BM, vt, ldv, acc.p, Dvp);  // O += P V, P(i, j) = S^T[j][i]
+        if (full)
+          gemm(m, Dvp, n, st.p, 1, BM, vt, ldv, acc.p, Dvp);  // O += P V, P(i, j) = S^T[j][i]
+        else
+          by_keys_trimmed(m, n, j0, Dvp, st.p, vt, ldv, acc.p, Dvp, edges);
       }
       for (long i = 0; i < m; i++) {
         if (lrow.p[i] == 0.f) {
@@ -344,12 +446,14 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
 // ---------------------------------------------------------------------------------------------------
 // backward (FA2): one work item per (batch, kv head, key tile); the g query heads of the kv head and
 // every query block that sees the tile are visited inside, so dK and dV are written once, by one
-// thread. dQ goes to the thread's own slice of dq_part (threads, B, H, L, Dq), Dq = D rounded up to 16
-// (the same for every instruction set), summed and scaled by the caller.
-// delta = rowsum(dO * O) - dlse (B, H, L); lse in natural-log units (B, H, L).
+// thread. dQ is summed in a buffer per thread, each query block zeroed on the thread's first touch
+// and only touched blocks added up at the end (no memset, no reduction over untouched memory).
+// out: the forward's output (B, H, L, Dv) contiguous; dlse: a gradient into lse (B, H, L) or null;
+// lse in natural-log units (B, H, L). Writes dq (B, H, L, D), dk, dv, contiguous.
 // ---------------------------------------------------------------------------------------------------
 static void backward(const Shape& s, const float* q, const float* k, const float* v, const float* dout,
-                     const long* sdo, const float* lse, const float* delta, float* dq_part, float* dk, float* dv) {
+                     const long* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
+                     float* dv) {
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
   const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(s.D, 16);
   const long Bl = s.lob ? s.B : 1;
@@ -357,14 +461,36 @@ static void backward(const Shape& s, const float* q, const float* k, const float
   for (long b = 0; b < Bl; b++)
     for (long qb = 0; qb < nq; qb++) blocks[b * nq + qb] = block_of(s, b, qb * BM, mn<long>(BM, s.L - qb * BM));
   const long items = s.B * s.Hkv * nk;
+  // Q^T and dO^T of every query block, made once (each block is visited by every key tile that it sees:
+  // transposing it per visit cost as much as a fifth of a window's backward)
+  const long nblk = s.B * s.H * nq;
+  const int T = s.threads > 1 ? s.threads : 1;
+  Buf<float> qt_all(nblk * s.D * BM, false), dot_all(nblk * s.Dv * BM, false), delta(s.B * s.H * s.L, false);
+  Buf<float> dq_part((long)T * nblk * BM * Dq, false);  // zeroed block by block on first touch
+  Buf<uint8_t> touched((long)T * nblk);
+#pragma omp parallel for schedule(static) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
+  for (long it = 0; it < nblk; it++) {
+    const long qb = it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H;
+    const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
+    const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
+    pack_t(qt_all.p + it * s.D * BM, q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D, 1.f);
+    pack_t(dot_all.p + it * s.Dv * BM, ds, sdo[2], m, s.Dv, 1.f);
+    const float* o = out + (bh * s.L + i0) * s.Dv;
+    for (long i = 0; i < m; i++) {  // delta = rowsum(dO * O) - dlse
+      float acc = 0.f;
+      for (long d = 0; d < s.Dv; d++) acc += ds[i * sdo[2] + d] * o[i * s.Dv + d];
+      delta[bh * s.L + i0 + i] = acc - (dlse ? dlse[bh * s.L + i0 + i] : 0.f);
+    }
+  }
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
     int t = 0;
 #ifdef _OPENMP
     t = omp_get_thread_num();
 #endif
-    float* dqt = dq_part + (long)t * s.B * s.H * s.L * Dq;
-    Buf<float> qt(s.D * BM), dot(s.Dv * BM), qr(BM * Dp), dor(BM * Dvp), kp(BN * Dp), pt(BN * BM), dpt(BN * BM),
+    float* dqt = dq_part.p + (long)t * nblk * BM * Dq;
+    uint8_t* mine = touched.p + (long)t * nblk;
+    Buf<float> qr(BM * Dp), dor(BM * Dvp), kp(BN * Dp), pt(BN * BM), dpt(BN * BM),
         dka(BN * Dp), dva(BN * Dvp), l2(BM), dl(BM);
     Buf<int32_t> lo(BM), hi(BM);
 #pragma omp for schedule(dynamic, 1)
@@ -396,9 +522,9 @@ static void backward(const Shape& s, const float* q, const float* k, const float
           const float* qs = q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
           const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
           const float* lr = lse + (b * s.H + h) * s.L + i0;
-          const float* dr = delta + (b * s.H + h) * s.L + i0;
-          pack_t(qt.p, qs, s.sq[2], m, s.D, 1.f);
-          pack_t(dot.p, ds, sdo[2], m, s.Dv, 1.f);
+          const float* dr = delta.p + (b * s.H + h) * s.L + i0;
+          const float* qt = qt_all.p + ((b * s.H + h) * nq + qb) * s.D * BM;
+          const float* dot = dot_all.p + ((b * s.H + h) * nq + qb) * s.Dv * BM;
           const float* qb_rows = qs;  // Q rows (m x D) as the right-hand side of dK = dS^T Q
           long ldq = s.sq[2];
           if (Dp != s.D) {
@@ -416,8 +542,14 @@ static void backward(const Shape& s, const float* q, const float* k, const float
             dl[i] = i < m ? dr[i] : 0.f;
           }
           // P^T = exp(scale K Q^T - lse) (as the forward rounds it), masked
-          gemm<true>(n, BM, s.D, kr, s.sk[2], 1, qt.p, BM, pt.p, BM);
-          if (!full) mask_tile(pt.p, n, j0, lo.p, hi.p);
+          Edges edges;
+          if (full) {
+            gemm<true>(n, BM, s.D, kr, s.sk[2], 1, qt, BM, pt.p, BM);
+          } else {
+            edges_of(edges, lo.p, hi.p);
+            scores_trimmed(n, j0, (int)s.D, kr, s.sk[2], qt, pt.p, edges);
+            mask_tile(pt.p, n, j0, lo.p, hi.p);
+          }
           const vf sc = splat(s.scale), l2e = splat(LOG2E);
           for (int cc = 0; cc < BM; cc += VW) {
             vf lv = load(l2.p + cc);
@@ -425,17 +557,38 @@ static void backward(const Shape& s, const float* q, const float* k, const float
               store(pt.p + j * BM + cc, exp2v((load(pt.p + j * BM + cc) * sc - lv) * l2e));
           }
           // dV += P^T dO
-          gemm(n, Dvp, m, pt.p, BM, 1, do_rows, lddo, dva.p, Dvp);
+          if (full)
+            gemm(n, Dvp, m, pt.p, BM, 1, do_rows, lddo, dva.p, Dvp);
+          else
+            by_queries_trimmed(n, m, j0, Dvp, pt.p, do_rows, lddo, dva.p, Dvp, edges);
           // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-          gemm<true>(n, BM, s.Dv, vr, s.sv[2], 1, dot.p, BM, dpt.p, BM);
+          if (full)
+            gemm<true>(n, BM, s.Dv, vr, s.sv[2], 1, dot, BM, dpt.p, BM);
+          else  // entries left out are garbage where P is exactly 0: dS is set to 0 there, never 0 * garbage
+            scores_trimmed(n, j0, (int)s.Dv, vr, s.sv[2], dot, dpt.p, edges);
           for (int cc = 0; cc < BM; cc += VW) {
             vf dv2 = load(dl.p + cc);
-            for (long j = 0; j < n; j++)
-              store(dpt.p + j * BM + cc, load(pt.p + j * BM + cc) * (load(dpt.p + j * BM + cc) - dv2));
+            for (long j = 0; j < n; j++) {
+              vf p = load(pt.p + j * BM + cc);
+              vf ds = p * (load(dpt.p + j * BM + cc) - dv2);
+              store(dpt.p + j * BM + cc, full ? ds : (p == splat(0.f) ? splat(0.f) : ds));
+            }
           }
-          // dK += dS^T Q ; dQ += dS K   (the softmax scale applied at the end / by the caller)
-          gemm(n, Dp, m, dpt.p, BM, 1, qb_rows, ldq, dka.p, Dp);
-          gemm(m, Dp, n, dpt.p, 1, BM, kb, ldk, dqt + ((b * s.H + h) * s.L + i0) * Dq, Dq);
+          // dK += dS^T Q ; dQ += dS K   (the softmax scale applied once, at the end)
+          if (full)
+            gemm(n, Dp, m, dpt.p, BM, 1, qb_rows, ldq, dka.p, Dp);
+          else
+            by_queries_trimmed(n, m, j0, Dp, dpt.p, qb_rows, ldq, dka.p, Dp, edges);
+          const long blk = (b * s.H + h) * nq + qb;
+          float* dqb = dqt + blk * BM * Dq;
+          if (!mine[blk]) {
+            fill(dqb, dqb + BM * Dq, 0.f);
+            mine[blk] = 1;
+          }
+          if (full)
+            gemm(m, Dp, n, dpt.p, 1, BM, kb, ldk, dqb, Dq);
+          else
+            by_keys_trimmed(m, n, j0, Dp, dpt.p, kb, ldk, dqb, Dq, edges);
         }
       }
       for (long j = 0; j < n; j++) {
@@ -443,6 +596,21 @@ static void backward(const Shape& s, const float* q, const float* k, const float
         std::memcpy(dvr + j * s.Dv, &dva[j * Dvp], s.Dv * sizeof(float));
       }
     }
+  }
+  // dQ = scale * the sum of the threads' touched blocks
+#pragma omp parallel for schedule(static) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
+  for (long it = 0; it < nblk; it++) {
+    const long qb = it % nq, bh = it / nq;
+    const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
+    float* dst = dq + (bh * s.L + i0) * s.D;
+    fill(dst, dst + m * s.D, 0.f);
+    for (int t = 0; t < T; t++) {
+      if (!touched[(long)t * nblk + it]) continue;
+      const float* src = dq_part.p + ((long)t * nblk + it) * BM * Dq;
+      for (long i = 0; i < m; i++)
+        for (long d = 0; d < s.D; d++) dst[i * s.D + d] += src[i * Dq + d];
+    }
+    for (long e = 0; e < m * s.D; e++) dst[e] *= s.scale;
   }
 }
 
