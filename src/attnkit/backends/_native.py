@@ -38,7 +38,7 @@ import warnings
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "isa", "forward", "backward", "status"]
+__all__ = ["available", "unavailable_reason", "isa", "forward", "backward", "status", "release_scratch"]
 
 ISA_NAMES = {0: "portable", 1: "AVX2", 2: "AVX-512"}
 _ISA_ENV = {"base": 0, "portable": 0, "avx2": 1, "avx512": 2}
@@ -69,7 +69,8 @@ def _load() -> None:
         _why = f"attnkit's compiled CPU kernel failed to load: {e}"
         return
     lib.ak_forward.restype = None
-    lib.ak_backward.restype = None
+    lib.ak_backward.restype = ctypes.c_int
+    lib.ak_release_scratch.restype = None
     ptr, f32 = ctypes.c_void_p, ctypes.c_float
     lib.ak_forward.argtypes = (ptr, f32, *(ptr,) * 7)
     lib.ak_backward.argtypes = (ptr, f32, *(ptr,) * 13)
@@ -179,7 +180,16 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None):
     dv = torch.empty(B, v.shape[1], v.shape[2], v.shape[-1])
     meta = _meta(q, k, v, lob)
     sdo = torch.tensor(dout.stride()[:3], dtype=torch.int64)
-    lib.ak_backward(meta.data_ptr(), float(scale), q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
-                    hi.data_ptr(), dout.data_ptr(), sdo.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                    None if dlse is None else dlse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+    rc = lib.ak_backward(meta.data_ptr(), float(scale), q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
+                         hi.data_ptr(), dout.data_ptr(), sdo.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                         None if dlse is None else dlse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"attnkit's compiled kernel: no memory for the backward's scratch (B={B}, H={H}, L={L})")
     return dq, dk, dv
+
+
+def release_scratch() -> None:
+    """Give back the scratch memory the backward keeps between calls (on this thread): ~3 copies of q
+    of the largest call so far. The next backward allocates it again."""
+    if available():
+        _require().ak_release_scratch()

@@ -9,9 +9,10 @@
   namespace ns {                                                                                                \
   void run_forward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,            \
                    const int32_t*, float*, float*);                                                             \
-  void run_backward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,           \
+  int run_backward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,           \
                     const int32_t*, const float*, const int64_t*, const float*, const float*, const float*,     \
                     float*, float*, float*);                                                                    \
+  void release_scratch();                                                                                       \
   }
 AK_DECLARE(ak_base)
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -73,17 +74,26 @@ AK_API void ak_forward(const int64_t* meta, float scale, const float* q, const f
   }
 }
 
-AK_API void ak_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
+AK_API int ak_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
                         const int32_t* lo, const int32_t* hi, const float* dout,
                         const int64_t* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
                         float* dv) {
   switch (ak_isa()) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    case 2: ak_avx512::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv); return;
-    case 1: ak_avx2::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv); return;
+    case 2: return ak_avx512::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv);
+    case 1: return ak_avx2::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv);
 #endif
-    default: ak_base::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv);
+    default: return ak_base::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv);
   }
+}
+
+// Frees the scratch memory the backward keeps between calls (on the calling thread).
+AK_API void ak_release_scratch() {
+  ak_base::release_scratch();
+#if defined(__x86_64__) && defined(__GNUC__)
+  ak_avx2::release_scratch();
+  ak_avx512::release_scratch();
+#endif
 }
 
 }  // extern "C"

@@ -18,13 +18,13 @@ void run_forward(const int64_t* meta, float scale, const float* q, const float* 
   forward(s, q, k, v, out, lse);
 }
 
-void run_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v, const int32_t* lo,
+int run_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v, const int32_t* lo,
                   const int32_t* hi, const float* dout, const int64_t* sdo, const float* out, const float* lse,
                   const float* dlse, float* dq, float* dk, float* dv) {
   Shape s = shape_of(meta, scale);
   s.lo = lo, s.hi = hi;
   long sd[3] = {(long)sdo[0], (long)sdo[1], (long)sdo[2]};
-  backward(s, q, k, v, dout, sd, out, lse, dlse, dq, dk, dv);
+  return backward(s, q, k, v, dout, sd, out, lse, dlse, dq, dk, dv);
 }
 
 }  // namespace AK_NS

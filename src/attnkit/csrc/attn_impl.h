@@ -154,6 +154,35 @@ static inline void fill(float* a, float* e, float x) {
   for (; a < e; a++) *a = x;
 }
 
+// Scratch memory kept between calls (per calling thread, per slot): the backward's per-sequence buffers
+// are tens of MiB at L = 16k, and fresh pages cost a fault and a zeroing each (measured: a fifth of a
+// window's backward). Grows to the largest call seen; ak_release_scratch() gives it back.
+struct Arena {
+  void* p = nullptr;
+  size_t cap = 0;
+  ~Arena() { free(p); }
+};
+static thread_local Arena arenas[8];
+
+template <class T>
+static T* scratch(int slot, long n) {
+  Arena& a = arenas[slot];
+  size_t want = (size_t)(n > 0 ? n : 1) * sizeof(T);
+  if (want > a.cap) {
+    free(a.p);
+    a.p = malloc(want);
+    a.cap = a.p ? want : 0;
+  }
+  return (T*)a.p;
+}
+
+void release_scratch() {
+  for (Arena& a : arenas) {
+    free(a.p);
+    a.p = nullptr, a.cap = 0;
+  }
+}
+
 // a zeroed scratch array of n elements, freed at scope exit
 template <class T>
 struct Buf {
@@ -451,9 +480,9 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
 // out: the forward's output (B, H, L, Dv) contiguous; dlse: a gradient into lse (B, H, L) or null;
 // lse in natural-log units (B, H, L). Writes dq (B, H, L, D), dk, dv, contiguous.
 // ---------------------------------------------------------------------------------------------------
-static void backward(const Shape& s, const float* q, const float* k, const float* v, const float* dout,
-                     const long* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
-                     float* dv) {
+static int backward(const Shape& s, const float* q, const float* k, const float* v, const float* dout,
+                    const long* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
+                    float* dv) {
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
   const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(s.D, 16);
   const long Bl = s.lob ? s.B : 1;
@@ -465,16 +494,20 @@ static void backward(const Shape& s, const float* q, const float* k, const float
   // transposing it per visit cost as much as a fifth of a window's backward)
   const long nblk = s.B * s.H * nq;
   const int T = s.threads > 1 ? s.threads : 1;
-  Buf<float> qt_all(nblk * s.D * BM, false), dot_all(nblk * s.Dv * BM, false), delta(s.B * s.H * s.L, false);
-  Buf<float> dq_part((long)T * nblk * BM * Dq, false);  // zeroed block by block on first touch
-  Buf<uint8_t> touched((long)T * nblk);
+  float* qt_all = scratch<float>(0, nblk * s.D * BM);
+  float* dot_all = scratch<float>(1, nblk * s.Dv * BM);
+  float* delta = scratch<float>(2, s.B * s.H * s.L);
+  float* dq_part = scratch<float>(3, (long)T * nblk * BM * Dq);  // zeroed block by block on first touch
+  uint8_t* touched = scratch<uint8_t>(4, (long)T * nblk);
+  if (!qt_all || !dot_all || !delta || !dq_part || !touched) return 1;  // out of memory: the caller raises
+  std::memset(touched, 0, (size_t)T * nblk);
 #pragma omp parallel for schedule(static) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
   for (long it = 0; it < nblk; it++) {
     const long qb = it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H;
     const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
     const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
-    pack_t(qt_all.p + it * s.D * BM, q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D, 1.f);
-    pack_t(dot_all.p + it * s.Dv * BM, ds, sdo[2], m, s.Dv, 1.f);
+    pack_t(qt_all + it * s.D * BM, q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D, 1.f);
+    pack_t(dot_all + it * s.Dv * BM, ds, sdo[2], m, s.Dv, 1.f);
     const float* o = out + (bh * s.L + i0) * s.Dv;
     for (long i = 0; i < m; i++) {  // delta = rowsum(dO * O) - dlse
       float acc = 0.f;
@@ -488,8 +521,8 @@ static void backward(const Shape& s, const float* q, const float* k, const float
 #ifdef _OPENMP
     t = omp_get_thread_num();
 #endif
-    float* dqt = dq_part.p + (long)t * nblk * BM * Dq;
-    uint8_t* mine = touched.p + (long)t * nblk;
+    float* dqt = dq_part + (long)t * nblk * BM * Dq;
+    uint8_t* mine = touched + (long)t * nblk;
     Buf<float> qr(BM * Dp), dor(BM * Dvp), kp(BN * Dp), pt(BN * BM), dpt(BN * BM),
         dka(BN * Dp), dva(BN * Dvp), l2(BM), dl(BM);
     Buf<int32_t> lo(BM), hi(BM);
@@ -522,9 +555,9 @@ static void backward(const Shape& s, const float* q, const float* k, const float
           const float* qs = q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
           const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
           const float* lr = lse + (b * s.H + h) * s.L + i0;
-          const float* dr = delta.p + (b * s.H + h) * s.L + i0;
-          const float* qt = qt_all.p + ((b * s.H + h) * nq + qb) * s.D * BM;
-          const float* dot = dot_all.p + ((b * s.H + h) * nq + qb) * s.Dv * BM;
+          const float* dr = delta + (b * s.H + h) * s.L + i0;
+          const float* qt = qt_all + ((b * s.H + h) * nq + qb) * s.D * BM;
+          const float* dot = dot_all + ((b * s.H + h) * nq + qb) * s.Dv * BM;
           const float* qb_rows = qs;  // Q rows (m x D) as the right-hand side of dK = dS^T Q
           long ldq = s.sq[2];
           if (Dp != s.D) {
@@ -606,12 +639,13 @@ static void backward(const Shape& s, const float* q, const float* k, const float
     fill(dst, dst + m * s.D, 0.f);
     for (int t = 0; t < T; t++) {
       if (!touched[(long)t * nblk + it]) continue;
-      const float* src = dq_part.p + ((long)t * nblk + it) * BM * Dq;
+      const float* src = dq_part + ((long)t * nblk + it) * BM * Dq;
       for (long i = 0; i < m; i++)
         for (long d = 0; d < s.D; d++) dst[i * s.D + d] += src[i * Dq + d];
     }
     for (long e = 0; e < m * s.D; e++) dst[e] *= s.scale;
   }
+  return 0;
 }
 
 }  // namespace AK_NS

@@ -1,0 +1,155 @@
+"""attnkit's compiled CPU kernel (issue 20) against its goals, its peers and the machine's GEMM roofline.
+
+    OMP_NUM_THREADS=2 python benchmarks/kernel.py                 # the goal table (~2 min on 2 cores)
+    OMP_NUM_THREADS=2 python benchmarks/kernel.py --flex          # + compiled FlexAttention forward
+    OMP_NUM_THREADS=2 python benchmarks/kernel.py --json out.json
+
+Shapes: B = 1, H = 8, D = 64, fp32 (the suite behind BENCHMARKS.md). Peers, measured in one run,
+interleaved round by round (the median of ``--rounds`` rounds is reported):
+
+* ``sdpa``   torch's ``scaled_dot_product_attention``: no mask (dense), ``is_causal``, or a dense
+             bool mask (window, document);
+* ``native`` ``attnkit.attention(..., backend="tiled")``: the compiled kernel (``attnkit.dispatch``
+             names it; the script stops if another worker runs);
+* ``before`` the same call with the compiled kernel switched off (``tiled.NATIVE = False``): torch's
+             private flash kernel per run of keys, merged by log-sum-exp: attnkit before this kernel;
+* ``flex``   ``torch.compile(flex_attention)`` with a BlockMask (forward, ``--flex``).
+
+FLOPs: forward 4·B·H·D·(visible (query, key) pairs) — the *useful* work, so a kernel that computes
+masked-out scores gets no credit for them; forward + backward × 3.5 (the backward is 2.5× the
+forward's GEMM work). "of SDPA dense" divides by SDPA's own dense GFLOP/s at L = 4096 in the same run.
+The roofline is one ``torch.mm`` of 2048 × 2048 fp32 matrices (2·n³ FLOP) at the same thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import masks as M
+from attnkit.backends import _native, tiled
+
+B, H, D = 1, 8, 64
+
+
+def visible_pairs(mask, L: int) -> int:
+    if mask is None:
+        return L * L
+    lo, hi = mask.row_intervals(1, L, L)
+    return int((hi.long() - lo.long()).clamp(min=0).sum())
+
+
+def cases():
+    docs = torch.arange(16384) // 1024  # 16 documents
+    return [
+        ("dense", 4096, None, "none"),
+        ("causal", 4096, M.causal(), "causal"),
+        ("window 256", 16384, M.sliding_window(256), "dense"),
+        ("document x16", 16384, M.document(docs), "dense"),
+    ]
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def peers_for(name, L, mask, sdpa_mask, mode, flex):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, generator=g).requires_grad_(mode == "fwdbwd") for _ in range(3))
+    go = torch.randn(B, H, L, D, generator=g)
+    dense = None
+    if sdpa_mask == "dense":
+        dense = mask.materialize(1, 1, L, L)
+
+    def run(f):
+        def fwd():
+            with torch.no_grad():
+                return f()
+
+        return fwd if mode == "fwd" else (lambda: f().backward(go))
+
+    def sdpa():
+        if sdpa_mask == "causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+    def native():
+        return attnkit.attention(q, k, v, mask=mask, backend="tiled")
+
+    def before():
+        saved, tiled.NATIVE = tiled.NATIVE, False
+        try:
+            return attnkit.attention(q, k, v, mask=mask, backend="tiled")
+        finally:
+            tiled.NATIVE = saved
+
+    d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
+    if d.worker != "native":
+        raise SystemExit(f"{name}: the compiled kernel does not run here ({d.worker}: {d.worker_reason})")
+    out = {"sdpa": run(sdpa), "native": run(native), "before": run(before)}
+    if flex and mode == "fwd":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.reset()
+        compiled = torch.compile(flex_attention, dynamic=False)
+        bm = None if mask is None else attnkit.create_block_mask(mask.bind(L, L), None, None, L, L, device="cpu")
+        out["flex"] = run(lambda: compiled(q, k, v, block_mask=bm))
+    return out
+
+
+def gemm_gflops(rounds: int) -> float:
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    return 2 * n ** 3 / min(_timed(lambda: torch.mm(a, b)) for _ in range(rounds)) / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--flex", action="store_true", help="also compiled FlexAttention (forward; compiles per case)")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    print(f"{_native.status()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    roof = gemm_gflops(a.rounds)
+    print(f"machine: one 2048^3 fp32 torch.mm = {roof:.0f} GFLOP/s (the roofline)\n")
+    rows = []
+    sdpa_dense = {}
+    print(f"{'case':<14}{'L':>7} {'mode':<7}{'peer':<8}{'ms':>9}{'GFLOP/s':>9}{'of SDPA dense':>15}{'of GEMM':>9}"
+          f"{'vs sdpa':>9}{'vs before':>10}")
+    for name, L, mask, sdpa_mask in cases():
+        for mode in ("fwd", "fwdbwd"):
+            fns = peers_for(name, L, mask, sdpa_mask, mode, a.flex)
+            for f in fns.values():  # warm-up (flex: compiles here)
+                f()
+            times = {p: [] for p in fns}
+            for _ in range(a.rounds):
+                for p, f in fns.items():
+                    times[p].append(_timed(f))
+            flop = 4 * B * H * D * visible_pairs(mask, L) * (3.5 if mode == "fwdbwd" else 1.0)
+            med = {p: statistics.median(t) for p, t in times.items()}
+            if name == "dense":
+                sdpa_dense[mode] = flop / med["sdpa"] / 1e9
+            for p, t in med.items():
+                gf = flop / t / 1e9
+                row = {"case": name, "L": L, "mode": mode, "peer": p, "ms": t * 1e3, "gflops": gf,
+                       "of_sdpa_dense": gf / sdpa_dense[mode], "of_gemm": gf / roof,
+                       "speedup_vs_sdpa": med["sdpa"] / t, "speedup_vs_before": med["before"] / t}
+                rows.append(row)
+                print(f"{name:<14}{L:>7} {mode:<7}{p:<8}{t * 1e3:>9.1f}{gf:>9.0f}{row['of_sdpa_dense']:>14.0%}"
+                      f"{row['of_gemm']:>9.0%}{row['speedup_vs_sdpa']:>8.2f}x{row['speedup_vs_before']:>9.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"roofline_gflops": roof, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
