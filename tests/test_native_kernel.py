@@ -21,6 +21,7 @@ from conftest import assert_close, budget, golden, low_precision_error, rand_qkv
 
 import attnkit
 from attnkit import masks as M
+from attnkit import score_mods as SM
 from attnkit.backends import _native, tiled
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason=f"compiled kernel: {_native.unavailable_reason()}")
@@ -58,13 +59,14 @@ def interval_masks(B, L, S):
 SIZES = [(1, 1), (7, 7), (64, 64), (65, 130), (130, 65), (200, 37)]
 
 
-def _check(q, k, v, mask, dtype=torch.float32, lse_grad=False):
+def _check(q, k, v, mask, dtype=torch.float32, lse_grad=False, score_mod=None):
     B, H, L, D = q.shape
     S = k.shape[2]
-    d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
+    kw = {"mask": mask, "score_mod": score_mod}
+    d = attnkit.dispatch(q, k, v, backend="tiled", **kw)
     assert d.worker == "native", d
-    out, lse = attnkit.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
-    ref, ref_lse = golden(q, k, v, mask=mask)
+    out, lse = attnkit.attention(q, k, v, backend="tiled", return_lse=True, **kw)
+    ref, ref_lse = golden(q, k, v, **kw)
     tol = budget(torch.float32, D, S)
     assert_close(out, ref, tol, "out")
     live = torch.isfinite(ref_lse)
@@ -77,7 +79,7 @@ def _check(q, k, v, mask, dtype=torch.float32, lse_grad=False):
         loss = (out * go).sum() + ((lse.masked_fill(~live, 0) * gl).sum() if lse_grad else 0)
         grads = torch.autograd.grad(loss, (q, k, v))
         q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        r2, rl2 = attnkit.attention(q2, k2, v2, mask=mask, backend="eager", return_lse=True)
+        r2, rl2 = attnkit.attention(q2, k2, v2, backend="eager", return_lse=True, **kw)
         loss2 = (r2 * go.double()).sum() + ((rl2.masked_fill(~live, 0) * gl.double()).sum() if lse_grad else 0)
         refs = torch.autograd.grad(loss2, (q2, k2, v2))
         for name, a, b in zip("qkv", grads, refs, strict=True):
@@ -134,6 +136,24 @@ def test_strided_layouts_read_in_place_or_copied():
     _check(q, k, v, M.causal() & M.padding([S, 40, 71]))
 
 
+@pytest.mark.parametrize("L,S", [(64, 64), (130, 130), (37, 200), (200, 37)])
+def test_alibi_is_added_inside_the_kernel(L, S):
+    """ALiBi (score + slope[h]·(kv − q), the offset taken in integers) runs on the compiled kernel with any
+    interval mask; a slope that requires grad goes to the plain worker, which returns its gradient."""
+    slopes = attnkit.positional.alibi_slopes(4)
+    for mask in (M.causal(), M.sliding_window(50), None, M.padding([S, S // 2])):
+        q, k, v = rand_qkv(2, 4, 2, L, S, 32, requires_grad=True)
+        _check(q, k, v, mask, score_mod=SM.alibi(slopes), lse_grad=True)
+    learned = slopes.clone().requires_grad_()
+    d = attnkit.dispatch(q, k, v, mask=M.causal(), score_mod=SM.alibi(learned), backend="tiled")
+    assert d.worker != "native", d
+    d = attnkit.dispatch(q, k, v, mask=M.causal(), score_mod=SM.softcap(20.0), backend="tiled")
+    assert d.worker == "plain", d
+    req = attnkit._request.make_request(q, k, v, mask=M.causal(), causal=False, scale=None,
+                                        score_mod=SM.softcap(20.0), dropout_p=0.0, return_lse=False, backend="tiled")
+    assert "other than ALiBi" in tiled.native_unfit(req)
+
+
 def test_lse_gradient():
     q, k, v = rand_qkv(2, 4, 2, 100, 100, 32, requires_grad=True)
     _check(q, k, v, M.sliding_window(30), lse_grad=True)
@@ -152,8 +172,12 @@ def test_rows_that_see_no_key():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_within_twice_the_low_precision_math(dtype):
+def test_low_precision_within_twice_the_low_precision_math(dtype, monkeypatch):
     q, k, v = rand_qkv(2, 4, 2, 130, 130, 64, dtype=dtype)
+    if dtype == torch.bfloat16 and tiled._bf16_hardware():  # bf16 stays on torch's bf16 GEMMs on such a CPU
+        d = attnkit.dispatch(q, k, v, mask=M.causal(), backend="tiled")
+        assert d.worker == "fused" and "bf16 in hardware" in d.worker_reason, d
+        monkeypatch.setattr(tiled, "_BF16_HW", False)  # the kernel's own bf16 handling, checked all the same
     for mask in (M.causal(), M.sliding_window(33)):
         assert attnkit.dispatch(q, k, v, mask=mask, backend="tiled").worker == "native"
         out = attnkit.attention(q, k, v, mask=mask, backend="tiled")

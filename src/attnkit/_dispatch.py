@@ -11,6 +11,7 @@ request                                               backend   why
 ====================================================  ========  ==========================================
 dropout_p > 0                                         eager     the only path with dropout
 no mask; causal top-left or L == S; no score_mod      sdpa      torch's fused kernel: no plan, no mask
+same, at L·S >= 1024² (none) or L >= 256 (causal)    tiled     attnkit's compiled kernel is faster there
 float bias only (no bool mask)                        sdpa      nothing to skip: one fused pass
 float bias, or fp16 on the CPU, gradients wanted     tiled     SDPA's backward is inexact there (issue 18)
 user bool mask with empty/full tiles                  tiled     skips empty tiles, no mask on full ones
@@ -35,6 +36,11 @@ from .backends._base import Request
 
 # Above this fraction of partial tiles a user bool mask goes to SDPA (see the table above).
 DENSE_PARTIAL_MAX = 0.9
+# Where attnkit's compiled kernel beats torch SDPA on SDPA's own ground (benchmarks/auto_grid.py, 2 threads,
+# fp32, D = 64): causal from L = 256 (1.17-1.41x, forward and forward+backward; at L = 64 SDPA's lower
+# per-call cost wins), no mask from L·S = 1024² (forward 1.03-1.04x, forward+backward 1.12x).
+NATIVE_CAUSAL_MIN = 256
+NATIVE_DENSE_MIN_LS = 1024 * 1024
 
 __all__ = ["Decision", "decide"]
 
@@ -76,6 +82,8 @@ def _sdpa_fits(req: Request) -> str | None:
         # the tiled engine anyway (sdpa.choose_worker)
         return flaw
     if req.mask is None and req.dense_mask is None:
+        if req.bias is None and L * S >= NATIVE_DENSE_MIN_LS and _native_fits(req):
+            return "no mask at L·S >= 1024²: attnkit's compiled kernel is faster than SDPA here"
         return None  # no mask, or only a float bias: nothing to skip, SDPA applies it in one fused pass
     if L <= get("sdpa").DECODE_MAX_L and req.plan is None:
         return None  # decoding: SDPA over the keys the mask can reach, with an (L × n) mask built per call
@@ -86,9 +94,16 @@ def _sdpa_fits(req: Request) -> str | None:
         return f"a bool mask with {100 * (1 - partial):.0f}% of its tiles empty or full"
     if req.causal and (req.causal_align == "top_left" or L == S):
         if req.bias is None and req.dense_mask is None:
+            if min(L, S) >= NATIVE_CAUSAL_MIN and _native_fits(req):
+                return f"causal at L >= {NATIVE_CAUSAL_MIN}: attnkit's compiled kernel is faster than SDPA's is_causal"
             return None
         return "causal with a tensor mask (SDPA would merge them into a dense (B, H, L, S) mask)"
     return f"mask {req.mask!r} (SDPA would need a dense (B, H, L, S) mask)"
+
+
+def _native_fits(req: Request) -> bool:
+    """Whether the tiled backend would run this call on attnkit's compiled kernel."""
+    return req.q.device.type == "cpu" and get("tiled").native_unfit(req) is None
 
 
 def decide(req: Request, backend: str) -> Decision:
@@ -132,7 +147,8 @@ def auto_backend(req: Request, device_type: str) -> Decision:
         if sdpa_no and get("sdpa").backward_flaw(req) == sdpa_no:
             reason = f"tiled kernel, exact gradients where SDPA's are not: {sdpa_no}"
         else:
-            reason = (f"block-sparse tiled kernel for {sdpa_no}" if sdpa_no
+            reason = (sdpa_no if sdpa_no and "compiled kernel is faster" in sdpa_no
+                      else f"block-sparse tiled kernel for {sdpa_no}" if sdpa_no
                       else "torch SDPA cannot return what was asked")
         return Decision("tiled", reason)
     return Decision("eager", f"tiled backend unavailable ({tiled_why}); eager math path")

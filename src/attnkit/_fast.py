@@ -46,6 +46,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import _dispatch
 from . import masks as _masks
 from ._request import _CAUSAL, _simplify
 from .backends._decode import FOLD_MAX_L, foldable, sdpa_folded
@@ -116,6 +117,8 @@ def attention(q, k, v, mask, causal, scale):
             j0, j1, attn_mask = tile
             if j1 - j0 < S:
                 k, v = k.narrow(2, j0, j1 - j0), v.narrow(2, j0, j1 - j0)  # views: the keys the mask can reach
+    if dev.type == "cpu" and attn_mask is None and _native_wins(dt, is_causal, mask is None, L, S):
+        return None  # auto runs attnkit's compiled kernel here (faster than SDPA: _dispatch.NATIVE_*)
     sc = None if scale is None else float(scale)
     if H != Hkv and L <= FOLD_MAX_L and foldable(q, k, attn_mask, is_causal) is None:
         out = sdpa_folded(q, k, v, attn_mask, sc)  # K/V read once per group, not once per query head
@@ -125,6 +128,16 @@ def attention(q, k, v, mask, causal, scale):
     if may_hide_nan(out):
         return None  # the full path tells a hidden NaN from zero values and recomputes
     return out
+
+
+def _native_wins(dt, is_causal: bool, no_mask: bool, L: int, S: int) -> bool:
+    """The sizes where ``auto`` prefers attnkit's compiled kernel to SDPA for causal / no mask (the full
+    path then checks the rest: kernel built, dtype, gradients)."""
+    if dt is torch.float64 or not (is_causal or no_mask):
+        return False
+    if is_causal:
+        return min(L, S) >= _dispatch.NATIVE_CAUSAL_MIN
+    return L * S >= _dispatch.NATIVE_DENSE_MIN_LS
 
 
 def _tensor_mask(m: torch.Tensor, dt, dev, B: int, H: int, L: int, S: int) -> bool:

@@ -72,8 +72,8 @@ def _load() -> None:
     lib.ak_backward.restype = ctypes.c_int
     lib.ak_release_scratch.restype = None
     ptr, f32 = ctypes.c_void_p, ctypes.c_float
-    lib.ak_forward.argtypes = (ptr, f32, *(ptr,) * 7)
-    lib.ak_backward.argtypes = (ptr, f32, *(ptr,) * 13)
+    lib.ak_forward.argtypes = (ptr, f32, *(ptr,) * 8)
+    lib.ak_backward.argtypes = (ptr, f32, *(ptr,) * 14)
     forced = os.environ.get("ATTNKIT_NATIVE_ISA", "").lower()
     if forced:
         if forced not in _ISA_ENV:
@@ -150,8 +150,17 @@ def _edges(lo: torch.Tensor, hi: torch.Tensor, B: int, L: int):
     return lo, hi, (L if lo.shape[0] == B and B > 1 else 0)
 
 
-def forward(q, k, v, lo, hi, scale: float):
-    """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32) of attention where row i sees keys [lo, hi)."""
+def _slopes(alibi, H: int):
+    if alibi is None:
+        return None
+    a = alibi.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    assert a.shape == (H,), a.shape
+    return a
+
+
+def forward(q, k, v, lo, hi, scale: float, alibi=None):
+    """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32) of attention where row i sees keys [lo, hi);
+    ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)`` to each score, or None."""
     lib = _require()
     q, k, v = _fit(q), _fit(k), _fit(v)
     B, H, L, _ = q.shape
@@ -159,12 +168,13 @@ def forward(q, k, v, lo, hi, scale: float):
     out = torch.empty(B, H, L, v.shape[-1])
     lse = torch.empty(B, H, L)
     meta = _meta(q, k, v, lob)
+    ab = _slopes(alibi, H)
     lib.ak_forward(meta.data_ptr(), float(scale), q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
-                    hi.data_ptr(), out.data_ptr(), lse.data_ptr())
+                   hi.data_ptr(), None if ab is None else ab.data_ptr(), out.data_ptr(), lse.data_ptr())
     return out, lse
 
 
-def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None):
+def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None):
     """(dq, dk, dv) in fp32 for the forward above (``out``, ``lse`` its results); ``dlse`` a gradient
     into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ and the scale are
     all done inside the kernel."""
@@ -180,8 +190,10 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None):
     dv = torch.empty(B, v.shape[1], v.shape[2], v.shape[-1])
     meta = _meta(q, k, v, lob)
     sdo = torch.tensor(dout.stride()[:3], dtype=torch.int64)
+    ab = _slopes(alibi, H)
     rc = lib.ak_backward(meta.data_ptr(), float(scale), q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
-                         hi.data_ptr(), dout.data_ptr(), sdo.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                         hi.data_ptr(), None if ab is None else ab.data_ptr(), dout.data_ptr(), sdo.data_ptr(),
+                         out.data_ptr(), lse.data_ptr(),
                          None if dlse is None else dlse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
     if rc != 0:
         raise MemoryError(f"attnkit's compiled kernel: no memory for the backward's scratch (B={B}, H={H}, L={L})")

@@ -8,9 +8,9 @@
 #define AK_DECLARE(ns)                                                                                          \
   namespace ns {                                                                                                \
   void run_forward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,            \
-                   const int32_t*, float*, float*);                                                             \
+                   const int32_t*, const float*, float*, float*);                                               \
   int run_backward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,           \
-                    const int32_t*, const float*, const int64_t*, const float*, const float*, const float*,     \
+                    const int32_t*, const float*, const float*, const int64_t*, const float*, const float*, const float*,     \
                     float*, float*, float*);                                                                    \
   void release_scratch();                                                                                       \
   }
@@ -61,29 +61,29 @@ AK_API int ak_openmp() {
 }
 
 // meta (int64): B, H, Hkv, L, S, D, Dv, q strides (batch, head, row), k strides, v strides, lo/hi batch
-// stride (0 or L), threads. lo, hi: int32 (1 or B, L). Forward writes out (B, H, L, Dv), lse (B, H, L); backward
+// stride (0 or L), threads. lo, hi: int32 (1 or B, L); alibi: (H,) slopes or null. Forward writes out (B, H, L, Dv), lse (B, H, L); backward
 // reads out (contiguous), lse and dlse (or null) and writes dq, dk, dv (contiguous, fp32).
 AK_API void ak_forward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
-                       const int32_t* lo, const int32_t* hi, float* out, float* lse) {
+                       const int32_t* lo, const int32_t* hi, const float* alibi, float* out, float* lse) {
   switch (ak_isa()) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    case 2: ak_avx512::run_forward(meta, scale, q, k, v, lo, hi, out, lse); return;
-    case 1: ak_avx2::run_forward(meta, scale, q, k, v, lo, hi, out, lse); return;
+    case 2: ak_avx512::run_forward(meta, scale, q, k, v, lo, hi, alibi, out, lse); return;
+    case 1: ak_avx2::run_forward(meta, scale, q, k, v, lo, hi, alibi, out, lse); return;
 #endif
-    default: ak_base::run_forward(meta, scale, q, k, v, lo, hi, out, lse);
+    default: ak_base::run_forward(meta, scale, q, k, v, lo, hi, alibi, out, lse);
   }
 }
 
 AK_API int ak_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
-                        const int32_t* lo, const int32_t* hi, const float* dout,
+                        const int32_t* lo, const int32_t* hi, const float* alibi, const float* dout,
                         const int64_t* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
                         float* dv) {
   switch (ak_isa()) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    case 2: return ak_avx512::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv);
-    case 1: return ak_avx2::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv);
+    case 2: return ak_avx512::run_backward(meta, scale, q, k, v, lo, hi, alibi, dout, sdo, out, lse, dlse, dq, dk, dv);
+    case 1: return ak_avx2::run_backward(meta, scale, q, k, v, lo, hi, alibi, dout, sdo, out, lse, dlse, dq, dk, dv);
 #endif
-    default: return ak_base::run_backward(meta, scale, q, k, v, lo, hi, dout, sdo, out, lse, dlse, dq, dk, dv);
+    default: return ak_base::run_backward(meta, scale, q, k, v, lo, hi, alibi, dout, sdo, out, lse, dlse, dq, dk, dv);
   }
 }
 

@@ -8,21 +8,22 @@ static Shape shape_of(const int64_t* meta, float scale) {
   s.lob = meta[16];
   s.threads = (int)meta[17];
   s.scale = scale;
+  s.alibi = nullptr;
   return s;
 }
 
 void run_forward(const int64_t* meta, float scale, const float* q, const float* k, const float* v, const int32_t* lo,
-                 const int32_t* hi, float* out, float* lse) {
+                 const int32_t* hi, const float* alibi, float* out, float* lse) {
   Shape s = shape_of(meta, scale);
-  s.lo = lo, s.hi = hi;
+  s.lo = lo, s.hi = hi, s.alibi = alibi;
   forward(s, q, k, v, out, lse);
 }
 
 int run_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v, const int32_t* lo,
-                  const int32_t* hi, const float* dout, const int64_t* sdo, const float* out, const float* lse,
+                  const int32_t* hi, const float* alibi, const float* dout, const int64_t* sdo, const float* out, const float* lse,
                   const float* dlse, float* dq, float* dk, float* dv) {
   Shape s = shape_of(meta, scale);
-  s.lo = lo, s.hi = hi;
+  s.lo = lo, s.hi = hi, s.alibi = alibi;
   long sd[3] = {(long)sdo[0], (long)sdo[1], (long)sdo[2]};
   return backward(s, q, k, v, dout, sd, out, lse, dlse, dq, dk, dv);
 }

@@ -205,7 +205,16 @@ struct Shape {
   long lob;  // batch stride of lo/hi (0: shared by the batch, or L)
   float scale;
   int threads;
+  const float* alibi;  // (H,) ALiBi slopes: score + slope[h] * (kv - q), or null
 };
+
+// scores of S^T rows j < n (key j0 + j) for queries i0 + [c, c + VW): fl(q.k) * scale (+ ALiBi, with the
+// offset kv - q taken in integers first, as the reference rounds it)
+static inline vf scores_at(const float* row, vf sc, bool ab, vf sl, long key, vi qi) {
+  vf x = load(row) * sc;
+  if (ab) x += sl * __builtin_convertvector(splati((int32_t)key) - qi, vf);
+  return x;
+}
 
 // Per query block: the smallest lo and largest hi of its live rows (the keys it may touch) and
 // the largest lo and smallest hi of all rows (tiles inside [flo, fhi) need no mask).
@@ -379,7 +388,7 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
   const long nq = (s.L + BM - 1) / BM, g = s.H / s.Hkv;
   const long Dvp = round_up(s.Dv, VW);
   const long items = s.B * s.H * nq;
-  const bool v_in_place = Dvp == s.Dv;
+  const bool v_in_place = Dvp == s.Dv, ab = s.alibi != nullptr;
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
     Buf<float> qt(s.D * BM), st(BN * BM), vp(v_in_place ? 1 : BN * Dvp), acc(BM * Dvp), mrow(BM), lrow(BM);
@@ -418,11 +427,12 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
         // Scores and their running max stay in natural units, s = fl(q.k) * scale as every other path
         // rounds them (so lse = max + log(sum) matches a softmax recomputed from these scores to the
         // last bits: weights rebuilt as exp(s - lse) agree); only the exponent goes to base 2.
-        const vf sc = splat(s.scale), l2e = splat(LOG2E);
+        const vf sc = splat(s.scale), l2e = splat(LOG2E), sl = splat(ab ? s.alibi[h] : 0.f);
         for (int cc = 0; cc < BM; cc += VW) {  // online softmax, VW queries at a time
           vf mx = splat(NEG_INF);
+          const vi qi = splati((int32_t)(i0 + cc)) + iota();
           for (long j = 0; j < n; j++) {
-            vf x = load(st.p + j * BM + cc) * sc;
+            vf x = scores_at(st.p + j * BM + cc, sc, ab, sl, j0 + j, qi);
             store(st.p + j * BM + cc, x);
             mx = x > mx ? x : mx;
           }
@@ -490,6 +500,7 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
   for (long b = 0; b < Bl; b++)
     for (long qb = 0; qb < nq; qb++) blocks[b * nq + qb] = block_of(s, b, qb * BM, mn<long>(BM, s.L - qb * BM));
   const long items = s.B * s.Hkv * nk;
+  const bool ab = s.alibi != nullptr;
   // Q^T and dO^T of every query block, made once (each block is visited by every key tile that it sees:
   // transposing it per visit cost as much as a fifth of a window's backward)
   const long nblk = s.B * s.H * nq;
@@ -583,11 +594,12 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
             scores_trimmed(n, j0, (int)s.D, kr, s.sk[2], qt, pt.p, edges);
             mask_tile(pt.p, n, j0, lo.p, hi.p);
           }
-          const vf sc = splat(s.scale), l2e = splat(LOG2E);
+          const vf sc = splat(s.scale), l2e = splat(LOG2E), sl = splat(ab ? s.alibi[h] : 0.f);
           for (int cc = 0; cc < BM; cc += VW) {
             vf lv = load(l2.p + cc);
+            const vi qi = splati((int32_t)(i0 + cc)) + iota();
             for (long j = 0; j < n; j++)
-              store(pt.p + j * BM + cc, exp2v((load(pt.p + j * BM + cc) * sc - lv) * l2e));
+              store(pt.p + j * BM + cc, exp2v((scores_at(pt.p + j * BM + cc, sc, ab, sl, j0 + j, qi) - lv) * l2e));
           }
           // dV += P^T dO
           if (full)
