@@ -369,18 +369,6 @@ static void by_keys_trimmed(long m, long n, long j0, long N, const float* pt, co
   }
 }
 
-// C (n x N) += PT (n x m, rows BM) . B (m x N, rows ldb), each group of R keys over the queries that see it
-static void by_queries_trimmed(long n, long m, long j0, long N, const float* pt, const float* B, long ldb, float* C,
-                               long ldc, const Edges& e) {
-  for (long r0 = 0; r0 < n; r0 += R) {
-    const long rows = mn<long>(R, n - r0);
-    int v0, v1;
-    vectors_seeing(e, j0 + r0, j0 + r0 + rows, v0, v1);
-    const long ia = (long)v0 * VW, ib = mn<long>((long)v1 * VW, m);
-    if (ib > ia) gemm((int)rows, (int)N, (int)(ib - ia), pt + r0 * BM + ia, BM, 1, B + ia * ldb, ldb, C + r0 * ldc, ldc);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------------
 // forward: out (B, H, L, Dv) contiguous, lse (B, H, L) contiguous
 // ---------------------------------------------------------------------------------------------------
@@ -485,11 +473,56 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
 // ---------------------------------------------------------------------------------------------------
 // backward (FA2): one work item per (batch, kv head, key tile); the g query heads of the kv head and
 // every query block that sees the tile are visited inside, so dK and dV are written once, by one
-// thread. dQ is summed in a buffer per thread, each query block zeroed on the thread's first touch
-// and only touched blocks added up at the end (no memset, no reduction over untouched memory).
+// thread. The backward works on score tiles in row layout, S = Q K^T (queries x keys): Q, dO, K and V
+// rows are read in place and only the item's own K^T and V^T (D x 64 each) are packed, so it needs no
+// copy of the sequence. dQ: thread 0 adds into dq itself (when its rows need no padding), the other
+// threads into a buffer each, a query block zeroed on first touch and only touched blocks added up.
 // out: the forward's output (B, H, L, Dv) contiguous; dlse: a gradient into lse (B, H, L) or null;
 // lse in natural-log units (B, H, L). Writes dq (B, H, L, D), dk, dv, contiguous.
 // ---------------------------------------------------------------------------------------------------
+
+// keys [ka, kb) of a tile (tile-relative) that any of rows [i, i + r) sees
+static inline void row_keys(const int32_t* lo, const int32_t* hi, long i, long r, long j0, long n, long& ka,
+                            long& kb) {
+  long a = j0 + n, b = j0;
+  for (long x = i; x < i + r; x++)
+    if (lo[x] < hi[x]) a = mn<long>(a, lo[x]), b = mx2<long>(b, hi[x]);
+  ka = mx2<long>(a, j0) - j0, kb = mn<long>(b, j0 + n) - j0;
+  if (kb < ka) kb = ka;
+}
+
+// queries [ia, ib) of a block that see any of keys [ja, jb)
+static inline void key_rows(const int32_t* lo, const int32_t* hi, long m, long ja, long jb, long& ia, long& ib) {
+  ia = m, ib = 0;
+  for (long x = 0; x < m; x++)
+    if (lo[x] < jb && hi[x] > ja && lo[x] < hi[x]) ia = mn(ia, x), ib = x + 1;
+  if (ib < ia) ib = ia;
+}
+
+// S (m x BN) = A (m x K rows, in place) . Bt (K x BN), each group of R rows only over the key vectors its
+// rows see (the entries left out are garbage: the caller masks them)
+static void rows_trimmed(long m, long j0, long n, int K, const float* A, long lda, const float* Bt, float* S,
+                         const int32_t* lo, const int32_t* hi) {
+  for (long i = 0; i < m; i += R) {
+    const int rows = (int)mn<long>(R, m - i);
+    long ka, kb;
+    row_keys(lo, hi, i, rows, j0, n, ka, kb);
+    const int v0 = (int)(ka / VW), v1 = (int)((kb + VW - 1) / VW);
+    for (int v = v0; v < v1; v += NC)
+      mk_any<true>(rows, mn(NC, v1 - v), K, A + i * lda, lda, 1, Bt + v * VW, BN, S + i * BN + v * VW, BN);
+  }
+}
+
+// row i of S (BN keys): -inf outside [lo, hi) and beyond n keys
+static inline void mask_row(float* srow, int32_t lo, int32_t hi, long j0, long n) {
+  vi lov = splati(lo), hiv = splati((int32_t)mn<long>(hi, j0 + n));
+  for (int c = 0; c < BN; c += VW) {
+    vi j = splati((int32_t)(j0 + c)) + iota();
+    vi keep = (j >= lov) & (j < hiv);
+    store(srow + c, keep ? load(srow + c) : splat(NEG_INF));
+  }
+}
+
 static int backward(const Shape& s, const float* q, const float* k, const float* v, const float* dout,
                     const long* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
                     float* dv) {
@@ -501,26 +534,22 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
     for (long qb = 0; qb < nq; qb++) blocks[b * nq + qb] = block_of(s, b, qb * BM, mn<long>(BM, s.L - qb * BM));
   const long items = s.B * s.Hkv * nk;
   const bool ab = s.alibi != nullptr;
-  // Q^T and dO^T of every query block, made once (each block is visited by every key tile that it sees:
-  // transposing it per visit cost as much as a fifth of a window's backward)
   const long nblk = s.B * s.H * nq;
   const int T = s.threads > 1 ? s.threads : 1;
-  float* qt_all = scratch<float>(0, nblk * s.D * BM);
-  float* dot_all = scratch<float>(1, nblk * s.Dv * BM);
-  float* delta = scratch<float>(2, s.B * s.H * s.L);
-  float* dq_part = scratch<float>(3, (long)T * nblk * BM * Dq);  // zeroed block by block on first touch
-  uint8_t* touched = scratch<uint8_t>(4, (long)T * nblk);
-  if (!qt_all || !dot_all || !delta || !dq_part || !touched) return 1;  // out of memory: the caller raises
+  // thread 0 accumulates dQ straight into dq when the GEMM's padded rows fit it (D a multiple of VW)
+  const bool direct = Dp == s.D && Dq == s.D;
+  float* delta = scratch<float>(0, s.B * s.H * s.L);
+  float* dq_part = scratch<float>(1, (long)(direct ? T - 1 : T) * nblk * BM * Dq + 1);
+  uint8_t* touched = scratch<uint8_t>(2, (long)T * nblk);
+  if (!delta || !dq_part || !touched) return 1;  // out of memory: the caller raises
   std::memset(touched, 0, (size_t)T * nblk);
-#pragma omp parallel for schedule(static) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
-  for (long it = 0; it < nblk; it++) {
+#pragma omp parallel for schedule(dynamic, 16) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
+  for (long it = 0; it < nblk; it++) {  // delta = rowsum(dO * O) - dlse
     const long qb = it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H;
     const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
     const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
-    pack_t(qt_all + it * s.D * BM, q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D, 1.f);
-    pack_t(dot_all + it * s.Dv * BM, ds, sdo[2], m, s.Dv, 1.f);
     const float* o = out + (bh * s.L + i0) * s.Dv;
-    for (long i = 0; i < m; i++) {  // delta = rowsum(dO * O) - dlse
+    for (long i = 0; i < m; i++) {
       float acc = 0.f;
       for (long d = 0; d < s.Dv; d++) acc += ds[i * sdo[2] + d] * o[i * s.Dv + d];
       delta[bh * s.L + i0 + i] = acc - (dlse ? dlse[bh * s.L + i0 + i] : 0.f);
@@ -532,10 +561,10 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
 #ifdef _OPENMP
     t = omp_get_thread_num();
 #endif
-    float* dqt = dq_part + (long)t * nblk * BM * Dq;
     uint8_t* mine = touched + (long)t * nblk;
-    Buf<float> qr(BM * Dp), dor(BM * Dvp), kp(BN * Dp), pt(BN * BM), dpt(BN * BM),
-        dka(BN * Dp), dva(BN * Dvp), l2(BM), dl(BM);
+    float* dqt = (direct && t == 0) ? nullptr : dq_part + (long)(direct ? t - 1 : t) * nblk * BM * Dq;
+    Buf<float> kt(s.D * BN), vt(s.Dv * BN), kp(BN * Dp), qr(BM * Dp), dor(BM * Dvp), p(BM * BN), dp(BM * BN),
+        dka(BN * Dp), dva(BN * Dvp);
     Buf<int32_t> lo(BM), hi(BM);
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++) {
@@ -547,9 +576,9 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
       float* dvr = dv + ((b * s.Hkv + hk) * s.S + j0) * s.Dv;
       fill(dka.p, dka.p + BN * Dp, 0.f);
       fill(dva.p, dva.p + BN * Dvp, 0.f);
-      const float* kb = kr;  // K as the right-hand side of dQ = dS K: in place when rows need no padding
-      long ldk = s.sk[2];
       bool packed = false;
+      const float* kb = kr;  // K rows as the right-hand side of dQ = dS K: in place unless D needs padding
+      long ldk = s.sk[2];
       for (long h = hk * g; h < (hk + 1) * g; h++) {
         for (long qb = 0; qb < nq; qb++) {
           const Block& bl = blocks[(s.lob ? b : 0) * nq + qb];
@@ -558,22 +587,30 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
           block_edges(s, b, i0, m, lo.p, hi.p);
           const bool full = n == BN && j0 >= bl.flo && j0 + n <= bl.fhi;
           if (!full && !tile_touched(lo.p, hi.p, m, j0, j0 + n)) continue;
-          if (!packed && Dp != s.D) {
-            pack_rows(kp.p, kr, s.sk[2], n, s.D, Dp);
-            kb = kp.p, ldk = Dp;
+          if (!packed) {  // this tile's K^T and V^T (zero beyond n keys), and K rows padded if needed
+            fill(kt.p, kt.p + s.D * BN, 0.f);
+            fill(vt.p, vt.p + s.Dv * BN, 0.f);
+            for (long j = 0; j < n; j++) {
+              for (long d = 0; d < s.D; d++) kt[d * BN + j] = kr[j * s.sk[2] + d];
+              for (long d = 0; d < s.Dv; d++) vt[d * BN + j] = vr[j * s.sv[2] + d];
+            }
+            if (Dp != s.D) {
+              fill(kp.p, kp.p + BN * Dp, 0.f);
+              pack_rows(kp.p, kr, s.sk[2], n, s.D, Dp);
+              kb = kp.p, ldk = Dp;
+            }
+            packed = true;
           }
-          packed = true;
+          const long bh2 = b * s.H + h;
           const float* qs = q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
           const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
-          const float* lr = lse + (b * s.H + h) * s.L + i0;
-          const float* dr = delta + (b * s.H + h) * s.L + i0;
-          const float* qt = qt_all + ((b * s.H + h) * nq + qb) * s.D * BM;
-          const float* dot = dot_all + ((b * s.H + h) * nq + qb) * s.Dv * BM;
-          const float* qb_rows = qs;  // Q rows (m x D) as the right-hand side of dK = dS^T Q
+          const float* lr = lse + bh2 * s.L + i0;
+          const float* dr = delta + bh2 * s.L + i0;
+          const float* q_rows = qs;  // Q rows (m x D): the left side of S, the right side of dK = dS^T Q
           long ldq = s.sq[2];
           if (Dp != s.D) {
             pack_rows(qr.p, qs, s.sq[2], m, s.D, Dp);
-            qb_rows = qr.p, ldq = Dp;
+            q_rows = qr.p, ldq = Dp;
           }
           const float* do_rows = ds;
           long lddo = sdo[2];
@@ -581,59 +618,90 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
             pack_rows(dor.p, ds, sdo[2], m, s.Dv, Dvp);
             do_rows = dor.p, lddo = Dvp;
           }
-          for (long i = 0; i < BM; i++) {  // +inf for a row that sees nothing (and padding): P = 0 there
-            l2[i] = i < m && lr[i] != NEG_INF ? lr[i] : std::numeric_limits<float>::infinity();
-            dl[i] = i < m ? dr[i] : 0.f;
-          }
-          // P^T = exp(scale K Q^T - lse) (as the forward rounds it), masked
-          Edges edges;
-          if (full) {
-            gemm<true>(n, BM, s.D, kr, s.sk[2], 1, qt, BM, pt.p, BM);
-          } else {
-            edges_of(edges, lo.p, hi.p);
-            scores_trimmed(n, j0, (int)s.D, kr, s.sk[2], qt, pt.p, edges);
-            mask_tile(pt.p, n, j0, lo.p, hi.p);
-          }
-          const vf sc = splat(s.scale), l2e = splat(LOG2E), sl = splat(ab ? s.alibi[h] : 0.f);
-          for (int cc = 0; cc < BM; cc += VW) {
-            vf lv = load(l2.p + cc);
-            const vi qi = splati((int32_t)(i0 + cc)) + iota();
-            for (long j = 0; j < n; j++)
-              store(pt.p + j * BM + cc, exp2v((scores_at(pt.p + j * BM + cc, sc, ab, sl, j0 + j, qi) - lv) * l2e));
+          // P = exp(scale Q K^T (+ ALiBi) - lse), masked; a row that sees nothing (lse = -inf) is 0
+          if (full)
+            gemm<true>(m, BN, s.D, q_rows, ldq, 1, kt.p, BN, p.p, BN);
+          else
+            rows_trimmed(m, j0, n, (int)s.D, q_rows, ldq, kt.p, p.p, lo.p, hi.p);
+          const vf sc = splat(s.scale), l2e = splat(LOG2E);
+          const float slope = ab ? s.alibi[h] : 0.f;
+          for (long i = 0; i < m; i++) {
+            float* pr = p.p + i * BN;
+            if (lr[i] == NEG_INF) {
+              fill(pr, pr + BN, 0.f);
+              continue;
+            }
+            if (!full) mask_row(pr, lo[i], hi[i], j0, n);
+            const vf lv = splat(lr[i]), sl = splat(slope);
+            const vi qi = splati((int32_t)(i0 + i));
+            for (int c = 0; c < BN; c += VW) {
+              vf x = load(pr + c) * sc;
+              if (ab) x += sl * __builtin_convertvector(splati((int32_t)(j0 + c)) + iota() - qi, vf);
+              store(pr + c, exp2v((x - lv) * l2e));
+            }
           }
           // dV += P^T dO
+          if (full) {
+            gemm(n, Dvp, m, p.p, 1, BN, do_rows, lddo, dva.p, Dvp);
+          } else {
+            for (long r0 = 0; r0 < n; r0 += R) {
+              const long rows = mn<long>(R, n - r0);
+              long ia, ib;
+              key_rows(lo.p, hi.p, m, j0 + r0, j0 + r0 + rows, ia, ib);
+              if (ib > ia)
+                gemm((int)rows, (int)Dvp, (int)(ib - ia), p.p + ia * BN + r0, 1, BN, do_rows + ia * lddo, lddo,
+                     dva.p + r0 * Dvp, Dvp);
+            }
+          }
+          // dP = dO V^T ; dS = P * (dP - delta)   (where P is 0, dS is 0: never 0 * garbage)
           if (full)
-            gemm(n, Dvp, m, pt.p, BM, 1, do_rows, lddo, dva.p, Dvp);
+            gemm<true>(m, BN, s.Dv, do_rows, lddo, 1, vt.p, BN, dp.p, BN);
           else
-            by_queries_trimmed(n, m, j0, Dvp, pt.p, do_rows, lddo, dva.p, Dvp, edges);
-          // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-          if (full)
-            gemm<true>(n, BM, s.Dv, vr, s.sv[2], 1, dot, BM, dpt.p, BM);
-          else  // entries left out are garbage where P is exactly 0: dS is set to 0 there, never 0 * garbage
-            scores_trimmed(n, j0, (int)s.Dv, vr, s.sv[2], dot, dpt.p, edges);
-          for (int cc = 0; cc < BM; cc += VW) {
-            vf dv2 = load(dl.p + cc);
-            for (long j = 0; j < n; j++) {
-              vf p = load(pt.p + j * BM + cc);
-              vf ds = p * (load(dpt.p + j * BM + cc) - dv2);
-              store(dpt.p + j * BM + cc, full ? ds : (p == splat(0.f) ? splat(0.f) : ds));
+            rows_trimmed(m, j0, n, (int)s.Dv, do_rows, lddo, vt.p, dp.p, lo.p, hi.p);
+          for (long i = 0; i < m; i++) {
+            const vf dv2 = splat(dr[i]);
+            for (int c = 0; c < BN; c += VW) {
+              vf pv = load(p.p + i * BN + c);
+              vf dsv = pv * (load(dp.p + i * BN + c) - dv2);
+              store(dp.p + i * BN + c, full ? dsv : (pv == splat(0.f) ? splat(0.f) : dsv));
             }
           }
           // dK += dS^T Q ; dQ += dS K   (the softmax scale applied once, at the end)
-          if (full)
-            gemm(n, Dp, m, dpt.p, BM, 1, qb_rows, ldq, dka.p, Dp);
-          else
-            by_queries_trimmed(n, m, j0, Dp, dpt.p, qb_rows, ldq, dka.p, Dp, edges);
-          const long blk = (b * s.H + h) * nq + qb;
-          float* dqb = dqt + blk * BM * Dq;
+          const long blk = bh2 * nq + qb;
+          float* dqb;
+          long lddq;
+          if (dqt == nullptr) {
+            dqb = dq + (bh2 * s.L + i0) * s.D, lddq = s.D;
+          } else {
+            dqb = dqt + blk * BM * Dq, lddq = Dq;
+          }
           if (!mine[blk]) {
-            fill(dqb, dqb + BM * Dq, 0.f);
+            for (long i = 0; i < m; i++) fill(dqb + i * lddq, dqb + i * lddq + s.D, 0.f);
+            if (lddq == Dq && Dq > s.D)
+              for (long i = 0; i < m; i++) fill(dqb + i * lddq + s.D, dqb + (i + 1) * lddq, 0.f);
             mine[blk] = 1;
           }
-          if (full)
-            gemm(m, Dp, n, dpt.p, 1, BM, kb, ldk, dqb, Dq);
-          else
-            by_keys_trimmed(m, n, j0, Dp, dpt.p, kb, ldk, dqb, Dq, edges);
+          if (full) {
+            gemm(n, Dp, m, dp.p, 1, BN, q_rows, ldq, dka.p, Dp);
+            gemm(m, Dp, n, dp.p, BN, 1, kb, ldk, dqb, lddq);
+          } else {
+            for (long r0 = 0; r0 < n; r0 += R) {
+              const long rows = mn<long>(R, n - r0);
+              long ia, ib;
+              key_rows(lo.p, hi.p, m, j0 + r0, j0 + r0 + rows, ia, ib);
+              if (ib > ia)
+                gemm((int)rows, (int)Dp, (int)(ib - ia), dp.p + ia * BN + r0, 1, BN, q_rows + ia * ldq, ldq,
+                     dka.p + r0 * Dp, Dp);
+            }
+            for (long i = 0; i < m; i += R) {
+              const long rows = mn<long>(R, m - i);
+              long ka, kb2;
+              row_keys(lo.p, hi.p, i, rows, j0, n, ka, kb2);
+              if (kb2 > ka)
+                gemm((int)rows, (int)Dp, (int)(kb2 - ka), dp.p + i * BN + ka, BN, 1, kb + ka * ldk, ldk,
+                     dqb + i * lddq, lddq);
+            }
+          }
         }
       }
       for (long j = 0; j < n; j++) {
@@ -642,16 +710,16 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
       }
     }
   }
-  // dQ = scale * the sum of the threads' touched blocks
-#pragma omp parallel for schedule(static) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
+  // dQ = scale * (thread 0's blocks, in place when direct) + the other threads' touched blocks
+#pragma omp parallel for schedule(dynamic, 16) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
   for (long it = 0; it < nblk; it++) {
     const long qb = it % nq, bh = it / nq;
     const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
     float* dst = dq + (bh * s.L + i0) * s.D;
-    fill(dst, dst + m * s.D, 0.f);
-    for (int t = 0; t < T; t++) {
+    if (!(direct && touched[it])) fill(dst, dst + m * s.D, 0.f);
+    for (int t = direct ? 1 : 0; t < T; t++) {
       if (!touched[(long)t * nblk + it]) continue;
-      const float* src = dq_part + ((long)t * nblk + it) * BM * Dq;
+      const float* src = dq_part + ((long)(direct ? t - 1 : t) * nblk + it) * BM * Dq;
       for (long i = 0; i < m; i++)
         for (long d = 0; d < s.D; d++) dst[i * s.D + d] += src[i * Dq + d];
     }
