@@ -179,7 +179,8 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
     into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ and the scale are
     all done inside the kernel."""
     lib = _require()
-    q, k, v, dout = _fit(q), _fit(k), _fit(v), _fit(dout)
+    q, k, v = _fit(q), _fit(k), _fit(v)
+    dout = dout.float()  # any strides: an expanded gradient (loss.sum()) is read in place, never copied whole
     B, H, L, D = q.shape
     lo, hi, lob = _edges(lo, hi, B, L)
     out = out.float().contiguous()
@@ -189,7 +190,7 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
     dk = torch.empty(B, k.shape[1], k.shape[2], D)
     dv = torch.empty(B, v.shape[1], v.shape[2], v.shape[-1])
     meta = _meta(q, k, v, lob)
-    sdo = torch.tensor(dout.stride()[:3], dtype=torch.int64)
+    sdo = torch.tensor(dout.stride(), dtype=torch.int64)
     ab = _slopes(alibi, H)
     rc = lib.ak_backward(meta.data_ptr(), float(scale), q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
                          hi.data_ptr(), None if ab is None else ab.data_ptr(), dout.data_ptr(), sdo.data_ptr(),

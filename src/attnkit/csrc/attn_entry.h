@@ -24,7 +24,7 @@ int run_backward(const int64_t* meta, float scale, const float* q, const float* 
                   const float* dlse, float* dq, float* dk, float* dv) {
   Shape s = shape_of(meta, scale);
   s.lo = lo, s.hi = hi, s.alibi = alibi;
-  long sd[3] = {(long)sdo[0], (long)sdo[1], (long)sdo[2]};
+  long sd[4] = {(long)sdo[0], (long)sdo[1], (long)sdo[2], (long)sdo[3]};
   return backward(s, q, k, v, dout, sd, out, lse, dlse, dq, dk, dv);
 }
 

@@ -475,8 +475,10 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
 // every query block that sees the tile are visited inside, so dK and dV are written once, by one
 // thread. The backward works on score tiles in row layout, S = Q K^T (queries x keys): Q, dO, K and V
 // rows are read in place and only the item's own K^T and V^T (D x 64 each) are packed, so it needs no
-// copy of the sequence. dQ: thread 0 adds into dq itself (when its rows need no padding), the other
-// threads into a buffer each, a query block zeroed on first touch and only touched blocks added up.
+// copy of the sequence. dQ: each (key tile, query block) pair's share is computed into a small tile of
+// the thread's own and added into dq under that query block's lock (a spin flag, held for the 64 x D
+// add only), so no per-thread copy of dQ exists; work items are dealt so that threads work far apart.
+// dO's rows may have any stride (an expanded gradient: packed per pair, never copied whole).
 // out: the forward's output (B, H, L, Dv) contiguous; dlse: a gradient into lse (B, H, L) or null;
 // lse in natural-log units (B, H, L). Writes dq (B, H, L, D), dk, dv, contiguous.
 // ---------------------------------------------------------------------------------------------------
@@ -536,24 +538,23 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
   const bool ab = s.alibi != nullptr;
   const long nblk = s.B * s.H * nq;
   const int T = s.threads > 1 ? s.threads : 1;
-  // thread 0 accumulates dQ straight into dq when the GEMM's padded rows fit it (D a multiple of VW)
-  const bool direct = Dp == s.D && Dq == s.D;
+  const long sdl = sdo[3];  // dO's last-dim stride (1, or e.g. 0 for an expanded gradient)
   float* delta = scratch<float>(0, s.B * s.H * s.L);
-  float* dq_part = scratch<float>(1, (long)(direct ? T - 1 : T) * nblk * BM * Dq + 1);
-  uint8_t* touched = scratch<uint8_t>(2, (long)T * nblk);
-  if (!delta || !dq_part || !touched) return 1;  // out of memory: the caller raises
-  std::memset(touched, 0, (size_t)T * nblk);
+  uint8_t* locks = scratch<uint8_t>(1, nblk);
+  if (!delta || !locks) return 1;  // out of memory: the caller raises
+  std::memset(locks, 0, (size_t)nblk);
 #pragma omp parallel for schedule(dynamic, 16) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
-  for (long it = 0; it < nblk; it++) {  // delta = rowsum(dO * O) - dlse
+  for (long it = 0; it < nblk; it++) {  // delta = rowsum(dO * O) - dlse; dq = 0
     const long qb = it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H;
     const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
     const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
     const float* o = out + (bh * s.L + i0) * s.Dv;
     for (long i = 0; i < m; i++) {
       float acc = 0.f;
-      for (long d = 0; d < s.Dv; d++) acc += ds[i * sdo[2] + d] * o[i * s.Dv + d];
+      for (long d = 0; d < s.Dv; d++) acc += ds[i * sdo[2] + d * sdl] * o[i * s.Dv + d];
       delta[bh * s.L + i0 + i] = acc - (dlse ? dlse[bh * s.L + i0 + i] : 0.f);
     }
+    fill(dq + (bh * s.L + i0) * s.D, dq + (bh * s.L + i0 + m) * s.D, 0.f);
   }
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
@@ -561,13 +562,16 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
 #ifdef _OPENMP
     t = omp_get_thread_num();
 #endif
-    uint8_t* mine = touched + (long)t * nblk;
-    float* dqt = (direct && t == 0) ? nullptr : dq_part + (long)(direct ? t - 1 : t) * nblk * BM * Dq;
     Buf<float> kt(s.D * BN), vt(s.Dv * BN), kp(BN * Dp), qr(BM * Dp), dor(BM * Dvp), p(BM * BN), dp(BM * BN),
-        dka(BN * Dp), dva(BN * Dvp);
+        dka(BN * Dp), dva(BN * Dvp), dqs(BM * Dq);
     Buf<int32_t> lo(BM), hi(BM);
+    // item order: T interleaved sweeps, so that threads taking consecutive items work on key tiles far
+    // apart (their query blocks, and so their dQ locks, rarely meet)
+    const long per = (items + T - 1) / T;
 #pragma omp for schedule(dynamic, 1)
-    for (long it = 0; it < items; it++) {
+    for (long it0 = 0; it0 < items; it0++) {
+      const long it = (it0 % T) * per + it0 / T;
+      if (it >= items) continue;
       const long kbk = it % nk, bh = it / nk, b = bh / s.Hkv, hk = bh % s.Hkv;
       const long j0 = kbk * BN, n = mn<long>(BN, s.S - j0);
       const float* kr = k + b * s.sk[0] + hk * s.sk[1] + j0 * s.sk[2];  // this tile's K rows (n x D)
@@ -614,8 +618,11 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
           }
           const float* do_rows = ds;
           long lddo = sdo[2];
-          if (Dvp != s.Dv) {
-            pack_rows(dor.p, ds, sdo[2], m, s.Dv, Dvp);
+          if (Dvp != s.Dv || sdl != 1) {
+            for (long i = 0; i < m; i++) {
+              for (long d = 0; d < s.Dv; d++) dor[i * Dvp + d] = ds[i * sdo[2] + d * sdl];
+              fill(dor.p + i * Dvp + s.Dv, dor.p + (i + 1) * Dvp, 0.f);
+            }
             do_rows = dor.p, lddo = Dvp;
           }
           // P = exp(scale Q K^T (+ ALiBi) - lse), masked; a row that sees nothing (lse = -inf) is 0
@@ -668,19 +675,9 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
           }
           // dK += dS^T Q ; dQ += dS K   (the softmax scale applied once, at the end)
           const long blk = bh2 * nq + qb;
-          float* dqb;
-          long lddq;
-          if (dqt == nullptr) {
-            dqb = dq + (bh2 * s.L + i0) * s.D, lddq = s.D;
-          } else {
-            dqb = dqt + blk * BM * Dq, lddq = Dq;
-          }
-          if (!mine[blk]) {
-            for (long i = 0; i < m; i++) fill(dqb + i * lddq, dqb + i * lddq + s.D, 0.f);
-            if (lddq == Dq && Dq > s.D)
-              for (long i = 0; i < m; i++) fill(dqb + i * lddq + s.D, dqb + (i + 1) * lddq, 0.f);
-            mine[blk] = 1;
-          }
+          float* dqb = dqs.p;  // this pair's share of dQ, added into dq under the block's lock below
+          const long lddq = Dq;
+          fill(dqb, dqb + m * Dq, 0.f);
           if (full) {
             gemm(n, Dp, m, dp.p, 1, BN, q_rows, ldq, dka.p, Dp);
             gemm(m, Dp, n, dp.p, BN, 1, kb, ldk, dqb, lddq);
@@ -702,6 +699,12 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
                      dqb + i * lddq, lddq);
             }
           }
+          float* dst = dq + (bh2 * s.L + i0) * s.D;
+          while (__atomic_test_and_set(&locks[blk], __ATOMIC_ACQUIRE)) {
+          }
+          for (long i = 0; i < m; i++)
+            for (long d = 0; d < s.D; d++) dst[i * s.D + d] += dqb[i * lddq + d];
+          __atomic_clear(&locks[blk], __ATOMIC_RELEASE);
         }
       }
       for (long j = 0; j < n; j++) {
@@ -710,19 +713,12 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
       }
     }
   }
-  // dQ = scale * (thread 0's blocks, in place when direct) + the other threads' touched blocks
-#pragma omp parallel for schedule(dynamic, 16) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
+  // dQ = scale * the sum of the pairs' shares
+#pragma omp parallel for schedule(static) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
   for (long it = 0; it < nblk; it++) {
     const long qb = it % nq, bh = it / nq;
     const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
     float* dst = dq + (bh * s.L + i0) * s.D;
-    if (!(direct && touched[it])) fill(dst, dst + m * s.D, 0.f);
-    for (int t = direct ? 1 : 0; t < T; t++) {
-      if (!touched[(long)t * nblk + it]) continue;
-      const float* src = dq_part + ((long)(direct ? t - 1 : t) * nblk + it) * BM * Dq;
-      for (long i = 0; i < m; i++)
-        for (long d = 0; d < s.D; d++) dst[i * s.D + d] += src[i * Dq + d];
-    }
     for (long e = 0; e < m * s.D; e++) dst[e] *= s.scale;
   }
   return 0;
