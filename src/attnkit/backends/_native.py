@@ -202,7 +202,7 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
 
 
 def release_scratch() -> None:
-    """Give back the scratch memory the backward keeps between calls (on this thread): ~3 copies of q
-    of the largest call so far. The next backward allocates it again."""
+    """Give back the scratch memory the backward keeps between calls on this thread (δ and the
+    per-block lock flags of the largest call so far: B·H·L floats). The next backward allocates it again."""
     if available():
         _require().ak_release_scratch()

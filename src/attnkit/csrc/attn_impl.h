@@ -154,9 +154,9 @@ static inline void fill(float* a, float* e, float x) {
   for (; a < e; a++) *a = x;
 }
 
-// Scratch memory kept between calls (per calling thread, per slot): the backward's per-sequence buffers
-// are tens of MiB at L = 16k, and fresh pages cost a fault and a zeroing each (measured: a fifth of a
-// window's backward). Grows to the largest call seen; ak_release_scratch() gives it back.
+// Scratch memory kept between calls (per calling thread, per slot): the backward's delta and lock flags
+// (B*H*L floats); fresh pages cost a fault and a zeroing each. Grows to the largest call seen;
+// ak_release_scratch() gives it back.
 struct Arena {
   void* p = nullptr;
   size_t cap = 0;
