@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=2 python benchmarks/kernel.py                 # the goal table (~2 min on 2 cores)
     OMP_NUM_THREADS=2 python benchmarks/kernel.py --flex          # + compiled FlexAttention forward
-    OMP_NUM_THREADS=2 python benchmarks/kernel.py --json out.json
+    OMP_NUM_THREADS=2 python benchmarks/kernel.py --json out.json --plot roofline.png
+    python benchmarks/kernel.py --replot out.json --plot roofline.png   # the picture from saved results
 
 Shapes: B = 1, H = 8, D = 64, fp32 (the suite behind BENCHMARKS.md). Peers, measured in one run,
 interleaved round by round (the median of ``--rounds`` rounds is reported):
@@ -112,12 +113,56 @@ def gemm_gflops(rounds: int) -> float:
     return 2 * n ** 3 / min(_timed(lambda: torch.mm(a, b)) for _ in range(rounds)) / 1e9
 
 
+def plot(res: dict, path: str) -> None:
+    """Useful GFLOP/s of each peer on each case, under the machine's GEMM roofline (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    labels = list(dict.fromkeys(f"{r['case']}\nL={r['L']} {r['mode']}" for r in rows))
+    peers = [p for p in ("sdpa", "before", "native", "flex") if any(r["peer"] == p for r in rows)]
+    names = {"sdpa": "torch SDPA (dense mask / is_causal)", "before": "attnkit before (torch's kernel per run)",
+             "native": "attnkit's compiled kernel", "flex": "compiled FlexAttention (forward)"}
+    colors = {"sdpa": "#9e9e9e", "before": "#90caf9", "native": "#1565c0", "flex": "#ffb74d"}
+    fig, ax = plt.subplots(figsize=(12, 5.2), dpi=110)
+    width = 0.8 / len(peers)
+    for n, p in enumerate(peers):
+        xs, ys = [], []
+        for i, lab in enumerate(labels):
+            hit = [r for r in rows if f"{r['case']}\nL={r['L']} {r['mode']}" == lab and r["peer"] == p]
+            if hit:
+                xs.append(i + (n - (len(peers) - 1) / 2) * width)
+                ys.append(hit[0]["gflops"])
+        ax.bar(xs, ys, width, label=names[p], color=colors[p])
+    roof = res["roofline_gflops"]
+    ax.axhline(roof, color="#c62828", linestyle="--", linewidth=1.2)
+    ax.text(-0.45, roof * 1.01, f"GEMM roofline: {roof:.0f} GFLOP/s (one 2048³ fp32 torch.mm)", color="#c62828",
+            va="bottom", ha="left", fontsize=9)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("useful GFLOP/s (masked-out work not counted)")
+    ax.set_title(f"attention on the CPU, fp32, {res['threads']} threads, B=1 H=8 D=64: "
+                 "work the mask keeps, per second", fontsize=11)
+    ax.set_ylim(0, roof * 1.45)
+    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--plot", help="also draw the GFLOP/s of every case and peer under the roofline (PNG)")
+    ap.add_argument("--replot", metavar="JSON", help="only draw --plot from results saved by --json")
     ap.add_argument("--flex", action="store_true", help="also compiled FlexAttention (forward; compiles per case)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            plot(json.load(f), a.plot or "roofline.png")
+        return
     print(f"{_native.status()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     roof = gemm_gflops(a.rounds)
     print(f"machine: one 2048^3 fp32 torch.mm = {roof:.0f} GFLOP/s (the roofline)\n")
@@ -146,9 +191,12 @@ def main():
                 rows.append(row)
                 print(f"{name:<14}{L:>7} {mode:<7}{p:<8}{t * 1e3:>9.1f}{gf:>9.0f}{row['of_sdpa_dense']:>14.0%}"
                       f"{row['of_gemm']:>9.0%}{row['speedup_vs_sdpa']:>8.2f}x{row['speedup_vs_before']:>9.2f}x")
+    res = {"roofline_gflops": roof, "threads": torch.get_num_threads(), "rows": rows}
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"roofline_gflops": roof, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+            json.dump(res, f, indent=1)
+    if a.plot:
+        plot(res, a.plot)
 
 
 if __name__ == "__main__":
