@@ -114,8 +114,10 @@ def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dr
 
     >>> q = k = v = torch.randn(1, 2, 1024, 64)
     >>> d = attnkit.dispatch(q, k, v, mask=attnkit.masks.sliding_window(256))
-    >>> d.backend, d.worker  # "native": attnkit's compiled kernel ("fused" where it was not built)
-    ('tiled', 'native')
+    >>> d.backend
+    'tiled'
+    >>> d.worker in ("native", "fused")  # attnkit's compiled kernel; torch's flash kernel where it was not built
+    True
     >>> print(d.reason)  # doctest: +NORMALIZE_WHITESPACE
     block-sparse tiled kernel for mask sliding_window(256, align='bottom_right')
     (SDPA would need a dense (B, H, L, S) mask)
