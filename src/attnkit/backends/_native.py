@@ -110,8 +110,8 @@ def isa() -> str:
 
 def status() -> str:
     """One line: the kernel and its instruction set, or why it is not used."""
-    if _lib is not None or available():
-        assert _lib is not None
+    _load()
+    if _lib is not None:
         return f"attnkit's compiled CPU kernel ({isa()}, OpenMP {'on' if _lib.ak_openmp() else 'off'})"
     return f"attnkit's compiled CPU kernel is not used: {unavailable_reason()}"
 

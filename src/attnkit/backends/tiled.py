@@ -312,8 +312,9 @@ def _launch(req: Request, worker: str):
             given = torch.minimum(given, _worklist.tile_map(req.plan_extra, B, H, L, S, bm, bn))
     c = TileContext(req, worker)
     if worker == "native":  # the kernel finds its tiles from the row intervals: no work list to build
-        if "row_intervals" not in req.memo and native_unfit(req) is not None:
-            raise RuntimeError(f"the compiled kernel cannot run this call: {native_unfit(req)}")
+        why = None if "row_intervals" in req.memo else native_unfit(req)
+        if why is not None:
+            raise RuntimeError(f"the compiled kernel cannot run this call: {why}")
         return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)
     c.plan_bm_bn, c.given = (bm, bn), given
     c.causal = _tiled_fused.causal_pieces(req, given) if worker == "fused" else None

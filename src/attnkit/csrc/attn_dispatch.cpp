@@ -10,8 +10,8 @@
   void run_forward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,            \
                    const int32_t*, const float*, float*, float*);                                               \
   int run_backward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,           \
-                    const int32_t*, const float*, const float*, const int64_t*, const float*, const float*, const float*,     \
-                    float*, float*, float*);                                                                    \
+                    const int32_t*, const float*, const float*, const int64_t*, const float*, const float*,     \
+                    const float*, float*, float*, float*);                                                      \
   void release_scratch();                                                                                       \
   }
 AK_DECLARE(ak_base)
@@ -61,8 +61,9 @@ AK_API int ak_openmp() {
 }
 
 // meta (int64): B, H, Hkv, L, S, D, Dv, q strides (batch, head, row), k strides, v strides, lo/hi batch
-// stride (0 or L), threads. lo, hi: int32 (1 or B, L); alibi: (H,) slopes or null. Forward writes out (B, H, L, Dv), lse (B, H, L); backward
-// reads out (contiguous), lse and dlse (or null) and writes dq, dk, dv (contiguous, fp32).
+// stride (0 or L), threads. lo, hi: int32 (1 or B, L); alibi: (H,) slopes or null. Forward writes out
+// (B, H, L, Dv), lse (B, H, L); backward reads out (contiguous), lse and dlse (or null) and writes dq, dk,
+// dv (contiguous, fp32); it returns 1 when its scratch memory cannot be had.
 AK_API void ak_forward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
                        const int32_t* lo, const int32_t* hi, const float* alibi, float* out, float* lse) {
   switch (ak_isa()) {

@@ -20,7 +20,8 @@ void run_forward(const int64_t* meta, float scale, const float* q, const float* 
 }
 
 int run_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v, const int32_t* lo,
-                  const int32_t* hi, const float* alibi, const float* dout, const int64_t* sdo, const float* out, const float* lse,
+                  const int32_t* hi, const float* alibi, const float* dout, const int64_t* sdo, const float* out,
+                  const float* lse,
                   const float* dlse, float* dq, float* dk, float* dv) {
   Shape s = shape_of(meta, scale);
   s.lo = lo, s.hi = hi, s.alibi = alibi;

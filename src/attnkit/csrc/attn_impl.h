@@ -13,8 +13,8 @@
 //
 // Layout: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), fp32, last dimension contiguous,
 // any other strides (given in elements). GQA: query head h reads kv head h / (H / Hkv), no copy.
-// Scores, statistics and lse in natural units, fp32 (exponentials computed as exp2 of x * log2(e)); a row that sees no key
-// gets out = 0 and lse = -inf.
+// Scores, statistics and lse in natural units, fp32 (exponentials computed as exp2 of x * log2(e)); a row
+// that sees no key gets out = 0 and lse = -inf.
 
 // Every helper below is static (or in an anonymous-linkage template) and no std:: template is
 // instantiated here: each instruction set's copy must stay its own — a shared COMDAT (std::fill,
@@ -162,7 +162,7 @@ struct Arena {
   size_t cap = 0;
   ~Arena() { free(p); }
 };
-static thread_local Arena arenas[8];
+static thread_local Arena arenas[2];  // slot 0: delta, slot 1: the dQ lock flags
 
 template <class T>
 static T* scratch(int slot, long n) {
@@ -187,14 +187,12 @@ void release_scratch() {
 template <class T>
 struct Buf {
   T* p;
-  explicit Buf(long n, bool zero = true)
-      : p((T*)(zero ? calloc(n > 0 ? n : 1, sizeof(T)) : malloc((n > 0 ? n : 1) * sizeof(T)))) {}
+  explicit Buf(long n) : p((T*)calloc(n > 0 ? n : 1, sizeof(T))) {}
   ~Buf() { free(p); }
   Buf(const Buf&) = delete;
   Buf& operator=(const Buf&) = delete;
   T& operator[](long i) { return p[i]; }
   T* data() { return p; }
-  T* begin() { return p; }
 };
 
 struct Shape {
@@ -208,11 +206,11 @@ struct Shape {
   const float* alibi;  // (H,) ALiBi slopes: score + slope[h] * (kv - q), or null
 };
 
-// scores of S^T rows j < n (key j0 + j) for queries i0 + [c, c + VW): fl(q.k) * scale (+ ALiBi, with the
-// offset kv - q taken in integers first, as the reference rounds it)
-static inline vf scores_at(const float* row, vf sc, bool ab, vf sl, long key, vi qi) {
-  vf x = load(row) * sc;
-  if (ab) x += sl * __builtin_convertvector(splati((int32_t)key) - qi, vf);
+// scores fl(q.k) * scale (+ ALiBi's slope * (kv - q), the offset taken in integers first, as the reference
+// rounds it) of VW (query, key) pairs whose offsets are `kv_minus_q`
+static inline vf scored(vf dot, vf sc, bool ab, vf sl, vi kv_minus_q) {
+  vf x = dot * sc;
+  if (ab) x += sl * __builtin_convertvector(kv_minus_q, vf);
   return x;
 }
 
@@ -271,11 +269,11 @@ static inline void mask_tile(float* st, long n, long j0, const int32_t* lo, cons
   }
 }
 
-// Q^T of a query block (D x BM), times `mul`, zero in the padding columns
-static inline void pack_t(float* dst, const float* src, long stride, long m, long D, float mul) {
+// Q^T of a query block (D x BM), zero in the padding columns
+static inline void pack_t(float* dst, const float* src, long stride, long m, long D) {
   for (long i = 0; i < m; i++) {
     const float* r = src + i * stride;
-    for (long d = 0; d < D; d++) dst[d * BM + i] = r[d] * mul;
+    for (long d = 0; d < D; d++) dst[d * BM + i] = r[d];
   }
   if (m < BM)
     for (long d = 0; d < D; d++) fill(dst + d * BM + m, dst + d * BM + BM, 0.f);
@@ -318,28 +316,14 @@ static inline void vectors_seeing(const Edges& e, long ja, long jb, int& v0, int
   if (v1 <= v0) v0 = v1 = 0;
 }
 
-// the keys [ka, kb) (tile-relative, within [0, n)) that any of queries [i, i + r) sees
-static inline void keys_seen(const Edges& e, long i, long r, long j0, long n, long& ka, long& kb) {
+// keys [ka, kb) of a tile (tile-relative) that any of rows [i, i + r) sees
+static inline void row_keys(const int32_t* lo, const int32_t* hi, long i, long r, long j0, long n, long& ka,
+                            long& kb) {
   long a = j0 + n, b = j0;
   for (long x = i; x < i + r; x++)
-    if (e.lo[x] < e.hi[x]) a = mn<long>(a, e.lo[x]), b = mx2<long>(b, e.hi[x]);
+    if (lo[x] < hi[x]) a = mn<long>(a, lo[x]), b = mx2<long>(b, hi[x]);
   ka = mx2<long>(a, j0) - j0, kb = mn<long>(b, j0 + n) - j0;
   if (kb < ka) kb = ka;
-}
-
-template <bool ZERO>
-static inline void mk_any(int rows, int nv, int K, const float* A, long sai, long sak, const float* B, long ldb,
-                          float* C, long ldc) {
-  // rows <= R, nv <= NC vectors
-  if (rows == R) {
-    switch (nv) {
-      case 4: if (NC >= 4) { mk<R, (NC >= 4 ? 4 : NC), ZERO>(K, A, sai, sak, B, ldb, C, ldc); return; } break;
-      case 3: if (NC >= 3) { mk<R, (NC >= 3 ? 3 : NC), ZERO>(K, A, sai, sak, B, ldb, C, ldc); return; } break;
-      case 2: mk<R, 2, ZERO>(K, A, sai, sak, B, ldb, C, ldc); return;
-      case 1: mk<R, 1, ZERO>(K, A, sai, sak, B, ldb, C, ldc); return;
-    }
-  }
-  gemm<ZERO>(rows, nv * VW, K, A, sai, sak, B, ldb, C, ldc);
 }
 
 // S^T (n x BM) = Kr (n x K, rows in place) . Bt (K x BM), each group of R keys only over the query vectors
@@ -350,10 +334,8 @@ static void scores_trimmed(long n, long j0, int K, const float* Kr, long ldk, co
     const int rows = (int)mn<long>(R, n - r0);
     int v0, v1;
     vectors_seeing(e, j0 + r0, j0 + r0 + rows, v0, v1);
-    for (int v = v0; v < v1; v += NC) {
-      const int nv = mn(NC, v1 - v);
-      mk_any<true>(rows, nv, K, Kr + r0 * ldk, ldk, 1, Bt + v * VW, BM, st + r0 * BM + v * VW, BM);
-    }
+    if (v1 > v0)
+      gemm<true>(rows, (v1 - v0) * VW, K, Kr + r0 * ldk, ldk, 1, Bt + v0 * VW, BM, st + r0 * BM + v0 * VW, BM);
   }
 }
 
@@ -364,7 +346,7 @@ static void by_keys_trimmed(long m, long n, long j0, long N, const float* pt, co
   for (long i = 0; i < m; i += R) {
     const long rows = mn<long>(R, m - i);
     long ka, kb;
-    keys_seen(e, i, rows, j0, n, ka, kb);
+    row_keys(e.lo, e.hi, i, rows, j0, n, ka, kb);
     if (kb > ka) gemm((int)rows, (int)N, (int)(kb - ka), pt + ka * BM + i, 1, BM, B + ka * ldb, ldb, C + i * ldc, ldc);
   }
 }
@@ -396,7 +378,7 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
       block_edges(s, b, i0, m, lo.p, hi.p);
       Edges edges;
       edges_of(edges, lo.p, hi.p);
-      pack_t(qt.p, q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D, 1.f);
+      pack_t(qt.p, q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D);
       fill(acc.p, acc.p + BM * Dvp, 0.f);
       fill(mrow.p, mrow.p + BM, NEG_INF);
       fill(lrow.p, lrow.p + BM, 0.f);
@@ -420,7 +402,7 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
           vf mx = splat(NEG_INF);
           const vi qi = splati((int32_t)(i0 + cc)) + iota();
           for (long j = 0; j < n; j++) {
-            vf x = scores_at(st.p + j * BM + cc, sc, ab, sl, j0 + j, qi);
+            vf x = scored(load(st.p + j * BM + cc), sc, ab, sl, splati((int32_t)(j0 + j)) - qi);
             store(st.p + j * BM + cc, x);
             mx = x > mx ? x : mx;
           }
@@ -483,22 +465,25 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
 // lse in natural-log units (B, H, L). Writes dq (B, H, L, D), dk, dv, contiguous.
 // ---------------------------------------------------------------------------------------------------
 
-// keys [ka, kb) of a tile (tile-relative) that any of rows [i, i + r) sees
-static inline void row_keys(const int32_t* lo, const int32_t* hi, long i, long r, long j0, long n, long& ka,
-                            long& kb) {
-  long a = j0 + n, b = j0;
-  for (long x = i; x < i + r; x++)
-    if (lo[x] < hi[x]) a = mn<long>(a, lo[x]), b = mx2<long>(b, hi[x]);
-  ka = mx2<long>(a, j0) - j0, kb = mn<long>(b, j0 + n) - j0;
-  if (kb < ka) kb = ka;
-}
-
 // queries [ia, ib) of a block that see any of keys [ja, jb)
 static inline void key_rows(const int32_t* lo, const int32_t* hi, long m, long ja, long jb, long& ia, long& ib) {
   ia = m, ib = 0;
   for (long x = 0; x < m; x++)
     if (lo[x] < jb && hi[x] > ja && lo[x] < hi[x]) ia = mn(ia, x), ib = x + 1;
   if (ib < ia) ib = ia;
+}
+
+// C (n x N) += P^T (n x m; P(i, j) = P[i * BN + j]) . B (m x N rows, ldb): each group of R keys only over
+// the queries that see it (P is exactly 0 elsewhere)
+static void by_queries_trimmed(long n, long m, long j0, long N, const float* P, const float* B, long ldb,
+                               float* C, long ldc, const int32_t* lo, const int32_t* hi) {
+  for (long r0 = 0; r0 < n; r0 += R) {
+    const long rows = mn<long>(R, n - r0);
+    long ia, ib;
+    key_rows(lo, hi, m, j0 + r0, j0 + r0 + rows, ia, ib);
+    if (ib > ia)
+      gemm((int)rows, (int)N, (int)(ib - ia), P + ia * BN + r0, 1, BN, B + ia * ldb, ldb, C + r0 * ldc, ldc);
+  }
 }
 
 // S (m x BN) = A (m x K rows, in place) . Bt (K x BN), each group of R rows only over the key vectors its
@@ -509,9 +494,10 @@ static void rows_trimmed(long m, long j0, long n, int K, const float* A, long ld
     const int rows = (int)mn<long>(R, m - i);
     long ka, kb;
     row_keys(lo, hi, i, rows, j0, n, ka, kb);
-    const int v0 = (int)(ka / VW), v1 = (int)((kb + VW - 1) / VW);
-    for (int v = v0; v < v1; v += NC)
-      mk_any<true>(rows, mn(NC, v1 - v), K, A + i * lda, lda, 1, Bt + v * VW, BN, S + i * BN + v * VW, BN);
+    const long v0 = ka / VW, v1 = (kb + VW - 1) / VW;
+    if (v1 > v0)
+      gemm<true>(rows, (int)((v1 - v0) * VW), K, A + i * lda, lda, 1, Bt + v0 * VW, BN, S + i * BN + v0 * VW,
+                 BN);
   }
 }
 
@@ -642,8 +628,7 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
             const vf lv = splat(lr[i]), sl = splat(slope);
             const vi qi = splati((int32_t)(i0 + i));
             for (int c = 0; c < BN; c += VW) {
-              vf x = load(pr + c) * sc;
-              if (ab) x += sl * __builtin_convertvector(splati((int32_t)(j0 + c)) + iota() - qi, vf);
+              vf x = scored(load(pr + c), sc, ab, sl, splati((int32_t)(j0 + c)) + iota() - qi);
               store(pr + c, exp2v((x - lv) * l2e));
             }
           }
@@ -651,14 +636,7 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
           if (full) {
             gemm(n, Dvp, m, p.p, 1, BN, do_rows, lddo, dva.p, Dvp);
           } else {
-            for (long r0 = 0; r0 < n; r0 += R) {
-              const long rows = mn<long>(R, n - r0);
-              long ia, ib;
-              key_rows(lo.p, hi.p, m, j0 + r0, j0 + r0 + rows, ia, ib);
-              if (ib > ia)
-                gemm((int)rows, (int)Dvp, (int)(ib - ia), p.p + ia * BN + r0, 1, BN, do_rows + ia * lddo, lddo,
-                     dva.p + r0 * Dvp, Dvp);
-            }
+            by_queries_trimmed(n, m, j0, Dvp, p.p, do_rows, lddo, dva.p, Dvp, lo.p, hi.p);
           }
           // dP = dO V^T ; dS = P * (dP - delta)   (where P is 0, dS is 0: never 0 * garbage)
           if (full)
@@ -682,14 +660,7 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
             gemm(n, Dp, m, dp.p, 1, BN, q_rows, ldq, dka.p, Dp);
             gemm(m, Dp, n, dp.p, BN, 1, kb, ldk, dqb, lddq);
           } else {
-            for (long r0 = 0; r0 < n; r0 += R) {
-              const long rows = mn<long>(R, n - r0);
-              long ia, ib;
-              key_rows(lo.p, hi.p, m, j0 + r0, j0 + r0 + rows, ia, ib);
-              if (ib > ia)
-                gemm((int)rows, (int)Dp, (int)(ib - ia), dp.p + ia * BN + r0, 1, BN, q_rows + ia * ldq, ldq,
-                     dka.p + r0 * Dp, Dp);
-            }
+            by_queries_trimmed(n, m, j0, Dp, dp.p, q_rows, ldq, dka.p, Dp, lo.p, hi.p);
             for (long i = 0; i < m; i += R) {
               const long rows = mn<long>(R, m - i);
               long ka, kb2;
