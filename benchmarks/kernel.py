@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=2 python benchmarks/kernel.py                 # the goal table (~2 min on 2 cores)
     OMP_NUM_THREADS=2 python benchmarks/kernel.py --flex          # + compiled FlexAttention forward
+    OMP_NUM_THREADS=2 python benchmarks/kernel.py --dtype bf16 --cases dense,causal   # the kernel in bf16
     OMP_NUM_THREADS=2 python benchmarks/kernel.py --json out.json --plot roofline.png
     python benchmarks/kernel.py --replot out.json --plot roofline.png   # the picture from saved results
 
@@ -20,6 +21,9 @@ FLOPs: forward 4·B·H·D·(visible (query, key) pairs) — the *useful* work, s
 masked-out scores gets no credit for them; forward + backward × 3.5 (the backward is 2.5× the
 forward's GEMM work). "of SDPA dense" divides by SDPA's own dense GFLOP/s at L = 4096 in the same run.
 The roofline is one ``torch.mm`` of 2048 × 2048 fp32 matrices (2·n³ FLOP) at the same thread count.
+``--dtype bf16`` feeds bf16 to every peer; the compiled kernel computes in fp32 and ``auto`` keeps bf16 on
+torch's kernel where the CPU multiplies bf16 in hardware, so there the kernel is forced (this measures
+that rule).
 """
 
 from __future__ import annotations
@@ -62,10 +66,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def peers_for(name, L, mask, sdpa_mask, mode, flex):
+def peers_for(name, L, mask, sdpa_mask, mode, flex, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, H, L, D, generator=g).requires_grad_(mode == "fwdbwd") for _ in range(3))
-    go = torch.randn(B, H, L, D, generator=g)
+    q, k, v = (torch.randn(B, H, L, D, generator=g).to(dtype).requires_grad_(mode == "fwdbwd") for _ in range(3))
+    go = torch.randn(B, H, L, D, generator=g).to(dtype)
     dense = None
     if sdpa_mask == "dense":
         dense = mask.materialize(1, 1, L, L)
@@ -83,7 +87,11 @@ def peers_for(name, L, mask, sdpa_mask, mode, flex):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
 
     def native():
-        return attnkit.attention(q, k, v, mask=mask, backend="tiled")
+        saved, tiled._BF16_HW = tiled._BF16_HW, False  # bf16: the kernel itself, even where auto avoids it
+        try:
+            return attnkit.attention(q, k, v, mask=mask, backend="tiled")
+        finally:
+            tiled._BF16_HW = saved
 
     def before():
         saved, tiled.NATIVE = tiled.NATIVE, False
@@ -92,7 +100,11 @@ def peers_for(name, L, mask, sdpa_mask, mode, flex):
         finally:
             tiled.NATIVE = saved
 
-    d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
+    saved, tiled._BF16_HW = tiled._BF16_HW, False
+    try:
+        d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
+    finally:
+        tiled._BF16_HW = saved
     if d.worker != "native":
         raise SystemExit(f"{name}: the compiled kernel does not run here ({d.worker}: {d.worker_reason})")
     out = {"sdpa": run(sdpa), "native": run(native), "before": run(before)}
@@ -158,21 +170,28 @@ def main():
     ap.add_argument("--replot", metavar="JSON", help="only draw --plot from results saved by --json")
     ap.add_argument("--flex", action="store_true", help="also compiled FlexAttention (forward; compiles per case)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--cases", default="dense,causal,window,document",
+                    help="comma list from dense,causal,window,document")
     a = ap.parse_args()
     if a.replot:
         with open(a.replot) as f:
             plot(json.load(f), a.plot or "roofline.png")
         return
-    print(f"{_native.status()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{_native.status()}; torch {torch.__version__}, {torch.get_num_threads()} threads, {a.dtype}")
     roof = gemm_gflops(a.rounds)
     print(f"machine: one 2048^3 fp32 torch.mm = {roof:.0f} GFLOP/s (the roofline)\n")
     rows = []
     sdpa_dense = {}
     print(f"{'case':<14}{'L':>7} {'mode':<7}{'peer':<8}{'ms':>9}{'GFLOP/s':>9}{'of SDPA dense':>15}{'of GEMM':>9}"
           f"{'vs sdpa':>9}{'vs before':>10}")
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    wanted = {c.strip() for c in a.cases.split(",")}
     for name, L, mask, sdpa_mask in cases():
+        if name.split()[0] not in wanted:
+            continue
         for mode in ("fwd", "fwdbwd"):
-            fns = peers_for(name, L, mask, sdpa_mask, mode, a.flex)
+            fns = peers_for(name, L, mask, sdpa_mask, mode, a.flex, dtype)
             for f in fns.values():  # warm-up (flex: compiles here)
                 f()
             times = {p: [] for p in fns}
@@ -186,7 +205,7 @@ def main():
             for p, t in med.items():
                 gf = flop / t / 1e9
                 row = {"case": name, "L": L, "mode": mode, "peer": p, "ms": t * 1e3, "gflops": gf,
-                       "of_sdpa_dense": gf / sdpa_dense[mode], "of_gemm": gf / roof,
+                       "of_sdpa_dense": gf / sdpa_dense.get(mode, float("nan")), "of_gemm": gf / roof,
                        "speedup_vs_sdpa": med["sdpa"] / t, "speedup_vs_before": med["before"] / t}
                 rows.append(row)
                 print(f"{name:<14}{L:>7} {mode:<7}{p:<8}{t * 1e3:>9.1f}{gf:>9.0f}{row['of_sdpa_dense']:>14.0%}"

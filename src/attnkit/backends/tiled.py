@@ -150,8 +150,8 @@ def native_unfit(req: Request) -> str | None:
     if req.q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"{req.q.dtype} (the compiled kernel computes in fp32; float64 stays in float64)"
     if req.q.dtype == torch.bfloat16 and _bf16_hardware():
-        # measured (4096, window 256 / causal / none): torch's bf16 kernel 14 / 29 / 49 ms, the compiled
-        # kernel (fp32 inside) 19 / 67 / 130 ms on a CPU with AMX
+        # measured (`python benchmarks/kernel.py --dtype bf16 --cases dense,causal`, a CPU with AMX): torch's
+        # bf16 kernel per run ("before") 2.2-2.5x the compiled kernel's (fp32 inside) forward speed at L = 4096
         return "bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; ours is fp32)"
     if req.score_mod is not None and not isinstance(req.score_mod, _score_mods.Alibi):
         return "a score_mod other than ALiBi (the compiled kernel adds ALiBi's bias itself; others run on torch ops)"
