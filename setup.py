@@ -4,7 +4,7 @@ Everything else about the package is in pyproject.toml. The kernel is C++17 with
 (``src/attnkit/csrc``); it needs a C++ compiler (GCC >= 9 or Clang >= 10) and Python's headers.
 It is an *optional* extension: where it cannot be built, pip prints the compiler's error, the
 install goes on, and attnkit runs torch's kernels instead, saying so once
-(``attnkit.backends.native_status()``; ``attnkit.dispatch`` names the kernel that runs).
+(``attnkit.backends._native.status()``; ``attnkit.dispatch`` names the kernel that runs).
 """
 
 import os
@@ -13,7 +13,7 @@ import sys
 from setuptools import Extension, setup
 
 SRC = "src/attnkit/csrc"
-args = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden"]
+args = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra"]
 link = ["-fopenmp"]
 if sys.platform == "darwin":  # Apple clang: OpenMP from libomp, when installed
     args = ["-O3", "-std=c++17", "-Xpreprocessor", "-fopenmp"]

@@ -208,13 +208,14 @@ def test_forward_is_the_same_on_one_thread_and_two():
     assert torch.equal(one, two)
 
 
-def test_masks_that_are_not_intervals_go_elsewhere_and_say_why():
+def test_masks_that_are_not_intervals_run_on_the_tile_map_and_say_so():
     q, k, v = rand_qkv(1, 2, 2, 64, 64, 16)
-    for mask, why in [(M.key_padding(torch.tensor([[True, False] * 32])), "not one stretch"),
-                      (M.document(torch.tensor([0, 1] * 32)), "not one stretch"),
-                      (M.sliding_window(8) | M.causal("top_left"), "not one stretch")]:
+    for mask in [M.key_padding(torch.tensor([[True, False] * 32])), M.document(torch.tensor([0, 1] * 32)),
+                 M.sliding_window(8) | M.causal("top_left")]:
         d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
-        assert d.worker == "fused" and why in d.worker_reason, d
+        assert d.worker == "native" and "tile map" in d.worker_reason and "partial tiles masked" in d.worker_reason, d
+    d = attnkit.dispatch(q, k, v, mask=M.causal(), backend="tiled")
+    assert d.worker == "native" and "row intervals" in d.worker_reason, d
     d = attnkit.dispatch(q.double(), k.double(), v.double(), mask=M.causal(), backend="tiled")
     assert d.worker == "fused" and "float64" in d.worker_reason
     d = attnkit.dispatch(q, k, v, mask=M.causal(), score_mod=lambda s, b, h, i, j: s, backend="tiled")

@@ -103,6 +103,13 @@ class Mask:
         ``BlockMask``). Built-in masks' ``bind`` already is one."""
         return self.bind(L, S)
 
+    def points_mod(self, B: int, H: int, L: int, S: int) -> MaskMod:
+        """The ``mask_mod`` for index tensors that broadcast to any shape, not only the ``(B, H, L, S)``
+        grid: e.g. many tiles stacked on the batch dim (``b, h (T, 1, 1, 1)``, ``q (T, 1, bm, 1)``,
+        ``kv (T, 1, 1, bn)``), as the compiled kernel's tile map evaluates partial tiles. Built-in
+        masks' ``bind`` already broadcasts this way."""
+        return self.bind(L, S)
+
     def key_span(self, B: int, H: int, L: int, S: int) -> tuple[int, int]:
         """``[j0, j1)`` containing every key some query can see (conservative). Built-in masks
         answer in closed form; this default reads it off the tile kinds of 64-key blocks."""
@@ -815,6 +822,18 @@ class FromMod(Mask):
     def flex_mask_mod(self, L, S):
         return self.fn  # FlexAttention evaluates it its own way (vmap)
 
+    def points_mod(self, B, H, L, S):
+        fn = self.fn
+        if _mods.broadcast_safe(fn, False, B, H, L, S):
+            return fn
+        pointwise = torch.vmap(fn)  # scalar semantics: one point per lane, any arrangement of points
+
+        def mod(b, h, q, kv):
+            shape = torch.broadcast_shapes(b.shape, h.shape, q.shape, kv.shape)
+            return pointwise(*(t.expand(shape).reshape(-1) for t in (b, h, q, kv))).reshape(shape)
+
+        return mod
+
     def tile_kinds(self, B, H, L, S, bm, bn):
         return self._kinds_counted(B, H, L, S, bm, bn)[0]
 
@@ -889,6 +908,9 @@ class _Fold(_Combined):
     def bind(self, L, S):
         return _fold([p.bind(L, S) for p in self.parts], self._op)
 
+    def points_mod(self, B, H, L, S):
+        return _fold([p.points_mod(B, H, L, S) for p in self.parts], self._op)
+
     def __repr__(self):
         return "(" + f" {self._sym} ".join(map(repr, self.parts)) + ")"
 
@@ -948,6 +970,10 @@ class Not(_Combined):
 
     def flex_mask_mod(self, L, S):
         mod = self.inner.flex_mask_mod(L, S)
+        return lambda b, h, q, kv: ~mod(b, h, q, kv)
+
+    def points_mod(self, B, H, L, S):
+        mod = self.inner.points_mod(B, H, L, S)
         return lambda b, h, q, kv: ~mod(b, h, q, kv)
 
     def tile_kinds(self, B, H, L, S, bm, bn):

@@ -41,12 +41,27 @@ import torch
 __all__ = ["available", "unavailable_reason", "isa", "forward", "backward", "status", "release_scratch"]
 
 ISA_NAMES = {0: "portable", 1: "AVX2", 2: "AVX-512"}
+TILE = 64  # the kernel's tile: 64 query rows x 64 keys (BM, BN in csrc/attn_impl.h); tile maps use it
 _ISA_ENV = {"base": 0, "portable": 0, "avx2": 1, "avx512": 2}
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _loaded = False
 _warned = False
+
+
+class _Call(ctypes.Structure):
+    """The kernel's call record (``AkCall`` in csrc/attn_common.h): one per call, its size and version
+    checked by the kernel, so a stale build never reads arguments by the wrong position."""
+
+    _fields_ = [*((n, ctypes.c_int64) for n in ("size", "version", "B", "H", "Hkv", "L", "S", "D", "Dv")),
+                *((n, ctypes.c_int64 * 3) for n in ("sq", "sk", "sv")), ("sdo", ctypes.c_int64 * 4),
+                *((n, ctypes.c_int64) for n in ("lob", "threads", "tkb", "tkh")), ("scale", ctypes.c_double),
+                *((n, ctypes.c_void_p) for n in ("q", "k", "v", "lo", "hi", "alibi", "tkind", "tidx", "tbits", "out",
+                                                 "lse", "dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv"))]
+
+
+_ABI_VERSION = 2  # AK_ABI_VERSION in csrc/attn_common.h
 
 
 def _load() -> None:
@@ -68,12 +83,16 @@ def _load() -> None:
     except OSError as e:
         _why = f"attnkit's compiled CPU kernel failed to load: {e}"
         return
-    lib.ak_forward.restype = None
-    lib.ak_backward.restype = ctypes.c_int
+    if hasattr(lib, "ak_abi_version"):  # a build older than the call record has neither symbol
+        lib.ak_abi_size.restype = lib.ak_abi_version.restype = ctypes.c_int64
+    if not hasattr(lib, "ak_abi_version") or lib.ak_abi_version() != _ABI_VERSION \
+            or lib.ak_abi_size() != ctypes.sizeof(_Call):
+        _why = ("attnkit's compiled CPU kernel is from another version of attnkit (its call record differs); "
+                "rebuild it: `pip install --force-reinstall --no-deps -e .` (or `make test`)")
+        return
+    lib.ak_forward.restype = lib.ak_backward.restype = ctypes.c_int
+    lib.ak_forward.argtypes = lib.ak_backward.argtypes = (ctypes.POINTER(_Call),)
     lib.ak_release_scratch.restype = None
-    ptr, f32 = ctypes.c_void_p, ctypes.c_float
-    lib.ak_forward.argtypes = (ptr, f32, *(ptr,) * 8)
-    lib.ak_backward.argtypes = (ptr, f32, *(ptr,) * 14)
     forced = os.environ.get("ATTNKIT_NATIVE_ISA", "").lower()
     if forced:
         if forced not in _ISA_ENV:
@@ -137,13 +156,6 @@ def _fit(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-def _meta(q, k, v, lob: int) -> torch.Tensor:
-    B, H, L, D = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    return torch.tensor([B, H, Hkv, L, S, D, Dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], lob,
-                         torch.get_num_threads()], dtype=torch.int64)
-
-
 def _edges(lo: torch.Tensor, hi: torch.Tensor, B: int, L: int):
     assert lo.dtype == torch.int32 and lo.shape == hi.shape and lo.shape[-1] == L and lo.shape[0] in (1, B)
     lo, hi = lo.contiguous(), hi.contiguous()
@@ -158,51 +170,82 @@ def _slopes(alibi, H: int):
     return a
 
 
-def forward(q, k, v, lo, hi, scale: float, alibi=None):
-    """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32) of attention where row i sees keys [lo, hi);
-    ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)`` to each score, or None."""
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _call(q, k, v, lo, hi, scale: float, alibi, tiles) -> tuple[_Call, list]:
+    """The call record for these inputs (q, k, v already fitted); ``keep`` holds the tensors it points into."""
+    B, H, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    lo, hi, lob = _edges(lo, hi, B, L)
+    ab = _slopes(alibi, H)
+    c = _Call(size=ctypes.sizeof(_Call), version=_ABI_VERSION, B=B, H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv,
+              lob=lob, threads=torch.get_num_threads(), scale=float(scale))
+    c.sq[:], c.sk[:], c.sv[:] = q.stride()[:3], k.stride()[:3], v.stride()[:3]
+    c.q, c.k, c.v, c.lo, c.hi, c.alibi = q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(), hi.data_ptr(), _ptr(ab)
+    keep = [q, k, v, lo, hi, ab]
+    if tiles is not None:
+        kinds, idx, bits = tiles.kinds, tiles.index, tiles.bits
+        assert kinds.dtype == torch.int8 and idx.dtype == torch.int32 and bits.dtype == torch.int32
+        assert kinds.is_contiguous() and idx.is_contiguous() and bits.is_contiguous() and kinds.shape == idx.shape
+        TB, TH, nq, nk = kinds.shape
+        assert TB in (1, B) and TH in (1, H) and nq == -(-L // TILE) and nk == -(-S // TILE), (kinds.shape, B, H, L, S)
+        c.tkb, c.tkh = (TH * nq * nk if TB > 1 else 0), (nq * nk if TH > 1 else 0)
+        c.tkind, c.tidx, c.tbits = kinds.data_ptr(), idx.data_ptr(), bits.data_ptr()
+        keep += [kinds, idx, bits]
+    return c, keep
+
+
+def _check(rc: int, B: int, H: int, L: int) -> None:
+    if rc == 1:
+        raise MemoryError(f"attnkit's compiled kernel: no memory for the backward's scratch (B={B}, H={H}, L={L})")
+    if rc != 0:
+        raise RuntimeError(f"attnkit's compiled kernel refused the call (code {rc}): rebuild it "
+                           "(`pip install --force-reinstall --no-deps -e .`)")
+
+
+def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None):
+    """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32) of attention where row i sees keys [lo, hi) and, with
+    ``tiles`` (a :class:`~attnkit.backends._tilebits.TileBits` of 64 × 64 tiles), only what its tile map
+    and partial tiles' bits allow; ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)``, or None."""
     lib = _require()
     q, k, v = _fit(q), _fit(k), _fit(v)
     B, H, L, _ = q.shape
-    lo, hi, lob = _edges(lo, hi, B, L)
+    c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles)
     out = torch.empty(B, H, L, v.shape[-1])
     lse = torch.empty(B, H, L)
-    meta = _meta(q, k, v, lob)
-    ab = _slopes(alibi, H)
-    lib.ak_forward(meta.data_ptr(), float(scale), q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
-                   hi.data_ptr(), None if ab is None else ab.data_ptr(), out.data_ptr(), lse.data_ptr())
+    c.out, c.lse = out.data_ptr(), lse.data_ptr()
+    _check(lib.ak_forward(ctypes.byref(c)), B, H, L)
+    del keep
     return out, lse
 
 
-def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None):
+def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None, tiles=None):
     """(dq, dk, dv) in fp32 for the forward above (``out``, ``lse`` its results); ``dlse`` a gradient
-    into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ and the scale are
-    all done inside the kernel."""
+    into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ (in key-tile order: the
+    same bits on every run and at every thread count) and the scale are all done inside the kernel."""
     lib = _require()
     q, k, v = _fit(q), _fit(k), _fit(v)
     dout = dout.float()  # any strides: an expanded gradient (loss.sum()) is read in place, never copied whole
     B, H, L, D = q.shape
-    lo, hi, lob = _edges(lo, hi, B, L)
+    c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles)
     out = out.float().contiguous()
     lse = lse.float().contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
     dq = torch.empty(B, H, L, D)
     dk = torch.empty(B, k.shape[1], k.shape[2], D)
     dv = torch.empty(B, v.shape[1], v.shape[2], v.shape[-1])
-    meta = _meta(q, k, v, lob)
-    sdo = torch.tensor(dout.stride(), dtype=torch.int64)
-    ab = _slopes(alibi, H)
-    rc = lib.ak_backward(meta.data_ptr(), float(scale), q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
-                         hi.data_ptr(), None if ab is None else ab.data_ptr(), dout.data_ptr(), sdo.data_ptr(),
-                         out.data_ptr(), lse.data_ptr(),
-                         None if dlse is None else dlse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
-    if rc != 0:
-        raise MemoryError(f"attnkit's compiled kernel: no memory for the backward's scratch (B={B}, H={H}, L={L})")
+    c.sdo[:] = dout.stride()
+    c.dout, c.fwd_out, c.fwd_lse, c.dlse = dout.data_ptr(), out.data_ptr(), lse.data_ptr(), _ptr(dlse)
+    c.dq, c.dk, c.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    _check(lib.ak_backward(ctypes.byref(c)), B, H, L)
+    del keep
     return dq, dk, dv
 
 
 def release_scratch() -> None:
-    """Give back the scratch memory the backward keeps between calls on this thread (δ and the
-    per-block lock flags of the largest call so far: B·H·L floats). The next backward allocates it again."""
+    """Give back the scratch memory the backward keeps between calls on this thread (δ, the per-block
+    dQ turns and key-tile ranges of the largest call so far: about B·H·L floats). The next backward allocates it again."""
     if available():
         _require().ak_release_scratch()

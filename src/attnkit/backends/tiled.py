@@ -50,7 +50,7 @@ import torch
 
 from .. import masks as _masks
 from .. import score_mods as _score_mods
-from . import _flash_cpu, _native, _softmax, _tiled_fused, _tiled_plain, _tiles, _worklist
+from . import _flash_cpu, _native, _softmax, _tilebits, _tiled_fused, _tiled_plain, _tiles, _worklist
 from ._base import Request
 from ._tiled_ctx import TileContext, additive_mod
 from ._tiles import has_nan
@@ -141,8 +141,9 @@ def _bf16_hardware() -> bool:
 
 
 def native_unfit(req: Request) -> str | None:
-    """Why attnkit's compiled kernel cannot run this call (None: it can). On success the mask's
-    row intervals are left in ``req.memo["row_intervals"]`` for the run that follows."""
+    """Why attnkit's compiled kernel cannot run this call (None: it can). On success the mask's row
+    intervals (a built-in mask that is one stretch of keys per row) are left in ``req.memo["row_intervals"]``,
+    or, for any other mask, its tile map with each partial tile's bits in ``req.memo["tile_bits"]``."""
     if not NATIVE:
         return "the compiled kernel is switched off (tiled.NATIVE = False)"
     if req.q.device.type != "cpu":
@@ -162,12 +163,16 @@ def native_unfit(req: Request) -> str | None:
     if req.extra_grads():
         return "gradients into tensors other than q, k, v"
     B, H, L, S, *_ = req.shape
-    iv = req.memo.get("row_intervals")
-    if iv is None:
+    if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
         iv = _row_intervals(req.mask if req.mask is not None else _FULL, B, L, S)
-        if iv is None:
-            return f"mask {req.mask!r} is not one stretch of keys per row (its tiles come from the plan)"
-        req.memo["row_intervals"] = iv
+        if iv is not None:
+            req.memo["row_intervals"] = iv
+        else:
+            try:
+                req.memo["tile_bits"] = _tilebits.tile_bits(req.mask, B, H, L, S)
+            except Exception as e:  # a mod that cannot run on stacked tiles: torch's kernels evaluate it per run
+                return (f"mask {req.mask!r} could not be evaluated on stacked 64 x 64 tiles for the kernel's tile map "
+                        f"({type(e).__name__}: {e})")
     if not _native.available():
         _native.warn_missing()
         return _native.unavailable_reason()
@@ -182,8 +187,13 @@ def choose_worker(req: Request) -> tuple[str, str]:
         return "plain", "the fused worker is switched off (tiled.FUSED = False)"
     why_not = native_unfit(req)
     if why_not is None:
-        return "native", (f"attnkit's compiled kernel ({_native.isa()}): block-sparse FlashAttention-2 over the "
-                          "mask's row intervals, empty tiles skipped, full tiles unmasked")
+        tb = req.memo.get("tile_bits")
+        if tb is None:
+            how = "the mask's row intervals, empty tiles skipped, full tiles unmasked"
+        else:
+            how = (f"the mask's tile map ({100 * tb.computed_fraction:.0f}% of 64 x 64 tiles computed, "
+                   f"{tb.partial_tiles} partial tiles masked by their own bits)")
+        return "native", f"attnkit's compiled kernel ({_native.isa()}): block-sparse FlashAttention-2 over {how}"
     if req.score_mod is not None and not additive_mod(req.score_mod):
         return "plain", "a score_mod that is not an additive bias (the fused kernel takes only a bias tile)"
     if req.q.shape[-1] != req.v.shape[-1]:
@@ -226,8 +236,8 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, c: TileContext, *captured):
         if c.worker == "native":
-            lo, hi = c.req.memo["row_intervals"]
-            out_hi, lse = _native.forward(q, k, v, lo, hi, c.req.scale, alibi=_alibi(c.req))
+            lo, hi, tiles = _native_mask(c.req)
+            out_hi, lse = _native.forward(q, k, v, lo, hi, c.req.scale, alibi=_alibi(c.req), tiles=tiles)
             out = out_hi.to(q.dtype)
             ctx.save_for_backward(q, k, v, out_hi, lse)
             ctx.c = c
@@ -268,8 +278,9 @@ class _TiledAttention(torch.autograd.Function):
             dout = dout.masked_fill(rows.unsqueeze(-1), 0)
             dlse = None if dlse is None else dlse.masked_fill(rows, 0)
         if c.worker == "native":
-            lo, hi = c.req.memo["row_intervals"]
-            dq, dk, dv = _native.backward(q, k, v, lo, hi, c.req.scale, out, lse, dout, dlse, alibi=_alibi(c.req))
+            lo, hi, tiles = _native_mask(c.req)
+            dq, dk, dv = _native.backward(q, k, v, lo, hi, c.req.scale, out, lse, dout, dlse, alibi=_alibi(c.req),
+                                          tiles=tiles)
         elif c.fused and dlse is None:
             bwd = _tiled_fused.causal_backward if c.causal else _tiled_fused.backward
             kd = c.kernel_dtype
@@ -289,6 +300,17 @@ class _TiledAttention(torch.autograd.Function):
             dbias = dbias.to(c.req.bias.dtype)
         dcap = [None if g is None else g.to(t.dtype) for g, t in zip(dcap, c.captured, strict=True)]
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None, *dcap)
+
+
+def _native_mask(req: Request):
+    """(lo, hi, tile map or None) for the kernel: the mask's row intervals, or every key [0, S) bounded by
+    its tile map."""
+    tiles = req.memo.get("tile_bits")
+    if tiles is None:
+        lo, hi = req.memo["row_intervals"]
+        return lo, hi, None
+    L, S = req.q.shape[2], req.k.shape[2]
+    return torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32), tiles
 
 
 def _alibi(req: Request):
@@ -312,7 +334,7 @@ def _launch(req: Request, worker: str):
             given = torch.minimum(given, _worklist.tile_map(req.plan_extra, B, H, L, S, bm, bn))
     c = TileContext(req, worker)
     if worker == "native":  # the kernel finds its tiles from the row intervals: no work list to build
-        why = None if "row_intervals" in req.memo else native_unfit(req)
+        why = None if "row_intervals" in req.memo or "tile_bits" in req.memo else native_unfit(req)
         if why is not None:
             raise RuntimeError(f"the compiled kernel cannot run this call: {why}")
         return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)

@@ -1,4 +1,4 @@
-// Shared by every instruction-set build of the kernel: headers and the C ABI's shape record.
+// Shared by every instruction-set build of the kernel: headers and the C ABI's call record.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -6,6 +6,43 @@
 #include <cstring>
 #include <limits>
 
+#include <sched.h>
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+// Bumped whenever AkCall changes; the caller (attnkit/backends/_native.py) sends the version and
+// sizeof(AkCall) it was built for, and a call whose record does not match is refused (returns AK_E_ABI).
+#define AK_ABI_VERSION 2
+
+enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2 };
+
+// One kernel call, forward or backward. Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv); strides in
+// elements (batch, head, row), the last dimension contiguous. The mask is per-row key intervals lo/hi
+// (int32, (1 or B, L); row i sees keys [lo, hi)) and, optionally, a tile map over 64 x 64 tiles:
+// tkind int8 (TB, TH, nq, nk) 0 empty / 1 partial / 2 full, with batch / head strides tkb / tkh (0:
+// shared), tidx int32 the same shape (a partial tile's bit mask in tbits), tbits uint32 (P, 2, 64): per
+// query row of a tile, keys 0-31 in plane 0 and 32-63 in plane 1, bit set = attend. With a tile map the
+// intervals only bound the keys (the caller passes [0, S)).
+struct AkCall {
+  int64_t size, version;
+  int64_t B, H, Hkv, L, S, D, Dv;
+  int64_t sq[3], sk[3], sv[3];
+  int64_t sdo[4];  // dO's strides (backward; any, e.g. 0 for an expanded gradient)
+  int64_t lob;     // batch stride of lo / hi (0 or L)
+  int64_t threads;
+  int64_t tkb, tkh;
+  double scale;
+  const float *q, *k, *v;
+  const int32_t *lo, *hi;
+  const float* alibi;  // (H,) ALiBi slopes, or null
+  const int8_t* tkind;
+  const int32_t* tidx;
+  const uint32_t* tbits;
+  // forward: writes out (B, H, L, Dv), lse (B, H, L)
+  float *out, *lse;
+  // backward: reads the forward's out (contiguous) and lse, dout (strides sdo), dlse (or null); writes dq, dk, dv
+  const float *dout, *fwd_out, *fwd_lse, *dlse;
+  float *dq, *dk, *dv;
+};

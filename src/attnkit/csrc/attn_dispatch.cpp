@@ -7,11 +7,8 @@
 
 #define AK_DECLARE(ns)                                                                                          \
   namespace ns {                                                                                                \
-  void run_forward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,            \
-                   const int32_t*, const float*, float*, float*);                                               \
-  int run_backward(const int64_t*, float, const float*, const float*, const float*, const int32_t*,           \
-                    const int32_t*, const float*, const float*, const int64_t*, const float*, const float*,     \
-                    const float*, float*, float*, float*);                                                      \
+  int run_forward(const AkCall*);                                                                                \
+  int run_backward(const AkCall*);                                                                               \
   void release_scratch();                                                                                       \
   }
 AK_DECLARE(ak_base)
@@ -60,31 +57,34 @@ AK_API int ak_openmp() {
 #endif
 }
 
-// meta (int64): B, H, Hkv, L, S, D, Dv, q strides (batch, head, row), k strides, v strides, lo/hi batch
-// stride (0 or L), threads. lo, hi: int32 (1 or B, L); alibi: (H,) slopes or null. Forward writes out
-// (B, H, L, Dv), lse (B, H, L); backward reads out (contiguous), lse and dlse (or null) and writes dq, dk,
-// dv (contiguous, fp32); it returns 1 when its scratch memory cannot be had.
-AK_API void ak_forward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
-                       const int32_t* lo, const int32_t* hi, const float* alibi, float* out, float* lse) {
+static bool abi_ok(const AkCall* c) { return c && c->size == (int64_t)sizeof(AkCall) && c->version == AK_ABI_VERSION; }
+
+// The size and version of the call record this build expects (the caller checks them once at load).
+AK_API int64_t ak_abi_size() { return (int64_t)sizeof(AkCall); }
+AK_API int64_t ak_abi_version() { return AK_ABI_VERSION; }
+
+// Forward: writes c->out, c->lse. Backward: writes c->dq, c->dk, c->dv (contiguous, fp32); deterministic (dQ
+// shares are added in key-tile order). Both return AK_OK, AK_E_NOMEM (scratch memory) or AK_E_ABI (a record of
+// another size or version).
+AK_API int ak_forward(const AkCall* c) {
+  if (!abi_ok(c)) return AK_E_ABI;
   switch (ak_isa()) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    case 2: ak_avx512::run_forward(meta, scale, q, k, v, lo, hi, alibi, out, lse); return;
-    case 1: ak_avx2::run_forward(meta, scale, q, k, v, lo, hi, alibi, out, lse); return;
+    case 2: return ak_avx512::run_forward(c);
+    case 1: return ak_avx2::run_forward(c);
 #endif
-    default: ak_base::run_forward(meta, scale, q, k, v, lo, hi, alibi, out, lse);
+    default: return ak_base::run_forward(c);
   }
 }
 
-AK_API int ak_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v,
-                        const int32_t* lo, const int32_t* hi, const float* alibi, const float* dout,
-                        const int64_t* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
-                        float* dv) {
+AK_API int ak_backward(const AkCall* c) {
+  if (!abi_ok(c)) return AK_E_ABI;
   switch (ak_isa()) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    case 2: return ak_avx512::run_backward(meta, scale, q, k, v, lo, hi, alibi, dout, sdo, out, lse, dlse, dq, dk, dv);
-    case 1: return ak_avx2::run_backward(meta, scale, q, k, v, lo, hi, alibi, dout, sdo, out, lse, dlse, dq, dk, dv);
+    case 2: return ak_avx512::run_backward(c);
+    case 1: return ak_avx2::run_backward(c);
 #endif
-    default: return ak_base::run_backward(meta, scale, q, k, v, lo, hi, alibi, dout, sdo, out, lse, dlse, dq, dk, dv);
+    default: return ak_base::run_backward(c);
   }
 }
 
@@ -100,6 +100,7 @@ AK_API void ak_release_scratch() {
 }  // extern "C"
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
-                                    "attnkit's CPU attention kernel (C ABI, loaded with ctypes).", -1, nullptr};
+                                    "attnkit's CPU attention kernel (C ABI, loaded with ctypes).", -1, nullptr,
+                                    nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,32 +1,27 @@
-// Per-instruction-set entry points (meta: see attn_dispatch.cpp), inside AK_NS.
+// Per-instruction-set entry points (the call record: attn_common.h), inside AK_NS.
 namespace AK_NS {
 
-static Shape shape_of(const int64_t* meta, float scale) {
+static Shape shape_of(const AkCall* c) {
   Shape s;
-  s.B = meta[0], s.H = meta[1], s.Hkv = meta[2], s.L = meta[3], s.S = meta[4], s.D = meta[5], s.Dv = meta[6];
-  for (int i = 0; i < 3; i++) s.sq[i] = meta[7 + i], s.sk[i] = meta[10 + i], s.sv[i] = meta[13 + i];
-  s.lob = meta[16];
-  s.threads = (int)meta[17];
-  s.scale = scale;
-  s.alibi = nullptr;
+  s.B = c->B, s.H = c->H, s.Hkv = c->Hkv, s.L = c->L, s.S = c->S, s.D = c->D, s.Dv = c->Dv;
+  for (int i = 0; i < 3; i++) s.sq[i] = c->sq[i], s.sk[i] = c->sk[i], s.sv[i] = c->sv[i];
+  s.lo = c->lo, s.hi = c->hi, s.lob = c->lob;
+  s.threads = (int)c->threads;
+  s.scale = (float)c->scale;
+  s.alibi = c->alibi;
+  s.tkind = c->tkind, s.tidx = c->tidx, s.tbits = c->tbits, s.tkb = c->tkb, s.tkh = c->tkh;
   return s;
 }
 
-void run_forward(const int64_t* meta, float scale, const float* q, const float* k, const float* v, const int32_t* lo,
-                 const int32_t* hi, const float* alibi, float* out, float* lse) {
-  Shape s = shape_of(meta, scale);
-  s.lo = lo, s.hi = hi, s.alibi = alibi;
-  forward(s, q, k, v, out, lse);
+int run_forward(const AkCall* c) {
+  forward(shape_of(c), c->q, c->k, c->v, c->out, c->lse);
+  return AK_OK;
 }
 
-int run_backward(const int64_t* meta, float scale, const float* q, const float* k, const float* v, const int32_t* lo,
-                  const int32_t* hi, const float* alibi, const float* dout, const int64_t* sdo, const float* out,
-                  const float* lse,
-                  const float* dlse, float* dq, float* dk, float* dv) {
-  Shape s = shape_of(meta, scale);
-  s.lo = lo, s.hi = hi, s.alibi = alibi;
-  long sd[4] = {(long)sdo[0], (long)sdo[1], (long)sdo[2], (long)sdo[3]};
-  return backward(s, q, k, v, dout, sd, out, lse, dlse, dq, dk, dv);
+int run_backward(const AkCall* c) {
+  const long sd[4] = {(long)c->sdo[0], (long)c->sdo[1], (long)c->sdo[2], (long)c->sdo[3]};
+  return backward(shape_of(c), c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq, c->dk,
+                  c->dv);
 }
 
 }  // namespace AK_NS

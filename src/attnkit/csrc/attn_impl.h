@@ -154,15 +154,15 @@ static inline void fill(float* a, float* e, float x) {
   for (; a < e; a++) *a = x;
 }
 
-// Scratch memory kept between calls (per calling thread, per slot): the backward's delta and lock flags
-// (B*H*L floats); fresh pages cost a fault and a zeroing each. Grows to the largest call seen;
+// Scratch memory kept between calls (per calling thread, per slot): the backward's delta, dQ turns and key-tile
+// ranges (B*H*L floats, B*H*L/64 ints); fresh pages cost a fault and a zeroing each. Grows to the largest call seen;
 // ak_release_scratch() gives it back.
 struct Arena {
   void* p = nullptr;
   size_t cap = 0;
   ~Arena() { free(p); }
 };
-static thread_local Arena arenas[2];  // slot 0: delta, slot 1: the dQ lock flags
+static thread_local Arena arenas[3];  // slot 0: delta, slot 1: the dQ turns, slot 2: the key-tile ranges
 
 template <class T>
 static T* scratch(int slot, long n) {
@@ -204,7 +204,28 @@ struct Shape {
   float scale;
   int threads;
   const float* alibi;  // (H,) ALiBi slopes: score + slope[h] * (kv - q), or null
+  // the tile map (null: intervals only; see AkCall): kinds, bit-mask index, bit masks, batch / head strides
+  const int8_t* tkind;
+  const int32_t* tidx;
+  const uint32_t* tbits;
+  long tkb, tkh;
 };
+
+enum { T_EMPTY = 0, T_PARTIAL = 1, T_FULL = 2 };
+
+// A tile of the map: its kind and, for a partial tile, its bit mask (2 planes of BM words); kind full and no
+// bits without a map (the intervals decide).
+struct TileMask {
+  int kind;
+  const uint32_t* bits;
+};
+
+static inline TileMask tile_mask(const Shape& s, long b, long h, long qb, long kb, long nk) {
+  if (!s.tkind) return {T_FULL, nullptr};
+  const long t = b * s.tkb + h * s.tkh + qb * nk + kb;
+  const int kind = s.tkind[t];
+  return {kind, kind == T_PARTIAL ? s.tbits + (long)s.tidx[t] * 2 * BM : nullptr};
+}
 
 // scores fl(q.k) * scale (+ ALiBi's slope * (kv - q), the offset taken in integers first, as the reference
 // rounds it) of VW (query, key) pairs whose offsets are `kv_minus_q`
@@ -266,6 +287,26 @@ static inline void mask_tile(float* st, long n, long j0, const int32_t* lo, cons
       vi keep = (jj >= lov) & (jj < hiv);
       store(st + j * BM + c, keep ? load(st + j * BM + c) : splat(NEG_INF));
     }
+  }
+}
+
+// S^T rows j < n of a partial tile of the map: -inf where the tile's bit for (query, key j) is clear
+static inline void mask_bits_t(float* st, long n, const uint32_t* bits) {
+  for (int c = 0; c < BM; c += VW) {
+    const vi w0 = *(const vi_u*)(bits + c), w1 = *(const vi_u*)(bits + BM + c);
+    for (long j = 0; j < n; j++) {
+      const vi keep = (((j < 32 ? w0 : w1) >> (int)(j & 31)) & 1) != 0;
+      store(st + j * BM + c, keep ? load(st + j * BM + c) : splat(NEG_INF));
+    }
+  }
+}
+
+// row i (BN keys) of a partial tile of the map, row layout: -inf where the tile's bit is clear
+static inline void mask_bits_row(float* srow, const uint32_t* bits, long i) {
+  const int32_t w[2] = {(int32_t)bits[i], (int32_t)bits[BM + i]};
+  for (int c = 0; c < BN; c += VW) {
+    const vi keep = ((splati(w[c >> 5]) >> (iota() + (c & 31))) & 1) != 0;
+    store(srow + c, keep ? load(srow + c) : splat(NEG_INF));
   }
 }
 
@@ -355,7 +396,7 @@ static void by_keys_trimmed(long m, long n, long j0, long N, const float* pt, co
 // forward: out (B, H, L, Dv) contiguous, lse (B, H, L) contiguous
 // ---------------------------------------------------------------------------------------------------
 static void forward(const Shape& s, const float* q, const float* k, const float* v, float* out, float* lse) {
-  const long nq = (s.L + BM - 1) / BM, g = s.H / s.Hkv;
+  const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
   const long Dvp = round_up(s.Dv, VW);
   const long items = s.B * s.H * nq;
   const bool v_in_place = Dvp == s.Dv, ab = s.alibi != nullptr;
@@ -386,13 +427,16 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
       const float* vb = v + b * s.sv[0] + hk * s.sv[1];
       for (long j0 = blk.kmin / BN * BN; j0 < blk.kmax; j0 += BN) {
         const long n = mn<long>(BN, s.S - j0);
-        const bool full = n == BN && j0 >= blk.flo && j0 + n <= blk.fhi;
+        const TileMask tm = tile_mask(s, b, h, qb, j0 / BN, nk);
+        if (tm.kind == T_EMPTY) continue;
+        const bool full = !tm.bits && n == BN && j0 >= blk.flo && j0 + n <= blk.fhi;
         if (!full && !tile_touched(lo.p, hi.p, m, j0, j0 + n)) continue;
         if (full) {
           gemm<true>(n, BM, s.D, kb + j0 * s.sk[2], s.sk[2], 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
         } else {
           scores_trimmed(n, j0, (int)s.D, kb + j0 * s.sk[2], s.sk[2], qt.p, st.p, edges);
           mask_tile(st.p, n, j0, lo.p, hi.p);
+          if (tm.bits) mask_bits_t(st.p, n, tm.bits);
         }
         // Scores and their running max stay in natural units, s = fl(q.k) * scale as every other path
         // rounds them (so lse = max + log(sum) matches a softmax recomputed from these scores to the
@@ -458,8 +502,9 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
 // thread. The backward works on score tiles in row layout, S = Q K^T (queries x keys): Q, dO, K and V
 // rows are read in place and only the item's own K^T and V^T (D x 64 each) are packed, so it needs no
 // copy of the sequence. dQ: each (key tile, query block) pair's share is computed into a small tile of
-// the thread's own and added into dq under that query block's lock (a spin flag, held for the 64 x D
-// add only), so no per-thread copy of dQ exists; work items are dealt so that threads work far apart.
+// the thread's own and added into dq when it is that key tile's turn at the block (key tiles add in
+// increasing order: wait_turn), so dQ is summed in one fixed order and the backward gives the same bits on
+// every run and at every thread count, with no per-thread copy of dQ.
 // dO's rows may have any stride (an expanded gradient: packed per pair, never copied whole).
 // out: the forward's output (B, H, L, Dv) contiguous; dlse: a gradient into lse (B, H, L) or null;
 // lse in natural-log units (B, H, L). Writes dq (B, H, L, D), dk, dv, contiguous.
@@ -511,26 +556,14 @@ static inline void mask_row(float* srow, int32_t lo, int32_t hi, long j0, long n
   }
 }
 
-static int backward(const Shape& s, const float* q, const float* k, const float* v, const float* dout,
-                    const long* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
-                    float* dv) {
-  const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
-  const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(s.D, 16);
-  const long Bl = s.lob ? s.B : 1;
-  Buf<Block> blocks(Bl * nq);
-  for (long b = 0; b < Bl; b++)
-    for (long qb = 0; qb < nq; qb++) blocks[b * nq + qb] = block_of(s, b, qb * BM, mn<long>(BM, s.L - qb * BM));
-  const long items = s.B * s.Hkv * nk;
-  const bool ab = s.alibi != nullptr;
-  const long nblk = s.B * s.H * nq;
-  const int T = s.threads > 1 ? s.threads : 1;
-  const long sdl = sdo[3];  // dO's last-dim stride (1, or e.g. 0 for an expanded gradient)
-  float* delta = scratch<float>(0, s.B * s.H * s.L);
-  uint8_t* locks = scratch<uint8_t>(1, nblk);
-  if (!delta || !locks) return 1;  // out of memory: the caller raises
-  std::memset(locks, 0, (size_t)nblk);
+// The backward's steps, one function each; `backward` below strings them together.
+
+// delta = rowsum(dO * O) - dlse for every row, and dq = 0 (dQ shares are added into it in key-tile order)
+static void prepare_rows(const Shape& s, const float* dout, const long* sdo, const float* out, const float* dlse,
+                         float* delta, float* dq) {
+  const long nq = (s.L + BM - 1) / BM, nblk = s.B * s.H * nq, sdl = sdo[3];
 #pragma omp parallel for schedule(dynamic, 16) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
-  for (long it = 0; it < nblk; it++) {  // delta = rowsum(dO * O) - dlse; dq = 0
+  for (long it = 0; it < nblk; it++) {
     const long qb = it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H;
     const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
     const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
@@ -542,146 +575,232 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
     }
     fill(dq + (bh * s.L + i0) * s.D, dq + (bh * s.L + i0 + m) * s.D, 0.f);
   }
+}
+
+// Per (batch, query head, query block): the key tiles [t0, t1) that may meet it (from the intervals, or from
+// the tile map's first and last non-empty tile). These are the tiles that take turns adding into its dQ.
+struct TileRange {
+  int32_t t0, t1;
+};
+
+static void key_tile_ranges(const Shape& s, TileRange* r) {
+  const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN;
+  for (long b = 0; b < s.B; b++) {
+    for (long qb = 0; qb < nq; qb++) {
+      const Block bl = block_of(s, s.lob ? b : 0, qb * BM, mn<long>(BM, s.L - qb * BM));
+      const int32_t a = bl.kmin < bl.kmax ? bl.kmin / BN : 0, e = bl.kmin < bl.kmax ? (bl.kmax + BN - 1) / BN : 0;
+      for (long h = 0; h < s.H; h++) {
+        TileRange x{a, e};
+        if (s.tkind && a < e) {
+          const int8_t* kr = s.tkind + b * s.tkb + h * s.tkh + qb * nk;
+          int32_t f = e, l = a - 1;
+          for (int32_t t = a; t < e; t++)
+            if (kr[t] != T_EMPTY) f = mn(f, t), l = t;
+          x = f <= l ? TileRange{f, l + 1} : TileRange{0, 0};
+        }
+        r[(b * s.H + h) * nq + qb] = x;
+      }
+    }
+  }
+}
+
+// Waits until it is key tile `kt`'s turn to add into a query block's dQ (every earlier tile of the block's range
+// has added, or passed), so dQ is summed in one fixed order whatever the threads do: the backward is
+// bitwise reproducible, at any thread count. No deadlock: items are taken in increasing key-tile order, so the
+// earliest unfinished one never waits.
+static inline void wait_turn(const int32_t* turn, int32_t kt) {
+  for (int spins = 0; __atomic_load_n(turn, __ATOMIC_ACQUIRE) != kt; spins++) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if (spins > 256) sched_yield(), spins = 0;  // the tile we wait for may be on a descheduled thread
+  }
+}
+
+// One thread's buffers for key-tile items.
+struct BwdBufs {
+  Buf<float> kt, vt, kp, qr, dor, p, dp, dka, dva, dqs;
+  Buf<int32_t> lo, hi;
+  BwdBufs(long D, long Dv, long Dp, long Dvp, long Dq)
+      : kt(D * BN), vt(Dv * BN), kp(BN * Dp), qr(BM * Dp), dor(BM * Dvp), p(BM * BN), dp(BM * BN), dka(BN * Dp),
+        dva(BN * Dvp), dqs(BM * Dq), lo(BM), hi(BM) {}
+};
+
+// P (m x BN, row layout) = exp(scale Q K^T (+ ALiBi) - lse), masked; a row that sees nothing (lse = -inf) is 0
+static void probabilities(const Shape& s, long h, long i0, long m, long j0, long n, bool full, const TileMask& tm,
+                          const float* q_rows, long ldq, const float* kt, const float* lr, BwdBufs& w) {
+  if (full)
+    gemm<true>(m, BN, s.D, q_rows, ldq, 1, kt, BN, w.p.p, BN);
+  else
+    rows_trimmed(m, j0, n, (int)s.D, q_rows, ldq, kt, w.p.p, w.lo.p, w.hi.p);
+  const vf sc = splat(s.scale), l2e = splat(LOG2E);
+  const bool ab = s.alibi != nullptr;
+  const vf sl = splat(ab ? s.alibi[h] : 0.f);
+  for (long i = 0; i < m; i++) {
+    float* pr = w.p.p + i * BN;
+    if (lr[i] == NEG_INF) {
+      fill(pr, pr + BN, 0.f);
+      continue;
+    }
+    if (!full) mask_row(pr, w.lo[i], w.hi[i], j0, n);
+    if (tm.bits) mask_bits_row(pr, tm.bits, i);
+    const vf lv = splat(lr[i]);
+    const vi qi = splati((int32_t)(i0 + i));
+    for (int c = 0; c < BN; c += VW) {
+      vf x = scored(load(pr + c), sc, ab, sl, splati((int32_t)(j0 + c)) + iota() - qi);
+      store(pr + c, exp2v((x - lv) * l2e));
+    }
+  }
+}
+
+// dP = dO V^T, then dS = P * (dP - delta) into w.dp (where P is 0, dS is 0: never 0 * garbage)
+static void score_grads(const Shape& s, long m, long j0, long n, bool full, const float* do_rows, long lddo,
+                        const float* vt, const float* dr, BwdBufs& w) {
+  if (full)
+    gemm<true>(m, BN, s.Dv, do_rows, lddo, 1, vt, BN, w.dp.p, BN);
+  else
+    rows_trimmed(m, j0, n, (int)s.Dv, do_rows, lddo, vt, w.dp.p, w.lo.p, w.hi.p);
+  for (long i = 0; i < m; i++) {
+    const vf dv2 = splat(dr[i]);
+    for (int c = 0; c < BN; c += VW) {
+      vf pv = load(w.p.p + i * BN + c);
+      vf dsv = pv * (load(w.dp.p + i * BN + c) - dv2);
+      store(w.dp.p + i * BN + c, full ? dsv : (pv == splat(0.f) ? splat(0.f) : dsv));
+    }
+  }
+}
+
+// This (key tile, query block) pair's share of dQ (m x Dq) = dS K, unscaled
+static void dq_share(long m, long j0, long n, long Dp, bool full, const float* kb, long ldk, BwdBufs& w) {
+  const long Dq = round_up(Dp, 16);
+  float* dqb = w.dqs.p;
+  fill(dqb, dqb + m * Dq, 0.f);
+  if (full) {
+    gemm(m, Dp, n, w.dp.p, BN, 1, kb, ldk, dqb, Dq);
+    return;
+  }
+  for (long i = 0; i < m; i += R) {
+    const long rows = mn<long>(R, m - i);
+    long ka, kb2;
+    row_keys(w.lo.p, w.hi.p, i, rows, j0, n, ka, kb2);
+    if (kb2 > ka)
+      gemm((int)rows, (int)Dp, (int)(kb2 - ka), w.dp.p + i * BN + ka, BN, 1, kb + ka * ldk, ldk, dqb + i * Dq, Dq);
+  }
+}
+
+// One work item: key tile kbk of kv head hk in batch b, visiting its g query heads and every query block of
+// their ranges; dK and dV of the tile are written once, here.
+static void key_tile_item(const Shape& s, long b, long hk, long kbk, const float* q, const float* k, const float* v,
+                          const float* dout, const long* sdo, const float* lse, const float* delta,
+                          const TileRange* ranges, int32_t* turns, float* dq, float* dk, float* dv, BwdBufs& w) {
+  const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
+  const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(Dp, 16);
+  const long sdl = sdo[3];  // dO's last-dim stride (1, or e.g. 0 for an expanded gradient)
+  const long j0 = kbk * BN, n = mn<long>(BN, s.S - j0);
+  const float* kr = k + b * s.sk[0] + hk * s.sk[1] + j0 * s.sk[2];  // this tile's K rows (n x D)
+  const float* vr = v + b * s.sv[0] + hk * s.sv[1] + j0 * s.sv[2];  // and V rows (n x Dv)
+  fill(w.dka.p, w.dka.p + BN * Dp, 0.f);
+  fill(w.dva.p, w.dva.p + BN * Dvp, 0.f);
+  bool packed = false;
+  const float* kb = kr;  // K rows as the right-hand side of dQ = dS K: in place unless D needs padding
+  long ldk = s.sk[2];
+  for (long h = hk * g; h < (hk + 1) * g; h++) {
+    const long bh2 = b * s.H + h;
+    for (long qb = 0; qb < nq; qb++) {
+      const TileRange rg = ranges[bh2 * nq + qb];
+      if (kbk < rg.t0 || kbk >= rg.t1) continue;  // never meets this block: not in its turn order
+      const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
+      const Block& bl = block_of(s, s.lob ? b : 0, i0, m);
+      const TileMask tm = tile_mask(s, b, h, qb, kbk, nk);
+      block_edges(s, b, i0, m, w.lo.p, w.hi.p);
+      const bool full = !tm.bits && n == BN && j0 >= bl.flo && j0 + n <= bl.fhi;
+      const bool meets = tm.kind != T_EMPTY && (full || tile_touched(w.lo.p, w.hi.p, m, j0, j0 + n));
+      if (meets) {
+        if (!packed) {  // this tile's K^T and V^T (zero beyond n keys), and K rows padded if needed
+          fill(w.kt.p, w.kt.p + s.D * BN, 0.f);
+          fill(w.vt.p, w.vt.p + s.Dv * BN, 0.f);
+          for (long j = 0; j < n; j++) {
+            for (long d = 0; d < s.D; d++) w.kt[d * BN + j] = kr[j * s.sk[2] + d];
+            for (long d = 0; d < s.Dv; d++) w.vt[d * BN + j] = vr[j * s.sv[2] + d];
+          }
+          if (Dp != s.D) {
+            fill(w.kp.p, w.kp.p + BN * Dp, 0.f);
+            pack_rows(w.kp.p, kr, s.sk[2], n, s.D, Dp);
+            kb = w.kp.p, ldk = Dp;
+          }
+          packed = true;
+        }
+        const float* qs = q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
+        const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
+        const float* q_rows = qs;  // Q rows (m x D): the left side of S, the right side of dK = dS^T Q
+        long ldq = s.sq[2];
+        if (Dp != s.D) {
+          pack_rows(w.qr.p, qs, s.sq[2], m, s.D, Dp);
+          q_rows = w.qr.p, ldq = Dp;
+        }
+        const float* do_rows = ds;
+        long lddo = sdo[2];
+        if (Dvp != s.Dv || sdl != 1) {
+          for (long i = 0; i < m; i++) {
+            for (long d = 0; d < s.Dv; d++) w.dor[i * Dvp + d] = ds[i * sdo[2] + d * sdl];
+            fill(w.dor.p + i * Dvp + s.Dv, w.dor.p + (i + 1) * Dvp, 0.f);
+          }
+          do_rows = w.dor.p, lddo = Dvp;
+        }
+        probabilities(s, h, i0, m, j0, n, full, tm, q_rows, ldq, w.kt.p, lse + bh2 * s.L + i0, w);
+        // dV += P^T dO
+        if (full)
+          gemm(n, Dvp, m, w.p.p, 1, BN, do_rows, lddo, w.dva.p, Dvp);
+        else
+          by_queries_trimmed(n, m, j0, Dvp, w.p.p, do_rows, lddo, w.dva.p, Dvp, w.lo.p, w.hi.p);
+        score_grads(s, m, j0, n, full, do_rows, lddo, w.vt.p, delta + bh2 * s.L + i0, w);
+        // dK += dS^T Q (the softmax scale applied once, at the end)
+        if (full)
+          gemm(n, Dp, m, w.dp.p, 1, BN, q_rows, ldq, w.dka.p, Dp);
+        else
+          by_queries_trimmed(n, m, j0, Dp, w.dp.p, q_rows, ldq, w.dka.p, Dp, w.lo.p, w.hi.p);
+        dq_share(m, j0, n, Dp, full, kb, ldk, w);
+      }
+      int32_t* turn = turns + bh2 * nq + qb;
+      wait_turn(turn, (int32_t)kbk);
+      if (meets) {
+        float* dst = dq + (bh2 * s.L + i0) * s.D;
+        for (long i = 0; i < m; i++)
+          for (long d = 0; d < s.D; d++) dst[i * s.D + d] += w.dqs[i * Dq + d];
+      }
+      __atomic_store_n(turn, (int32_t)kbk + 1, __ATOMIC_RELEASE);
+    }
+  }
+  float* dkr = dk + ((b * s.Hkv + hk) * s.S + j0) * s.D;
+  float* dvr = dv + ((b * s.Hkv + hk) * s.S + j0) * s.Dv;
+  for (long j = 0; j < n; j++) {
+    for (long d = 0; d < s.D; d++) dkr[j * s.D + d] = w.dka[j * Dp + d] * s.scale;
+    std::memcpy(dvr + j * s.Dv, &w.dva[j * Dvp], s.Dv * sizeof(float));
+  }
+}
+
+static int backward(const Shape& s, const float* q, const float* k, const float* v, const float* dout,
+                    const long* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
+                    float* dv) {
+  const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN;
+  const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(Dp, 16);
+  const long nblk = s.B * s.H * nq, chains = s.B * s.Hkv, items = chains * nk;
+  float* delta = scratch<float>(0, s.B * s.H * s.L);
+  int32_t* turns = scratch<int32_t>(1, nblk);
+  TileRange* ranges = scratch<TileRange>(2, nblk);
+  if (!delta || !turns || !ranges) return AK_E_NOMEM;  // the caller raises
+  key_tile_ranges(s, ranges);
+  for (long i = 0; i < nblk; i++) turns[i] = ranges[i].t0;
+  prepare_rows(s, dout, sdo, out, dlse, delta, dq);
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
-    int t = 0;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-#endif
-    Buf<float> kt(s.D * BN), vt(s.Dv * BN), kp(BN * Dp), qr(BM * Dp), dor(BM * Dvp), p(BM * BN), dp(BM * BN),
-        dka(BN * Dp), dva(BN * Dvp), dqs(BM * Dq);
-    Buf<int32_t> lo(BM), hi(BM);
-    // item order: T interleaved sweeps, so that threads taking consecutive items work on key tiles far
-    // apart (their query blocks, and so their dQ locks, rarely meet)
-    const long per = (items + T - 1) / T;
+    BwdBufs w(s.D, s.Dv, Dp, Dvp, Dq);
+    // items in key-tile-major order: consecutive items are other (batch, kv head) chains, whose dQ turns are
+    // independent, and within a chain the key tiles are taken in increasing order (see wait_turn)
 #pragma omp for schedule(dynamic, 1)
-    for (long it0 = 0; it0 < items; it0++) {
-      const long it = (it0 % T) * per + it0 / T;
-      if (it >= items) continue;
-      const long kbk = it % nk, bh = it / nk, b = bh / s.Hkv, hk = bh % s.Hkv;
-      const long j0 = kbk * BN, n = mn<long>(BN, s.S - j0);
-      const float* kr = k + b * s.sk[0] + hk * s.sk[1] + j0 * s.sk[2];  // this tile's K rows (n x D)
-      const float* vr = v + b * s.sv[0] + hk * s.sv[1] + j0 * s.sv[2];  // and V rows (n x Dv)
-      float* dkr = dk + ((b * s.Hkv + hk) * s.S + j0) * s.D;
-      float* dvr = dv + ((b * s.Hkv + hk) * s.S + j0) * s.Dv;
-      fill(dka.p, dka.p + BN * Dp, 0.f);
-      fill(dva.p, dva.p + BN * Dvp, 0.f);
-      bool packed = false;
-      const float* kb = kr;  // K rows as the right-hand side of dQ = dS K: in place unless D needs padding
-      long ldk = s.sk[2];
-      for (long h = hk * g; h < (hk + 1) * g; h++) {
-        for (long qb = 0; qb < nq; qb++) {
-          const Block& bl = blocks[(s.lob ? b : 0) * nq + qb];
-          if (!(bl.kmin < j0 + n && bl.kmax > j0)) continue;
-          const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
-          block_edges(s, b, i0, m, lo.p, hi.p);
-          const bool full = n == BN && j0 >= bl.flo && j0 + n <= bl.fhi;
-          if (!full && !tile_touched(lo.p, hi.p, m, j0, j0 + n)) continue;
-          if (!packed) {  // this tile's K^T and V^T (zero beyond n keys), and K rows padded if needed
-            fill(kt.p, kt.p + s.D * BN, 0.f);
-            fill(vt.p, vt.p + s.Dv * BN, 0.f);
-            for (long j = 0; j < n; j++) {
-              for (long d = 0; d < s.D; d++) kt[d * BN + j] = kr[j * s.sk[2] + d];
-              for (long d = 0; d < s.Dv; d++) vt[d * BN + j] = vr[j * s.sv[2] + d];
-            }
-            if (Dp != s.D) {
-              fill(kp.p, kp.p + BN * Dp, 0.f);
-              pack_rows(kp.p, kr, s.sk[2], n, s.D, Dp);
-              kb = kp.p, ldk = Dp;
-            }
-            packed = true;
-          }
-          const long bh2 = b * s.H + h;
-          const float* qs = q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
-          const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
-          const float* lr = lse + bh2 * s.L + i0;
-          const float* dr = delta + bh2 * s.L + i0;
-          const float* q_rows = qs;  // Q rows (m x D): the left side of S, the right side of dK = dS^T Q
-          long ldq = s.sq[2];
-          if (Dp != s.D) {
-            pack_rows(qr.p, qs, s.sq[2], m, s.D, Dp);
-            q_rows = qr.p, ldq = Dp;
-          }
-          const float* do_rows = ds;
-          long lddo = sdo[2];
-          if (Dvp != s.Dv || sdl != 1) {
-            for (long i = 0; i < m; i++) {
-              for (long d = 0; d < s.Dv; d++) dor[i * Dvp + d] = ds[i * sdo[2] + d * sdl];
-              fill(dor.p + i * Dvp + s.Dv, dor.p + (i + 1) * Dvp, 0.f);
-            }
-            do_rows = dor.p, lddo = Dvp;
-          }
-          // P = exp(scale Q K^T (+ ALiBi) - lse), masked; a row that sees nothing (lse = -inf) is 0
-          if (full)
-            gemm<true>(m, BN, s.D, q_rows, ldq, 1, kt.p, BN, p.p, BN);
-          else
-            rows_trimmed(m, j0, n, (int)s.D, q_rows, ldq, kt.p, p.p, lo.p, hi.p);
-          const vf sc = splat(s.scale), l2e = splat(LOG2E);
-          const float slope = ab ? s.alibi[h] : 0.f;
-          for (long i = 0; i < m; i++) {
-            float* pr = p.p + i * BN;
-            if (lr[i] == NEG_INF) {
-              fill(pr, pr + BN, 0.f);
-              continue;
-            }
-            if (!full) mask_row(pr, lo[i], hi[i], j0, n);
-            const vf lv = splat(lr[i]), sl = splat(slope);
-            const vi qi = splati((int32_t)(i0 + i));
-            for (int c = 0; c < BN; c += VW) {
-              vf x = scored(load(pr + c), sc, ab, sl, splati((int32_t)(j0 + c)) + iota() - qi);
-              store(pr + c, exp2v((x - lv) * l2e));
-            }
-          }
-          // dV += P^T dO
-          if (full) {
-            gemm(n, Dvp, m, p.p, 1, BN, do_rows, lddo, dva.p, Dvp);
-          } else {
-            by_queries_trimmed(n, m, j0, Dvp, p.p, do_rows, lddo, dva.p, Dvp, lo.p, hi.p);
-          }
-          // dP = dO V^T ; dS = P * (dP - delta)   (where P is 0, dS is 0: never 0 * garbage)
-          if (full)
-            gemm<true>(m, BN, s.Dv, do_rows, lddo, 1, vt.p, BN, dp.p, BN);
-          else
-            rows_trimmed(m, j0, n, (int)s.Dv, do_rows, lddo, vt.p, dp.p, lo.p, hi.p);
-          for (long i = 0; i < m; i++) {
-            const vf dv2 = splat(dr[i]);
-            for (int c = 0; c < BN; c += VW) {
-              vf pv = load(p.p + i * BN + c);
-              vf dsv = pv * (load(dp.p + i * BN + c) - dv2);
-              store(dp.p + i * BN + c, full ? dsv : (pv == splat(0.f) ? splat(0.f) : dsv));
-            }
-          }
-          // dK += dS^T Q ; dQ += dS K   (the softmax scale applied once, at the end)
-          const long blk = bh2 * nq + qb;
-          float* dqb = dqs.p;  // this pair's share of dQ, added into dq under the block's lock below
-          const long lddq = Dq;
-          fill(dqb, dqb + m * Dq, 0.f);
-          if (full) {
-            gemm(n, Dp, m, dp.p, 1, BN, q_rows, ldq, dka.p, Dp);
-            gemm(m, Dp, n, dp.p, BN, 1, kb, ldk, dqb, lddq);
-          } else {
-            by_queries_trimmed(n, m, j0, Dp, dp.p, q_rows, ldq, dka.p, Dp, lo.p, hi.p);
-            for (long i = 0; i < m; i += R) {
-              const long rows = mn<long>(R, m - i);
-              long ka, kb2;
-              row_keys(lo.p, hi.p, i, rows, j0, n, ka, kb2);
-              if (kb2 > ka)
-                gemm((int)rows, (int)Dp, (int)(kb2 - ka), dp.p + i * BN + ka, BN, 1, kb + ka * ldk, ldk,
-                     dqb + i * lddq, lddq);
-            }
-          }
-          float* dst = dq + (bh2 * s.L + i0) * s.D;
-          while (__atomic_test_and_set(&locks[blk], __ATOMIC_ACQUIRE)) {
-          }
-          for (long i = 0; i < m; i++)
-            for (long d = 0; d < s.D; d++) dst[i * s.D + d] += dqb[i * lddq + d];
-          __atomic_clear(&locks[blk], __ATOMIC_RELEASE);
-        }
-      }
-      for (long j = 0; j < n; j++) {
-        for (long d = 0; d < s.D; d++) dkr[j * s.D + d] = dka[j * Dp + d] * s.scale;
-        std::memcpy(dvr + j * s.Dv, &dva[j * Dvp], s.Dv * sizeof(float));
-      }
+    for (long it = 0; it < items; it++) {
+      const long kbk = it / chains, bh = it % chains;
+      key_tile_item(s, bh / s.Hkv, bh % s.Hkv, kbk, q, k, v, dout, sdo, lse, delta, ranges, turns, dq, dk, dv, w);
     }
   }
   // dQ = scale * the sum of the pairs' shares
@@ -692,7 +811,7 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
     float* dst = dq + (bh * s.L + i0) * s.D;
     for (long e = 0; e < m * s.D; e++) dst[e] *= s.scale;
   }
-  return 0;
+  return AK_OK;
 }
 
 }  // namespace AK_NS

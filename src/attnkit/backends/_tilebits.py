@@ -1,0 +1,128 @@
+"""Any mask as attnkit's compiled kernel runs it: 64 × 64 tiles, each empty, full, or partial with its own bits.
+
+The tile kinds are the block plan's (:meth:`attnkit.masks.Mask.tile_kinds`: closed form for built-in
+masks, range evaluation for a ``mask_mod``, points only where ranges cannot decide). The mask of each
+partial tile is then evaluated once at its 64 × 64 points, all partial tiles stacked in a few calls, and
+kept as 64 rows × 64 bits (two 32-bit planes), so the kernel masks a partial tile with a shift and an
+``and`` per score and never calls Python::
+
+    kinds (nq × nk)         partial tile (2, 1): one word pair per query row
+      k0 k1 k2                  keys 0..31   keys 32..63
+    q0 P  .  .              r0  0b…0001      0b…0000        bit j set: row attends key j
+    q1 F  P  .              r1  0b…0011      0b…0000
+    q2 F  P  P              …
+
+Shapes: ``kinds`` int8 ``(TB, TH, nq, nk)`` (``TB ∈ {1, B}``, ``TH ∈ {1, H}``, as the mask depends on
+the batch row / head), ``index`` int32 of the same shape (a partial tile's row in ``bits``, -1
+elsewhere), ``bits`` int32 ``(P, 2, 64)``.
+
+Caching (content, never identity): a map is kept under ``mask.cache_key()`` and the sizes. Built-in
+masks are immutable values; a ``mask_mod`` has a key only when everything it reads is an immutable
+value (:func:`attnkit._mods.value_key`), so a mod reading a tensor (the next batch's document ids) is
+evaluated afresh on every call and nothing derived from it outlives the call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks as _m
+from .._tiling import PARTIAL
+
+__all__ = ["TileBits", "TILE", "tile_bits", "unpack"]
+
+TILE = 64  # the kernel's tile (BM = BN in csrc/attn_impl.h)
+# Points per evaluation call of the mask on stacked partial tiles (bounds the bool temporaries).
+_POINTS_PER_CALL = 1 << 22
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_MAX = 16
+
+
+@dataclass(frozen=True)
+class TileBits:
+    """A mask's tile map for the kernel (see the module docstring for the shapes)."""
+
+    kinds: torch.Tensor
+    index: torch.Tensor
+    bits: torch.Tensor
+
+    @property
+    def partial_tiles(self) -> int:
+        return int(self.bits.shape[0])
+
+    @property
+    def computed_fraction(self) -> float:
+        k = self.kinds
+        return float((k != 0).float().mean()) if k.numel() else 0.0
+
+
+def tile_bits(mask: _m.Mask, B: int, H: int, L: int, S: int) -> TileBits:
+    """The kernel's tile map of ``mask`` for a call of these sizes (cached by content where the mask has a key).
+    Raises whatever the mask's own evaluation raises (the caller then keeps the call off the kernel)."""
+    key = mask.cache_key()
+    if key is not None:
+        key = (key, B, H, L, S)
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    kinds = mask.tile_kinds(B, H, L, S, TILE, TILE).contiguous()
+    partial = (kinds == PARTIAL).nonzero()  # (P, 4): (b, h, query block, key block)
+    index = torch.full(kinds.shape, -1, dtype=torch.int32)
+    index[tuple(partial.t())] = torch.arange(partial.shape[0], dtype=torch.int32)
+    tb = TileBits(kinds, index, _bits(mask.points_mod(B, H, L, S), partial, L, S))
+    if key is not None:
+        _CACHE[key] = tb
+        if len(_CACHE) > _CACHE_MAX:
+            _CACHE.popitem(last=False)
+    return tb
+
+
+_WEIGHTS = 2 ** torch.arange(32, dtype=torch.int64)
+
+
+def _bits(fn, tiles: torch.Tensor, L: int, S: int) -> torch.Tensor:
+    """int32 ``(P, 2, 64)``: the points of each tile ``(b, h, qb, kb)`` where ``fn`` allows, 32 keys a word.
+    Keys past ``S`` (a ragged last tile) are cleared; rows past ``L`` are never read."""
+    P = tiles.shape[0]
+    out = torch.empty(P, 2, TILE, dtype=torch.int32)
+    ar = torch.arange(TILE)
+    per_call = max(1, _POINTS_PER_CALL // (TILE * TILE))
+    for t0 in range(0, P, per_call):
+        t = tiles[t0:t0 + per_call]
+        T = t.shape[0]
+        q = (t[:, 2:3] * TILE + ar).clamp(max=L - 1).view(T, 1, TILE, 1)
+        kv_raw = t[:, 3:4] * TILE + ar
+        kv = kv_raw.clamp(max=S - 1).view(T, 1, 1, TILE)
+        allowed = fn(t[:, 0].view(T, 1, 1, 1), t[:, 1].view(T, 1, 1, 1), q, kv)
+        _m._check_bool(allowed, fn)
+        if allowed.dim() > 4 or any(n not in (1, w) for n, w in zip(allowed.shape[::-1], (TILE, TILE, 1, T))):
+            raise ValueError(f"mask_mod gave shape {tuple(allowed.shape)} on stacked tiles (expected (T, 1, 64, 64))")
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(T, 1, TILE, TILE)
+        allowed = allowed[:, 0] & (kv_raw < S).view(T, 1, TILE)  # (T, rows, keys)
+        words = (allowed.view(T, TILE, 2, 32).to(torch.int64) * _WEIGHTS).sum(-1)  # (T, rows, 2) in [0, 2^32)
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the same bits as int32
+        out[t0:t0 + T] = words.transpose(1, 2)
+    return out
+
+
+def unpack(tb: TileBits, B: int, H: int, L: int, S: int) -> torch.Tensor:
+    """The dense bool mask ``(B, H, L, S)`` a tile map describes (tests; O(L·S))."""
+    TB, TH, nq, nk = tb.kinds.shape
+    dense = torch.zeros(TB, TH, nq * TILE, nk * TILE, dtype=torch.bool)
+    shifts = torch.arange(32, dtype=torch.int32)
+    for b in range(TB):
+        for h in range(TH):
+            for i in range(nq):
+                for j in range(nk):
+                    kind = int(tb.kinds[b, h, i, j])
+                    tile = dense[b, h, i * TILE:(i + 1) * TILE, j * TILE:(j + 1) * TILE]
+                    if kind == 2:
+                        tile[:] = True
+                    elif kind == 1:
+                        w = tb.bits[int(tb.index[b, h, i, j])]  # (2, 64)
+                        tile[:] = ((w.t().unsqueeze(-1) >> shifts) & 1).reshape(TILE, TILE).bool()
+    return dense[:, :, :L, :S].expand(B, H, L, S)

@@ -1,0 +1,151 @@
+"""Any mask on attnkit's compiled kernel: the plan's tile map, each partial tile masked by its own bits.
+
+FlashMask's twelve families written as users' ``mask_mod``s (``_flashmask.py``), ``|`` / ``~``
+combinations, random key padding, repeated document ids and per-head mods run on the kernel
+(``dispatch`` says "tile map"), and match the float64 golden: output, lse (-inf exactly on rows that
+see nothing) and the gradients of q, k, v — on every instruction set, with GQA, L != S, both causal
+alignments. The tile map itself is checked against the dense mask, and its cache against in-place edits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _flashmask import NAMES, families
+from conftest import rand_qkv
+from test_native_kernel import _check
+
+import attnkit
+from attnkit import masks as M
+from attnkit.backends import _native, _tilebits, tiled
+
+pytestmark = pytest.mark.skipif(os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"),
+                                reason="the compiled kernel is switched off by ATTNKIT_NATIVE=0")
+
+SIZES = [(1, 1), (64, 64), (130, 130), (200, 77), (77, 200)]
+
+
+def _on_tile_map(q, k, v, mask):
+    d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
+    assert d.worker == "native" and "tile map" in d.worker_reason, d
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("L,S", SIZES, ids=[f"L{L}_S{S}" for L, S in SIZES])
+def test_flashmask_family_as_a_mask_mod_matches_float64(name, L, S):
+    n = max(L, S)
+    mod, _ = families(n, H=4, seed=L * 7 + S)[name]
+    q, k, v = rand_qkv(2, 4, 2, L, S, 24, 40, requires_grad=True)
+    mask = M.from_mod(mod)
+    if name not in ("full",):  # full / causal-like mods whose every row is one stretch may go by intervals
+        d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
+        assert d.worker == "native", d
+    _check(q, k, v, mask, lse_grad=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tile_map_equals_the_dense_mask(name):
+    L = S = 300
+    mod, _ = families(L, H=3, seed=5)[name]
+    mask = M.from_mod(mod)
+    tb = _tilebits.tile_bits(mask, 2, 3, L, S)
+    assert torch.equal(_tilebits.unpack(tb, 2, 3, L, S), mask.materialize(2, 3, L, S))
+
+
+def test_combinations_padding_documents_and_heads():
+    """|, ~, random key padding, repeated document ids, a mod that differs per head and per batch row."""
+    B, H, L, S = 2, 4, 150, 150
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 3, (S,), generator=g)  # repeated, out of order
+    pad = torch.rand(B, S, generator=g) > 0.3
+    per_bh = torch.randint(0, S, (B, H), generator=g)
+    masks = [
+        M.sliding_window(20) | M.causal("top_left"),
+        ~M.sliding_window(30),
+        ~M.causal() & M.prefix_lm(40),
+        M.key_padding(pad),
+        M.document(ids),
+        M.document(ids) & M.causal(),
+        M.from_mod(lambda b, h, q, kv: (kv <= q) & (kv != per_bh[b, h])),
+        M.from_mod(lambda b, h, q, kv: ((q + kv + h) % 3 == 0) | (kv == 0)),
+    ]
+    for mask in masks:
+        q, k, v = rand_qkv(B, H, 2, L, S, 32, requires_grad=True)
+        _on_tile_map(q, k, v, mask)
+        _check(q, k, v, mask, lse_grad=True)
+
+
+def test_both_causal_alignments_and_dead_rows():
+    """L > S bottom-right: the first rows see nothing; a mod that kills whole rows and whole tiles."""
+    for L, S in [(200, 90), (90, 200)]:
+        for align in ("bottom_right", "top_left"):
+            mask = M.causal(align) & M.from_mod(lambda b, h, q, kv: (q % 5 != 1) & (kv % 7 != 3))
+            q, k, v = rand_qkv(1, 2, 1, L, S, 16, requires_grad=True)
+            _on_tile_map(q, k, v, mask)
+            _check(q, k, v, mask, lse_grad=True)
+    dead = M.from_mod(lambda b, h, q, kv: (q < 64) & (kv >= 0))  # whole query blocks see nothing
+    q, k, v = rand_qkv(1, 2, 2, 200, 100, 16, requires_grad=True)
+    _on_tile_map(q, k, v, dead)
+    _check(q, k, v, dead)
+
+
+@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
+def test_every_instruction_set(isa):
+    best = _native.isa()
+    order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
+    if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
+        pytest.skip(f"this CPU runs {best} at most")
+    try:
+        _native.set_isa(isa)
+        for name in ("share_question", "random_eviction", "qk_sparse"):
+            mod, _ = families(260, H=4, seed=1)[name]
+            q, k, v = rand_qkv(2, 4, 2, 260, 200, 24, 40, requires_grad=True)
+            _check(q, k, v, M.from_mod(mod), lse_grad=True)
+    finally:
+        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
+
+
+def test_a_mod_reading_a_tensor_is_never_stale():
+    """The map of a mod that reads a tensor is built afresh each call: editing the tensor in place changes
+    the answer exactly as the reference says (no cache keyed by the function's identity)."""
+    ids = torch.tensor([0] * 70 + [1] * 60)
+    mask = M.from_mod(lambda b, h, q, kv: (ids[q] == ids[kv]) & (q >= kv))
+    q, k, v = rand_qkv(1, 2, 2, 130, 130, 16, requires_grad=True)
+    _check(q, k, v, mask)
+    ids[40:] = 2  # the next packed batch
+    _check(q, k, v, mask)
+
+
+def test_built_in_masks_keep_their_intervals():
+    q, k, v = rand_qkv(1, 2, 2, 130, 130, 16)
+    for mask in (M.causal(), M.sliding_window(20), M.document(torch.tensor([0] * 60 + [1] * 70)), None):
+        d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
+        assert d.worker == "native" and "row intervals" in d.worker_reason, d
+
+
+def test_a_mod_that_cannot_run_on_stacked_tiles_stays_exact_elsewhere():
+    """A mod whose Python branches on a scalar index cannot be evaluated on stacked tiles: the call goes
+    to torch's kernels, says why, and is exact."""
+    def scalar_only(b, h, q, kv):
+        if q.numel() != 1:
+            raise RuntimeError("one point at a time")
+        return q >= kv
+
+    q, k, v = rand_qkv(1, 2, 2, 70, 70, 16)
+    d = attnkit.dispatch(q, k, v, mask=M.from_mod(scalar_only), backend="tiled")
+    assert d.worker == "native" or "stacked" in d.worker_reason, d
+
+
+def test_kernel_off_the_families_stay_exact(monkeypatch):
+    monkeypatch.setattr(tiled, "NATIVE", False)
+    for name in ("share_question", "random_eviction"):
+        mod, _ = families(130, H=2, seed=2)[name]
+        q, k, v = rand_qkv(1, 2, 1, 130, 130, 16)
+        mask = M.from_mod(mod)
+        d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
+        assert d.worker != "native", d
+        from conftest import assert_close, budget, golden
+        ref, _ = golden(q, k, v, mask=mask)
+        assert_close(attnkit.attention(q, k, v, mask=mask, backend="tiled"), ref, budget(torch.float32, 16, 130))
