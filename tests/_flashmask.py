@@ -43,7 +43,8 @@ def families(L: int, H: int = 1, seed: int = 0, window: int | None = None):
     prefix = max(1, L // 4)
     keep_q = torch.rand(L, generator=g) > 0.1
     keep_k = torch.rand(L, generator=g) > 0.1
-    evict = torch.arange(L).expand(H, L) + (torch.rand(H, L, generator=g) * L).long() + 1  # (H, S): first row not seeing kv
+    # (H, S): the first row that no longer sees key kv, per head
+    evict = torch.arange(L).expand(H, L) + (torch.rand(H, L, generator=g) * L).long() + 1
 
     def full(b, h, q, kv):
         return (q >= 0) & (kv >= 0)

@@ -183,7 +183,8 @@ def _call(q, k, v, lo, hi, scale: float, alibi, tiles) -> tuple[_Call, list]:
     c = _Call(size=ctypes.sizeof(_Call), version=_ABI_VERSION, B=B, H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv,
               lob=lob, threads=torch.get_num_threads(), scale=float(scale))
     c.sq[:], c.sk[:], c.sv[:] = q.stride()[:3], k.stride()[:3], v.stride()[:3]
-    c.q, c.k, c.v, c.lo, c.hi, c.alibi = q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(), hi.data_ptr(), _ptr(ab)
+    c.q, c.k, c.v, c.alibi = q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(ab)
+    c.lo, c.hi = lo.data_ptr(), hi.data_ptr()
     keep = [q, k, v, lo, hi, ab]
     if tiles is not None:
         kinds, idx, bits = tiles.kinds, tiles.index, tiles.bits
@@ -246,6 +247,7 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
 
 def release_scratch() -> None:
     """Give back the scratch memory the backward keeps between calls on this thread (δ, the per-block
-    dQ turns and key-tile ranges of the largest call so far: about B·H·L floats). The next backward allocates it again."""
+    dQ turns and key-tile ranges of the largest call so far: about B·H·L floats). The next backward
+    allocates it again."""
     if available():
         _require().ak_release_scratch()

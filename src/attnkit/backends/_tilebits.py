@@ -99,7 +99,8 @@ def _bits(fn, tiles: torch.Tensor, L: int, S: int) -> torch.Tensor:
         kv = kv_raw.clamp(max=S - 1).view(T, 1, 1, TILE)
         allowed = fn(t[:, 0].view(T, 1, 1, 1), t[:, 1].view(T, 1, 1, 1), q, kv)
         _m._check_bool(allowed, fn)
-        if allowed.dim() > 4 or any(n not in (1, w) for n, w in zip(allowed.shape[::-1], (TILE, TILE, 1, T))):
+        want = (TILE, TILE, 1, T)[:allowed.dim()]
+        if allowed.dim() > 4 or any(n not in (1, w) for n, w in zip(allowed.shape[::-1], want, strict=True)):
             raise ValueError(f"mask_mod gave shape {tuple(allowed.shape)} on stacked tiles (expected (T, 1, 64, 64))")
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(T, 1, TILE, TILE)
         allowed = allowed[:, 0] & (kv_raw < S).view(T, 1, TILE)  # (T, rows, keys)
