@@ -51,15 +51,22 @@ log = logging.getLogger("attnkit")
 class Decision:
     """Which backend runs, which of its workers, and why (both choices explained).
 
-    ``worker`` is ``"fused"`` or ``"plain"`` for ``tiled`` (torch's private CPU flash
-    kernel per run, or plain torch ops), ``"fused"`` or ``"math"`` for ``sdpa``, and the
-    backend's only worker otherwise.
+    ``worker`` is ``"native"`` (attnkit's compiled CPU kernel), ``"fused"`` or ``"plain"`` for
+    ``tiled`` (torch's private CPU flash kernel per run, or plain torch ops), ``"fused"`` or
+    ``"math"`` for ``sdpa``, and the backend's only worker otherwise.
+
+    ``deterministic``: whether forward and backward give the same bits on every run with the same
+    inputs and thread count. True for every CPU path (the compiled kernel adds dQ in key-tile order;
+    torch's CPU kernels reduce in a fixed order), so ``torch.use_deterministic_algorithms(True)``
+    changes nothing there; None on a GPU, where torch's own kernels decide (and raise under that
+    switch where they are not).
     """
 
     backend: str
     reason: str
     worker: str = ""
     worker_reason: str = ""
+    deterministic: bool | None = True
 
     def __str__(self) -> str:
         w = f" [{self.worker}: {self.worker_reason}]" if self.worker else ""
@@ -111,7 +118,7 @@ def decide(req: Request, backend: str) -> Decision:
     backend's own choice of worker (``choose_worker``), both with their reasons."""
     d = _decide_backend(req, backend)
     worker, why = get(d.backend).choose_worker(req)
-    return Decision(d.backend, d.reason, worker, why)
+    return Decision(d.backend, d.reason, worker, why, None if req.q.device.type == "cuda" else True)
 
 
 def _decide_backend(req: Request, backend: str) -> Decision:
