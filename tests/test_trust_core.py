@@ -161,11 +161,15 @@ def test_item2_unchanged_builtin_mask_plan_is_reused():
     f = masks.from_mod(lambda b, h, i, j: j <= i)
     w1 = _blocks.work_list(f, None, 1, 2, 512, 512, 64, 64, 1024)
     assert _blocks.work_list(f, None, 1, 2, 512, 512, 64, 64, 1024) is w1
-    # ... one that reads a tensor is planned afresh on every call (its data may change)
+    # ... one that reads a tensor is keyed by the tensor's content, taken on every call: reused while the
+    # data is the same, planned anew once it is edited in place (never a stale plan)
     ids = torch.zeros(512, dtype=torch.long)
     g = masks.from_mod(lambda b, h, i, j: ids[i] == ids[j])
-    assert _blocks.work_list(g, None, 1, 2, 512, 512, 64, 64, 1024) is not _blocks.work_list(
-        g, None, 1, 2, 512, 512, 64, 64, 1024)
+    w2 = _blocks.work_list(g, None, 1, 2, 512, 512, 64, 64, 1024)
+    assert _blocks.work_list(g, None, 1, 2, 512, 512, 64, 64, 1024) is w2
+    ids[256:] = 1  # the next packed batch, written into the same tensor
+    w3 = _blocks.work_list(g, None, 1, 2, 512, 512, 64, 64, 1024)
+    assert w3 is not w2 and w3.density < w2.density
     # ... and one reading a global number is keyed by that number's value
     global _WIDTH
     _WIDTH = 64

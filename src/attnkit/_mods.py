@@ -26,10 +26,12 @@ Arity follows FlexAttention: a parameter with a default does not count, so
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import types
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.autograd.graph import Node
 
@@ -283,11 +285,38 @@ def reads_uncaptured_grad(fn, captured: list[torch.Tensor], sizes, dtype) -> boo
 _SCALARS = (int, float, bool, str, bytes, type(None), complex)
 
 
+# Largest captured tensor / array a key is made for (its bytes are hashed on every call).
+_CONTENT_KEY_MAX_BYTES = 1 << 24
+
+
+def _content(x):
+    """A key made of a CPU tensor's or NumPy array's *content* (dtype, shape, a BLAKE2 digest of its
+    bytes), or None (another device, or too large to hash on every call). Taken afresh on every call,
+    so an in-place edit between calls gives a new key: nothing cached under the old one is reused."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu" or x.is_sparse or x.layout != torch.strided:
+            return None
+        arr = x.detach().contiguous()
+        if arr.element_size() * arr.numel() > _CONTENT_KEY_MAX_BYTES:
+            return None
+        raw = arr.view(torch.uint8).numpy() if arr.numel() else b""
+        return ("tensor", str(arr.dtype), tuple(arr.shape), hashlib.blake2b(raw, digest_size=16).digest())
+    if isinstance(x, np.ndarray):
+        if x.dtype == object or x.nbytes > _CONTENT_KEY_MAX_BYTES:
+            return None
+        arr = np.ascontiguousarray(x)
+        return ("ndarray", str(arr.dtype), arr.shape, hashlib.blake2b(arr.view(np.uint8), digest_size=16).digest())
+    return None
+
+
 def _const(x, depth: int):
     """A hashable stand-in for ``x`` if it is an immutable value (scalars, tuples/frozensets of
-    them, modules, pure functions by their own key); None if it may change under us."""
+    them, modules, pure functions by their own key) or a CPU tensor / array keyed by its content
+    (:func:`_content`); None if it may change under us."""
     if isinstance(x, _SCALARS):
         return (type(x).__name__, x)
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return _content(x)
     if isinstance(x, (tuple, frozenset)):
         parts = tuple(_const(y, depth) for y in x)
         return None if any(p is None for p in parts) else (type(x).__name__, parts)
@@ -305,10 +334,12 @@ def value_key(fn, depth: int = 0):
 
     ``fn``'s code plus the *values* of its closure cells, defaults and the globals its code
     names — accepted only when each is an immutable value (ints, floats, strings, tuples of
-    them, modules, other functions with a key of their own). A mod that reads a tensor, an
-    array, a list, a dict or any other object gets None: its data may change between calls,
-    so nothing derived from it may be cached. Used to reuse the tile map of a pure
-    ``mask_mod`` such as ``lambda b, h, q, kv: (q - kv).abs() <= 128`` across calls.
+    them, modules, other functions with a key of their own) or a CPU tensor / NumPy array,
+    which enters by its content (a digest of its bytes, taken on every call: an in-place edit
+    gives a new key). A mod that reads a list, a dict, a GPU tensor or any other object gets
+    None: its data may change between calls unseen, so nothing derived from it may be cached.
+    Used to reuse the tile map of a ``mask_mod`` such as ``lambda b, h, q, kv: (q - kv).abs() <=
+    128`` — or one reading the document ids of a packed batch — across calls.
     """
     if not isinstance(fn, types.FunctionType):
         return None

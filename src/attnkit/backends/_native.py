@@ -57,11 +57,13 @@ class _Call(ctypes.Structure):
     _fields_ = [*((n, ctypes.c_int64) for n in ("size", "version", "B", "H", "Hkv", "L", "S", "D", "Dv")),
                 *((n, ctypes.c_int64 * 3) for n in ("sq", "sk", "sv")), ("sdo", ctypes.c_int64 * 4),
                 *((n, ctypes.c_int64) for n in ("lob", "threads", "tkb", "tkh")), ("scale", ctypes.c_double),
-                *((n, ctypes.c_void_p) for n in ("q", "k", "v", "lo", "hi", "alibi", "tkind", "tidx", "tbits", "out",
-                                                 "lse", "dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv"))]
+                *((n, ctypes.c_void_p) for n in ("q", "k", "v", "lo", "hi", "alibi", "tkind", "tidx", "tbits", "pcode")),
+                *((n, ctypes.c_int64) for n in ("pn", "pregs", "pout")),
+                *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "out", "lse", "dout", "fwd_out",
+                                                 "fwd_lse", "dlse", "dq", "dk", "dv"))]
 
 
-_ABI_VERSION = 2  # AK_ABI_VERSION in csrc/attn_common.h
+_ABI_VERSION = 3  # AK_ABI_VERSION in csrc/attn_common.h
 
 
 def _load() -> None:
@@ -174,7 +176,7 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def _call(q, k, v, lo, hi, scale: float, alibi, tiles) -> tuple[_Call, list]:
+def _call(q, k, v, lo, hi, scale: float, alibi, tiles, prog=None) -> tuple[_Call, list]:
     """The call record for these inputs (q, k, v already fitted); ``keep`` holds the tensors it points into."""
     B, H, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -195,6 +197,15 @@ def _call(q, k, v, lo, hi, scale: float, alibi, tiles) -> tuple[_Call, list]:
         c.tkb, c.tkh = (TH * nq * nk if TB > 1 else 0), (nq * nk if TH > 1 else 0)
         c.tkind, c.tidx, c.tbits = kinds.data_ptr(), idx.data_ptr(), bits.data_ptr()
         keep += [kinds, idx, bits]
+    if prog is not None:  # a traced score_mod (attnkit._scoreprog.Program)
+        assert alibi is None
+        code = prog.code.contiguous()
+        ptrs = (ctypes.c_void_p * max(1, len(prog.tables)))(*(t.data_ptr() for t in prog.tables))
+        shape = torch.tensor([[t.dim(), *t.shape, *([1] * (4 - t.dim()))] for t in prog.tables] or [[0] * 5],
+                             dtype=torch.int64)
+        c.pcode, c.pn, c.pregs, c.pout = code.data_ptr(), code.shape[0], prog.n_regs, prog.out
+        c.pconsts, c.ptables, c.ptshape = prog.consts.data_ptr(), ctypes.addressof(ptrs), shape.data_ptr()
+        keep += [code, ptrs, shape, prog]
     return c, keep
 
 
@@ -206,14 +217,15 @@ def _check(rc: int, B: int, H: int, L: int) -> None:
                            "(`pip install --force-reinstall --no-deps -e .`)")
 
 
-def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None):
+def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None):
     """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32) of attention where row i sees keys [lo, hi) and, with
     ``tiles`` (a :class:`~attnkit.backends._tilebits.TileBits` of 64 × 64 tiles), only what its tile map
-    and partial tiles' bits allow; ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)``, or None."""
+    and partial tiles' bits allow; ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)``, or None; ``prog``:
+    a traced score_mod (:class:`attnkit._scoreprog.Program`) run on the scaled scores, or None."""
     lib = _require()
     q, k, v = _fit(q), _fit(k), _fit(v)
     B, H, L, _ = q.shape
-    c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles)
+    c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles, prog)
     out = torch.empty(B, H, L, v.shape[-1])
     lse = torch.empty(B, H, L)
     c.out, c.lse = out.data_ptr(), lse.data_ptr()
@@ -222,7 +234,7 @@ def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None):
     return out, lse
 
 
-def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None, tiles=None):
+def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None, tiles=None, prog=None):
     """(dq, dk, dv) in fp32 for the forward above (``out``, ``lse`` its results); ``dlse`` a gradient
     into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ (in key-tile order: the
     same bits on every run and at every thread count) and the scale are all done inside the kernel."""
@@ -230,7 +242,7 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
     q, k, v = _fit(q), _fit(k), _fit(v)
     dout = dout.float()  # any strides: an expanded gradient (loss.sum()) is read in place, never copied whole
     B, H, L, D = q.shape
-    c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles)
+    c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles, prog)
     out = out.float().contiguous()
     lse = lse.float().contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()

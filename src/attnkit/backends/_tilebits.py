@@ -17,9 +17,10 @@ the batch row / head), ``index`` int32 of the same shape (a partial tile's row i
 elsewhere), ``bits`` int32 ``(P, 2, 64)``.
 
 Caching (content, never identity): a map is kept under ``mask.cache_key()`` and the sizes. Built-in
-masks are immutable values; a ``mask_mod`` has a key only when everything it reads is an immutable
-value (:func:`attnkit._mods.value_key`), so a mod reading a tensor (the next batch's document ids) is
-evaluated afresh on every call and nothing derived from it outlives the call.
+masks are immutable values; a ``mask_mod`` has a key when everything it reads is an immutable value
+or a CPU tensor / array, keyed by a digest of its bytes taken on every call
+(:func:`attnkit._mods.value_key`): the next batch's document ids, or ids edited in place, give a new
+key; a mod reading anything else (a list, an object's attribute) is evaluated afresh on every call.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import masks as _m
@@ -81,9 +83,6 @@ def tile_bits(mask: _m.Mask, B: int, H: int, L: int, S: int) -> TileBits:
     return tb
 
 
-_WEIGHTS = 2 ** torch.arange(32, dtype=torch.int64)
-
-
 def _bits(fn, tiles: torch.Tensor, L: int, S: int) -> torch.Tensor:
     """int32 ``(P, 2, 64)``: the points of each tile ``(b, h, qb, kb)`` where ``fn`` allows, 32 keys a word.
     Keys past ``S`` (a ragged last tile) are cleared; rows past ``L`` are never read."""
@@ -104,8 +103,10 @@ def _bits(fn, tiles: torch.Tensor, L: int, S: int) -> torch.Tensor:
             raise ValueError(f"mask_mod gave shape {tuple(allowed.shape)} on stacked tiles (expected (T, 1, 64, 64))")
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(T, 1, TILE, TILE)
         allowed = allowed[:, 0] & (kv_raw < S).view(T, 1, TILE)  # (T, rows, keys)
-        words = (allowed.view(T, TILE, 2, 32).to(torch.int64) * _WEIGHTS).sum(-1)  # (T, rows, 2) in [0, 2^32)
-        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the same bits as int32
+        # 8 keys a byte, key j at bit j % 8 of byte j // 8 ("little"); 4 bytes make a little-endian word whose
+        # bit j is key j: (T, rows, 2 words)
+        packed = np.packbits(allowed.contiguous().numpy(), axis=-1, bitorder="little")
+        words = torch.from_numpy(packed.view("<u4").view(np.int32)).view(T, TILE, 2)
         out[t0:t0 + T] = words.transpose(1, 2)
     return out
 

@@ -48,6 +48,7 @@ from collections import OrderedDict
 
 import torch
 
+from .. import _scoreprog
 from .. import masks as _masks
 from .. import score_mods as _score_mods
 from . import _flash_cpu, _native, _softmax, _tilebits, _tiled_fused, _tiled_plain, _tiles, _worklist
@@ -154,8 +155,6 @@ def native_unfit(req: Request) -> str | None:
         # measured (`python benchmarks/kernel.py --dtype bf16 --cases dense,causal`, a CPU with AMX): torch's
         # bf16 kernel per run ("before") 2.2-2.5x the compiled kernel's (fp32 inside) forward speed at L = 4096
         return "bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; ours is fp32)"
-    if req.score_mod is not None and not isinstance(req.score_mod, _score_mods.Alibi):
-        return "a score_mod other than ALiBi (the compiled kernel adds ALiBi's bias itself; others run on torch ops)"
     if req.bias is not None or req.dense_mask is not None:
         return "a tensor mask (the compiled kernel takes a mask as row intervals)"
     if req.plan is not None:
@@ -163,6 +162,11 @@ def native_unfit(req: Request) -> str | None:
     if req.extra_grads():
         return "gradients into tensors other than q, k, v"
     B, H, L, S, *_ = req.shape
+    if req.score_mod is not None and not isinstance(req.score_mod, _score_mods.Alibi) and "score_prog" not in req.memo:
+        try:
+            req.memo["score_prog"] = _scoreprog.compile_score_mod(req.score_mod, B, H, L, S)
+        except _scoreprog.Refused as e:
+            return f"a score_mod the kernel's programs do not cover: {e}"
     if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
         iv = _row_intervals(req.mask if req.mask is not None else _FULL, B, L, S)
         if iv is not None:
@@ -193,6 +197,9 @@ def choose_worker(req: Request) -> tuple[str, str]:
         else:
             how = (f"the mask's tile map ({100 * tb.computed_fraction:.0f}% of 64 x 64 tiles computed, "
                    f"{tb.partial_tiles} partial tiles masked by their own bits)")
+        prog = req.memo.get("score_prog")
+        if prog is not None:
+            how += f", the score_mod run as a {len(prog.ops)}-instruction program"
         return "native", f"attnkit's compiled kernel ({_native.isa()}): block-sparse FlashAttention-2 over {how}"
     if req.score_mod is not None and not additive_mod(req.score_mod):
         return "plain", "a score_mod that is not an additive bias (the fused kernel takes only a bias tile)"
@@ -237,7 +244,8 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, c: TileContext, *captured):
         if c.worker == "native":
             lo, hi, tiles = _native_mask(c.req)
-            out_hi, lse = _native.forward(q, k, v, lo, hi, c.req.scale, alibi=_alibi(c.req), tiles=tiles)
+            out_hi, lse = _native.forward(q, k, v, lo, hi, c.req.scale, alibi=_alibi(c.req), tiles=tiles,
+                                          prog=c.req.memo.get("score_prog"))
             out = out_hi.to(q.dtype)
             ctx.save_for_backward(q, k, v, out_hi, lse)
             ctx.c = c
@@ -280,7 +288,7 @@ class _TiledAttention(torch.autograd.Function):
         if c.worker == "native":
             lo, hi, tiles = _native_mask(c.req)
             dq, dk, dv = _native.backward(q, k, v, lo, hi, c.req.scale, out, lse, dout, dlse, alibi=_alibi(c.req),
-                                          tiles=tiles)
+                                          tiles=tiles, prog=c.req.memo.get("score_prog"))
         elif c.fused and dlse is None:
             bwd = _tiled_fused.causal_backward if c.causal else _tiled_fused.backward
             kd = c.kernel_dtype

@@ -14,7 +14,7 @@
 
 // Bumped whenever AkCall changes; the caller (attnkit/backends/_native.py) sends the version and
 // sizeof(AkCall) it was built for, and a call whose record does not match is refused (returns AK_E_ABI).
-#define AK_ABI_VERSION 2
+#define AK_ABI_VERSION 3
 
 enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2 };
 
@@ -40,6 +40,13 @@ struct AkCall {
   const int8_t* tkind;
   const int32_t* tidx;
   const uint32_t* tbits;
+  // a score_mod program (attn_prog.h), or pcode null: pn instructions of 7 int32, pregs registers, pout the
+  // result register, constants, tables (fp32 / int32 data) and per table its dims and 4 sizes
+  const int32_t* pcode;
+  int64_t pn, pregs, pout;
+  const float* pconsts;
+  const void* const* ptables;
+  const int64_t* ptshape;
   // forward: writes out (B, H, L, Dv), lse (B, H, L)
   float *out, *lse;
   // backward: reads the forward's out (contiguous) and lse, dout (strides sdo), dlse (or null); writes dq, dk, dv

@@ -1,8 +1,13 @@
 // Per-instruction-set entry points (the call record: attn_common.h), inside AK_NS.
 namespace AK_NS {
 
-static Shape shape_of(const AkCall* c) {
+static Shape shape_of(const AkCall* c, Prog* prog) {
   Shape s;
+  s.prog = nullptr;
+  if (c->pcode) {
+    *prog = Prog{c->pcode, (long)c->pn, (long)c->pregs, (long)c->pout, c->pconsts, c->ptables, c->ptshape};
+    s.prog = prog;
+  }
   s.B = c->B, s.H = c->H, s.Hkv = c->Hkv, s.L = c->L, s.S = c->S, s.D = c->D, s.Dv = c->Dv;
   for (int i = 0; i < 3; i++) s.sq[i] = c->sq[i], s.sk[i] = c->sk[i], s.sv[i] = c->sv[i];
   s.lo = c->lo, s.hi = c->hi, s.lob = c->lob;
@@ -14,13 +19,15 @@ static Shape shape_of(const AkCall* c) {
 }
 
 int run_forward(const AkCall* c) {
-  forward(shape_of(c), c->q, c->k, c->v, c->out, c->lse);
+  Prog prog;
+  forward(shape_of(c, &prog), c->q, c->k, c->v, c->out, c->lse);
   return AK_OK;
 }
 
 int run_backward(const AkCall* c) {
   const long sd[4] = {(long)c->sdo[0], (long)c->sdo[1], (long)c->sdo[2], (long)c->sdo[3]};
-  return backward(shape_of(c), c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq, c->dk,
+  Prog prog;
+  return backward(shape_of(c, &prog), c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq, c->dk,
                   c->dv);
 }
 

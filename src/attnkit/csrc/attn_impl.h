@@ -195,6 +195,8 @@ struct Buf {
   T* data() { return p; }
 };
 
+#include "attn_prog.h"
+
 struct Shape {
   long B, H, Hkv, L, S, D, Dv;
   long sq[3], sk[3], sv[3];  // strides (elements) of batch, head, row; the last dimension is contiguous
@@ -209,6 +211,7 @@ struct Shape {
   const int32_t* tidx;
   const uint32_t* tbits;
   long tkb, tkh;
+  const Prog* prog;  // a score_mod program run on the scaled scores (attn_prog.h), or null
 };
 
 enum { T_EMPTY = 0, T_PARTIAL = 1, T_FULL = 2 };
@@ -403,7 +406,7 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
     Buf<float> qt(s.D * BM), st(BN * BM), vp(v_in_place ? 1 : BN * Dvp), acc(BM * Dvp), mrow(BM), lrow(BM);
-    Buf<int32_t> lo(BM), hi(BM);
+    Buf<int32_t> lo(BM), hi(BM), regs(s.prog ? s.prog->regs * SL : 1);
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++) {
       const long qb = nq - 1 - it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H, hk = h / g;
@@ -431,10 +434,19 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
         if (tm.kind == T_EMPTY) continue;
         const bool full = !tm.bits && n == BN && j0 >= blk.flo && j0 + n <= blk.fhi;
         if (!full && !tile_touched(lo.p, hi.p, m, j0, j0 + n)) continue;
-        if (full) {
+        if (full)
           gemm<true>(n, BM, s.D, kb + j0 * s.sk[2], s.sk[2], 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
-        } else {
+        else
           scores_trimmed(n, j0, (int)s.D, kb + j0 * s.sk[2], s.sk[2], qt.p, st.p, edges);
+        if (s.prog) {  // scale, then the score_mod's program on each key's BM queries (before any mask)
+          const vf scv = splat(s.scale);
+          for (long j = 0; j < n; j++) {
+            float* row = st.p + j * BM;
+            for (int c = 0; c < BM; c += VW) store(row + c, load(row + c) * scv);
+            std::memcpy(row, prog_run(*s.prog, regs.p, row, b, h, i0, 1, s.L - 1, j0 + j, 0, s.S - 1), BM * 4);
+          }
+        }
+        if (!full) {
           mask_tile(st.p, n, j0, lo.p, hi.p);
           if (tm.bits) mask_bits_t(st.p, n, tm.bits);
         }
@@ -446,7 +458,7 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
           vf mx = splat(NEG_INF);
           const vi qi = splati((int32_t)(i0 + cc)) + iota();
           for (long j = 0; j < n; j++) {
-            vf x = scored(load(st.p + j * BM + cc), sc, ab, sl, splati((int32_t)(j0 + j)) - qi);
+            vf x = s.prog ? load(st.p + j * BM + cc) : scored(load(st.p + j * BM + cc), sc, ab, sl, splati((int32_t)(j0 + j)) - qi);
             store(st.p + j * BM + cc, x);
             mx = x > mx ? x : mx;
           }
@@ -619,16 +631,18 @@ static inline void wait_turn(const int32_t* turn, int32_t kt) {
 
 // One thread's buffers for key-tile items.
 struct BwdBufs {
-  Buf<float> kt, vt, kp, qr, dor, p, dp, dka, dva, dqs;
-  Buf<int32_t> lo, hi;
-  BwdBufs(long D, long Dv, long Dp, long Dvp, long Dq)
+  Buf<float> kt, vt, kp, qr, dor, p, dp, dka, dva, dqs, sraw, grads, dsrow;
+  Buf<int32_t> lo, hi, regs;
+  BwdBufs(long D, long Dv, long Dp, long Dvp, long Dq, long nregs)
       : kt(D * BN), vt(Dv * BN), kp(BN * Dp), qr(BM * Dp), dor(BM * Dvp), p(BM * BN), dp(BM * BN), dka(BN * Dp),
-        dva(BN * Dvp), dqs(BM * Dq), lo(BM), hi(BM) {}
+        dva(BN * Dvp), dqs(BM * Dq), sraw(nregs ? BM * BN : 1), grads(nregs * SL + 1), dsrow(SL), lo(BM), hi(BM),
+        regs(nregs * SL + 1) {}
 };
 
 // P (m x BN, row layout) = exp(scale Q K^T (+ ALiBi) - lse), masked; a row that sees nothing (lse = -inf) is 0
-static void probabilities(const Shape& s, long h, long i0, long m, long j0, long n, bool full, const TileMask& tm,
-                          const float* q_rows, long ldq, const float* kt, const float* lr, BwdBufs& w) {
+static void probabilities(const Shape& s, long b, long h, long i0, long m, long j0, long n, bool full,
+                          const TileMask& tm, const float* q_rows, long ldq, const float* kt, const float* lr,
+                          BwdBufs& w) {
   if (full)
     gemm<true>(m, BN, s.D, q_rows, ldq, 1, kt, BN, w.p.p, BN);
   else
@@ -642,20 +656,25 @@ static void probabilities(const Shape& s, long h, long i0, long m, long j0, long
       fill(pr, pr + BN, 0.f);
       continue;
     }
+    if (s.prog) {  // scale, keep the scaled row for the backward through the program, run the program
+      float* raw = w.sraw.p + i * BN;
+      for (int c = 0; c < BN; c += VW) store(raw + c, load(pr + c) * sc);
+      std::memcpy(pr, prog_run(*s.prog, w.regs.p, raw, b, h, i0 + i, 0, s.L - 1, j0, 1, s.S - 1), BN * 4);
+    }
     if (!full) mask_row(pr, w.lo[i], w.hi[i], j0, n);
     if (tm.bits) mask_bits_row(pr, tm.bits, i);
     const vf lv = splat(lr[i]);
     const vi qi = splati((int32_t)(i0 + i));
     for (int c = 0; c < BN; c += VW) {
-      vf x = scored(load(pr + c), sc, ab, sl, splati((int32_t)(j0 + c)) + iota() - qi);
+      vf x = s.prog ? load(pr + c) : scored(load(pr + c), sc, ab, sl, splati((int32_t)(j0 + c)) + iota() - qi);
       store(pr + c, exp2v((x - lv) * l2e));
     }
   }
 }
 
 // dP = dO V^T, then dS = P * (dP - delta) into w.dp (where P is 0, dS is 0: never 0 * garbage)
-static void score_grads(const Shape& s, long m, long j0, long n, bool full, const float* do_rows, long lddo,
-                        const float* vt, const float* dr, BwdBufs& w) {
+static void score_grads(const Shape& s, long b, long h, long i0, long m, long j0, long n, bool full,
+                        const float* do_rows, long lddo, const float* vt, const float* dr, BwdBufs& w) {
   if (full)
     gemm<true>(m, BN, s.Dv, do_rows, lddo, 1, vt, BN, w.dp.p, BN);
   else
@@ -666,6 +685,13 @@ static void score_grads(const Shape& s, long m, long j0, long n, bool full, cons
       vf pv = load(w.p.p + i * BN + c);
       vf dsv = pv * (load(w.dp.p + i * BN + c) - dv2);
       store(w.dp.p + i * BN + c, full ? dsv : (pv == splat(0.f) ? splat(0.f) : dsv));
+    }
+    if (s.prog) {  // through the score_mod: dS = dS(after) * d(mod)/d(score), by the program's reverse mode
+      float* dsr = w.dp.p + i * BN;
+      prog_run(*s.prog, w.regs.p, w.sraw.p + i * BN, b, h, i0 + i, 0, s.L - 1, j0, 1, s.S - 1);
+      prog_grad(*s.prog, w.regs.p, w.grads.p, dsr, w.dsrow.p);
+      for (int c = 0; c < BN; c += VW)  // where P is 0 the gradient is 0 (never 0 * inf from the program)
+        store(dsr + c, load(w.p.p + i * BN + c) == splat(0.f) ? splat(0.f) : load(w.dsrow.p + c));
     }
   }
 }
@@ -747,13 +773,13 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const float
           }
           do_rows = w.dor.p, lddo = Dvp;
         }
-        probabilities(s, h, i0, m, j0, n, full, tm, q_rows, ldq, w.kt.p, lse + bh2 * s.L + i0, w);
+        probabilities(s, b, h, i0, m, j0, n, full, tm, q_rows, ldq, w.kt.p, lse + bh2 * s.L + i0, w);
         // dV += P^T dO
         if (full)
           gemm(n, Dvp, m, w.p.p, 1, BN, do_rows, lddo, w.dva.p, Dvp);
         else
           by_queries_trimmed(n, m, j0, Dvp, w.p.p, do_rows, lddo, w.dva.p, Dvp, w.lo.p, w.hi.p);
-        score_grads(s, m, j0, n, full, do_rows, lddo, w.vt.p, delta + bh2 * s.L + i0, w);
+        score_grads(s, b, h, i0, m, j0, n, full, do_rows, lddo, w.vt.p, delta + bh2 * s.L + i0, w);
         // dK += dS^T Q (the softmax scale applied once, at the end)
         if (full)
           gemm(n, Dp, m, w.dp.p, 1, BN, q_rows, ldq, w.dka.p, Dp);
@@ -794,7 +820,7 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
   prepare_rows(s, dout, sdo, out, dlse, delta, dq);
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
-    BwdBufs w(s.D, s.Dv, Dp, Dvp, Dq);
+    BwdBufs w(s.D, s.Dv, Dp, Dvp, Dq, s.prog ? s.prog->regs : 0);
     // items in key-tile-major order: consecutive items are other (batch, kv head) chains, whose dQ turns are
     // independent, and within a chain the key tiles are taken in increasing order (see wait_turn)
 #pragma omp for schedule(dynamic, 1)
