@@ -91,6 +91,56 @@ class _Builder:
         return _Sym(self, dst, kind, rng)
 
 
+_SLACK = 1e-4  # relative widening of each end of a float range: fp32 rounding (2^-24 an op) never leaves it
+
+
+def _frange(op, a, b):
+    """The range of a float op's result from its operands' ranges (None: unknown), widened for rounding."""
+    try:
+        if op in ("tanh", "sign"):
+            return (-1.0, 1.0)
+        if a is None or (b is None and op in ("add", "sub", "mul", "div", "min", "max")):
+            return None
+        lo, hi = a
+        if op in ("add", "sub", "mul", "div"):
+            bl, bh = b
+            if op == "add":
+                r = (lo + bl, hi + bh)
+            elif op == "sub":
+                r = (lo - bh, hi - bl)
+            elif op == "mul":
+                c = (lo * bl, lo * bh, hi * bl, hi * bh)
+                r = (min(c), max(c))
+            else:
+                if bl <= 0 <= bh:
+                    return None
+                c = (lo / bl, lo / bh, hi / bl, hi / bh)
+                r = (min(c), max(c))
+        elif op in ("min", "max"):
+            bl, bh = b
+            r = (min(lo, bl), min(hi, bh)) if op == "min" else (max(lo, bl), max(hi, bh))
+        elif op == "neg":
+            r = (-hi, -lo)
+        elif op == "abs":
+            r = (0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+        elif op == "exp":
+            r = (math.exp(min(lo, 700)), math.exp(min(hi, 700)))
+        elif op in ("log", "log1p"):
+            base = 0.0 if op == "log" else -1.0
+            if lo <= base:
+                return None
+            r = (math.log(lo - base) if op == "log" else math.log1p(lo), math.log(hi) if op == "log" else math.log1p(hi))
+        elif op == "floor":
+            r = (math.floor(lo), math.floor(hi))
+        else:
+            return None
+    except (OverflowError, ValueError, ZeroDivisionError):
+        return None
+    if not all(math.isfinite(x) for x in r):
+        return None
+    return (r[0] - _SLACK * abs(r[0]), r[1] + _SLACK * abs(r[1]))  # each end widened by its own magnitude
+
+
 def _int_range(lo, hi):
     if lo < _I32[0] or hi > _I32[1]:
         raise Refused(f"an integer that may reach [{lo}, {hi}], outside int32 (the kernel's integers)")
@@ -98,15 +148,16 @@ def _int_range(lo, hi):
 
 
 class _Sym:
-    """A traced value: its register, its kind ('f' float32, 'i' int32, 'b' condition as int 0/1) and, for
-    integers, the range of values it can take."""
+    """A traced value: its register, its kind ('f' float32, 'i' int32, 'b' condition as int 0/1) and the
+    range of values it can take (ints: always; floats: when known, else None) — what proves that an
+    integer stays in int32 and an index inside its tensor."""
 
     def __init__(self, bld: _Builder, reg: int, kind: str, rng=None):
         self.bld, self.reg, self.kind, self.rng = bld, reg, kind, rng
 
     # ---- conversions -------------------------------------------------------------------------
     def _f(self) -> _Sym:
-        return self if self.kind == "f" else self.bld.emit("i2f", (self.reg,), "f")
+        return self if self.kind == "f" else self.bld.emit("i2f", (self.reg,), "f", self.rng)
 
     def _i(self) -> _Sym:
         if self.kind == "f":
@@ -224,6 +275,11 @@ class _Sym:
     def __getitem__(self, idx):
         raise Refused("indexing a traced value (score[...])")
 
+    def __getattr__(self, name):  # only reached for names not defined above
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise Refused(f"the tensor method .{name}()")
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -253,7 +309,7 @@ def _lift(bld: _Builder, x) -> _Sym:
         return bld.emit("consti", (x,), "i", (x, x))
     if isinstance(x, float):
         bld.consts.append(x)
-        return bld.emit("constf", (len(bld.consts) - 1,), "f")
+        return bld.emit("constf", (len(bld.consts) - 1,), "f", (x, x) if math.isfinite(x) else None)
     raise Refused(f"a value of type {type(x).__name__}")
 
 
@@ -270,11 +326,11 @@ def _binary(op, a, b):
     a, b = _both(a, b)
     bld = a.bld
     if op == "div":
-        return bld.emit("div", (a._f().reg, b._f().reg))
+        return bld.emit("div", (a._f().reg, b._f().reg), "f", _frange(op, a.rng, b.rng))
     if a.kind == "f" or b.kind == "f":
         if op in ("floordiv", "mod"):
             raise Refused(f"float {'//' if op == 'floordiv' else '%'}")
-        return bld.emit(op, (a._f().reg, b._f().reg))
+        return bld.emit(op, (a._f().reg, b._f().reg), "f", _frange(op, a.rng, b.rng))
     (al, ah), (bl, bh) = a.rng, b.rng
     if op == "add":
         rng = _int_range(al + bl, ah + bh)
@@ -314,14 +370,17 @@ def _unary(op, a):
         return bld.emit("i" + op, (a.reg,), "i", _int_range(*rng))
     if op == "floor" and a.kind != "f":
         return a
-    return bld.emit(op, (a._f().reg,))
+    return bld.emit(op, (a._f().reg,), "f", _frange(op, a.rng, None))
 
 
 def _to_int(a):
     if a.kind != "f":
         return a if a.kind == "i" else a.bld.emit("iadd", (a.reg, _lift(a.bld, 0).reg), "i", a.rng)
-    # float -> int truncates toward zero (torch's .to(int)); the value's range is unknown: clamped to int32 by
-    # the kernel exactly where torch's int64 would differ, so refuse unless it is used only as a bounded index
+    # float -> int truncates toward zero (torch's .to(int)); with the float's range known the int's is too,
+    # else any int32 (the kernel saturates there, where torch's int64 would not: what follows must bound it)
+    rng = a.rng
+    if rng is not None and _I32[0] < rng[0] and rng[1] < _I32[1]:
+        return a.bld.emit("f2i", (a.reg,), "i", (math.trunc(rng[0]), math.trunc(rng[1])))
     return a.bld.emit("f2i", (a.reg,), "i", (_I32[0] + 1, _I32[1] - 1))
 
 
@@ -362,7 +421,7 @@ def _not(a):
 def _minmax(op, a, b):
     a, b = _both(a, b)
     if a.kind == "f" or b.kind == "f":
-        return a.bld.emit("f" + op, (a._f().reg, b._f().reg))
+        return a.bld.emit("f" + op, (a._f().reg, b._f().reg), "f", _frange(op, a.rng, b.rng))
     (al, ah), (bl, bh) = a.rng, b.rng
     rng = (min(al, bl), min(ah, bh)) if op == "min" else (max(al, bl), max(ah, bh))
     return a.bld.emit("i" + op, (a.reg, b.reg), "i", rng)
@@ -385,7 +444,8 @@ def _where(c, a, b):
     if c.kind != "b":
         raise Refused("torch.where on a non-boolean condition")
     if a.kind == "f" or b.kind == "f":
-        return bld.emit("where", (c.reg, a._f().reg, b._f().reg))
+        rng = None if a.rng is None or b.rng is None else (min(a.rng[0], b.rng[0]), max(a.rng[1], b.rng[1]))
+        return bld.emit("where", (c.reg, a._f().reg, b._f().reg), "f", rng)
     rng = (min(a.rng[0], b.rng[0]), max(a.rng[1], b.rng[1]))
     return bld.emit("iwhere", (c.reg, a.reg, b.reg), "b" if a.kind == b.kind == "b" else "i", rng)
 
@@ -412,12 +472,16 @@ def _read(table, idx):
         if s.kind == "f":
             raise Refused("a tensor indexed by a float")
         lo, hi = s.rng
-        if lo < -n or hi >= n:
-            raise Refused(f"an index that may reach [{lo}, {hi}] on a dim of size {n} (torch would raise)")
+        if _from_score(bld, s.reg):
+            raise Refused("a tensor read at an index computed from the score")
+        # an index the ranges cannot bound inside [-n, n) is checked by the kernel at every visible point: out of
+        # range it reads the edge and reports, and attention raises IndexError as torch's indexing would
         regs.append(s.reg)
-    regs += [0] * (4 - len(regs))
+    regs += [-1] * (4 - len(regs))
     if table.is_floating_point():
-        data, kind, rng = table.detach().to(torch.float32).contiguous(), "f", None
+        data, kind = table.detach().to(torch.float32).contiguous(), "f"
+        finite = bool(torch.isfinite(data).all()) and data.numel() > 0
+        rng = (float(data.min()), float(data.max())) if finite else None
         if table.dtype == torch.float64 and not torch.equal(data.double(), table.detach()):
             raise Refused("a float64 table whose values fp32 cannot hold exactly")
     elif table.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool):
@@ -434,6 +498,21 @@ def _read(table, idx):
         bld.tables.append(data)
     t = bld.table_ids[key]
     return bld.emit("readf" if kind == "f" else "readi", (t, *regs), kind, rng)
+
+
+def _from_score(bld: _Builder, reg: int) -> bool:
+    """Whether register ``reg`` depends on the score (register 0)."""
+    seen, stack = set(), [reg]
+    while stack:
+        r = stack.pop()
+        if r == 0:
+            return True
+        if r in seen:
+            continue
+        seen.add(r)
+        ins = bld.code[r]  # one instruction per register, in order
+        stack.extend(_operands(ins))
+    return False
 
 
 def _t_where(cond, a=None, b=None):
@@ -514,8 +593,19 @@ def compile_score_mod(fn, B: int, H: int, L: int, S: int) -> Program:
     return prog
 
 
-# which operand words of each opcode name registers (the rest are constants / table numbers)
-_REG_ARGS = {OP["constf"]: (), OP["consti"]: (), OP["readf"]: (3, 4, 5, 6), OP["readi"]: (3, 4, 5, 6)}
+def _operands(ins) -> list[int]:
+    """The registers an instruction reads (its other words are constants, table numbers or -1 padding)."""
+    name = OPS[ins[0]]
+    if name in ("score", "qidx", "kvidx", "bidx", "hidx", "constf", "consti"):
+        return []
+    if name in ("readf", "readi"):
+        return [r for r in ins[3:7] if r >= 0]
+    if name in ("where", "iwhere"):
+        return list(ins[2:5])
+    if name in ("neg", "abs", "sign", "tanh", "exp", "log", "log1p", "floor", "ineg", "iabs", "isign", "i2f", "f2i",
+                "not"):
+        return [ins[2]]
+    return list(ins[2:4])
 
 
 def _live(code: list, out: int) -> list:
@@ -526,7 +616,7 @@ def _live(code: list, out: int) -> list:
     for ins in reversed(code):
         if ins[1] in need:
             keep.append(ins)
-            need.update(ins[i] for i in _REG_ARGS.get(ins[0], (2, 3, 4)))
+            need.update(_operands(ins))
     return list(reversed(keep))
 
 

@@ -59,7 +59,7 @@ class _Call(ctypes.Structure):
                 *((n, ctypes.c_int64) for n in ("lob", "threads", "tkb", "tkh")), ("scale", ctypes.c_double),
                 *((n, ctypes.c_void_p) for n in ("q", "k", "v", "lo", "hi", "alibi", "tkind", "tidx", "tbits", "pcode")),
                 *((n, ctypes.c_int64) for n in ("pn", "pregs", "pout")),
-                *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "out", "lse", "dout", "fwd_out",
+                *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "perr", "out", "lse", "dout", "fwd_out",
                                                  "fwd_lse", "dlse", "dq", "dk", "dv"))]
 
 
@@ -204,9 +204,20 @@ def _call(q, k, v, lo, hi, scale: float, alibi, tiles, prog=None) -> tuple[_Call
         shape = torch.tensor([[t.dim(), *t.shape, *([1] * (4 - t.dim()))] for t in prog.tables] or [[0] * 5],
                              dtype=torch.int64)
         c.pcode, c.pn, c.pregs, c.pout = code.data_ptr(), code.shape[0], prog.n_regs, prog.out
+        err = torch.zeros(1, dtype=torch.int32)
         c.pconsts, c.ptables, c.ptshape = prog.consts.data_ptr(), ctypes.addressof(ptrs), shape.data_ptr()
-        keep += [code, ptrs, shape, prog]
+        c.perr = err.data_ptr()
+        keep += [code, ptrs, shape, prog, err]
     return c, keep
+
+
+def _check_reads(prog, keep) -> None:
+    """IndexError where the score_mod's program read a captured tensor out of range (as torch's indexing raises)."""
+    if prog is not None and int(keep[-1][0]):
+        t = prog.tables[int(keep[-1][0]) - 1]
+        raise IndexError(f"score_mod: an index into a captured tensor of shape {tuple(t.shape)} is out of range at "
+                         "some (query, key) of this call (torch's indexing raises the same); clamp the index or "
+                         "make the tensor larger")
 
 
 def _check(rc: int, B: int, H: int, L: int) -> None:
@@ -230,6 +241,7 @@ def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None):
     lse = torch.empty(B, H, L)
     c.out, c.lse = out.data_ptr(), lse.data_ptr()
     _check(lib.ak_forward(ctypes.byref(c)), B, H, L)
+    _check_reads(prog, keep)
     del keep
     return out, lse
 

@@ -201,6 +201,13 @@ def choose_worker(req: Request) -> tuple[str, str]:
         if prog is not None:
             how += f", the score_mod run as a {len(prog.ops)}-instruction program"
         return "native", f"attnkit's compiled kernel ({_native.isa()}): block-sparse FlashAttention-2 over {how}"
+    worker, why = _fallback_worker(req, why_not)
+    return worker, (f"{why} (not the compiled kernel: {why_not})" if worker == "plain" else why)
+
+
+def _fallback_worker(req: Request, why_not: str) -> tuple[str, str]:
+    """The worker for a call the compiled kernel cannot run (``why_not``): torch's flash kernel per run, or
+    plain torch ops."""
     if req.score_mod is not None and not additive_mod(req.score_mod):
         return "plain", "a score_mod that is not an additive bias (the fused kernel takes only a bias tile)"
     if req.q.shape[-1] != req.v.shape[-1]:

@@ -47,6 +47,7 @@ struct AkCall {
   const float* pconsts;
   const void* const* ptables;
   const int64_t* ptshape;
+  int32_t* perr;  // set to (table + 1) when a read's index is out of range at a point inside (L, S)
   // forward: writes out (B, H, L, Dv), lse (B, H, L)
   float *out, *lse;
   // backward: reads the forward's out (contiguous) and lse, dout (strides sdo), dlse (or null); writes dq, dk, dv

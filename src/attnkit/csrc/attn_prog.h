@@ -25,6 +25,7 @@ struct Prog {
   const float* consts;
   const void* const* tables;  // float32 or int32 data, contiguous
   const int64_t* tshape;      // per table: its number of dims, then 4 sizes
+  int32_t* err;               // set to (table + 1) when a read's index is out of range at a visible point
 };
 
 static inline vf fv(const int32_t* r) { return *(const vf_u*)r; }
@@ -146,15 +147,17 @@ static const int32_t* prog_run(const Prog& p, int32_t* R, const float* s, long b
       case P_READF:
       case P_READI: {
         const int64_t* sh = p.tshape + 5L * c[2];
-        const int32_t* ix[4] = {R + (long)c[3] * SL, R + (long)c[4] * SL, R + (long)c[5] * SL, R + (long)c[6] * SL};
         const int32_t* base = (const int32_t*)p.tables[c[2]];  // fp32 or int32: copied as 32-bit words
         for (int l = 0; l < SL; l++) {
           long off = 0;
           for (long t = 0; t < sh[0]; t++) {
             const long n = sh[1 + t];
-            long i = ix[t][l];
+            long i = R[(long)c[3 + t] * SL + l];
             i = i < 0 ? i + n : i;
-            i = i < 0 ? 0 : (i >= n ? n - 1 : i);  // the tracer proved it in range; never read outside all the same
+            if (i < 0 || i >= n) {  // torch would raise: read the edge (never outside) and report the lane if visible
+              if (q0 + dq * l <= qmax && kv0 + dkv * l <= kvmax && p.err) __atomic_store_n(p.err, c[2] + 1, __ATOMIC_RELAXED);
+              i = i < 0 ? 0 : n - 1;
+            }
             off = off * n + i;
           }
           d[l] = base[off];
