@@ -226,8 +226,10 @@ def test_an_exception_inside_the_mod_while_tracing_keeps_the_old_path():
 
 def test_bad_score_mods_raise_the_same_errors_as_before():
     q, k, v = rand_qkv(1, 2, 2, 40, 40, 16)
-    with pytest.raises((TypeError, ValueError)):
-        attnkit.attention(q, k, v, score_mod=lambda s, b, h, q, kv: s.sum(-1), causal=True)  # wrong shape
+    with pytest.raises(TypeError, match="must return a tensor"):
+        attnkit.attention(q, k, v, score_mod=lambda s, b, h, q, kv: None, causal=True)
+    with pytest.raises(ValueError, match="does not broadcast to the grid"):
+        attnkit.attention(q, k, v, score_mod=lambda s, b, h, q, kv: s[..., :3], causal=True)
     out = attnkit.attention(q, k, v, score_mod=lambda s, b, h, q_, kv: s * float("nan"), causal=True,
                             backend="tiled")
     assert torch.isnan(out).all(), "NaN from a score_mod propagates, as on every path"

@@ -296,16 +296,16 @@ def _content(x):
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu" or x.is_sparse or x.layout != torch.strided:
             return None
-        arr = x.detach().contiguous()
-        if arr.element_size() * arr.numel() > _CONTENT_KEY_MAX_BYTES:
+        t = x.detach().contiguous().reshape(-1)
+        if t.element_size() * t.numel() > _CONTENT_KEY_MAX_BYTES:
             return None
-        raw = arr.view(torch.uint8).numpy() if arr.numel() else b""
-        return ("tensor", str(arr.dtype), tuple(arr.shape), hashlib.blake2b(raw, digest_size=16).digest())
+        digest = hashlib.blake2b(t.view(torch.uint8).numpy().data, digest_size=16).digest()
+        return ("tensor", str(x.dtype), tuple(x.shape), digest)
     if isinstance(x, np.ndarray):
         if x.dtype == object or x.nbytes > _CONTENT_KEY_MAX_BYTES:
             return None
-        arr = np.ascontiguousarray(x)
-        return ("ndarray", str(arr.dtype), arr.shape, hashlib.blake2b(arr.view(np.uint8), digest_size=16).digest())
+        a = np.ascontiguousarray(x).reshape(-1)
+        return ("ndarray", str(x.dtype), x.shape, hashlib.blake2b(a.view(np.uint8).data, digest_size=16).digest())
     return None
 
 

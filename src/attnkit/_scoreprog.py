@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -129,7 +131,8 @@ def _frange(op, a, b):
             base = 0.0 if op == "log" else -1.0
             if lo <= base:
                 return None
-            r = (math.log(lo - base) if op == "log" else math.log1p(lo), math.log(hi) if op == "log" else math.log1p(hi))
+            f = math.log if op == "log" else math.log1p
+            r = (f(lo), f(hi))
         elif op == "floor":
             r = (math.floor(lo), math.floor(hi))
         else:
@@ -217,8 +220,8 @@ class _Sym:
     def __le__(self, o): return _compare("le", self, o)
     def __gt__(self, o): return _compare("lt", o, self)
     def __ge__(self, o): return _compare("le", o, self)
-    def __eq__(self, o): return _compare("eq", self, o)  # type: ignore[override]
-    def __ne__(self, o): return _compare("ne", self, o)  # type: ignore[override]
+    def __eq__(self, o): return _compare("eq", self, o)
+    def __ne__(self, o): return _compare("ne", self, o)
     def __and__(self, o): return _logic("and", self, o)
     def __rand__(self, o): return _logic("and", o, self)
     def __or__(self, o): return _logic("or", self, o)
@@ -262,9 +265,8 @@ class _Sym:
                 dtype = a
             elif isinstance(a, torch.Tensor | _Sym):
                 dtype = a.dtype
-            elif isinstance(a, str | torch.device):
-                if torch.device(a).type != "cpu":
-                    raise Refused(f"a traced value moved to {a}")
+            elif isinstance(a, str | torch.device) and torch.device(a).type != "cpu":
+                raise Refused(f"a traced value moved to {a}")
         if dtype is None:
             return self
         return _cast(self, dtype)
@@ -467,7 +469,7 @@ def _read(table, idx):
     if table.numel() > _MAX_TABLE_ELEMS:
         raise Refused(f"a captured tensor of {table.numel()} elements")
     regs = []
-    for i, n in zip(idx, table.shape, strict=True):
+    for i in idx:
         s = _lift(bld, i)
         if s.kind == "f":
             raise Refused("a tensor indexed by a float")
@@ -525,7 +527,7 @@ def _t_clamp(x, min=None, max=None):
     return _clamp(_lift(_bld(x, min, max), x), min, max)
 
 
-_TORCH = {
+_TORCH: dict[str, Callable[..., Any]] = {
     "add": lambda a, b, alpha=1: _binary("add", a, b if alpha == 1 else _binary("mul", b, alpha)),
     "sub": lambda a, b, alpha=1: _binary("sub", a, b if alpha == 1 else _binary("mul", b, alpha)),
     "mul": lambda a, b: _binary("mul", a, b), "multiply": lambda a, b: _binary("mul", a, b),

@@ -57,10 +57,11 @@ class _Call(ctypes.Structure):
     _fields_ = [*((n, ctypes.c_int64) for n in ("size", "version", "B", "H", "Hkv", "L", "S", "D", "Dv")),
                 *((n, ctypes.c_int64 * 3) for n in ("sq", "sk", "sv")), ("sdo", ctypes.c_int64 * 4),
                 *((n, ctypes.c_int64) for n in ("lob", "threads", "tkb", "tkh")), ("scale", ctypes.c_double),
-                *((n, ctypes.c_void_p) for n in ("q", "k", "v", "lo", "hi", "alibi", "tkind", "tidx", "tbits", "pcode")),
+                *((n, ctypes.c_void_p) for n in ("q", "k", "v", "lo", "hi", "alibi", "tkind", "tidx", "tbits",
+                                                 "pcode")),
                 *((n, ctypes.c_int64) for n in ("pn", "pregs", "pout")),
-                *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "perr", "out", "lse", "dout", "fwd_out",
-                                                 "fwd_lse", "dlse", "dq", "dk", "dv"))]
+                *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "perr", "out", "lse", "dout",
+                                                 "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv"))]
 
 
 _ABI_VERSION = 3  # AK_ABI_VERSION in csrc/attn_common.h

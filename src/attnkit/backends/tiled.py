@@ -173,7 +173,7 @@ def native_unfit(req: Request) -> str | None:
             req.memo["row_intervals"] = iv
         else:
             try:
-                req.memo["tile_bits"] = _tilebits.tile_bits(req.mask, B, H, L, S)
+                req.memo["tile_bits"] = _tilebits.tile_bits(req.mask if req.mask is not None else _FULL, B, H, L, S)
             except Exception as e:  # a mod that cannot run on stacked tiles: torch's kernels evaluate it per run
                 return (f"mask {req.mask!r} could not be evaluated on stacked 64 x 64 tiles for the kernel's tile map "
                         f"({type(e).__name__}: {e})")
