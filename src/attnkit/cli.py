@@ -45,6 +45,18 @@ def _version() -> str:
         return __version__
 
 
+class _Version(argparse.Action):
+    """``--version``: the version is looked up only when asked for (importlib.metadata takes a while to import)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                         help="show attnkit's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"attnkit {_version()}")
+        parser.exit()
+
+
 def _parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
     """The argument parser. ``every=False`` fills in only ``command``'s options (the others keep their
     one-line help): a subcommand's module is imported only when that subcommand is asked for, so
@@ -52,7 +64,7 @@ def _parser(command: str | None = None, *, every: bool = True) -> argparse.Argum
     p = argparse.ArgumentParser(prog="attnkit",
                                 description="Exact Transformer attention: run it, see it, build with it.",
                                 epilog="exit status: 0 ok, 2 bad input, 141 when stdout's reader goes away (| head).")
-    p.add_argument("--version", action="version", version=f"attnkit {_version()}")
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in _COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
