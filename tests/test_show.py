@@ -108,7 +108,7 @@ def test_model_path_without_weights_is_one_line_exit_2(tmp_path, capsys):
     rc, out, err = _cli(capsys, "--model", str(tmp_path))
     assert out == "", out  # an error exit writes only its one line, to stderr
     line = _one_line_error(err)
-    assert rc == 2 and "model weights" in line and "--model" in line
+    assert rc == 2 and "has config.json but no weights" in line and line.startswith("attnkit show: error: --model: ")
 
 
 def test_transformers_missing_is_one_line_with_install_hint(monkeypatch, capsys):
@@ -116,7 +116,7 @@ def test_transformers_missing_is_one_line_with_install_hint(monkeypatch, capsys)
     rc, out, err = _cli(capsys)
     assert out == "", out  # an error exit writes only its one line, to stderr
     line = _one_line_error(err)
-    assert rc == 2 and "pip install 'attnkit[model]'" in line
+    assert rc == 2 and "pip install -e '.[model]' in the attnkit repository" in line
 
 
 def test_real_cli_process_prints_no_traceback():
@@ -315,7 +315,7 @@ def test_library_show_without_transformers_raises_import_error(monkeypatch, tmp_
     from attnkit.viz import show
 
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(ModelUnavailable, match=r"pip install 'attnkit\[model\]'") as info:
+    with pytest.raises(ModelUnavailable, match=r"pip install -e '\.\[model\]' in the attnkit repository") as info:
         show(out=str(tmp_path), quiet=True)
     assert isinstance(info.value, ImportError)
 

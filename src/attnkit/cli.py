@@ -33,8 +33,6 @@ _COMMANDS = {
 }
 
 
-
-
 def _version() -> str:
     """The installed distribution's version (the package's own when run from a source tree)."""
     try:
@@ -47,14 +45,31 @@ def _version() -> str:
         return __version__
 
 
-def _parser() -> argparse.ArgumentParser:
+class _Version(argparse.Action):
+    """``--version``: the version is looked up only when asked for (importlib.metadata takes a while to import)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                         help="show attnkit's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"attnkit {_version()}")
+        parser.exit()
+
+
+def _parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
+    """The argument parser. ``every=False`` fills in only ``command``'s options (the others keep their
+    one-line help): a subcommand's module is imported only when that subcommand is asked for, so
+    ``attnkit --help`` and ``attnkit --version`` start without numpy or torch."""
     p = argparse.ArgumentParser(prog="attnkit",
                                 description="Exact Transformer attention: run it, see it, build with it.",
                                 epilog="exit status: 0 ok, 2 bad input, 141 when stdout's reader goes away (| head).")
-    p.add_argument("--version", action="version", version=f"attnkit {_version()}")
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in _COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
+        if not every and name != command:
+            continue
         try:
             mod = importlib.import_module(f"attnkit._cli.{name}")
         except ImportError:  # a subcommand whose module is not part of this build
@@ -62,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
         mod.add_arguments(sp)
         sp.set_defaults(_run=mod.run)
     return p
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top level has only
+    ``-h/--help`` and ``--version``, which take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def _silence_stdout():
@@ -76,7 +97,8 @@ def _silence_stdout():
 
 def main(argv=None) -> int:
     try:
-        p = _parser()
+        argv = sys.argv[1:] if argv is None else list(argv)
+        p = _parser(_command(argv), every=False)
         args = p.parse_args(argv)
         if not getattr(args, "_run", None):
             p.print_help()

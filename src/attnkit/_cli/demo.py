@@ -9,7 +9,6 @@ writable) is refused before anything runs: exit status 2, one line.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -39,24 +38,24 @@ def add_arguments(p):
 
 def _check_options(args):
     """Refuse an option the user gave that part 2 could not use, before part 1 prints anything."""
-    from . import CLIError
+    from . import CLIError, check_out_dir
 
     if args.model is not None:
-        if not os.path.isdir(args.model):
-            what = "a file" if os.path.exists(args.model) else "no such directory"
-            raise CLIError(f"--model: expected a Hugging Face model directory (config.json + weights), got "
-                           f"{args.model!r} ({what}). Pass such a directory, or leave --model out for the bundled "
-                           "all-MiniLM-L6-v2.")
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise CLIError(f"--model: expected a Hugging Face model directory (config.json + weights), got "
-                           f"{args.model!r} (no config.json in it). Pass the folder that holds config.json.")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise CLIError(f"--out: expected a directory for the pictures, got {args.out!r} (a file). Pass a folder path.")
+        from ..integrations.minilm import ModelUnavailable, check_model_dir
+
+        try:
+            check_model_dir(args.model)
+        except ModelUnavailable as e:
+            raise CLIError(f"--model: {e}") from None
+    check_out_dir("--out", args.out)
 
 
 def _step(n, title):
-    print(f"[{n}/3] {title}", file=sys.stderr, flush=True)
-    print(f"\n━━ {n}. {title} " + "━" * max(0, 70 - len(title)))
+    # Progress on stderr says where a long run is when stdout goes to a file or a pipe; in a terminal the
+    # heading on stdout already says it (both streams land on the same screen: it would show twice).
+    if not sys.stdout.isatty():
+        print(f"[{n}/3] {title}", file=sys.stderr, flush=True)
+    print(f"\n━━ {n}. {title} " + "━" * max(0, 70 - len(title)), flush=True)
 
 
 def _explain_part():

@@ -326,6 +326,16 @@ def _note_cat(t, masked, prec, q, k, v):
             f"{_vec(w, 6)}: \"{k_tok[j]}\" takes {w[j]:.2%} of the attention of \"chased\".")
 
 
+def _nothing_hidden(causal: bool, L: int, S: int) -> str:
+    if causal and L == 1:
+        return (f"--causal hides no key here. With one query and S = {S} keys the look-ahead mask is bottom-right "
+                "aligned: the query is the newest position (as when decoding), so it sees every key and the numbers "
+                "are the unmasked ones. With several queries the mask hides each query's later keys: "
+                "attnkit explain --causal (3 queries) shows it.")
+    return (f"the mask hides no key here: each of the {L} queries sees all {S} keys, so the numbers are the "
+            "unmasked ones.")
+
+
 _RANDOM_NOTE = ("A softmax computed as exp(x) / Σ exp(x) without subtracting the row maximum overflows to "
                 "inf/nan once a score passes ~709 (float64); attnkit subtracts the maximum first.")
 
@@ -397,9 +407,11 @@ def run(args) -> int:
     print(f"Q {q.shape}, K {k.shape}, V {v.shape}; scale = 1/√d_k = {t.scale:.6f}\n")
     q_tokens, k_tokens = tokens if isinstance(tokens, tuple) else (tokens, tokens)
     print(format_trace(t, q_tokens=q_tokens, k_tokens=k_tokens, prec=args.precision, inputs=True))
+    masked = bool(args.causal or args.mask)
     if note:
-        masked = bool(args.causal or args.mask)
         print("\nNote: " + note(t, masked, args.precision, q, k, v))
+    if masked and bool(np.all(t.allowed)):  # the mask was asked for and changed nothing: say why
+        print("\nNote: " + _nothing_hidden(args.causal, q.shape[0], k.shape[0]))
     if args.html:
         _write_page(args.html, t, title, q_tokens, k_tokens, args.precision)
     return 0

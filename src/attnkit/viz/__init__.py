@@ -3,7 +3,7 @@
 Both take plain arrays — weights ``(H, L, S)`` for the PNG, ``{layer: (B, H, L, S)}``
 for the page — and token labels, so they work for any model or for
 :func:`attnkit.explain` traces. matplotlib is imported only when a PNG is drawn
-(``pip install 'attnkit[viz]'``); the HTML page needs nothing but a browser.
+(the viz extra: ``pip install -e '.[viz]'`` in the attnkit repository); the HTML page needs nothing but a browser.
 
 * :func:`save_heads_png` — one heatmap per head, token labels, a shared 0–1 colour scale.
 * :func:`save_attention_html` — ONE self-contained file (inline JS/CSS, no network):
@@ -15,7 +15,8 @@ for the page — and token labels, so they work for any model or for
   plan's empty tiles; exact row and tile weights on demand; ``TileMass.to_html`` writes ONE
   offline zoomable page (``attnkit long``). See ``docs/long.md``.
 * :func:`show` — a real model's attention on your sentences (what ``attnkit show``
-  runs): a table for one word, the PNG and the page. Needs ``pip install 'attnkit[model]'``;
+  runs): a table for one word, the PNG and the page. Needs the model extra
+  (``pip install -e '.[model]'`` in the attnkit repository, or ``make demo``);
   bad arguments raise :class:`ShowInputError` (a ``ValueError`` naming the argument).
 """
 

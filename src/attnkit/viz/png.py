@@ -44,7 +44,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError as e:
-        raise ImportError("drawing a PNG needs matplotlib: pip install 'attnkit[viz]'") from e
+        raise ImportError("drawing a PNG needs matplotlib: pip install matplotlib (or, in the attnkit repository, "
+                          "pip install -e '.[viz]')") from e
     matplotlib.use("Agg", force=True)  # files only: never open a window
     import matplotlib.pyplot as plt
     return plt
