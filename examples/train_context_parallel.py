@@ -8,7 +8,8 @@ W processes (gloo, CPU) — and print both loss curves side by side.
 Each rank holds its rows of every sequence (``cp.shard``, dim 1 of the (B, L, E) activations,
 under ``--layout``); attention runs through :func:`attnkit.distributed.block_forward` (the
 module's own weights, RoPE at the layout's global positions, :class:`ContextParallel` attention);
-every other layer is per token. The loss is the mean over all tokens: each rank sums its tokens'
+every other layer is per token. Every rank starts from rank 0's weights (``akcp.sync_state``
+broadcasts them, as DDP does). The loss is the mean over all tokens: each rank sums its tokens'
 losses over the total count, and gradients are summed across ranks (as DDP would), so every rank
 takes exactly the single-process step. Rank 0 also trains the single-process copy and checks:
 first step's loss and gradients equal to <= 1e-5, curves within 1e-3 relative.
@@ -31,6 +32,7 @@ from torch import nn
 
 import attnkit.distributed as akd
 from attnkit import masks
+from attnkit.integrations import context_parallel as akcp
 from attnkit.nn import TransformerBlock
 
 
@@ -77,6 +79,8 @@ def run(rank, world, port, args, report):
     ref_opt = torch.optim.Adam(ref.parameters(), lr=args.lr) if ref is not None else None
     L = args.seq_len
     cp = akd.ContextParallel(L, mask=masks.causal(), layout=args.layout, block=args.block, timeout=60)
+    # every rank takes rank 0's weights, as DDP does (the seed above already agrees; this makes sure)
+    akcp.sync_state(model, cp)
     rows = cp.positions
     curve, first = [], {}
     t0 = time.time()

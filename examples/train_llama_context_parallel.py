@@ -30,7 +30,7 @@ def make_model():
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                       attention_dropout=0.0)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # rank 0's reference run builds the same model; the other ranks get it from prepare()
     return LlamaForCausalLM(cfg)
 
 
@@ -66,7 +66,7 @@ def context_parallel(data: torch.Tensor, layout: str) -> tuple[list[float], obje
     from attnkit.integrations import context_parallel as akcp
 
     cp = akd.ContextParallel(data.shape[-1], mask=masks.causal(), layout=layout)
-    model = akcp.prepare(make_model(), cp)
+    model = akcp.prepare(make_model(), cp)  # every rank gets rank 0's weights (the seed is for the reference)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for ids in data:
