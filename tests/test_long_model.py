@@ -139,6 +139,10 @@ def test_python_call_on_a_loaded_model_restores_its_attention(tmp_path):
     res = model_long_page(model, ids, layers=2)
     assert [n for n, _ in res.maps] == ["layer 0", "layer 1"] and res.path is None
     assert model.config._attn_implementation == "sdpa"
+    # built from a config here: the page says so (a model from elsewhere: nothing said about its weights)
+    assert res.random_weights is True and res.seed == 1 and "(random weights from its config, seed 1)" in res.html
+    del model._attnkit_from_config_seed
+    assert model_long_page(model, ids, layers=1).random_weights is None
     lq = long_capture.capture_qk(model, ids[0])
     assert [x.layer for x in lq] == [0, 1, 2] and lq[0].q.shape == (1, 4, 600, 16) and lq[0].k.shape == (1, 2, 600, 16)
     assert lq[0].causal and lq[0].mask is None
@@ -354,3 +358,65 @@ def test_python_call_errors(tmp_path):
         model_long_page(model, 10, labels=["a"])
     with pytest.raises(TypeError, match="model: expected a transformers model"):
         model_long_page(object(), 10)
+
+
+# ----------------------------------------------------------------------------------------------
+# the page in headless Chromium
+
+
+@pytest.mark.browser
+def test_page_in_chromium_opens_on_the_listed_layer_and_follows_the_selectors(tmp_path):
+    import shutil
+    import tempfile
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        pytest.skip(f"headless Chromium is not installed (chromium={chromium}, chromedriver={driver}); "
+                    "apt-get install chromium chromium-driver (CI does this in .ci/run)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium: pip install 'attnkit[test]'")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    res = model_long_page(long_capture.build_from_config(LLAMA, seed=4), 2048, tmp_path / "m.html", seed=4)
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for f in ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+              "--disable-dev-shm-usage", "--window-size=1200,1000"]:
+        opts.add_argument(f)
+    profile = tempfile.mkdtemp(prefix="attnkit-chromium-")
+    opts.add_argument(f"--user-data-dir={profile}")
+    drv = webdriver.Chrome(service=Service(driver), options=opts)
+    try:
+        drv.get(res.path.as_uri())
+        assert drv.execute_script("return document.body.getAttribute('data-ready')") == "1"
+        layer = Select(drv.find_element(By.ID, "map"))
+        assert [o.text for o in layer.options] == ["layer 0", "layer 1", "layer 2"]
+        assert [o.text for o in Select(drv.find_element(By.ID, "head")).options] == \
+            ["mean of heads", "head 0", "head 1", "head 2", "head 3"]
+        assert drv.find_element(By.ID, "maplabel").text == "layer"
+        # opens on the layer the heaviest-tiles list names
+        assert layer.first_selected_option.text == f"layer {res.open}"
+        assert drv.find_element(By.ID, "topwho").text == f"layer {res.open}, mean of heads"
+
+        def first_item():
+            return drv.find_elements(By.CSS_SELECTOR, "#top li")[0].text
+
+        def expect(tm, head=None):
+            _, sh, (q0, q1), (k0, k1) = tm.top(1, head=head, off_diagonal=True)[0]
+            return f"queries {q0}–{q1 - 1} → keys {k0}–{k1 - 1}: {100 * sh:.1f}%"
+
+        assert first_item() == expect(res.maps[res.open][1])
+        keep = os.environ.get("ATTNKIT_SCREENSHOT_DIR")
+        if keep:
+            drv.save_screenshot(os.path.join(keep, "attnkit-long-model.png"))
+        other = (res.open + 1) % 3
+        layer.select_by_index(other)
+        Select(drv.find_element(By.ID, "head")).select_by_visible_text("head 2")
+        assert drv.find_element(By.ID, "topwho").text == f"layer {other}, head 2"
+        assert first_item() == expect(res.maps[other][1], head=2)
+        assert drv.execute_script("return attnkitLong.state()")["map"] == other
+    finally:
+        drv.quit()
+        shutil.rmtree(profile, ignore_errors=True)

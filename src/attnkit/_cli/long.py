@@ -52,7 +52,7 @@ def add_arguments(p):
                    help="synthetic: key/value heads (GQA; default = --heads)")
     p.add_argument("--dim", type=_positive, default=64, help="synthetic: head dim (default 64)")
     p.add_argument("--seed", type=int, default=0,
-                   help="the seed of the synthetic input, of DIR's random token ids and of --from-config's weights "
+                   help="the seed of the synthetic input, of DIR's random token ids and of weights built from a config "
                         "(default 0)")
     p.add_argument("--text", default=None,
                    help="minilm, DIR: the text (minilm's default: a built-in paragraph filled to 512 tokens; DIR "

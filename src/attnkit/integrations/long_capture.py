@@ -287,6 +287,7 @@ def build_from_config(config, *, seed: int = 0):
         torch.manual_seed(seed)
         model = _construct(lambda: transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name),
                            what)
+    model._attnkit_from_config_seed = seed  # so a page made from this model says its weights are random
     return model.eval()
 
 

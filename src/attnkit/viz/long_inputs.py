@@ -210,7 +210,8 @@ class ModelLongPage:
         open: the index into ``maps`` of the layer the page opens on, whose heaviest tiles it lists
             (:func:`heaviest_layer`).
         input_ids: ``(1, L)`` the tokens the model ran on. labels: their strings, or None.
-        model_name, random_weights, seed: which model (random weights: built from its config with ``seed``).
+        model_name, random_weights, seed: which model; ``random_weights`` True: built from its config with
+            ``seed``; False: trained weights loaded from a directory; None: a model object passed in.
         seconds: ``{"model": load, "forward": capture, "tile_mass": all layers, "page": build}``.
     """
 
@@ -221,7 +222,7 @@ class ModelLongPage:
     input_ids: torch.Tensor
     labels: Any
     model_name: str
-    random_weights: bool
+    random_weights: bool | None
     seed: int | None
     seconds: dict
 
@@ -234,9 +235,9 @@ class ModelLongPage:
         """A few lines: the model, the input, the times, and the opening layer's summary and heaviest tiles."""
         name, tm = self.maps[self.open]
         bm, bn = tm.block
-        w = f"random weights from its config, seed {self.seed}" if self.random_weights else "its trained weights"
         t = self.seconds
-        lines = [f"model {self.model_name} ({w}): {len(self.maps)} layers × {tm.H} heads, {self.L} tokens",
+        lines = [f"model {self.model_name}{_weights_note(self.random_weights, self.seed, ' (', ')')}: "
+                 f"{len(self.maps)} layers × {tm.H} heads, {self.L} tokens",
                  f"forward with q, k captured {t['forward']:.2f} s (load {t['model']:.2f} s); tile masses "
                  f"{t['tile_mass']:.2f} s for {len(self.maps)} layers",
                  f"{name} (the heaviest tile away from the diagonal; the page opens on it), {bm}×{bn} tiles:"]
@@ -251,6 +252,12 @@ class ModelLongPage:
                      if lab is not None and q1 - q0 <= 16 and k1 - k0 <= 16 else "")
             lines.append(f"  queries {q0}-{q1 - 1} -> keys {k0}-{k1 - 1}: share {100 * sh:.1f}%{words}")
         return "\n".join(lines)
+
+
+def _weights_note(random_weights, seed, pre="", post="") -> str:
+    if random_weights is None:
+        return ""
+    return pre + (f"random weights from its config, seed {seed}" if random_weights else "trained weights") + post
 
 
 def model_long_page(model, input_ids, out=None, *, block=None, rows=None, labels=None, layers=None,
@@ -287,6 +294,7 @@ def model_long_page(model, input_ids, out=None, *, block=None, rows=None, labels
     t0 = time.perf_counter()
     if isinstance(model, (str, Path)):
         model = long_capture.load_causal_lm(model, from_config=from_config, seed=seed)
+    random_w: bool | None
     if isinstance(model, long_capture.LoadedModel):
         model_obj, tok = model.model, model.tokenizer
         name, random_w, used_seed = model.name, model.random_weights, model.seed
@@ -294,7 +302,9 @@ def model_long_page(model, input_ids, out=None, *, block=None, rows=None, labels
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model: expected a transformers model or the path of a model directory / config.json, "
                             f"got {type(model).__name__}.")
-        model_obj, tok, random_w, used_seed = model, None, False, None
+        # built by long_capture.build_from_config: random weights, and the seed; otherwise not known here
+        used_seed = getattr(model, "_attnkit_from_config_seed", None)
+        model_obj, tok, random_w = model, None, (True if used_seed is not None else None)
         name = str(getattr(model.config, "_name_or_path", "") or getattr(model.config, "model_type", "model"))
     t_model = time.perf_counter() - t0
     cfg = model_obj.config
@@ -324,8 +334,8 @@ def model_long_page(model, input_ids, out=None, *, block=None, rows=None, labels
     t_tm = time.perf_counter() - t2
     best = heaviest_layer(maps)
     t3 = time.perf_counter()
-    what = f"random weights from its config, seed {used_seed}" if random_w else "trained weights"
-    title = title or f"Attention mass per tile: {name} ({what}), {L} tokens, every layer"
+    title = title or f"Attention mass per tile: {name}{_weights_note(random_w, used_seed, ' (', ')')}, {L} tokens, " \
+                     "every layer"
     page = tile_mass_page(maps[best][1], maps=maps, rows=rows, title=title, max_bytes=max_bytes)
     path = None
     if out is not None:
