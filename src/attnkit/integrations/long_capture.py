@@ -21,11 +21,13 @@ Memory: the model, its activations for one layer, and q, k of every captured lay
 (``L·(H + Hkv)·D`` values each): O(L), never O(L²). The LM head is never run (the base
 model is called), so no ``(L, vocab)`` logits either.
 
-    >>> from attnkit.integrations import long_capture
-    >>> model = long_capture.build_from_config(tiny_llama_config, seed=0)   # doctest: +SKIP
-    >>> layers = long_capture.capture_qk(model, torch.randint(0, 100, (1, 4096)))  # doctest: +SKIP
-    >>> layers[0].q.shape, layers[0].causal                                # doctest: +SKIP
-    (torch.Size([1, 4, 4096, 64]), True)
+    >>> from attnkit.integrations import long_capture                      # needs transformers
+    >>> cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
+    ...        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000}
+    >>> model = long_capture.build_from_config(cfg, seed=0)                # doctest: +SKIP
+    >>> layers = long_capture.capture_qk(model, torch.randint(0, 32000, (1, 4096)))  # doctest: +SKIP
+    >>> layers[1].q.shape, layers[1].k.shape, layers[1].causal            # doctest: +SKIP
+    (torch.Size([1, 4, 4096, 64]), torch.Size([1, 2, 4096, 64]), True)
 """
 
 from __future__ import annotations
