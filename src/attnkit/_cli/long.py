@@ -1,9 +1,12 @@
 """``attnkit long``: attention over a long input, as a zoomable map of the mass per tile.
 
-Two inputs: a seeded synthetic one (``--length``, ``--mask document|window|causal|none``,
-``--heads``), or the bundled all-MiniLM-L6-v2 on a text (``--model minilm --text ... | --file``,
-up to its 512 positions; every layer on one page). Prints a short summary (sizes, time,
-where the mass goes, the heaviest tiles) and writes one offline HTML page (``--out``).
+Three inputs: a seeded synthetic one (``--length``, ``--mask document|window|causal|none``,
+``--heads``); the bundled all-MiniLM-L6-v2 on a text (``--model minilm --text ... | --file``,
+up to its 512 positions); or any transformers causal LM (``--model DIR``, a model directory or
+a config.json; ``--tokens N`` random ids or a text), its post-RoPE q and k captured per layer
+on attnkit's fast path in O(L) memory. A model's page holds every layer, with a layer and head
+selector, and opens on the layer whose heaviest tiles the summary lists. Prints a short summary
+(sizes, time, where the mass goes, the heaviest tiles) and writes one offline HTML page (``--out``).
 """
 
 from __future__ import annotations
@@ -27,8 +30,17 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(p):
-    p.add_argument("--model", choices=("synthetic", "minilm"), default="synthetic",
-                   help="synthetic q, k (default) or the bundled all-MiniLM-L6-v2 on --text/--file")
+    p.add_argument("--model", default="synthetic", metavar="synthetic|minilm|DIR",
+                   help="synthetic q, k (default); the bundled all-MiniLM-L6-v2 on --text/--file; or DIR, any "
+                        "transformers causal LM: a model directory (config.json and weights) or a config.json "
+                        "file (built with random weights, seed --seed). A directory with a config and no "
+                        "weights needs --from-config")
+    p.add_argument("--from-config", action="store_true",
+                   help="DIR: build the model from DIR/config.json with random weights (seed --seed), "
+                        "whether or not DIR has weights")
+    p.add_argument("--tokens", type=_positive, default=None, metavar="N",
+                   help="DIR: run on N random token ids (seed --seed); the input when DIR has no tokenizer "
+                        "(default 4096 when no --text/--file is given)")
     p.add_argument("--length", "-L", type=_positive, default=16384,
                    help="synthetic: tokens (default 16384; 131072 for the 128k view)")
     p.add_argument("--mask", choices=("document", "window", "causal", "none"), default="document",
@@ -39,13 +51,19 @@ def add_arguments(p):
     p.add_argument("--kv-heads", type=_positive, default=None,
                    help="synthetic: key/value heads (GQA; default = --heads)")
     p.add_argument("--dim", type=_positive, default=64, help="synthetic: head dim (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="synthetic: seed (default 0)")
-    p.add_argument("--text", default=None, help="minilm: the text (default: a built-in paragraph filled to 512 tokens)")
-    p.add_argument("--file", default=None, metavar="PATH", help="minilm: read the text from a file")
-    p.add_argument("--max-tokens", type=_positive, default=512,
-                   help="minilm: cut the text at this many tokens (<= 512)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the seed of the synthetic input, of DIR's random token ids and of weights built from a config "
+                        "(default 0)")
+    p.add_argument("--text", default=None,
+                   help="minilm, DIR: the text (minilm's default: a built-in paragraph filled to 512 tokens; DIR "
+                        "needs its tokenizer)")
+    p.add_argument("--file", "--text-file", dest="file", default=None, metavar="PATH",
+                   help="minilm, DIR: read the text from a file")
+    p.add_argument("--max-tokens", type=_positive, default=None,
+                   help="minilm, DIR: cut the text at this many tokens (minilm: <= 512, default 512; DIR: default "
+                        "the model's max_position_embeddings)")
     p.add_argument("--block", type=_positive, default=None,
-                   help="tile size in tokens (default 64 for synthetic, 8 for minilm)")
+                   help="tile size in tokens (default 64 for synthetic, 8 for minilm; DIR: about L/512, 8 to 64)")
     p.add_argument("--rows", default=None, help="query rows whose exact weights the page embeds, e.g. 0,100,5000 "
                                                 "(default: 8 spread over the input)")
     p.add_argument("--top", type=_positive, default=5, help="heaviest tiles to list (default 5)")
@@ -81,14 +99,37 @@ def _check_out(out: str) -> Path:
     return path
 
 
+def _text(args):
+    """The text of --text or --file (None when neither), checked."""
+    from . import CLIError
+
+    if args.text is not None and args.file is not None:
+        raise CLIError("--text/--file: expected one of them, got both. Pass the text inline or in a file.")
+    text = args.text
+    if args.file is not None:
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(
+                f"--file: cannot read {args.file!r} as UTF-8 text ({e}). Pass a readable text file.") from None
+    if text is not None and not text.strip():
+        raise CLIError("--text/--file: expected some text, got an empty one.")
+    return text
+
+
 def run(args) -> int:
     from . import CLIError
 
     out = _check_out(args.out)  # before any work: a bad path fails first
+    if args.model not in ("synthetic", "minilm"):
+        return _run_model(args, out)
+    if args.tokens is not None or args.from_config:
+        raise CLIError(f"--{'tokens' if args.tokens is not None else 'from-config'}: only with --model DIR (a "
+                       f"transformers model directory or config.json), got --model {args.model}.")
     if args.model == "minilm":
         return _run_minilm(args, out)
     if args.text is not None or args.file is not None:
-        raise CLIError("--text/--file: only with --model minilm (the synthetic input has no text). "
+        raise CLIError("--text/--file: only with --model minilm or --model DIR (the synthetic input has no text). "
                        "Add --model minilm, or leave them out.")
     import torch
 
@@ -121,26 +162,17 @@ def _run_minilm(args, out) -> int:
     from ..integrations.minilm import ModelUnavailable
     from . import CLIError
 
-    if args.text is not None and args.file is not None:
-        raise CLIError("--text/--file: expected one of them, got both. Pass the text inline or in a file.")
-    text = args.text
-    if args.file is not None:
-        try:
-            text = Path(args.file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise CLIError(
-                f"--file: cannot read {args.file!r} as UTF-8 text ({e}). Pass a readable text file.") from None
-    if args.max_tokens > 512 or args.max_tokens < 3:
-        raise CLIError(f"--max-tokens: expected 3..512 (all-MiniLM-L6-v2 has 512 positions), got {args.max_tokens}.")
-    if text is not None and not text.strip():
-        raise CLIError("--text/--file: expected some text, got an empty one.")
+    text = _text(args)
+    max_tokens = 512 if args.max_tokens is None else args.max_tokens
+    if max_tokens > 512 or max_tokens < 3:
+        raise CLIError(f"--max-tokens: expected 3..512 (all-MiniLM-L6-v2 has 512 positions), got {max_tokens}.")
     from ..viz.long_html import tile_mass_page
     from ..viz.long_inputs import minilm_qk
     from ..viz.tilemass import tile_mass
 
     t0 = time.perf_counter()
     try:
-        qs, ks, tokens, note = minilm_qk(text, max_tokens=args.max_tokens)
+        qs, ks, tokens, note = minilm_qk(text, max_tokens=max_tokens)
     except ModelUnavailable as e:
         raise CLIError(str(e)) from None
     t_model = time.perf_counter() - t0
@@ -166,8 +198,79 @@ def _run_minilm(args, out) -> int:
         for _mass, sh, (q0, q1), (k0, k1) in far:
             print(f"  queries {q0}-{q1 - 1} {' '.join(tokens[q0:q1])!r} -> keys {k0}-{k1 - 1} "
                   f"{' '.join(tokens[k0:k1])!r}: share {100 * sh:.1f}%")
-    page = tile_mass_page(last, maps=maps, rows=rows,
+    page = tile_mass_page(last, maps=maps, rows=rows,  # opens on the last layer, whose tiles are listed above
                           title=f"Attention mass per tile: all-MiniLM-L6-v2, {L} tokens, every layer")
     out.write_text(page, encoding="utf-8")
     print(f"wrote {out} ({len(page.encode()) / 1e6:.2f} MB; pick a layer and head, drag to zoom, hover a tile)")
     return 0
+
+
+def _run_model(args, out) -> int:
+    """--model DIR: a transformers causal LM's every layer on a long input."""
+    from . import CLIError
+
+    text = _text(args)
+    if text is not None and args.tokens is not None:
+        raise CLIError("--tokens: expected either a text (--text/--file) or --tokens N, got both. Drop one.")
+    path = Path(args.model)
+    if not path.exists():
+        raise CLIError(f"--model: expected synthetic, minilm, or a transformers model directory / config.json, got "
+                       f"{args.model!r}, which does not exist.")
+    if path.is_file() and path.suffix != ".json":
+        raise CLIError(f"--model: expected a model directory or its config.json, got the file {args.model!r}.")
+    try:
+        from ..integrations import long_capture
+        from ..integrations.minilm import INSTALL_HINT
+        from ..viz import long_inputs
+    except ImportError as e:  # pragma: no cover - transformers is missing
+        raise CLIError(f"--model DIR needs transformers ({e}).") from None
+    t0 = time.perf_counter()
+    try:
+        loaded = long_capture.load_causal_lm(path, from_config=args.from_config, seed=args.seed)
+    except ImportError as e:
+        raise CLIError(f"--model DIR needs the 'transformers' package ({e}); install it with {INSTALL_HINT}.") \
+            from None
+    except ValueError as e:
+        msg = str(e).replace("from_config=True (attnkit long: --from-config, seeded by --seed)",
+                             "--from-config (seeded by --seed)")
+        raise CLIError("--" + msg) from None
+    t_load = time.perf_counter() - t0
+    cfg = loaded.model.config
+    npos = getattr(cfg, "max_position_embeddings", None)
+    npos = npos if isinstance(npos, int) else None
+    note = None
+    if text is not None:
+        if loaded.tokenizer is None:
+            raise CLIError(f"--text/--file: {args.model!r} has no tokenizer, so the text cannot become token ids; "
+                           "pass --tokens N instead (N random token ids, seed --seed).")
+        ids = loaded.tokenizer(text, return_tensors="pt", verbose=False)["input_ids"][:1]
+        cut = args.max_tokens or npos
+        if cut is not None and ids.shape[1] > cut:
+            note = f"kept the first {cut} of {ids.shape[1]} tokens (--max-tokens / the model's positions)"
+            ids = ids[:, :cut]
+        what = f"a text of {ids.shape[1]} tokens"
+    else:
+        n = 4096 if args.tokens is None else args.tokens
+        if npos is not None and n > npos:
+            raise CLIError(f"--tokens: expected at most {npos} (the model's max_position_embeddings), got {n}. "
+                           "Pass fewer tokens, or a config with more positions.")
+        vocab = getattr(cfg, "vocab_size", None)
+        if not isinstance(vocab, int):
+            raise CLIError("--tokens: the model's config has no vocab_size to draw ids from; pass --text/--file.")
+        ids = long_inputs.random_ids(n, vocab, seed=args.seed)
+        what = f"{n} random token ids (seed {args.seed})"
+    L = int(ids.shape[1])
+    rows = _rows(args.rows, L)
+    if note:
+        print(f"note: {note}")
+    print(f"input: {what}")
+    try:
+        res = long_inputs.model_long_page(loaded, ids, out, block=args.block, rows=rows)
+    except (ValueError, TypeError) as e:
+        raise CLIError(f"--model: {e}") from None
+    res.seconds["model"] = t_load
+    print(res.summary(top=args.top))
+    print(f"wrote {out} ({len(res.html.encode()) / 1e6:.2f} MB, {res.seconds['page']:.2f} s; pick a layer and head, "
+          "drag to zoom, hover a tile)")
+    return 0
+

@@ -10,6 +10,10 @@ as base64 float32/int32 arrays, no external library, no network request. What it
     live    float32 (H + 1, nq)   live query rows per block (share = mass / live)
     rows    a few query rows' exact weights (per head and mean) over the keys they see,
             per key, or summed into at most 2048 bins when they see more
+    top     per map, head and the mean: the 6 heaviest tiles away from the diagonal (the list
+            on the page follows the map and head picked)
+    open    the map the page opens on (the one a caller's summary names, e.g. a model's
+            heaviest layer)
 
 The page builds coarser levels in JS (sums of 2×2 tiles) and draws the level whose tiles
 are at least 2 px at the current zoom: drag a rectangle (or click) to zoom in.
@@ -80,8 +84,9 @@ def _row_payload(tm, rows, b):
 def tile_mass_page(tm, *, title=None, rows=None, b: int = 0, max_bytes: int = 4_000_000, embed: bool = False,
                    maps=None) -> str:
     """The page's HTML text for ``tm`` (batch row ``b``); ``maps``: optional ``[(name, TileMass), ...]``
-    of the same sizes (e.g. one per layer), selectable on the page. ``embed=True`` wraps the page
-    in an ``<iframe srcdoc>`` for a notebook cell."""
+    of the same sizes (e.g. one per layer), selectable on the page; the page opens on ``tm``'s
+    entry of ``maps``, and its heaviest-tiles list follows the layer and head picked. ``embed=True``
+    wraps the page in an ``<iframe srcdoc>`` for a notebook cell."""
     maps = [("", tm)] if maps is None else list(maps)
     if rows is None:
         rows = _default_rows(tm, 8 if len(maps) == 1 else 6)
@@ -97,11 +102,11 @@ def tile_mass_page(tm, *, title=None, rows=None, b: int = 0, max_bytes: int = 4_
         row_bytes += sum(len(r["w"]) for r in rp)
         payload.append({"name": name, "rows": rp, "m": m})
     budget = max_bytes - row_bytes - 60_000  # the page's own HTML/JS
-    tiles0 = tm.tiles.numpy()
     f = 1
-    while True:  # the finest level whose tiles fit the budget (base64: 4/3)
-        n = len(np.unique((tiles0 // f)[:, 0].astype(np.int64) * (10 ** 9) + (tiles0 // f)[:, 1]))
-        need = len(maps) * n * (8 + 4 * (H + 1)) * 4 // 3
+    while True:  # the finest level whose tiles (of every map: a layer's mask may differ) fit the budget (base64: 4/3)
+        n = sum(len(np.unique((t // f)[:, 0].astype(np.int64) * (10 ** 9) + (t // f)[:, 1]))
+                for t in (m.tiles.numpy() for _, m in maps))
+        need = n * (8 + 4 * (H + 1)) * 4 // 3
         if need <= budget or f >= max(tm.shape):
             break
         f *= 2
@@ -116,17 +121,22 @@ def tile_mass_page(tm, *, title=None, rows=None, b: int = 0, max_bytes: int = 4_
         live = m.live_rows[b].double().numpy()
         live = np.concatenate([live, live.mean(0, keepdims=True)], 0)
         t, ms, lv = _coarsen(m.tiles.numpy(), mass, live, f)
+        # the heaviest tiles away from the diagonal, per head and for the mean (index H): the list
+        # on the page follows the layer and head picked
+        top = [[{"mass": m_, "share": s_, "q": list(qr), "k": list(kr)}
+                for m_, s_, qr, kr in m.top(6, b=b, head=h, off_diagonal=True)] for h in [*range(H), None]]
         data["maps"].append({"name": p["name"], "T": int(t.shape[0]),
                              "tiles": _b64(t.astype(np.int32)), "mass": _b64(ms.astype(np.float32)),
-                             "live": _b64(lv.astype(np.float32)), "rows": p["rows"]})
+                             "live": _b64(lv.astype(np.float32)), "rows": p["rows"], "top": top})
     tot = tm.kinds.numel()
     data["sub"] = (f"B={tm.B} (showing b={b}) · H={H} heads · L={tm.L} queries · S={tm.S} keys · mask: "
                    f"{tm.mask_name or 'none'} · tiles {bm}×{bn}: {tm.tiles.shape[0]} of {tot} computed "
                    f"({100 * tm.tiles.shape[0] / max(1, tot):.2f}%) in {tm.seconds:.2f} s"
                    + (f" · page tiles {bm * f}×{bn * f}" if f > 1 else ""))
-    data["topwho"] = next((f"{n}, mean of heads" for n, m in maps if m is tm and n), "mean of heads")
-    data["top"] = [{"mass": m_, "share": s_, "q": list(qr), "k": list(kr)}
-                   for m_, s_, qr, kr in tm.top(6, b=b, off_diagonal=True)]
+    # the page opens on tm's map: the one a caller's summary (and the heaviest-tiles list) speaks of
+    data["open"] = next((i for i, (_, m) in enumerate(maps) if m is tm), 0)
+    names = [n for n, _ in maps]
+    data["maplabel"] = "layer" if len(names) > 1 and all(n.startswith("layer ") for n in names) else "map"
     page = _PAGE.replace("__TITLE__", _html.escape(data["title"])).replace(
         "__DATA__", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
     if embed:
@@ -155,7 +165,7 @@ canvas{display:block}
 </style></head>
 <body data-ready="0">
 <h1 id="title"></h1><div id="sub"></div>
-<div id="bar"><label id="mapl">map <select id="map"></select></label>
+<div id="bar"><label id="mapl"><span id="maplabel">map</span> <select id="map"></select></label>
 <label>head <select id="head"></select></label>
 <button id="back">◀ back</button><button id="reset">whole input</button>
 <span id="viewtxt" class="hint"></span></div>
@@ -201,10 +211,10 @@ const maps=D.maps.map(m=>{const t=b64(m.tiles,Int32Array),ms=b64(m.mass,Float32A
       if(lev.length>24)break;}
   return{name:m.name,lev,rows:m.rows.map(r=>({i:r.i,j0:r.j0,j1:r.j1,bin:r.bin,w:r.w?b64(r.w,
     Float32Array):new Float32Array(0)}))};});
-let st={map:0,head:H,x0:0,x1:S,y0:0,y1:L,row:0};const hist=[];
-$("title").textContent=D.title;$("sub").textContent=D.sub;$("topwho").textContent=D.topwho;
+let st={map:D.open,head:H,x0:0,x1:S,y0:0,y1:L,row:0};const hist=[];
+$("title").textContent=D.title;$("sub").textContent=D.sub;$("maplabel").textContent=D.maplabel;
 if(maps.length>1){maps.forEach((m,i)=>{const o=document.createElement("option");o.value=i;o.textContent=m.name;
-  $("map").appendChild(o);});}else{$("mapl").style.display="none";}
+  $("map").appendChild(o);});$("map").value=D.open;}else{$("mapl").style.display="none";}
 {const o=document.createElement("option");o.value=H;o.textContent="mean of heads";$("head").appendChild(o);for(let h=0;
   h<H;h++){const p=document.createElement("option");p.value=h;p.textContent="head "+h;$("head").appendChild(p);}}
 $("head").value=H;
@@ -287,13 +297,16 @@ function pickRow(q){const rows=maps[st.map].rows;let best=0;
   rows.forEach((r,n)=>{if(Math.abs(r.i-q)<Math.abs(rows[best].i-q))best=n;});st.row=best;$("rowsel").value=best;}
 $("back").onclick=()=>{if(hist.length){[st.x0,st.x1,st.y0,st.y1]=hist.pop();draw();}};
 $("reset").onclick=()=>{zoom(0,S,0,L);};
-$("head").onchange=e=>{st.head=+e.target.value;draw();};
-$("map").onchange=e=>{st.map=+e.target.value;draw();};
-$("rowsel").onchange=e=>{st.row=+e.target.value;draw();};
-D.top.forEach(t=>{const li=document.createElement("li");
+function drawTop(){const h=st.head;$("topwho").textContent=(maps.length>1?D.maps[st.map].name+", ":"")+
+    (h===H?"mean of heads":"head "+h);$("top").innerHTML="";
+  D.maps[st.map].top[h].forEach(t=>{const li=document.createElement("li");
   li.textContent="queries "+t.q[0]+"–"+(t.q[1]-1)+" → keys "+t.k[0]+"–"+(t.k[1]-1)+": "+(100*t.share).toFixed(1)+"%";
   li.onclick=()=>{const w=Math.max(t.k[1]-t.k[0],t.q[1]-t.q[0])*4;
-    zoom((t.k[0]+t.k[1]-w)/2,(t.k[0]+t.k[1]+w)/2,(t.q[0]+t.q[1]-w)/2,(t.q[0]+t.q[1]+w)/2);};$("top").appendChild(li);});
+    zoom((t.k[0]+t.k[1]-w)/2,(t.k[0]+t.k[1]+w)/2,(t.q[0]+t.q[1]-w)/2,(t.q[0]+t.q[1]+w)/2);};$("top").appendChild(li);});}
+$("head").onchange=e=>{st.head=+e.target.value;drawTop();draw();};
+$("map").onchange=e=>{st.map=+e.target.value;drawTop();draw();};
+$("rowsel").onchange=e=>{st.row=+e.target.value;draw();};
+drawTop();
 const RM={l:70,t:8,r:14,b:26};
 function rowView(r){let a=Math.max(st.x0,r.j0),b=Math.min(st.x1,r.j1);if(b-a<Math.min(16,r.j1-r.j0)){a=r.j0;b=r.j1;
   }return[a,b];}
@@ -321,7 +334,9 @@ rc.addEventListener("mousemove",e=>{const r=maps[st.map].rows[st.row];if(!r||!r.
     fmt(r.w[st.head*n+i]);});
 window.attnkitLong={zoom:(x0,x1,y0,y1)=>zoom(x0,x1,y0,y1),reset:()=>zoom(0,S,0,L),back:()=>$("back").click(),
   view:()=>({x0:st.x0,x1:st.x1,y0:st.y0,y1:st.y1,tile:[D.bm*level().f,D.bn*level().f],tiles:level().T}),
-  setHead:h=>{st.head=h;$("head").value=h;draw();},readout:()=>$("readout").textContent,
+  setHead:h=>{st.head=h;$("head").value=h;drawTop();draw();},readout:()=>$("readout").textContent,
+  setMap:i=>{st.map=i;$("map").value=i;drawTop();draw();},state:()=>({map:st.map,head:st.head,
+    mapName:D.maps[st.map].name,top:$("topwho").textContent}),
   hover:(q,k)=>{const px=M0.l+(k+0.5-st.x0)*PW/(st.x1-st.x0),py=M0.t+(q+0.5-st.y0)*PH/(st.y1-st.y0);
     readout(tileAt(px,py));return $("readout").textContent;},
   tileShare:(q,k)=>{const t=tileAt(M0.l+(k+0.5-st.x0)*PW/(st.x1-st.x0),M0.t+(q+0.5-st.y0)*PH/(st.y1-st.y0));
