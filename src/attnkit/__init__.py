@@ -11,11 +11,12 @@ causal with L ≠ S is bottom-right aligned; a fully masked row gives 0 (lse -in
 
 from . import masks, nn, plans, positional, score_mods
 from ._dispatch import Decision
+from ._flex_api import flex_attention
 from .api import attention, dispatch
 from .backends.reference import Trace
 from .explain import explain
 from .plans import BlockPlan, create_block_mask, plan
 
-__all__ = ["attention", "dispatch", "explain", "plan", "create_block_mask", "BlockPlan", "Decision", "Trace", "masks",
-           "plans", "score_mods", "positional", "nn"]
+__all__ = ["attention", "flex_attention", "dispatch", "explain", "plan", "create_block_mask", "BlockPlan", "Decision",
+           "Trace", "masks", "plans", "score_mods", "positional", "nn"]
 __version__ = "0.1.0"
