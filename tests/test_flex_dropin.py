@@ -235,6 +235,24 @@ def test_gradients_match_float64_autograd(name):
         assert torch.equal(got[0][:, :, :10], torch.zeros(B, H, 10, D, dtype=F64))
 
 
+@pytest.mark.parametrize("name", ["document & softcap", "padding & alibi", "no mask & softcap"])
+def test_float32_within_its_rounding_budget(name):
+    """What training runs in: float32 inputs, output and gradients within the float32 budget of float64's."""
+    mod, fn = GRAD_CASES[name]
+    q, k, v = (t.float().requires_grad_() for t in _qkv(Hkv=2, Lq=200, S=L))
+    bm = None if mod is None else torch_create_block_mask(mod, B, H, 200, L, device="cpu")
+    g = torch.randn(B, H, 200, D, dtype=F64)
+    ours = attnkit.flex_attention(q, k, v, score_mod=fn, block_mask=bm, enable_gqa=True)
+    assert ours.dtype == torch.float32
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _dense(q64, k64, v64, score_mod=fn, mask_mod=mod)[0]
+    tol = budget(torch.float32, D, L)
+    _close(ours.double(), ref, tol, f"{name}: out")
+    for a, b, n in zip(torch.autograd.grad(ours, (q, k, v), g.float()), torch.autograd.grad(ref, (q64, k64, v64), g),
+                       "qkv", strict=True):
+        _close(a.double(), b, 4 * tol, f"{name}: d{n}")
+
+
 def test_learnable_bias_table_gets_its_gradient():
     """A score_mod reading a learnable table (relative-position bias, as in attention-gym): the table's
     gradient equals float64 autograd's."""
