@@ -17,19 +17,20 @@ import sys as _sys
 import types as _types
 from typing import TYPE_CHECKING
 
-__all__ = ["attention", "dispatch", "explain", "plan", "create_block_mask", "BlockPlan", "Decision", "Trace", "masks",
-           "plans", "score_mods", "positional", "nn"]
+__all__ = ["attention", "flex_attention", "dispatch", "explain", "plan", "create_block_mask", "BlockPlan", "Decision",
+           "Trace", "masks", "plans", "score_mods", "positional", "nn"]
 __version__ = "0.1.0"
 
 # The public names and the module each comes from, imported on first use rather than by `import attnkit`: they
 # import torch (seconds), and the command line (`attnkit --help`, `attnkit --version`) needs none of it.
 # `attnkit.attention(...)`, `from attnkit import attention` and `dir(attnkit)` behave as if imported eagerly.
-_API = {"attention": "api", "dispatch": "api", "explain": "explain", "plan": "plans", "create_block_mask": "plans",
-        "BlockPlan": "plans", "Decision": "_dispatch", "Trace": "backends.reference"}
+_API = {"attention": "api", "flex_attention": "_flex_api", "dispatch": "api", "explain": "explain", "plan": "plans",
+        "create_block_mask": "plans", "BlockPlan": "plans", "Decision": "_dispatch", "Trace": "backends.reference"}
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from . import masks, nn, plans, positional, score_mods
     from ._dispatch import Decision
+    from ._flex_api import flex_attention
     from .api import attention, dispatch
     from .backends.reference import Trace
     from .explain import explain

@@ -21,6 +21,7 @@ The order of operations every backend follows (and the reference spells out)::
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -249,6 +250,10 @@ def make_request(
     if req.weight_heads is not None or req.sinks is not None:
         req.need_lse = True
 
+    if _is_block_mask(mask):  # FlexAttention's BlockMask: its blocks and mask_mod, as an explicit plan
+        from ._flex_api import block_mask_plan
+
+        mask = block_mask_plan(mask, B, H, L, S, q4.device, "mask")
     structured: list[_masks.Mask] = []
     if causal:
         structured.append(_CAUSAL)
@@ -273,7 +278,7 @@ def make_request(
     else:
         raise TypeError(
             f"mask: expected None, a bool/float array or tensor, an attnkit.masks mask, an attnkit.plan(...), "
-            f"or a mask_mod(b, h, q_idx, kv_idx) callable, got {type(mask).__name__}."
+            f"FlexAttention's BlockMask, or a mask_mod(b, h, q_idx, kv_idx) callable, got {type(mask).__name__}."
         )
     if req.plan is None:  # an explicit plan is used as given
         structured = [m for m in (_simplify(m, L, S) for m in structured) if m is not None]
@@ -288,6 +293,12 @@ def make_request(
     if score_mod is not None and torch.is_grad_enabled():
         _find_score_mod_tensors(req)
     return req
+
+
+def _is_block_mask(obj) -> bool:
+    """Whether ``obj`` is torch's ``BlockMask`` (FlexAttention is not imported when it was never loaded)."""
+    flex = sys.modules.get("torch.nn.attention.flex_attention")
+    return flex is not None and isinstance(obj, flex.BlockMask)
 
 
 _CAUSAL = _masks.causal()  # an immutable value: one object, so its tile maps are cached once
