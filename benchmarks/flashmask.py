@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from _flashmask import NAMES, families  # noqa: E402
+from _flashmask import NAMES, families
 
-import attnkit  # noqa: E402
-from attnkit import masks as M  # noqa: E402
-from attnkit.backends import tiled  # noqa: E402
+import attnkit
+from attnkit import masks as M
+from attnkit.backends import tiled
 
 B, H, D = 1, 8, 64
 

@@ -149,3 +149,27 @@ def test_kernel_off_the_families_stay_exact(monkeypatch):
         from conftest import assert_close, budget, golden
         ref, _ = golden(q, k, v, mask=mask)
         assert_close(attnkit.attention(q, k, v, mask=mask, backend="tiled"), ref, budget(torch.float32, 16, 130))
+
+
+@pytest.mark.parametrize("block", [(64, 64), (128, 128), (128, 64)])
+def test_explicit_plans_and_block_masks_run_on_the_kernel(block):
+    """A plan's tiles are run as given (a BlockMask's semantics), cut into 64 x 64, the mask evaluated in the
+    partial ones; causal=True on top intersects. flex_attention with a BlockMask takes the same path."""
+    mod, _ = families(300, H=4, seed=9)["share_question"]
+    mask = M.from_mod(mod)
+    plan = attnkit.plan(mask, L=300, S=300, B=2, H=4, block=block)
+    q, k, v = rand_qkv(2, 4, 2, 300, 300, 32, requires_grad=True)
+    for causal in (False, True):
+        d = attnkit.dispatch(q, k, v, mask=plan, causal=causal, backend="tiled")
+        assert d.worker == "native" and "tile map" in d.worker_reason, d
+        if not causal:
+            _check(q, k, v, plan, lse_grad=True)
+    from conftest import assert_close, budget, golden
+    out = attnkit.attention(q, k, v, mask=plan, causal=True, backend="tiled")
+    ref, _ = golden(q, k, v, mask=mask & M.causal())
+    assert_close(out, ref, budget(torch.float32, 32, 300), "plan & causal")
+    bm = attnkit.create_block_mask(mod, 2, 4, 300, 300)
+    qf, kf, vf = rand_qkv(2, 4, 4, 300, 300, 32)
+    assert "tile map" in attnkit.dispatch(qf, kf, vf, mask=bm, backend="tiled").worker_reason
+    assert_close(attnkit.flex_attention(qf, kf, vf, block_mask=bm), golden(qf, kf, vf, mask=mask)[0],
+                 budget(torch.float32, 32, 300), "flex_attention")

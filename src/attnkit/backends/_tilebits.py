@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import _mods
 from .. import masks as _m
 from .._tiling import PARTIAL
 
-__all__ = ["TileBits", "TILE", "tile_bits", "unpack"]
+__all__ = ["TileBits", "TILE", "tile_bits", "plan_bits", "unpack"]
 
 TILE = 64  # the kernel's tile (BM = BN in csrc/attn_impl.h)
 # Points per evaluation call of the mask on stacked partial tiles (bounds the bool temporaries).
@@ -71,16 +72,53 @@ def tile_bits(mask: _m.Mask, B: int, H: int, L: int, S: int) -> TileBits:
         if hit is not None:
             _CACHE.move_to_end(key)
             return hit
-    kinds = mask.tile_kinds(B, H, L, S, TILE, TILE).contiguous()
+    tb = _with_bits(mask.tile_kinds(B, H, L, S, TILE, TILE), mask, B, H, L, S)
+    _keep(key, tb)
+    return tb
+
+
+def plan_bits(plan, extra: _m.Mask | None, B: int, H: int, L: int, S: int) -> TileBits:
+    """The tile map of an explicit :class:`~attnkit.plans.BlockPlan` (a FlexAttention ``BlockMask``'s tiles):
+    its own kinds, as given (a full tile is attended whole, an empty one skipped, as FlexAttention's kernels
+    read a BlockMask), each cut into 64 × 64 tiles; the mask evaluated in the partial ones. ``extra``: a
+    mask on top (``causal=True``), intersected. The plan's tiles must be multiples of 64."""
+    bm, bn = plan.block
+    assert bm % TILE == 0 and bn % TILE == 0, plan.block
+    mkey, ekey = plan.mask.cache_key(), (None if extra is None else extra.cache_key())
+    kinds = plan.kinds
+    key = None
+    if mkey is not None and (extra is None or ekey is not None):
+        key = ("plan", mkey, ekey, _mods._content(kinds), plan.block, B, H, L, S)
+        hit = _CACHE.get(key) if key[3] is not None else None
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    nq, nk = -(-L // TILE), -(-S // TILE)
+    k64 = kinds.repeat_interleave(bm // TILE, 2).repeat_interleave(bn // TILE, 3)[:, :, :nq, :nk]
+    mask = plan.mask
+    if extra is not None:
+        ek = extra.tile_kinds(B, H, L, S, TILE, TILE)
+        shape = torch.broadcast_shapes(k64.shape, ek.shape)
+        k64, mask = torch.minimum(k64.expand(shape), ek.expand(shape)), mask & extra
+    tb = _with_bits(k64, mask, B, H, L, S)
+    if key is not None and key[3] is not None:
+        _keep(key, tb)
+    return tb
+
+
+def _with_bits(kinds: torch.Tensor, mask: _m.Mask, B: int, H: int, L: int, S: int) -> TileBits:
+    kinds = kinds.contiguous()
     partial = (kinds == PARTIAL).nonzero()  # (P, 4): (b, h, query block, key block)
     index = torch.full(kinds.shape, -1, dtype=torch.int32)
     index[tuple(partial.t())] = torch.arange(partial.shape[0], dtype=torch.int32)
-    tb = TileBits(kinds, index, _bits(mask.points_mod(B, H, L, S), partial, L, S))
+    return TileBits(kinds, index, _bits(mask.points_mod(B, H, L, S), partial, L, S))
+
+
+def _keep(key, tb: TileBits) -> None:
     if key is not None:
         _CACHE[key] = tb
         if len(_CACHE) > _CACHE_MAX:
             _CACHE.popitem(last=False)
-    return tb
 
 
 def _bits(fn, tiles: torch.Tensor, L: int, S: int) -> torch.Tensor:

@@ -157,8 +157,8 @@ def native_unfit(req: Request) -> str | None:
         return "bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; ours is fp32)"
     if req.bias is not None or req.dense_mask is not None:
         return "a tensor mask (the compiled kernel takes a mask as row intervals)"
-    if req.plan is not None:
-        return "an explicit BlockPlan (its tiles are run as given)"
+    if req.plan is not None and (req.plan.block[0] % _tilebits.TILE or req.plan.block[1] % _tilebits.TILE):
+        return f"an explicit plan of {req.plan.block[0]} x {req.plan.block[1]} tiles (the kernel's are 64 x 64)"
     if req.extra_grads():
         return "gradients into tensors other than q, k, v"
     B, H, L, S, *_ = req.shape
@@ -167,6 +167,12 @@ def native_unfit(req: Request) -> str | None:
             req.memo["score_prog"] = _scoreprog.compile_score_mod(req.score_mod, B, H, L, S)
         except _scoreprog.Refused as e:
             return f"a score_mod the kernel's programs do not cover: {e}"
+    if req.plan is not None and "tile_bits" not in req.memo:
+        try:  # its tiles as given (a BlockMask's), the mask evaluated in the partial ones
+            req.memo["tile_bits"] = _tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S)
+        except Exception as e:
+            return (f"the plan's mask could not be evaluated on stacked 64 x 64 tiles for the kernel's tile map "
+                    f"({type(e).__name__}: {e})")
     if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
         iv = _row_intervals(req.mask if req.mask is not None else _FULL, B, L, S)
         if iv is not None:
