@@ -295,3 +295,14 @@ def test_causal_alone_uses_the_kernels_causal_skipping_and_is_exact(L, S, align,
     refs = torch.autograd.grad(attnkit.attention(qd, kd, vd, mask=mask, backend="eager"), (qd, kd, vd), go.double())
     for a, b in zip(grads, refs, strict=True):
         assert (a.double() - b).abs().max().item() <= 20 * tol * max(1.0, b.abs().max().item())
+
+
+def test_a_mask_mod_that_differs_per_batch_row_on_a_banded_float64_call():
+    """The fused worker's batched band (stacked query blocks of one batch row) takes that row's mask tile
+    when the mask_mod's result has a batch dim (it crashed: a (B, ...) tile against one row's call)."""
+    q, k, v = (torch.randn(2, 4, 300, 32, dtype=torch.float64) for _ in range(3))
+    lim = torch.tensor([48, 20])
+    mod = lambda b, h, q_, kv: (q_ >= kv) & (q_ - kv <= lim[b])  # noqa: E731
+    out = attnkit.attention(q, k, v, mask=mod, backend="tiled")
+    ref = attnkit.attention(q, k, v, mask=mod, backend="reference")
+    assert torch.allclose(out, torch.as_tensor(ref), atol=1e-12)

@@ -237,8 +237,11 @@ def forward(c: TileContext, q, k, v):
             _, i0, l, nb, j0, n, rel = item
             mask, dead = mask_tile(c, i0, i0 + l, j0, j0 + n, tuple((j0 + a, j0 + b) for a, b in rel))
             for b in range(B):
+                # the batch of this call is the nb stacked query blocks of batch row b: a mask tile that
+                # differs per batch row (Bm = B) gives that row's tile to all nb of them
+                mb, db = (mask, dead) if mask is None or mask.shape[0] == 1 else (mask[b:b + 1], dead[b:b + 1])
                 o_r, lse_r = _flash_cpu.forward(_rows(q5, b, i0, l, nb), _band(k, b, j0, nb, l, n),
-                                                _band(v, b, j0, nb, l, n), attn_mask=mask, scale=scale, dead_rows=dead)
+                                                _band(v, b, j0, nb, l, n), attn_mask=mb, scale=scale, dead_rows=db)
                 lse_r = lse_r.to(c.cd)
                 _unrows(out, b, i0, l, nb, o_r)
                 _unrows(lse.unsqueeze(-1), b, i0, l, nb, lse_r.unsqueeze(-1))
