@@ -158,12 +158,49 @@ def test_refuses_an_unlisted_torch_function():
     _refused(lambda s, b, h, q, kv: s + torch.sin(s), "torch.sin")
 
 
-def test_refuses_a_captured_tensor_that_requires_grad_and_the_gradient_is_exact():
+def _learned_grads(mod, leaves, L=150, mask=M.causal()):
+    q, k, v = rand_qkv(2, 4, 2, L, L, 32, requires_grad=True)
+    out = attnkit.attention(q, k, v, mask=mask, score_mod=mod, backend="tiled")
+    go = torch.randn_like(out)
+    got = torch.autograd.grad((out * go).sum(), (q, k, v, *leaves))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attnkit.attention(qd, kd, vd, mask=mask, score_mod=mod, backend="eager")
+    want = torch.autograd.grad((ref * go.double()).sum(), (qd, kd, vd, *leaves))
+    from conftest import assert_close, budget
+    tol = budget(torch.float32, 32, L)
+    for name, a, b in zip(["dq", "dk", "dv"] + [f"table{i}" for i in range(len(leaves))], got, want, strict=True):
+        assert_close(a, b, 4 * tol * max(1.0, b.abs().max().item()), name)
+
+
+def test_learnable_tables_get_their_gradients_from_the_kernel():
+    """A relative-position table, learned ALiBi slopes and a per-head scale that require grad: the kernel
+    accumulates their gradients (per work item, added in item order) and they match float64 autograd."""
+    L = 150
+    table = torch.randn(4, 2 * L + 1, requires_grad=True)
+    slopes = attnkit.positional.alibi_slopes(4).clone().requires_grad_()
+    scale = (torch.rand(4) + 0.5).requires_grad_()
+    cases = [
+        (lambda s, b, h, q, kv: s + table[h, kv - q + L], [table]),
+        (SM.alibi(slopes), [slopes]),
+        (lambda s, b, h, q, kv: torch.tanh(s * scale[h]) * 3.0 + table[h, kv - q + L] * scale[h], [table, scale]),
+    ]
+    for mod, leaves in cases:
+        q, k, v = rand_qkv(1, 4, 2, L, L, 32, requires_grad=True)
+        d = attnkit.dispatch(q, k, v, mask=M.causal(), score_mod=mod, backend="tiled")
+        assert d.worker == "native" and "program" in d.worker_reason, d
+        _learned_grads(mod, leaves)
+    fam = families(L, H=4, seed=1)["share_question"][0]
+    _learned_grads(cases[0][0], [table], mask=M.from_mod(fam))
+
+
+def test_refuses_a_learnable_tensor_copied_inside_the_score_mod():
+    """A copy made inside the mod (``table.double()``) is not the tensor autograd routes to: refused, and the
+    plain worker returns the gradient."""
     table = torch.randn(2, requires_grad=True)
-    mod = lambda s, b, h, q, kv: s + table[h]  # noqa: E731
+    mod = lambda s, b, h, q, kv: s + table.double()[h].float()  # noqa: E731
     q, k, v = rand_qkv(1, 2, 2, 70, 70, 16, requires_grad=True)
     d = attnkit.dispatch(q, k, v, mask=M.causal(), score_mod=mod, backend="tiled")
-    assert d.worker == "plain", d
+    assert d.worker == "plain" and "not read as a table" in d.worker_reason, d
     out = attnkit.attention(q, k, v, mask=M.causal(), score_mod=mod, backend="tiled")
     (g,) = torch.autograd.grad(out.sum(), (table,))
     t2 = table.detach().double().requires_grad_()

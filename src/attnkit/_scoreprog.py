@@ -16,11 +16,11 @@ d(out)/d(score). What the program covers:
   ``minimum`` / ``maximum`` / ``clamp``, ``where``, comparisons, ``& | ~`` on conditions, casts
   (``.to``, ``.float()``, ``.long()``, ``.int()``: float → int truncates toward zero);
 * reads of captured CPU tensors (float or integer, up to 4 dims) at index expressions, e.g. a
-  relative-position table, per-head slopes, T5 log buckets, per-document biases.
+  relative-position table, per-head slopes, T5 log buckets, per-document biases; a float tensor that
+  requires grad (a learnable table) gets its gradient from the kernel's backward.
 
 Anything else refuses (:class:`Refused`, naming the operation): Python control flow on a traced
-value, an unlisted torch function, a captured tensor that requires grad (its gradient is computed
-by the plain worker), an integer that could leave int32 (tracked by interval arithmetic), a
+value, an unlisted torch function, an integer that could leave int32 (tracked by interval arithmetic), a
 non-CPU tensor. A refusal changes nothing: the call runs where it ran before, and ``dispatch``
 says why. Programs are cached by the function's code and the *content* of what it captures
 (:func:`attnkit._mods.value_key`), never by its identity.
@@ -54,6 +54,7 @@ OP = {n: i for i, n in enumerate(OPS)}
 WIDTH = 7  # int32 words per instruction: op, dst, a, b, c, d, e
 _I32 = (-(2 ** 31), 2 ** 31 - 1)
 _MAX_TABLE_ELEMS = 1 << 24
+_MAX_TABLES = 16  # MAX_GRAD_TABLES in csrc/attn_prog.h
 
 
 class Refused(Exception):
@@ -71,6 +72,12 @@ class Program:
     tables: tuple
     n_regs: int
     out: int
+    # per table, the captured tensor whose gradient the kernel accumulates (one that requires grad), else None
+    grad_of: tuple = ()
+
+    @property
+    def wants_grads(self) -> bool:
+        return any(t is not None for t in self.grad_of)
 
     @property
     def ops(self) -> list[str]:
@@ -82,6 +89,7 @@ class _Builder:
         self.code: list[list[int]] = []
         self.consts: list[float] = []
         self.tables: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
         self.table_ids: dict[int, int] = {}
         self.n = 0
         self.sizes = (B, H, L, S)
@@ -460,8 +468,8 @@ def _read(table, idx):
     bld = _bld(*idx)
     if table.device.type != "cpu":
         raise Refused(f"a captured tensor on {table.device} (the kernel reads CPU memory)")
-    if table.requires_grad:
-        raise Refused("a captured tensor that requires grad (its gradient comes from the plain worker)")
+    if table.requires_grad and not table.is_floating_point():
+        raise Refused("an integer tensor that requires grad")
     if len(idx) != table.dim() or any(i is None or i is Ellipsis or isinstance(i, slice) for i in idx):
         raise Refused(f"a read of a {table.dim()}-d tensor with {len(idx)} indices (read one element per point)")
     if table.dim() > 4 or table.dim() == 0:
@@ -498,6 +506,7 @@ def _read(table, idx):
     if key not in bld.table_ids:
         bld.table_ids[key] = len(bld.tables)
         bld.tables.append(data)
+        bld.sources.append(table)
     t = bld.table_ids[key]
     return bld.emit("readf" if kind == "f" else "readi", (t, *regs), kind, rng)
 
@@ -588,7 +597,7 @@ def compile_score_mod(fn, B: int, H: int, L: int, S: int) -> Program:
         raise
     except Exception as e:  # anything the stand-ins do not model: the mod keeps its old path
         raise Refused(f"{type(e).__name__} while tracing: {e}") from e
-    if key is not None:
+    if key is not None and not prog.wants_grads:  # a gradient goes to this call's tensor objects: not cached
         _CACHE[key] = prog
         if len(_CACHE) > _CACHE_MAX:
             _CACHE.popitem(last=False)
@@ -637,4 +646,8 @@ def _trace(fn, B, H, L, S) -> Program:
     if any(not math.isfinite(c) for c in bld.consts if not math.isinf(c)):
         raise Refused("a NaN constant")
     code = torch.tensor(_live(bld.code, out.reg), dtype=torch.int32).reshape(-1, WIDTH)
-    return Program(code, torch.tensor(bld.consts or [0.0], dtype=torch.float32), tuple(bld.tables), bld.n, out.reg)
+    grad_of = tuple(t if t.requires_grad and torch.is_grad_enabled() else None for t in bld.sources)
+    if len(grad_of) > _MAX_TABLES:
+        raise Refused(f"reads of {len(grad_of)} captured tensors (the kernel takes {_MAX_TABLES})")
+    return Program(code, torch.tensor(bld.consts or [0.0], dtype=torch.float32), tuple(bld.tables), bld.n, out.reg,
+                   grad_of)

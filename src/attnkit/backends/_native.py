@@ -60,11 +60,12 @@ class _Call(ctypes.Structure):
                 *((n, ctypes.c_void_p) for n in ("q", "k", "v", "lo", "hi", "alibi", "tkind", "tidx", "tbits",
                                                  "pcode")),
                 *((n, ctypes.c_int64) for n in ("pn", "pregs", "pout")),
-                *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "perr", "out", "lse", "dout",
-                                                 "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv"))]
+                *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "perr", "ptgrad")),
+                ("pntables", ctypes.c_int64),
+                *((n, ctypes.c_void_p) for n in ("out", "lse", "dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv"))]
 
 
-_ABI_VERSION = 3  # AK_ABI_VERSION in csrc/attn_common.h
+_ABI_VERSION = 4  # AK_ABI_VERSION in csrc/attn_common.h
 
 
 def _load() -> None:
@@ -207,7 +208,7 @@ def _call(q, k, v, lo, hi, scale: float, alibi, tiles, prog=None) -> tuple[_Call
         c.pcode, c.pn, c.pregs, c.pout = code.data_ptr(), code.shape[0], prog.n_regs, prog.out
         err = torch.zeros(1, dtype=torch.int32)
         c.pconsts, c.ptables, c.ptshape = prog.consts.data_ptr(), ctypes.addressof(ptrs), shape.data_ptr()
-        c.perr = err.data_ptr()
+        c.perr, c.pntables = err.data_ptr(), len(prog.tables)
         keep += [code, ptrs, shape, prog, err]
     return c, keep
 
@@ -248,9 +249,11 @@ def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None):
 
 
 def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None, tiles=None, prog=None):
-    """(dq, dk, dv) in fp32 for the forward above (``out``, ``lse`` its results); ``dlse`` a gradient
-    into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ (in key-tile order: the
-    same bits on every run and at every thread count) and the scale are all done inside the kernel."""
+    """(dq, dk, dv, table grads) in fp32 for the forward above (``out``, ``lse`` its results); ``dlse`` a
+    gradient into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ (in key-tile order:
+    the same bits on every run and at every thread count) and the scale are all done inside the kernel.
+    ``table grads``: per table of ``prog``, the gradient into it (fp32, the table's shape) where
+    ``prog.grad_of`` names a tensor that wants one, else None (an empty list without a program)."""
     lib = _require()
     q, k, v = _fit(q), _fit(k), _fit(v)
     dout = dout.float()  # any strides: an expanded gradient (loss.sum()) is read in place, never copied whole
@@ -265,9 +268,16 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
     c.sdo[:] = dout.stride()
     c.dout, c.fwd_out, c.fwd_lse, c.dlse = dout.data_ptr(), out.data_ptr(), lse.data_ptr(), _ptr(dlse)
     c.dq, c.dk, c.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    tgrads: list = []
+    if prog is not None and prog.wants_grads:
+        tgrads = [None if src is None else torch.zeros(t.shape) for t, src in zip(prog.tables, prog.grad_of,
+                                                                                    strict=True)]
+        gptrs = (ctypes.c_void_p * len(tgrads))(*(None if g is None else g.data_ptr() for g in tgrads))
+        c.ptgrad = ctypes.addressof(gptrs)
+        keep += [gptrs]
     _check(lib.ak_backward(ctypes.byref(c)), B, H, L)
     del keep
-    return dq, dk, dv
+    return dq, dk, dv, tgrads
 
 
 def release_scratch() -> None:

@@ -159,14 +159,19 @@ def native_unfit(req: Request) -> str | None:
         return "a tensor mask (the compiled kernel takes a mask as row intervals)"
     if req.plan is not None and (req.plan.block[0] % _tilebits.TILE or req.plan.block[1] % _tilebits.TILE):
         return f"an explicit plan of {req.plan.block[0]} x {req.plan.block[1]} tiles (the kernel's are 64 x 64)"
-    if req.extra_grads():
-        return "gradients into tensors other than q, k, v"
+    if torch.is_grad_enabled() and ((req.bias is not None and req.bias.requires_grad) or req.grad_hidden):
+        return "gradients into a float mask or into tensors the score_mod reads where attnkit cannot find them"
     B, H, L, S, *_ = req.shape
-    if req.score_mod is not None and not isinstance(req.score_mod, _score_mods.Alibi) and "score_prog" not in req.memo:
+    if req.score_mod is not None and _alibi(req) is None and "score_prog" not in req.memo:
         try:
-            req.memo["score_prog"] = _scoreprog.compile_score_mod(req.score_mod, B, H, L, S)
+            prog = _scoreprog.compile_score_mod(req.score_mod, B, H, L, S)
         except _scoreprog.Refused as e:
             return f"a score_mod the kernel's programs do not cover: {e}"
+        learned = {id(t) for t in prog.grad_of if t is not None}
+        if any(id(t) not in learned for t in req.grad_tensors):
+            return ("a score_mod tensor that requires grad but is not read as a table (e.g. a copy made inside the "
+                    "score_mod): the kernel could not return its gradient")
+        req.memo["score_prog"] = prog
     if req.plan is not None and "tile_bits" not in req.memo:
         try:  # its tiles as given (a BlockMask's), the mask evaluated in the partial ones
             req.memo["tile_bits"] = _tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S)
@@ -300,8 +305,12 @@ class _TiledAttention(torch.autograd.Function):
             dlse = None if dlse is None else dlse.masked_fill(rows, 0)
         if c.worker == "native":
             lo, hi, tiles = _native_mask(c.req)
-            dq, dk, dv = _native.backward(q, k, v, lo, hi, c.req.scale, out, lse, dout, dlse, alibi=_alibi(c.req),
-                                          tiles=tiles, prog=c.req.memo.get("score_prog"))
+            prog = c.req.memo.get("score_prog")
+            dq, dk, dv, tgrads = _native.backward(q, k, v, lo, hi, c.req.scale, out, lse, dout, dlse,
+                                                  alibi=_alibi(c.req), tiles=tiles, prog=prog)
+            if prog is not None and tgrads:  # the learnable tables' gradients, to the tensors autograd routes
+                by_id = {id(t): g for t, g in zip(prog.grad_of, tgrads, strict=True) if t is not None}
+                dcap = [by_id.get(id(t)) for t in c.captured]
         elif c.fused and dlse is None:
             bwd = _tiled_fused.causal_backward if c.causal else _tiled_fused.backward
             kd = c.kernel_dtype
@@ -335,8 +344,14 @@ def _native_mask(req: Request):
 
 
 def _alibi(req: Request):
-    """ALiBi's (H,) slopes when the call's score_mod is ALiBi (the compiled kernel adds the bias), else None."""
-    return req.score_mod.slopes if isinstance(req.score_mod, _score_mods.Alibi) else None
+    """ALiBi's (H,) slopes when the call's score_mod is ALiBi with fixed slopes (the compiled kernel adds the
+    bias), else None (learned slopes run as a traced program, which returns their gradient)."""
+    sm = req.score_mod
+    if "score_prog" in req.memo:
+        return None
+    if isinstance(sm, _score_mods.Alibi) and not (sm.slopes.requires_grad and torch.is_grad_enabled()):
+        return sm.slopes
+    return None
 
 
 def _add(a, b):

@@ -14,7 +14,7 @@
 
 // Bumped whenever AkCall changes; the caller (attnkit/backends/_native.py) sends the version and
 // sizeof(AkCall) it was built for, and a call whose record does not match is refused (returns AK_E_ABI).
-#define AK_ABI_VERSION 3
+#define AK_ABI_VERSION 4
 
 enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2 };
 
@@ -48,6 +48,8 @@ struct AkCall {
   const void* const* ptables;
   const int64_t* ptshape;
   int32_t* perr;  // set to (table + 1) when a read's index is out of range at a point inside (L, S)
+  float* const* ptgrad;  // per table: its gradient to accumulate (fp32, the table's size; backward), or null
+  int64_t pntables;
   // forward: writes out (B, H, L, Dv), lse (B, H, L)
   float *out, *lse;
   // backward: reads the forward's out (contiguous) and lse, dout (strides sdo), dlse (or null); writes dq, dk, dv

@@ -5,7 +5,8 @@ static Shape shape_of(const AkCall* c, Prog* prog) {
   Shape s;
   s.prog = nullptr;
   if (c->pcode) {
-    *prog = Prog{c->pcode, (long)c->pn, (long)c->pregs, (long)c->pout, c->pconsts, c->ptables, c->ptshape, c->perr};
+    *prog = Prog{c->pcode,   (long)c->pn,  (long)c->pregs, (long)c->pout,    c->pconsts,
+                 c->ptables, c->ptshape, c->perr,       c->ptgrad, (long)c->pntables};
     s.prog = prog;
   }
   s.B = c->B, s.H = c->H, s.Hkv = c->Hkv, s.L = c->L, s.S = c->S, s.D = c->D, s.Dv = c->Dv;

@@ -633,10 +633,38 @@ static inline void wait_turn(const int32_t* turn, int32_t kt) {
 struct BwdBufs {
   Buf<float> kt, vt, kp, qr, dor, p, dp, dka, dva, dqs, sraw, grads, dsrow;
   Buf<int32_t> lo, hi, regs;
-  BwdBufs(long D, long Dv, long Dp, long Dvp, long Dq, long nregs)
+  GradAcc acc;  // this thread's share of the gradients into the score_mod's learnable tables (one item's)
+  BwdBufs(long D, long Dv, long Dp, long Dvp, long Dq, const Prog* prog)
       : kt(D * BN), vt(Dv * BN), kp(BN * Dp), qr(BM * Dp), dor(BM * Dvp), p(BM * BN), dp(BM * BN), dka(BN * Dp),
-        dva(BN * Dvp), dqs(BM * Dq), sraw(nregs ? BM * BN : 1), grads(nregs * SL + 1), dsrow(SL), lo(BM), hi(BM),
-        regs(nregs * SL + 1) {}
+        dva(BN * Dvp), dqs(BM * Dq), sraw(prog ? BM * BN : 1), grads(prog ? prog->regs * SL : 1), dsrow(SL),
+        lo(BM), hi(BM), regs(prog ? prog->regs * SL : 1) {
+    for (long t = 0; prog && prog->tgrad && t < MAX_GRAD_TABLES; t++) {
+      const int64_t* sh = prog->tshape + 5 * t;
+      if (t >= prog->ntables || !prog->tgrad[t]) continue;
+      long n = 1;
+      for (long d = 0; d < sh[0]; d++) n *= sh[1 + d];
+      acc.buf[t] = (float*)calloc(n, sizeof(float));
+      acc.lo[t] = n, acc.hi[t] = 0;
+      acc.nt = t + 1;
+    }
+  }
+  ~BwdBufs() {
+    for (float* b : acc.buf) free(b);
+  }
+  BwdBufs(const BwdBufs&) = delete;
+  BwdBufs& operator=(const BwdBufs&) = delete;
+  // adds this item's share into the tables' gradients (the caller holds the item's turn) and clears it
+  void flush(const Prog& p) {
+    for (long t = 0; t < acc.nt; t++) {
+      if (!acc.buf[t] || acc.hi[t] <= acc.lo[t]) continue;
+      float* dst = p.tgrad[t];
+      for (long i = acc.lo[t]; i < acc.hi[t]; i++) dst[i] += acc.buf[t][i], acc.buf[t][i] = 0.f;
+      const int64_t* sh = p.tshape + 5 * t;
+      long n = 1;
+      for (long d = 0; d < sh[0]; d++) n *= sh[1 + d];
+      acc.lo[t] = n, acc.hi[t] = 0;
+    }
+  }
 };
 
 // P (m x BN, row layout) = exp(scale Q K^T (+ ALiBi) - lse), masked; a row that sees nothing (lse = -inf) is 0
@@ -689,7 +717,7 @@ static void score_grads(const Shape& s, long b, long h, long i0, long m, long j0
     if (s.prog) {  // through the score_mod: dS = dS(after) * d(mod)/d(score), by the program's reverse mode
       float* dsr = w.dp.p + i * BN;
       prog_run(*s.prog, w.regs.p, w.sraw.p + i * BN, b, h, i0 + i, 0, s.L - 1, j0, 1, s.S - 1);
-      prog_grad(*s.prog, w.regs.p, w.grads.p, dsr, w.dsrow.p);
+      prog_grad(*s.prog, w.regs.p, w.grads.p, dsr, w.dsrow.p, w.acc.nt ? &w.acc : nullptr);
       for (int c = 0; c < BN; c += VW)  // where P is 0 the gradient is 0 (never 0 * inf from the program)
         store(dsr + c, load(w.p.p + i * BN + c) == splat(0.f) ? splat(0.f) : load(w.dsrow.p + c));
     }
@@ -818,15 +846,21 @@ static int backward(const Shape& s, const float* q, const float* k, const float*
   key_tile_ranges(s, ranges);
   for (long i = 0; i < nblk; i++) turns[i] = ranges[i].t0;
   prepare_rows(s, dout, sdo, out, dlse, delta, dq);
+  int32_t item_turn = 0;
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
-    BwdBufs w(s.D, s.Dv, Dp, Dvp, Dq, s.prog ? s.prog->regs : 0);
+    BwdBufs w(s.D, s.Dv, Dp, Dvp, Dq, s.prog);
     // items in key-tile-major order: consecutive items are other (batch, kv head) chains, whose dQ turns are
     // independent, and within a chain the key tiles are taken in increasing order (see wait_turn)
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++) {
       const long kbk = it / chains, bh = it % chains;
       key_tile_item(s, bh / s.Hkv, bh % s.Hkv, kbk, q, k, v, dout, sdo, lse, delta, ranges, turns, dq, dk, dv, w);
+      if (w.acc.nt) {  // the tables' gradients are summed item by item, in item order: the same bits every run
+        wait_turn(&item_turn, (int32_t)it);
+        w.flush(*s.prog);
+        __atomic_store_n(&item_turn, (int32_t)it + 1, __ATOMIC_RELEASE);
+      }
     }
   }
   // dQ = scale * the sum of the pairs' shares

@@ -26,6 +26,18 @@ struct Prog {
   const void* const* tables;  // float32 or int32 data, contiguous
   const int64_t* tshape;      // per table: its number of dims, then 4 sizes
   int32_t* err;               // set to (table + 1) when a read's index is out of range at a visible point
+  float* const* tgrad;        // per table: its gradient (fp32, the table's size) to accumulate, or null
+  long ntables;
+};
+
+constexpr int MAX_GRAD_TABLES = 16;
+
+// One thread's gradient into the program's tables for its current work item: a buffer of the table's size per
+// table, and the range of it the item touched (zeroed again after the item's share is added, in item order).
+struct GradAcc {
+  long nt = 0;
+  float* buf[MAX_GRAD_TABLES] = {};
+  long lo[MAX_GRAD_TABLES] = {}, hi[MAX_GRAD_TABLES] = {};
 };
 
 static inline vf fv(const int32_t* r) { return *(const vf_u*)r; }
@@ -219,7 +231,7 @@ static const int32_t* prog_run(const Prog& p, int32_t* R, const float* s, long b
 // Reverse mode over the slab the last prog_run left in R: with g = dL/d(result) per lane, writes dL/d(score)
 // into ds. G: regs * SL floats of adjoints. Only float registers carry adjoints; reads of captured tensors do
 // not (a tensor that requires grad is refused by the tracer).
-static void prog_grad(const Prog& p, const int32_t* R, float* G, const float* g, float* ds) {
+static void prog_grad(const Prog& p, const int32_t* R, float* G, const float* g, float* ds, GradAcc* acc) {
   fill(G, G + p.regs * SL, 0.f);
   std::memcpy(G + p.out * SL, g, SL * 4);
   for (long k = p.n - 1; k >= 0; k--) {
@@ -261,6 +273,26 @@ static void prog_grad(const Prog& p, const int32_t* R, float* G, const float* g,
           break;
         }
         default: break;  // integer, comparison, sign, floor, casts, reads: no gradient to pass on
+      }
+    }
+    if (c[0] == P_READF && acc && p.tgrad && p.tgrad[c[2]]) {  // into a learnable table, at the read's element
+      const int64_t* sh = p.tshape + 5L * c[2];
+      float* buf = acc->buf[c[2]];
+      long& lo = acc->lo[c[2]];
+      long& hi = acc->hi[c[2]];
+      for (int l = 0; l < SL; l++) {
+        if (gd[l] == 0.f) continue;  // masked / unseen points: exactly 0 (never 0 * a garbage score)
+        long off = 0;
+        for (long t = 0; t < sh[0]; t++) {
+          const long n = sh[1 + t];
+          long i = R[(long)c[3 + t] * SL + l];
+          i = i < 0 ? i + n : i;
+          i = i < 0 ? 0 : (i >= n ? n - 1 : i);
+          off = off * n + i;
+        }
+        buf[off] += gd[l];
+        lo = off < lo ? off : lo;
+        hi = off + 1 > hi ? off + 1 : hi;
       }
     }
   }
