@@ -158,7 +158,8 @@ def test_refuses_an_unlisted_torch_function():
     _refused(lambda s, b, h, q, kv: s + torch.sin(s), "torch.sin")
 
 
-def _learned_grads(mod, leaves, L=150, mask=M.causal()):
+def _learned_grads(mod, leaves, L=150, mask=None):
+    mask = M.causal() if mask is None else mask
     q, k, v = rand_qkv(2, 4, 2, L, L, 32, requires_grad=True)
     out = attnkit.attention(q, k, v, mask=mask, score_mod=mod, backend="tiled")
     go = torch.randn_like(out)
