@@ -271,3 +271,16 @@ def test_bad_score_mods_raise_the_same_errors_as_before():
     out = attnkit.attention(q, k, v, score_mod=lambda s, b, h, q_, kv: s * float("nan"), causal=True,
                             backend="tiled")
     assert torch.isnan(out).all(), "NaN from a score_mod propagates, as on every path"
+
+
+def test_a_cached_program_never_sees_later_edits_of_the_tensor_it_was_traced_from():
+    """The program keeps a copy of each table: a program cached for one tensor's content is reused for another
+    tensor with that content (same code), and must not carry the first tensor's later in-place edits."""
+    def make(bias):
+        return lambda s, b, h, q, kv: s + bias[kv]
+
+    first = torch.zeros(70)
+    q, k, v = rand_qkv(1, 2, 2, 1, 70, 16)
+    _check(q, k, v, None, score_mod=make(first))
+    first.copy_(torch.linspace(-3, 3, 70))  # the cached program's key is the zeros it was traced from
+    _check(q, k, v, None, score_mod=make(torch.zeros(70)))

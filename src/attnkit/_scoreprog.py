@@ -489,7 +489,9 @@ def _read(table, idx):
         regs.append(s.reg)
     regs += [-1] * (4 - len(regs))
     if table.is_floating_point():
-        data, kind = table.detach().to(torch.float32).contiguous(), "f"
+        # a copy, always: .to() / .contiguous() return the tensor itself when nothing changes, and a cached program
+        # must never see the caller's later in-place edits (its key is the content at trace time)
+        data, kind = table.detach().to(torch.float32, copy=True).contiguous(), "f"
         finite = bool(torch.isfinite(data).all()) and data.numel() > 0
         rng = (float(data.min()), float(data.max())) if finite else None
         if table.dtype == torch.float64 and not torch.equal(data.double(), table.detach()):
@@ -498,8 +500,8 @@ def _read(table, idx):
         if table.numel() == 0:
             raise Refused("an empty tensor")
         lo, hi = int(table.min()), int(table.max())
-        data, kind, rng = table.detach().to(torch.int32).contiguous(), ("b" if table.dtype == torch.bool else "i"), \
-            _int_range(lo, hi)
+        kind = "b" if table.dtype == torch.bool else "i"
+        data, rng = table.detach().to(torch.int32, copy=True).contiguous(), _int_range(lo, hi)
     else:
         raise Refused(f"a captured tensor of {table.dtype}")
     key = id(table)
