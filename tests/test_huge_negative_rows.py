@@ -197,7 +197,9 @@ def test_score_mod_writing_finfo_min(backend, cap, dtype):
 
     _, ref = golden(q, k, v, dtype, mod=ref_mod, dout=dout)
     check(grads, ref, dtype, f"score_mod {backend} cap={cap} {dtype}")
-    assert (d.backend, d.worker) in (("eager", "math"), ("tiled", "plain")), d
+    # fp32: the score_mod runs as a program on the compiled kernel (rows of finfo.min exact there too)
+    ran = {"eager": ("eager", "math"), "tiled": ("tiled", "native" if dtype == torch.float32 else "plain")}
+    assert (d.backend, d.worker) == ran["eager" if backend == "eager" else "tiled"], d
 
 
 @pytest.mark.parametrize("on", [True, False])
