@@ -147,32 +147,45 @@ static const int32_t* prog_run(const Prog& p, int32_t* R, const float* s, long b
     switch (c[0]) {
       case P_SCORE: std::memcpy(d, s, SL * 4); break;
       case P_QIDX:
-        for (int l = 0; l < SL; l++) d[l] = (int32_t)mn<long>(q0 + dq * l, qmax);
+      case P_KVIDX: {  // lane l: first + step * l, clamped to the last valid index
+        const long first = c[0] == P_QIDX ? q0 : kv0, step = c[0] == P_QIDX ? dq : dkv;
+        const vi last = splati((int32_t)(c[0] == P_QIDX ? qmax : kvmax)), st = iota() * (int32_t)step;
+        for (int l = 0; l < SL; l += VW) {
+          const vi x = splati((int32_t)(first + step * l)) + st;
+          puti(d + l, x < last ? x : last);
+        }
         break;
-      case P_KVIDX:
-        for (int l = 0; l < SL; l++) d[l] = (int32_t)mn<long>(kv0 + dkv * l, kvmax);
+      }
+      case P_BIDX:
+      case P_HIDX:
+      case P_CONSTI: {
+        const vi x = splati(c[0] == P_BIDX ? (int32_t)b : c[0] == P_HIDX ? (int32_t)h : c[2]);
+        for (int l = 0; l < SL; l += VW) puti(d + l, x);
         break;
-      case P_BIDX: for (int l = 0; l < SL; l++) d[l] = (int32_t)b; break;
-      case P_HIDX: for (int l = 0; l < SL; l++) d[l] = (int32_t)h; break;
-      case P_CONSTF: for (int l = 0; l < SL; l++) ((float*)d)[l] = p.consts[c[2]]; break;
-      case P_CONSTI: for (int l = 0; l < SL; l++) d[l] = c[2]; break;
+      }
+      case P_CONSTF: {
+        const vf x = splat(p.consts[c[2]]);
+        for (int l = 0; l < SL; l += VW) put(d + l, x);
+        break;
+      }
       case P_READF:
       case P_READI: {
         const int64_t* sh = p.tshape + 5L * c[2];
         const int32_t* base = (const int32_t*)p.tables[c[2]];  // fp32 or int32: copied as 32-bit words
-        for (int l = 0; l < SL; l++) {
-          long off = 0;
-          for (long t = 0; t < sh[0]; t++) {
-            const long n = sh[1 + t];
-            long i = R[(long)c[3 + t] * SL + l];
+        for (int l = 0; l < SL; l += VW) {
+          vi off = splati(0), bad = splati(0);
+          for (long t = 0; t < sh[0]; t++) {  // the element's offset, VW lanes at a time (negative indices wrap)
+            const vi n = splati((int32_t)sh[1 + t]);
+            vi i = iv(R + (long)c[3 + t] * SL + l);
             i = i < 0 ? i + n : i;
-            if (i < 0 || i >= n) {  // torch would raise: read the edge (never outside) and report the lane if visible
-              if (q0 + dq * l <= qmax && kv0 + dkv * l <= kvmax && p.err) __atomic_store_n(p.err, c[2] + 1, __ATOMIC_RELAXED);
-              i = i < 0 ? 0 : n - 1;
-            }
+            bad |= (i < 0) | (i >= n);
+            i = i < 0 ? splati(0) : (i >= n ? n - 1 : i);  // never read outside the table
             off = off * n + i;
           }
-          d[l] = base[off];
+          for (int j = 0; j < VW; j++) d[l + j] = base[off[j]];
+          for (int j = 0; j < VW; j++)  // torch would raise: report a point inside (L, S) (its lanes' indices)
+            if (bad[j] && q0 + dq * (l + j) <= qmax && kv0 + dkv * (l + j) <= kvmax && p.err)
+              __atomic_store_n(p.err, c[2] + 1, __ATOMIC_RELAXED);
         }
         break;
       }
