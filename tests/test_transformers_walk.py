@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-T = pytest.importorskip("transformers", reason="needs the model extra: pip install 'attnkit[model]'")
+T = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
 
 from attnkit.integrations import _walk  # noqa: E402
 from attnkit.integrations import transformers as ak_hf  # noqa: E402
