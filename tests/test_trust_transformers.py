@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import os
 import pathlib
@@ -384,6 +385,14 @@ def _llama_cfg(**kw):
     return T.LlamaConfig(**{**base, **kw})
 
 
+def _cache_arg(model, out) -> dict:
+    """The cache of ``out`` as the next forward's keyword: ``cache`` from transformers 5.24 (which
+    deprecates ``past_key_values``), ``past_key_values`` before."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
+
+
 def _decoder(family):
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -413,7 +422,7 @@ def test_decoder_families_padded_batch_and_cached_step_equal_eager(family):
     with torch.no_grad():
         for model in (eager, ak):
             out = model(input_ids=ids, attention_mask=am, use_cache=True)
-            step = model(input_ids=nxt, attention_mask=am2, past_key_values=out.past_key_values, use_cache=True)
+            step = model(input_ids=nxt, attention_mask=am2, use_cache=True, **_cache_arg(model, out))
             res.append((out.logits, step.logits))
         unpadded = [model(input_ids=ids).logits for model in (eager, ak)]  # no mask: window must still bind
     (b, bs), (a, as_) = res
