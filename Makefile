@@ -28,6 +28,9 @@ BIN_NEXT   := $(VENV_NEXT)/bin
 STAMP_NEXT := $(VENV_NEXT)/.attnkit-tf-next
 CONS_NEXT  := $(VENV_NEXT)/constraints.txt
 PIP_NEXT   := $(BIN_NEXT)/pip install --disable-pip-version-check --progress-bar on --no-compile -c $(CONS_NEXT)
+# One thread: these tests run tiny models, where a second OpenMP thread only waits; on 2 shared cores the pass took
+# 82 s with one thread and 217 s with two (load ~3)
+TF_NEXT_ENV := OMP_NUM_THREADS=1
 TF_TESTS   := tests/test_integration_transformers.py tests/test_trust_transformers.py tests/test_transformers_generate.py \
               tests/test_transformers_walk.py
 
@@ -108,12 +111,12 @@ test: $(STAMP_TEST) $(STAMP_NATIVE) $(STAMP_NEXT)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 	@echo "==> the transformers tests on transformers $$($(BIN_NEXT)/python -c 'import transformers; print(transformers.__version__)')"
-	PYTHONPATH=src ATTNKIT_WALK_SAMPLE=6 $(BIN_NEXT)/python -m pytest -q $(TF_TESTS)
+	PYTHONPATH=src $(TF_NEXT_ENV) ATTNKIT_WALK_SAMPLE=6 $(BIN_NEXT)/python -m pytest -q $(TF_TESTS)
 
 # Only the transformers tests, on the pinned and on the newest transformers.
 test-transformers: $(STAMP_TEST) $(STAMP_NATIVE) $(STAMP_NEXT)
 	$(BIN)/python -m pytest -q $(TF_TESTS)
-	PYTHONPATH=src $(BIN_NEXT)/python -m pytest -q $(TF_TESTS)
+	PYTHONPATH=src $(TF_NEXT_ENV) $(BIN_NEXT)/python -m pytest -q $(TF_TESTS)
 
 lint: $(STAMP_TEST)
 	$(BIN)/ruff check $(LINTED)

@@ -475,9 +475,10 @@ def _packed_mask_function(mu, position_ids, doc_ids):
     Asked of ``create_causal_mask`` itself, through attnkit's mask hook, so that the check covers how
     this transformers composes the pieces, not how attnkit expects it to: 5.23 wraps them in
     ``packed_sequence_compatibility_function(mask, position_ids, documents)``, 5.24 removed that and
-    ANDs ``remap_positions_for_packed_sequence(mask, position_ids)`` with the documents. Where the
-    call itself cannot be made (no name maps to attnkit's mask hook, a changed signature), the
-    composition of the installed version is built directly.
+    ANDs ``remap_positions_for_packed_sequence(mask, position_ids)`` with the documents. Where that
+    call cannot be made (no name maps to attnkit's mask hook) or fails (a changed signature), the
+    composition of the installed version is built directly. Either way a composition attnkit does not
+    read is only ever built densely: exact, and slower.
     """
     names = [k for k in mu.ALL_MASK_ATTENTION_FUNCTIONS if mu.ALL_MASK_ATTENTION_FUNCTIONS[k] is attnkit_mask]
     if names:
@@ -489,7 +490,7 @@ def _packed_mask_function(mu, position_ids, doc_ids):
             # positionally: (config, inputs_embeds, attention_mask, cache, position_ids); the cache
             # argument is past_key_values up to 5.23 and cache from 5.24
             mu.create_causal_mask(config, embeds, None, None, position_ids)
-        except TypeError:
+        except Exception:  # a call this transformers no longer accepts: not a reason to distrust its masks
             seen = []
         finally:
             _COMPOSED.reset(token)
