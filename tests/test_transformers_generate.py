@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-T = pytest.importorskip("transformers", reason="needs the model extra: pip install 'attnkit[model]'")
+T = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
 
 from attnkit.integrations import transformers as ak_hf  # noqa: E402
 

@@ -13,13 +13,21 @@ keyword (refused, named).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
 import torch
 
-T = pytest.importorskip("transformers", reason="needs the model extra: pip install 'attnkit[model]'")
+T = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
 
 from attnkit.integrations import transformers as ak_hf  # noqa: E402
 
@@ -377,6 +385,14 @@ def _llama_cfg(**kw):
     return T.LlamaConfig(**{**base, **kw})
 
 
+def _cache_arg(model, out) -> dict:
+    """The cache of ``out`` as the next forward's keyword: ``cache`` from transformers 5.24 (which
+    deprecates ``past_key_values``), ``past_key_values`` before."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
+
+
 def _decoder(family):
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -406,7 +422,7 @@ def test_decoder_families_padded_batch_and_cached_step_equal_eager(family):
     with torch.no_grad():
         for model in (eager, ak):
             out = model(input_ids=ids, attention_mask=am, use_cache=True)
-            step = model(input_ids=nxt, attention_mask=am2, past_key_values=out.past_key_values, use_cache=True)
+            step = model(input_ids=nxt, attention_mask=am2, use_cache=True, **_cache_arg(model, out))
             res.append((out.logits, step.logits))
         unpadded = [model(input_ids=ids).logits for model in (eager, ak)]  # no mask: window must still bind
     (b, bs), (a, as_) = res
@@ -443,6 +459,125 @@ def test_packed_sequences_equal_eager_and_refuse_when_the_mask_does_not_separate
             ak(input_ids=ids, position_ids=pos, use_cache=True, **packed)
 
 
+@contextlib.contextmanager
+def _recording_mask_hook(monkeypatch):
+    """Yields the list of every mask attnkit's hook returns, with transformers' dense ``sdpa_mask``
+    made to fail."""
+    from transformers import masking_utils as mu
+
+    returned: list = []
+    hook = mu.ALL_MASK_ATTENTION_FUNCTIONS[ak_hf.NAME]
+
+    def recording(*a, **kw):
+        out = hook(*a, **kw)
+        returned.append(out)
+        return out
+
+    def dense_built(*a, **kw):
+        raise AssertionError("attnkit's mask hook built transformers' dense sdpa mask")
+
+    ak_hf.checked_kinds()  # the once-per-process self-check compares with sdpa_mask: run it before the patch
+    monkeypatch.setattr(mu, "sdpa_mask", dense_built)
+    mu.AttentionMaskInterface.register(ak_hf.NAME, recording)
+    try:
+        yield returned
+    finally:
+        mu.AttentionMaskInterface.register(ak_hf.NAME, hook)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_packed_sequences_get_a_structured_mask_on_this_transformers(family, monkeypatch):
+    """transformers 5.24 composes the packed-sequence mask function differently from 5.23 (5.23:
+    packed_sequence_compatibility_function(mask, positions, documents); 5.24: the remapped mask ANDed
+    with the documents, that helper gone). Both are read as document(ids) & the model's mask: no dense
+    mask is built, the self-check agrees, and the logits equal eager's."""
+    eager, ak = _pair(_decoder(family))
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]])  # sequences of 7 and 5 packed in one row
+    assert ak_hf.checked_kinds()["packed"], ak_hf.checked_kinds()
+    with torch.no_grad():
+        b = eager(input_ids=ids, position_ids=pos, use_cache=False).logits
+    with _recording_mask_hook(monkeypatch) as returned, torch.no_grad():
+        a = ak(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert _maxdiff(a, b) <= TOL
+    assert returned and all(isinstance(m, ak_hf._masks.Mask) for m in returned), [type(m) for m in returned]
+    assert all("document(" in repr(m) for m in returned), [repr(m) for m in returned]
+    if family == "mistral":  # window 4 < 7: the window is read through the packing too
+        assert any("sliding_window(4" in repr(m) for m in returned), [repr(m) for m in returned]
+
+
+def test_registering_warns_nothing_on_this_transformers(monkeypatch):
+    """register() and the self-check it leads to (each kind of transformers mask function read by
+    attnkit compared with transformers' own dense mask) give no warning on the installed
+    transformers: every kind is read exactly (issue 27: 5.24's packed masks warned on every install)."""
+    monkeypatch.setattr(ak_hf, "_CHECKED", None)  # run the once-per-process self-check again, here
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ak_hf.register() == ak_hf.NAME
+        checked = ak_hf.checked_kinds()
+    assert [str(w.message) for w in caught] == []
+    assert checked == {"causal": True, "all": True, "window": True, "chunk": True, "packed": True}
+
+
+def test_a_packed_composition_attnkit_does_not_know_is_built_densely_with_a_warning(monkeypatch):
+    """The self-check asks transformers' own create_causal_mask how it composes packed masks, so a
+    future transformers that composes them in a way attnkit does not read turns the packed kind off
+    (dense masks, exact) with the warning, instead of going unnoticed."""
+    from transformers import masking_utils as mu
+
+    def remap_elsewhere(mask_function, position_ids):  # stands for a new helper in a future release
+        def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+            return mask_function(batch_idx, head_idx, position_ids[batch_idx, q_idx], position_ids[batch_idx, kv_idx])
+        return inner_mask
+
+    monkeypatch.setattr(mu, "remap_positions_for_packed_sequence", remap_elsewhere)
+    monkeypatch.setattr(ak_hf, "_CHECKED", None)
+    with pytest.warns(RuntimeWarning, match=r"'packed' mask functions do not mean what attnkit reads"):
+        checked = ak_hf.checked_kinds()
+    assert checked == {"causal": True, "all": True, "window": True, "chunk": True, "packed": False}
+    monkeypatch.setattr(ak_hf, "_CHECKED", None)  # the next user of the check sees the real transformers
+
+
+def test_importing_the_integration_registers_attnkit_without_a_warning():
+    """A fresh interpreter that only imports the integration (no register() call) loads a model with
+    attn_implementation="attnkit" and runs it, padded and packed, with no warning from attnkit. Without
+    the import, transformers' own error (quoted in docs/compatibility.md) never names attnkit."""
+    code = textwrap.dedent("""
+        import json, warnings
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2)
+        try:
+            AutoModelForCausalLM.from_config(LlamaConfig(**cfg), attn_implementation="attnkit")
+            before = "loaded"
+        except ValueError as e:
+            before = str(e)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import attnkit.integrations.transformers as ak_hf
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), attn_implementation="attnkit").eval()
+            with torch.no_grad():
+                model(input_ids=torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.tensor([[1, 1, 1, 0]]))
+                model(input_ids=torch.tensor([[5, 6, 7, 8]]), position_ids=torch.tensor([[0, 1, 0, 1]]),
+                      use_cache=False)
+        print(json.dumps(dict(before=before, impl=model.config._attn_implementation,
+                              checked=ak_hf.checked_kinds(),
+                              warnings=[f"{w.category.__name__}: {w.message}" for w in caught
+                                        if "attnkit" in str(w.message) or "attnkit" in w.filename])))
+    """)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["before"].startswith('Specified `attn_implementation="attnkit"` is not supported.'), got["before"]
+    assert got["impl"] == "attnkit"
+    assert got["warnings"] == []
+    assert all(got["checked"].values()), got["checked"]
+
+
 def test_bart_cross_attention_with_padding_equals_eager():
     cfg = T.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
@@ -471,8 +606,6 @@ def test_generating_builds_no_dense_mask_and_equals_eager(family, monkeypatch):
     """Prefill and every cached decoding step (left-padded batch, sliding-window layers) get
     structured attnkit masks from the mask hook: transformers' dense sdpa_mask is never called,
     no (B, 1, L, S) tensor reaches attention, and the greedy tokens equal the eager model's."""
-    from transformers import masking_utils as mu
-
     eager, ak = _pair(_decoder(family))
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 64, (2, 9), generator=g)
@@ -481,26 +614,9 @@ def test_generating_builds_no_dense_mask_and_equals_eager(family, monkeypatch):
     with torch.no_grad():
         want = eager.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, min_new_tokens=8,
                               do_sample=False, pad_token_id=0)
-    returned = []
-    hook = mu.ALL_MASK_ATTENTION_FUNCTIONS[ak_hf.NAME]
-
-    def recording(*a, **kw):
-        out = hook(*a, **kw)
-        returned.append(out)
-        return out
-
-    def dense_built(*a, **kw):
-        raise AssertionError("attnkit's mask hook built transformers' dense sdpa mask")
-
-    ak_hf.checked_kinds()  # the once-per-process self-check compares with sdpa_mask: run it before the patch
-    monkeypatch.setattr(mu, "sdpa_mask", dense_built)
-    mu.AttentionMaskInterface.register(ak_hf.NAME, recording)
-    try:
-        with torch.no_grad():
-            got = ak.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, min_new_tokens=8,
-                              do_sample=False, pad_token_id=0)
-    finally:
-        mu.AttentionMaskInterface.register(ak_hf.NAME, hook)
+    with _recording_mask_hook(monkeypatch) as returned, torch.no_grad():
+        got = ak.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
     assert len(returned) >= 8  # the prefill and every step asked for a mask
     assert all(isinstance(m, ak_hf._masks.Mask) for m in returned), [type(m).__name__ for m in returned]

