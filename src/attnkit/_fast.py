@@ -5,7 +5,7 @@ A decode step or a short prompt runs a kernel of 10-100 µs; the full path (``ma
 ``decide`` → ``backends.sdpa.run``) costs 20-40 µs of Python around it. This module answers
 the common case directly, and *only* it.
 
-Contract (checked here and nowhere else; anything outside it returns ``None`` and the caller
+Contract (this module's own checks, for the common case only; anything outside it returns ``None`` and the caller
 takes the full path, so every error message, warning and decision is the full path's):
 
 * ``q``, ``k``, ``v`` are exactly ``torch.Tensor`` (no subclass, no NumPy), 4-D, one floating

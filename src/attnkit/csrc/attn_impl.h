@@ -39,7 +39,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// register block of the micro-GEMM: R rows x NC vectors (AVX-512: 6 x 4 zmm = 24 accumulators)
+// register block of the micro-GEMM: R rows x NC vectors (AVX-512: 4 x 4 zmm = 16 accumulators)
 #if AK_VW >= 16
 constexpr int R = 4, NC = 4;  // 16 accumulators + 4 rows of B: FMA-bound, and 64 rows split evenly
 #elif AK_VW >= 8

@@ -77,7 +77,7 @@ class ContextParallel:
         else:
             self.layout = _layout(layout, seq_len, self.W, mask=mask, block=block, B=batch, H=heads)
         self._scheds: dict[tuple, Schedule] = {}
-        self._sched: Schedule | None = None  # the schedule of the call in progress (set by _CPFn)
+        self._sched: Schedule | None = None  # the schedule of the call in progress (set by CPFunction)
         self._mask_key: int | None = None
         self._calls = 0
         self.stats = Stats()

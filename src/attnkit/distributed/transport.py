@@ -138,7 +138,7 @@ class AllGather(Transport):
         own included), every shard all-gathered (padded to the longest). ``comm="p2p"`` streams
         instead (:class:`P2P`)."""
         sched, r, P = cp._sched, cp.rank, cp.layout.positions
-        assert sched is not None, "_CPFn sets the call's schedule first"
+        assert sched is not None, "CPFunction sets the call's schedule first"
         D = k.shape[-1]
         kv = {r: (k, v)} if sched.visible[r, r] else {}
         packed = torch.cat([k.detach(), v.detach()], -1).contiguous()
