@@ -32,7 +32,8 @@ the GEMM's rows so K is never copied)::
 The row statistics are rebuilt from the scores of the same pass rather than read from a
 kernel's lse: the scores are computed once, and a row whose scores are all a huge finite
 negative (``finfo.min`` padding in a float bias) still gets weights that sum to 1, where
-``exp(s - lse)`` with an fp32 lse would not (the conventions page: gradients reach every tensor the call reads, exactly on every row). Memory: the result
+``exp(s - lse)`` with an fp32 lse would not (the conventions page: gradients are exact on every row).
+Memory: the result
 ``(B, H, tiles)`` plus one query block's scores; never an L×S tensor.
 
 Exact weights on demand, from the same q, k and mask: :meth:`TileMass.row_weights` (one
