@@ -46,6 +46,8 @@ def test_dispatch_reports_backend_worker_and_why():
     assert (d.backend, d.worker) == ("tiled", "fused") and "flash kernel" in d.worker_reason
     assert "float64" in d.worker_reason  # why not the compiled kernel
     d = attnkit.dispatch(q, k, v, mask=M.sliding_window(16), score_mod=lambda s, b, h, i, j: s * 0.5)
+    assert (d.backend, d.worker) == ("tiled", "native" if built else "plain") and "score_mod" in d.worker_reason
+    d = attnkit.dispatch(q, k, v, mask=M.sliding_window(16), score_mod=lambda s, b, h, i, j: s * torch.sin(s))
     assert (d.backend, d.worker) == ("tiled", "plain") and "score_mod" in d.worker_reason
     d = attnkit.dispatch(q, k, v, causal=True)
     assert (d.backend, d.worker) == ("sdpa", "fused")

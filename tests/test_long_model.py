@@ -310,6 +310,8 @@ def test_never_an_L_by_L_tensor():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("ATTNKIT_LONG_GOAL") != "1",
+                    reason="the 32k-token goal measurement (a minute or more on 2 cores) runs with ATTNKIT_LONG_GOAL=1")
 def test_32k_goal_time_rss_page(tmp_path):
     """Issue 27: a config-built Llama (2 layers, hidden 256, 4 heads, 2 kv heads, head dim 64) at
     32 768 tokens through ``attnkit long``: ≤ 60 s (asserted at 3× on a shared 2-core machine),

@@ -77,8 +77,10 @@ def test_test_target_lints_type_checks_then_runs_pytest(tmp_path):
     extras, _ = _installs(lines)
     assert "test" in extras and {"ruff", "mypy"} <= {_name(r) for r in _extras()["test"]}
     steps = [i for i, ln in enumerate(lines) if re.search(r"bin/(ruff check|mypy|python -m pytest)", ln)]
-    assert [lines[i].split("/bin/")[1].split()[0] for i in steps] == ["ruff", "mypy", "python"]
+    # lint, types, the suite; then the transformers tests again on the newest transformers (its own venv)
+    assert [lines[i].split("/bin/")[1].split()[0] for i in steps] == ["ruff", "mypy", "python", "python"]
     assert "src tests benchmarks examples tools" in lines[steps[0]]
+    assert "tf-next" in lines[steps[3]] and "test_integration_transformers.py" in lines[steps[3]]
     assert steps[-1] == len(lines) - 1 and max(i for i, ln in enumerate(lines) if " install " in ln) < steps[0]
     assert _dry_run("lint", tmp_path)[-2:] == [lines[steps[0]], lines[steps[1]]]
 
