@@ -10,6 +10,7 @@ when the extension is missing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -111,8 +112,10 @@ def test_heads_and_head_dims(H, Hkv, D, Dv):
     _check(q, k, v, M.sliding_window(70))
 
 
-@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
-def test_every_instruction_set(isa):
+@contextlib.contextmanager
+def instruction_set(isa: str):
+    """Run the kernel with ``isa`` ("base", "avx2", "avx512") inside the block, skipping where the CPU lacks it;
+    the CPU's best is restored after."""
     best = _native.isa()
     order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
     if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
@@ -120,6 +123,14 @@ def test_every_instruction_set(isa):
     try:
         got = _native.set_isa(isa)
         assert got == {"base": "portable", "avx2": "AVX2", "avx512": "AVX-512"}[isa]
+        yield
+    finally:
+        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
+
+
+@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
+def test_every_instruction_set(isa):
+    with instruction_set(isa):
         for L, S in [(7, 7), (130, 65), (129, 300)]:
             for name, mask in interval_masks(2, L, S)[:8]:
                 q, k, v = rand_qkv(2, 4, 2, L, S, 24, 40, requires_grad=True)
@@ -127,8 +138,6 @@ def test_every_instruction_set(isa):
                     _check(q, k, v, mask)
                 except AssertionError as e:
                     raise AssertionError(f"{isa} {name} L={L} S={S}: {e}") from None
-    finally:
-        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
 
 
 def test_strided_layouts_read_in_place_or_copied():

@@ -16,13 +16,12 @@ import pytest
 import torch
 from _flashmask import families
 from conftest import rand_qkv
-from test_native_kernel import _check
+from test_native_kernel import _check, instruction_set
 
 import attnkit
 from attnkit import _scoreprog
 from attnkit import masks as M
 from attnkit import score_mods as SM
-from attnkit.backends import _native
 
 pytestmark = pytest.mark.skipif(os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"),
                                 reason="the compiled kernel is switched off by ATTNKIT_NATIVE=0")
@@ -108,17 +107,10 @@ def test_dead_rows_and_bottom_right_causal():
 
 @pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
 def test_every_instruction_set(isa):
-    best = _native.isa()
-    order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
-    if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
-        pytest.skip(f"this CPU runs {best} at most")
-    try:
-        _native.set_isa(isa)
+    with instruction_set(isa):
         for name in ("softcap", "t5_buckets", "exp_log", "clamp_minmax"):
             q, k, v = rand_qkv(2, 4, 2, 130, 97, 24, 40, requires_grad=True)
             _check(q, k, v, M.causal(), score_mod=MODS[name], lse_grad=True)
-    finally:
-        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
 
 
 def test_a_captured_tensor_edited_in_place_gives_a_new_program():

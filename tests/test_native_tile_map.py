@@ -15,11 +15,11 @@ import pytest
 import torch
 from _flashmask import NAMES, families
 from conftest import rand_qkv
-from test_native_kernel import _check
+from test_native_kernel import _check, instruction_set
 
 import attnkit
 from attnkit import masks as M
-from attnkit.backends import _native, _tilebits, tiled
+from attnkit.backends import _tilebits, tiled
 
 pytestmark = pytest.mark.skipif(os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"),
                                 reason="the compiled kernel is switched off by ATTNKIT_NATIVE=0")
@@ -93,18 +93,11 @@ def test_both_causal_alignments_and_dead_rows():
 
 @pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
 def test_every_instruction_set(isa):
-    best = _native.isa()
-    order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
-    if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
-        pytest.skip(f"this CPU runs {best} at most")
-    try:
-        _native.set_isa(isa)
+    with instruction_set(isa):
         for name in ("share_question", "random_eviction", "qk_sparse"):
             mod, _ = families(260, H=4, seed=1)[name]
             q, k, v = rand_qkv(2, 4, 2, 260, 200, 24, 40, requires_grad=True)
             _check(q, k, v, M.from_mod(mod), lse_grad=True)
-    finally:
-        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
 
 
 def test_a_mod_reading_a_tensor_is_never_stale():
