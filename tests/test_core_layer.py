@@ -13,13 +13,21 @@ from conftest import assert_close, budget, golden, rand_qkv
 
 import attnkit
 from attnkit import masks as M
-from attnkit.backends import NAMES, _flash_cpu, _native, _softmax, get, tiled
+from attnkit.backends import NAMES, _flash_cpu, _native, _softmax, _table, get, tiled
 
 SRC = pathlib.Path(attnkit.__file__).parent
 
 
-def test_every_backend_has_the_same_interface():
+def test_every_kernel_is_declared_once_in_its_devices_table():
+    """Every compute path is a Kernel in one row of each device table it serves; a named backend runs the first
+    of its kernels that can run the call, and each kernel's run gives out (and lse where asked)."""
     assert set(NAMES) == {"reference", "eager", "sdpa", "tiled", "flex"}
+    for device, table in _table.TABLES.items():
+        names = [r.kernel.name for r in table]
+        assert len(names) == len(set(names)), (device, names)
+        for r in table:
+            k = r.kernel
+            assert k.backend in NAMES and k.worker and k.title and k.name, k
     q, k, v = rand_qkv(1, 2, 2, 8, 8, 4)
     req = attnkit._request.make_request(q, k, v, mask=None, causal=False, scale=None, score_mod=None,
                                         dropout_p=0.0, return_lse=True, backend="auto")
@@ -31,9 +39,10 @@ def test_every_backend_has_the_same_interface():
             assert "no lse" in why
             continue
         assert why is None
-        worker, why = mod.choose_worker(req)
-        assert isinstance(worker, str) and worker and isinstance(why, str) and why
-        out, lse = mod.run(req, worker)
+        d = attnkit._dispatch.decide(req, name)
+        assert d.backend == name and d.kernel is not None and d.worker == d.kernel.worker and d.worker_reason
+        assert [v for _, v in d.verdicts].count("runs") == 1
+        out, lse = d.kernel.run(req)
         assert out.shape == (1, 2, 8, 4) and lse.shape == (1, 2, 8)
 
 

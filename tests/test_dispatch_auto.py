@@ -11,21 +11,21 @@ import attnkit
 from attnkit import _fast
 from attnkit import masks as M
 from attnkit import score_mods as SM
-from attnkit.backends import eager, sdpa, tiled
+from attnkit.backends import _table
 
 
 @pytest.fixture
 def ran(monkeypatch):
-    """Records which backend module's run() was called (the fast path counts as sdpa's)."""
+    """Records the backend of each declared kernel that ran (the fast path counts as sdpa's)."""
     calls = []
-    for mod in (eager, sdpa, tiled):
-        orig = mod.run
+    for row in _table.TABLES["cpu"]:
+        kern = row.kernel
 
-        def spy(req, worker=None, _orig=orig, _name=mod.NAME):
+        def spy(req, _orig=kern.run, _name=kern.backend):
             calls.append(_name)
-            return _orig(req, worker)
+            return _orig(req)
 
-        monkeypatch.setattr(mod, "run", spy)
+        monkeypatch.setattr(kern, "run", spy)
     real_fast = _fast.attention
 
     def fast_spy(*a):  # the fast path answers only calls auto sends to sdpa (see attnkit._fast)

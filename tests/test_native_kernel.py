@@ -23,7 +23,7 @@ from conftest import assert_close, budget, golden, low_precision_error, rand_qkv
 import attnkit
 from attnkit import masks as M
 from attnkit import score_mods as SM
-from attnkit.backends import _native, tiled
+from attnkit.backends import _native, native, tiled
 
 # Skipped only where the user switched the kernel off; a kernel that failed to build fails here, loudly
 # (make test / pip install build it; the fallback itself is tested in test_wheel_install.py).
@@ -187,10 +187,10 @@ def test_rows_that_see_no_key():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_within_twice_the_low_precision_math(dtype, monkeypatch):
     q, k, v = rand_qkv(2, 4, 2, 130, 130, 64, dtype=dtype)
-    if dtype == torch.bfloat16 and tiled._bf16_hardware():  # bf16 stays on torch's bf16 GEMMs on such a CPU
+    if dtype == torch.bfloat16 and native._bf16_hardware():  # bf16 stays on torch's bf16 GEMMs on such a CPU
         d = attnkit.dispatch(q, k, v, mask=M.causal(), backend="tiled")
         assert d.worker == "fused" and "bf16 in hardware" in d.worker_reason, d
-        monkeypatch.setattr(tiled, "_BF16_HW", False)  # the kernel's own bf16 handling, checked all the same
+        monkeypatch.setattr(native, "_BF16_HW", False)  # the kernel's own bf16 handling, checked all the same
     for mask in (M.causal(), M.sliding_window(33)):
         assert attnkit.dispatch(q, k, v, mask=mask, backend="tiled").worker == "native"
         out = attnkit.attention(q, k, v, mask=mask, backend="tiled")

@@ -7,7 +7,7 @@ from torch import Tensor as _Tensor
 from . import _fast
 from ._dispatch import Decision, decide, explain_decision
 from ._request import make_request
-from .backends import _softmax, get
+from .backends import _softmax
 from .backends._tiles import weights_from_lse
 from .masks import And as _And
 
@@ -83,7 +83,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
                        dropout_p=dropout_p, return_lse=return_lse, backend=backend,
                        return_weights=return_weights, sinks=sinks)
     decision = explain_decision(req, backend)
-    out, lse = get(decision.backend).run(req, decision.worker)
+    assert decision.kernel is not None
+    out, lse = decision.kernel.run(req)
     if req.sinks is not None:
         out, lse = _softmax.add_sink(out, lse, req.sinks)
     weights = None

@@ -1,14 +1,10 @@
 """The backend layer: how attention is computed, one module per backend.
 
-Every backend module has the same small interface (see ``_base``)::
-
-    NAME                          its name in attention(..., backend=NAME)
-    unsupported(req) -> str|None  why it cannot honour a request exactly (None: it can)
-    choose_worker(req) -> (worker, why)   which of its code paths would run, and why
-    run(req, worker) -> (out, lse | None)
-
-``attnkit._dispatch`` asks ``unsupported`` and ``choose_worker`` and reports both
-choices; it never reaches into a backend's internals.
+Every compute path is a declared kernel (``_kernel.Kernel``: ``not_supported``, ``declines``, ``why``,
+``run``) living in the module that holds its code, and one row of its device's ordered table
+(``_table``). A backend module exposes ``NAME``, ``unsupported(req) -> str | None`` (its
+backend-wide precondition) and its kernels; ``attnkit._dispatch`` walks the table and never
+reaches into a backend's internals.
 """
 
 from __future__ import annotations

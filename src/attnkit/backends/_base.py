@@ -7,10 +7,9 @@ resolved into at most three parts that are ANDed together:
 * ``dense_mask`` a user bool tensor, 4-D, broadcastable to ``(B, H, L, S)``;
 * ``bias``       a user float tensor added to the scaled scores, same shape rule.
 
-A backend module exposes ``NAME``, ``unsupported(req) -> str | None`` (why it cannot
-honour the request, or None), ``choose_worker(req) -> (worker, why)`` and
-``run(req, worker) -> (out, lse | None)``. ``attnkit._dispatch`` asks the first two
-and reports the choice; ``attnkit.api`` calls ``run`` with what was decided.
+Each declared kernel (``_kernel.Kernel``) answers ``not_supported(req)`` and ``run(req) ->
+(out, lse | None)``; ``attnkit._dispatch`` walks the device's table (``_table``) and
+``attnkit.api`` runs the kernel it chose.
 """
 
 from __future__ import annotations
@@ -66,6 +65,12 @@ class Request:
     def shape(self):
         B, H, L, D = self.q.shape
         return B, H, L, self.k.shape[2], D, self.v.shape[3], self.k.shape[1]
+
+    @property
+    def device_type(self) -> str:
+        """The device whose kernel table decides: q's (``"cpu"``, ``"cuda"``), or the one
+        ``attnkit._dispatch.auto_backend`` was asked to read the table of."""
+        return self.memo.get("device_type") or self.q.device.type
 
     @property
     def has_mask(self) -> bool:

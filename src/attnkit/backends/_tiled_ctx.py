@@ -34,7 +34,7 @@ class TileContext:
 
     def __init__(self, req: Request, worker: str):
         self.req = req
-        self.worker = worker  # "native", "fused" or "plain", decided by attnkit._dispatch (see tiled.choose_worker)
+        self.worker = worker  # "fused" or "plain": the kernel the table chose (tiled.FLASH_RUNS / tiled.PLAIN)
         self.plan: WorkList | None = None  # set by the launcher
         # the tile shape and caller's tile map the work list was cut from (set by the launcher; the
         # backward cuts a plain work list from them when a gradient flows into lse)

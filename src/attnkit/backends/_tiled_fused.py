@@ -13,7 +13,7 @@ SDPA does; a query block with several runs gets each run's output rounded once t
 before the fp32 merge (tests bound the total at 2× SDPA's error). fp16 is given to this
 worker upcast to fp32 (``TileContext.kernel_dtype``, see tiled.py).
 
-Chosen by ``tiled.choose_worker`` (reported by ``attnkit.dispatch``); it never runs a
+Chosen by the device's kernel table (``tiled.FLASH_RUNS``; reported by ``attnkit.dispatch``); it never runs a
 request it cannot honour: no captured gradients, no float mask requiring grad, no NaN.
 """
 

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from . import _softmax
 from ._base import Request
+from ._kernel import Kernel
 from ._tiles import modify_scores
 
-__all__ = ["NAME", "unsupported", "choose_worker", "run", "weights"]
+__all__ = ["NAME", "EAGER", "unsupported", "run", "weights"]
 
 NAME = "eager"
 
@@ -20,8 +21,33 @@ def unsupported(req: Request) -> str | None:
     return None
 
 
-def choose_worker(req: Request) -> tuple[str, str]:
-    return "math", "dense (B, H, L, S) scores in torch ops, autograd through everything"
+class Eager(Kernel):
+    """Dense scores in torch ops: runs every call (the last row of every table)."""
+
+    name = "eager"
+    backend = "eager"
+    worker = "math"
+    title = "the eager math path"
+    measured = "O(L·S) memory and the slowest at length; the only path with dropout under auto"
+
+    def why(self, req: Request) -> str:
+        return "dense (B, H, L, S) scores in torch ops, autograd through everything"
+
+    def auto_reason(self, req: Request, passed) -> str:
+        if req.dropout_p > 0:
+            return "dropout_p > 0: only the eager path implements dropout under auto"
+        tiled_no = [r for k, rs, _ in passed if k.backend == "tiled" for r in rs]
+        flex_no = [r for k, rs, _ in passed if k.backend == "flex" for r in rs]
+        if req.device_type != "cpu":
+            return (f"neither FlexAttention ({'; '.join(flex_no)}) nor tiled ({tiled_no[-1] if tiled_no else '-'}) "
+                    "can honour this: eager math path")
+        return f"tiled backend unavailable ({tiled_no[-1] if tiled_no else '-'}); eager math path"
+
+    def run(self, req: Request):
+        return run(req)
+
+
+EAGER = Eager()
 
 
 def _probs(req: Request):

@@ -37,8 +37,9 @@ import torch
 from .. import masks as _masks
 from .. import plans as _plans
 from ._base import Request
+from ._kernel import Kernel
 
-__all__ = ["NAME", "unsupported", "choose_worker", "run", "BLOCK"]
+__all__ = ["NAME", "FLEX", "unsupported", "run", "BLOCK"]
 
 NAME = "flex"
 BLOCK = 128  # FlexAttention's default tile
@@ -61,7 +62,7 @@ def unsupported(req: Request) -> str | None:
         return "this torch has no torch.nn.attention.flex_attention (torch >= 2.5 needed)"
     if req.dropout_p > 0:
         return "FlexAttention has no dropout (use backend='eager')"
-    if req.q.device.type == "cpu":
+    if req.device_type == "cpu":
         if req.requires_grad():
             return ("FlexAttention compiles for inference only on the CPU; a gradient is wanted here "
                     "(use backend='tiled' or 'auto', which train on the CPU)")
@@ -75,9 +76,32 @@ def unsupported(req: Request) -> str | None:
     return None
 
 
-def choose_worker(req: Request) -> tuple[str, str]:
-    return "compiled", ("torch.compile(flex_attention) with attnkit's BlockMask"
-                        + (" (CPU: inference only)" if req.q.device.type == "cpu" else ""))
+class Flex(Kernel):
+    """torch.compile(flex_attention) with attnkit's BlockMask: auto's path for masks and score_mods on a GPU."""
+
+    name = "flex"
+    backend = "flex"
+    worker = "compiled"
+    title = "FlexAttention"
+    measured = "benchmarks/gpu.py: FlexAttention's kernels skip a BlockMask's empty blocks on a GPU"
+
+    def not_supported(self, req: Request) -> list[str]:
+        return [w for w in (unsupported(req),) if w is not None]
+
+    def why(self, req: Request) -> str:
+        return ("torch.compile(flex_attention) with attnkit's BlockMask"
+                + (" (CPU: inference only)" if req.device_type == "cpu" else ""))
+
+    def auto_reason(self, req: Request, passed) -> str:
+        what = ("a score_mod" if req.score_mod is not None
+                else f"mask {req.mask!r}" if req.mask is not None else "a tensor mask")
+        return f"{what} on a GPU: FlexAttention's kernel with attnkit's BlockMask (no dense mask)"
+
+    def run(self, req: Request):
+        return run(req)
+
+
+FLEX = Flex()
 
 
 def _compiled_flex():

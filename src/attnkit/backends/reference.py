@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from ._base import Request
+from ._kernel import Kernel
 from ._tiles import apply_score_mod, index_grid
 
-__all__ = ["NAME", "unsupported", "choose_worker", "run", "trace", "Trace"]
+__all__ = ["NAME", "REFERENCE", "unsupported", "run", "trace", "Trace"]
 
 NAME = "reference"
 
@@ -135,8 +136,25 @@ def trace(req: Request) -> Trace:
                  allowed=allowed, weights=weights, output=output, lse=lse, has_mask=req.has_mask)
 
 
-def choose_worker(req: Request) -> tuple[str, str]:
-    return "numpy", "the textbook steps in NumPy float64"
+class Reference(Kernel):
+    """The textbook steps in NumPy float64 (named only: ``backend="reference"``)."""
+
+    name = "reference"
+    backend = "reference"
+    worker = "numpy"
+    title = "the NumPy float64 reference"
+
+    def not_supported(self, req: Request) -> list[str]:
+        return [w for w in (unsupported(req),) if w is not None]
+
+    def why(self, req: Request) -> str:
+        return "the textbook steps in NumPy float64"
+
+    def run(self, req: Request):
+        return run(req)
+
+
+REFERENCE = Reference()
 
 
 def run(req: Request, worker: str | None = None):

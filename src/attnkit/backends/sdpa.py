@@ -19,11 +19,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _decode, _flash_cpu, eager, tiled
+from . import _decode, _flash_cpu, eager
 from ._base import Request
+from ._kernel import Kernel
 from ._tiles import allowed_tile, has_nan, tile_of
 
-__all__ = ["NAME", "unsupported", "choose_worker", "backward_flaw", "run", "may_hide_nan"]
+__all__ = ["NAME", "FUSED", "MATH", "unsupported", "backward_flaw", "run", "may_hide_nan"]
 
 NAME = "sdpa"
 
@@ -33,7 +34,7 @@ def unsupported(req: Request) -> str | None:
         return "torch SDPA cannot apply a score_mod (use backend='tiled' or 'eager')"
     if req.need_lse and req.dropout_p > 0:
         return "torch SDPA cannot return lse together with dropout (use backend='eager')"
-    if req.need_lse and req.q.device.type != "cpu":
+    if req.need_lse and req.device_type != "cpu":
         return "lse from torch SDPA is only wired for the CPU kernel here"
     if req.need_lse and req.q.shape[-1] != req.v.shape[-1]:
         return "lse from torch SDPA needs D == Dv (the CPU flash kernel's restriction)"
@@ -116,53 +117,161 @@ def backward_flaw(req: Request) -> str | None:
     if req.bias is not None:
         return ("a float bias with gradients: torch SDPA's backward is wrong on rows whose scores are all a huge "
                 "finite negative (finfo.min padding)")
-    if req.q.dtype == torch.float16 and req.q.device.type == "cpu":
+    if req.q.dtype == torch.float16 and req.device_type == "cpu":
         return ("fp16 with gradients on the CPU: torch SDPA's backward takes rowsum(dO * O) from the fp16-rounded "
                 "output")
     return None
 
 
-def choose_worker(req: Request) -> tuple[str, str]:
-    """``fused``: torch's SDPA kernels. (``math``, the same formula in plain ops, is what ``run``
-    falls back to for inputs holding NaN: torch's CPU kernel turns some rows whose scores hold
-    NaN/inf into zeros.)
+# Where attnkit's compiled kernel beats torch SDPA on SDPA's own ground (benchmarks/auto_grid.py, 2 threads,
+# fp32, D = 64): causal from L = 256 (1.17-1.41x, forward and forward+backward; at L = 64 SDPA's lower
+# per-call cost wins), no mask from L·S = 1024² (forward 1.03-1.04x, forward+backward 1.12x).
+NATIVE_CAUSAL_MIN = 256
+NATIVE_DENSE_MIN_LS = 1024 * 1024
+# Above this fraction of partial tiles a user bool mask stays with SDPA (tiled ≈ 0.96× there: nothing to skip).
+DENSE_PARTIAL_MAX = 0.9
+# A user bool mask of one tile (L, S <= 64: nothing a tile analysis could skip) goes to SDPA as it is
+# (benchmarks/overhead.py, L = S = 64: the full path's tile analysis cost 1.9x SDPA's whole call).
+SMALL_MASK = 64
 
-    ``tiled``: gradients SDPA's own autograd would get wrong (:func:`backward_flaw`: a float
-    bias — a ``finfo.min`` padding row gets weights 1 instead of 1/S, and SDPA's forward
-    returns no lse to find such rows by — or fp16 on the CPU). The same CPU flash kernel then
-    runs through the tiled engine, whose backward recomputes those rows exactly and takes delta
-    from the unrounded output (``tiled.run``; its own worker choice is reported here). With
-    dropout, ``math`` (the only other path with dropout).
 
-    The NaN scan of q, k, v (and a float bias) is a memory pass over K/V as long as a decode
-    step itself, so it is deferred: only when the fused output has an all-zero row that the
-    mask does not empty (read off the small mask the kernel was given) are the inputs scanned,
-    and the call recomputed on the math path if they hold NaN.
-    """
-    flaw = backward_flaw(req)
-    if flaw is not None:
+def _native_runs(req: Request) -> bool:
+    from .native import NATIVE
+
+    return req.device_type == "cpu" and not NATIVE.not_supported(req)
+
+
+class Fused(Kernel):
+    """``torch.nn.functional.scaled_dot_product_attention`` (with the grouped-query decode fold, and lse from
+    torch's CPU flash kernel): the fastest path where nothing can be skipped."""
+
+    name = "sdpa"
+    backend = "sdpa"
+    worker = "fused"
+    title = "torch SDPA"
+    measured = ("benchmarks/auto_grid.py and benchmarks/overhead.py (2 threads): fastest for no mask and causal "
+                f"below L = {NATIVE_CAUSAL_MIN}, decode-sized calls, float biases and all-partial bool masks")
+
+    def not_supported(self, req: Request) -> list[str]:
+        why = [w for w in (unsupported(req),) if w is not None]
+        flaw = backward_flaw(req)
+        if flaw is not None:
+            why.append(flaw)
+        return why
+
+    def declines(self, req: Request) -> str | None:
         if req.dropout_p > 0:
-            return "math", flaw + "; with dropout, the same formula in plain ops (autograd through it)"
-        worker, why = tiled.choose_worker(req)
-        return "tiled", f"{flaw}; the same CPU flash kernel through the tiled engine ({worker} worker: {why})"
-    why = "torch.nn.functional.scaled_dot_product_attention"
-    if req.need_lse:
-        why += " (lse from its CPU flash kernel)"
-    elif _folds(req):
-        why += (f" with the {req.q.shape[1] // req.k.shape[1]} query heads of each K/V head folded into rows "
-                "(grouped-query decode: K/V read once per group, not once per query head)")
-    return "fused", (why + "; an all-zero output row the mask does not empty is re-checked for NaN "
-                     "(then recomputed by plain ops)")
+            return "dropout_p > 0: auto runs dropout on the eager path"
+        if req.device_type != "cpu":
+            return self._declines_cuda(req)
+        L, S = req.q.shape[2], req.k.shape[2]
+        if req.mask is None and req.dense_mask is None:
+            if req.bias is None and L * S >= NATIVE_DENSE_MIN_LS and _native_runs(req):
+                return "no mask at L·S >= 1024²: attnkit's compiled kernel is faster than SDPA here"
+            return None  # no mask, or only a float bias: nothing to skip, SDPA applies it in one fused pass
+        if L <= DECODE_MAX_L and req.plan is None:
+            return None  # decoding: SDPA over the keys the mask can reach, with an (L × n) mask built per call
+        if req.dense_mask is not None and req.mask is None:
+            if L <= SMALL_MASK and S <= SMALL_MASK:
+                return None
+            from . import tiled
+
+            partial = tiled.partial_fraction(req)
+            if partial > DENSE_PARTIAL_MAX:
+                return None
+            return f"a bool mask with {100 * (1 - partial):.0f}% of its tiles empty or full"
+        if req.causal and (req.causal_align == "top_left" or L == S):
+            if req.bias is None and req.dense_mask is None:
+                if min(L, S) >= NATIVE_CAUSAL_MIN and _native_runs(req):
+                    return (f"causal at L >= {NATIVE_CAUSAL_MIN}: attnkit's compiled kernel is faster than SDPA's "
+                            "is_causal")
+                return None
+            return "causal with a tensor mask (SDPA would merge them into a dense (B, H, L, S) mask)"
+        return f"mask {req.mask!r} (SDPA would need a dense (B, H, L, S) mask)"
+
+    @staticmethod
+    def _declines_cuda(req: Request) -> str | None:
+        L, S = req.q.shape[2], req.k.shape[2]
+        plain = (req.score_mod is None and req.dense_mask is None and req.bias is None
+                 and (req.mask is None or (req.causal and (req.causal_align == "top_left" or L == S))))
+        if plain:
+            return None
+        from .flex import FLEX
+
+        flex_no = FLEX.not_supported(req)
+        if not flex_no:
+            return "a mask or score_mod on a GPU: FlexAttention runs it with attnkit's BlockMask (no dense mask)"
+        if (req.bias is not None or req.dense_mask is not None) and req.mask is None and req.score_mod is None:
+            return None  # a tensor mask, FlexAttention unavailable: SDPA applies it
+        return f"mask {req.mask!r} (SDPA would need a dense (B, H, L, S) mask)"
+
+    def auto_reason(self, req: Request, passed) -> str:
+        L = req.q.shape[2]
+        kind = "causal" if req.causal else "dense"
+        if req.device_type != "cpu":
+            if req.bias is not None or req.dense_mask is not None:
+                from .flex import FLEX
+
+                return (f"a tensor mask on a GPU, FlexAttention unavailable ({'; '.join(FLEX.not_supported(req))}): "
+                        "SDPA applies it")
+            return f"{kind} attention on a GPU: torch SDPA's fused kernels (flash / cuDNN / efficient)"
+        if L <= DECODE_MAX_L and (req.mask is not None or req.dense_mask is not None):
+            return (f"decode-sized L <= {DECODE_MAX_L}: torch's fused kernel over the keys the mask can reach, "
+                    "with a small dense mask built per call")
+        if req.dense_mask is not None:
+            if L <= SMALL_MASK and req.k.shape[2] <= SMALL_MASK:
+                return (f"a bool mask of one {SMALL_MASK} x {SMALL_MASK} tile: torch's fused kernel applies it as "
+                        "it is (no tile to skip)")
+            return ("bool mask with almost every tile partial: nothing to skip, torch's fused kernel applies it in "
+                    "one pass")
+        if req.bias is not None:
+            return "float bias and nothing to skip: torch's fused kernel applies it in one pass"
+        return f"{kind} attention without score_mod: torch's fused kernel is fastest here"
+
+    def why(self, req: Request) -> str:
+        why = "torch.nn.functional.scaled_dot_product_attention"
+        if req.need_lse:
+            why += " (lse from its CPU flash kernel)"
+        elif _folds(req):
+            why += (f" with the {req.q.shape[1] // req.k.shape[1]} query heads of each K/V head folded into rows "
+                    "(grouped-query decode: K/V read once per group, not once per query head)")
+        return why + ("; an all-zero output row the mask does not empty is re-checked for NaN (then recomputed by "
+                      "plain ops)")
+
+    def run(self, req: Request):
+        return run(req, "fused")
 
 
-def run(req: Request, worker: str | None = None):
-    if worker is None:
-        worker, _ = choose_worker(req)
-    if worker == "math":  # the same formula in plain ops (see choose_worker)
+class Math(Kernel):
+    """The same formula in plain ops (``eager``'s), for a named ``backend="sdpa"`` call with dropout whose
+    gradients SDPA's own autograd would get wrong."""
+
+    name = "sdpa-math"
+    backend = "sdpa"
+    worker = "math"
+    title = "SDPA's formula in plain ops"
+
+    def not_supported(self, req: Request) -> list[str]:
+        why = [w for w in (unsupported(req),) if w is not None]
+        if backward_flaw(req) is None or req.dropout_p == 0:
+            why.append("only for dropout with gradients SDPA's backward gets wrong")
+        return why
+
+    def why(self, req: Request) -> str:
+        return f"{backward_flaw(req)}; with dropout, the same formula in plain ops (autograd through it)"
+
+    def run(self, req: Request):
+        return run(req, "math")
+
+
+FUSED = Fused()
+MATH = Math()
+
+
+def run(req: Request, worker: str = "fused"):
+    """``"fused"``: torch's kernels, the NaN check of :meth:`Fused.why`; ``"math"``: the same formula in plain ops."""
+    if worker == "math":
         out, lse = eager.run(req)
-        return out, (lse if req.need_lse else None)
-    if worker == "tiled":  # a float bias with gradients (see choose_worker)
-        out, lse = tiled.run(req)
         return out, (lse if req.need_lse else None)
     out, lse, attn_mask = _fused(req)
     if may_hide_nan(out):  # cheap; then: an all-zero row the mask does not empty -> NaN scan
@@ -172,7 +281,7 @@ def run(req: Request, worker: str | None = None):
             zero_rows = zero_rows & live
         inputs = (req.q, req.k, req.v) + (() if req.bias is None else (req.bias,))
         if bool(zero_rows.any()) and has_nan(*inputs):
-            return run(req, "math")  # the kernel hid a NaN (see choose_worker)
+            return run(req, "math")  # the kernel hid a NaN (see Fused.why)
     return out, lse
 
 

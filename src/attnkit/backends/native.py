@@ -1,0 +1,234 @@
+"""attnkit's compiled CPU kernel as a declared kernel (``backend="tiled"``, worker ``native``): when it can
+run a call, what it is handed, and its autograd.
+
+The kernel itself (C++, ``src/attnkit/csrc``; the ctypes layer :mod:`._native`) is block-sparse
+FlashAttention-2, forward and backward. A mask reaches it as one of (see :func:`_mask_of`)::
+
+    row intervals   a built-in mask that is one stretch of keys per row: lo[i] <= j < hi[i]
+    tile map        any other mask: 64 x 64 tile kinds, each partial tile with its own bits
+                    (attnkit.backends._tilebits), evaluated once per content of the mask
+
+and a score_mod as a traced program (:mod:`attnkit._scoreprog`) or, for ALiBi with fixed slopes, as
+its slopes. Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv); out (B, H, L, Dv), lse (B, H, L).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .. import _scoreprog
+from .. import masks as _masks
+from .. import score_mods as _score_mods
+from . import _native, _softmax, _tilebits, _tiles, tiled
+from ._base import Request
+from ._kernel import Kernel
+
+__all__ = ["NATIVE", "Native", "native_unfit"]
+
+_FULL = _masks.full()
+# (mask.cache_key(), B, L, S) -> row intervals (or None). Built-in masks are immutable values, so the key
+# fixes the result; a mask without a key (an opaque mask_mod reading mutable data) is never cached. A
+# decode loop or a short prompt asks for the same intervals every step: ~20-60 µs each, once.
+_IV_CACHE: OrderedDict = OrderedDict()
+_IV_CACHE_MAX = 64
+
+
+def _row_intervals(mask, B: int, L: int, S: int):
+    key = mask.cache_key()
+    if key is None:
+        return mask.row_intervals(B, L, S)
+    key = (key, B, L, S)
+    if key in _IV_CACHE:
+        _IV_CACHE.move_to_end(key)
+        return _IV_CACHE[key]
+    iv = mask.row_intervals(B, L, S)
+    _IV_CACHE[key] = iv
+    if len(_IV_CACHE) > _IV_CACHE_MAX:
+        _IV_CACHE.popitem(last=False)
+    return iv
+
+
+_BF16_HW: bool | None = None
+
+
+def _bf16_hardware() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 / AMX) that torch's kernels use."""
+    global _BF16_HW
+    if _BF16_HW is None:
+        try:
+            _BF16_HW = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            _BF16_HW = False
+    return _BF16_HW
+
+
+def _alibi(req: Request):
+    """ALiBi's (H,) slopes when the call's score_mod is ALiBi with fixed slopes (the compiled kernel adds the
+    bias), else None (learned slopes run as a traced program, which returns their gradient)."""
+    sm = req.score_mod
+    if "score_prog" in req.memo:
+        return None
+    if isinstance(sm, _score_mods.Alibi) and not (sm.slopes.requires_grad and torch.is_grad_enabled()):
+        return sm.slopes
+    return None
+
+
+class Native(Kernel):
+    name = "native"
+    backend = "tiled"
+    worker = "native"
+    title = "the compiled kernel"
+    devices = ("cpu",)
+    measured = ("benchmarks/auto_grid.py and benchmarks/kernel.py (2 threads, fp32): faster than torch's flash "
+                "kernel per run on every structured mask; against SDPA itself, see sdpa.FUSED's rules")
+
+    def not_supported(self, req: Request) -> list[str]:
+        """Every reason the compiled kernel cannot run ``req``. When it can, what it needs is left in
+        ``req.memo``: the mask's row intervals (``"row_intervals"``) or its tile map with each partial
+        tile's bits (``"tile_bits"``), and a score_mod's program (``"score_prog"``)."""
+        why: list[str] = []
+        if not tiled.NATIVE:
+            why.append("the compiled kernel is switched off (tiled.NATIVE = False)")
+        if req.device_type != "cpu":
+            why.append(f"tensors on {req.device_type} (the compiled kernel is CPU-only)")
+        if req.q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why.append(f"{req.q.dtype} (the compiled kernel computes in fp32; float64 stays in float64)")
+        elif req.q.dtype == torch.bfloat16 and _bf16_hardware():
+            # measured (`python benchmarks/kernel.py --dtype bf16 --cases dense,causal`, a CPU with AMX): torch's
+            # bf16 kernel per run ("before") 2.2-2.5x the compiled kernel's (fp32 inside) forward speed at L = 4096
+            why.append("bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; "
+                       "ours is fp32)")
+        if req.dropout_p > 0:
+            why.append("dropout (the compiled kernel has none)")
+        if req.bias is not None or req.dense_mask is not None:
+            why.append("a tensor mask (the compiled kernel takes a mask as row intervals)")
+        if req.plan is not None and (req.plan.block[0] % _tilebits.TILE or req.plan.block[1] % _tilebits.TILE):
+            why.append(f"an explicit plan of {req.plan.block[0]} x {req.plan.block[1]} tiles "
+                       "(the kernel's are 64 x 64)")
+        if req.grad_hidden and torch.is_grad_enabled():
+            why.append("gradients into tensors the score_mod reads where attnkit cannot find them")
+        if why:
+            return why
+        B, H, L, S, *_ = req.shape
+        if req.score_mod is not None and _alibi(req) is None and "score_prog" not in req.memo:
+            try:
+                prog = _scoreprog.compile_score_mod(req.score_mod, B, H, L, S)
+            except _scoreprog.Refused as e:
+                return [f"a score_mod the kernel's programs do not cover: {e}"]
+            learned = {id(t) for t in prog.grad_of if t is not None}
+            if any(id(t) not in learned for t in req.grad_tensors):
+                return ["a score_mod tensor that requires grad but is not read as a table (e.g. a copy made inside "
+                        "the score_mod): the kernel could not return its gradient"]
+            req.memo["score_prog"] = prog
+        if req.plan is not None and "tile_bits" not in req.memo:
+            try:  # its tiles as given (a BlockMask's), the mask evaluated in the partial ones
+                req.memo["tile_bits"] = _tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S)
+            except Exception as e:
+                return [f"the plan's mask could not be evaluated on stacked 64 x 64 tiles for the kernel's tile map "
+                        f"({type(e).__name__}: {e})"]
+        if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
+            mask = req.mask if req.mask is not None else _FULL
+            iv = _row_intervals(mask, B, L, S)
+            if iv is not None:
+                req.memo["row_intervals"] = iv
+            else:
+                try:
+                    req.memo["tile_bits"] = _tilebits.tile_bits(mask, B, H, L, S)
+                except Exception as e:  # a mod that cannot run on stacked tiles: torch's kernels evaluate it per run
+                    return [f"mask {req.mask!r} could not be evaluated on stacked 64 x 64 tiles for the kernel's "
+                            f"tile map ({type(e).__name__}: {e})"]
+        if not _native.available():
+            _native.warn_missing()
+            return [_native.unavailable_reason()]
+        return []
+
+    def auto_reason(self, req: Request, passed) -> str:
+        return tiled.auto_reason(req, passed)
+
+    def why(self, req: Request) -> str:
+        tb = req.memo.get("tile_bits")
+        if tb is None:
+            how = "the mask's row intervals, empty tiles skipped, full tiles unmasked"
+        else:
+            how = (f"the mask's tile map ({100 * tb.computed_fraction:.0f}% of 64 x 64 tiles computed, "
+                   f"{tb.partial_tiles} partial tiles masked by their own bits)")
+        prog = req.memo.get("score_prog")
+        if prog is not None:
+            how += f", the score_mod run as a {len(prog.ops)}-instruction program"
+        return f"attnkit's compiled kernel ({_native.isa()}): block-sparse FlashAttention-2 over {how}"
+
+    def run(self, req: Request):
+        if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
+            why = self.not_supported(req)
+            if why:
+                raise RuntimeError(f"the compiled kernel cannot run this call: {'; '.join(why)}")
+        captured = list(req.grad_tensors) if torch.is_grad_enabled() else []
+        return _NativeAttention.apply(req.q, req.k, req.v, req, *captured)
+
+
+NATIVE = Native()
+
+
+def native_unfit(req: Request) -> str | None:
+    """The first reason the compiled kernel cannot run ``req`` (None: it can; see :meth:`Native.not_supported`)."""
+    why = NATIVE.not_supported(req)
+    return why[0] if why else None
+
+
+def _mask_of(req: Request):
+    """(lo, hi, tile map or None) for the kernel: the mask's row intervals, or every key [0, S) bounded by
+    its tile map."""
+    tiles = req.memo.get("tile_bits")
+    if tiles is None:
+        lo, hi = req.memo["row_intervals"]
+        return lo, hi, None
+    L, S = req.q.shape[2], req.k.shape[2]
+    return torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32), tiles
+
+
+class _NativeAttention(torch.autograd.Function):
+    """The compiled kernel's forward and backward. Inputs: q, k, v, the request, then every tensor the
+    score_mod's program reads that requires grad (their gradients come back from the kernel). Saves
+    (q, k, v, out before rounding, lse); the backward recomputes tiles."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, req: Request, *captured):
+        lo, hi, tiles = _mask_of(req)
+        out_hi, lse = _native.forward(q, k, v, lo, hi, req.scale, alibi=_alibi(req), tiles=tiles,
+                                      prog=req.memo.get("score_prog"))
+        ctx.save_for_backward(q, k, v, out_hi, lse)
+        ctx.req, ctx.captured = req, captured
+        ctx.set_materialize_grads(False)  # an unused lse gives dlse = None: no extra work
+        return out_hi.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        req, captured = ctx.req, list(ctx.captured)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        # Rows where exp(s - lse) is not exact (scores all at finfo.min / -1e9: issue 18) leave the kernel:
+        # their dout and dlse are zeroed, so its share there is exactly 0, and exact_rows_backward adds theirs.
+        rows = _softmax.inexact_rows(lse).flatten(0, 1).any(0)  # (L,)
+        fix = bool(rows.any())
+        if fix:
+            dout_all, dlse_all = dout, dlse
+            dout = dout.masked_fill(rows.unsqueeze(-1), 0)
+            dlse = None if dlse is None else dlse.masked_fill(rows, 0)
+        lo, hi, tiles = _mask_of(req)
+        prog = req.memo.get("score_prog")
+        dq, dk, dv, tgrads = _native.backward(q, k, v, lo, hi, req.scale, out, lse, dout, dlse,
+                                              alibi=_alibi(req), tiles=tiles, prog=prog)
+        dcap: list = [None] * len(captured)
+        if prog is not None and tgrads:  # the learnable tables' gradients, to the tensors autograd routes
+            by_id = {id(t): g for t, g in zip(prog.grad_of, tgrads, strict=True) if t is not None}
+            dcap = [by_id.get(id(t)) for t in captured]
+        if fix:
+            rq, rk, rv, rext = _tiles.exact_rows_backward(req, rows, dout_all, dlse_all, captured)
+            dq, dk, dv = dq + rq, dk + rk, dv + rv
+            dcap = [b if a is None else a if b is None else a + b.to(a.dtype)
+                    for a, b in zip(dcap, rext, strict=True)]
+        dcap = [None if g is None else g.to(t.dtype) for g, t in zip(dcap, captured, strict=True)]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *dcap)
