@@ -141,8 +141,8 @@ OUTSIDE = [  # calls the fast path must hand over (and what makes them so)
     ("3-D inputs", lambda q, k, v: ((q[0], k[0], v[0]), {})),
     ("return_lse", lambda q, k, v: ((q, k, v), dict(return_lse=True))),
     ("return_weights", lambda q, k, v: ((q, k, v), dict(return_weights=True))),
-    ("bool tensor mask, L > 16", lambda q, k, v: ((q.repeat(1, 1, 3, 1), k, v),
-                                                 dict(mask=torch.ones(24, 8, dtype=torch.bool)))),
+    ("bool tensor mask, L > 64", lambda q, k, v: ((q.repeat(1, 1, 9, 1), k, v),
+                                                 dict(mask=torch.ones(72, 8, dtype=torch.bool)))),
     ("bias with causal", lambda q, k, v: ((q, k, v), dict(mask=torch.zeros(8, 8, dtype=torch.float64), causal=True))),
     ("a row masked fully", lambda q, k, v: ((q, k, v), dict(mask=torch.arange(8)[:, None] != 2))),
     ("score_mod", lambda q, k, v: ((q, k, v), dict(score_mod=lambda s, b, h, i, j: s))),
@@ -152,7 +152,6 @@ OUTSIDE = [  # calls the fast path must hand over (and what makes them so)
                                               dict(mask=masks.sliding_window(3)))),
     ("document mask", lambda q, k, v: ((q, k, v), dict(mask=masks.document([0] * 4 + [1] * 4)))),
     ("padding with an empty row", lambda q, k, v: ((q, k, v), dict(mask=masks.padding([0])))),
-    ("causal and a mask", lambda q, k, v: ((q, k, v), dict(causal=True, mask=masks.sliding_window(3)))),
     ("bottom-right causal with L > S", lambda q, k, v: ((q, k[:, :, :5], v[:, :, :5]), dict(causal=True))),
     ("numpy float64 scale", lambda q, k, v: ((q, k, v), dict(scale=np.float64(0.5)))),
 ]
@@ -250,3 +249,85 @@ def test_decode_tile_equals_the_mask_it_stands_for():
             assert dense.any(-1).all(), (mask, L, S)
             assert not dense[..., :j0].any() and not dense[..., j1:].any(), (mask, L, S)
             assert torch.equal(allowed.expand(B, 1, L, j1 - j0), dense[..., j0:j1]), (mask, L, S)
+
+
+# --- the replay: a decision remembered per call signature (attnkit._fast) -----------------------------------
+
+
+def test_replay_reads_the_calls_own_tensor_mask_not_the_first_ones(spy):
+    """A replayed decision keeps only what the signature fixes: the mask's values are each call's own (an
+    in-place edit, or a new tensor of the same shape, gives that call's answer)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    m = torch.rand(4, 8, generator=g) > 0.3
+    m[:, 0] = True  # no row masked fully
+    for step in range(4):
+        spy.clear()
+        out = attnkit.attention(q, k, v, mask=m)
+        ref, _ = golden(q, k, v, mask=m)
+        assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12, step
+        if step:
+            assert spy == [True]  # replayed
+        m[:, 1 + step] = ~m[:, 1 + step]  # edited in place: the next call must see it
+
+
+def test_replay_never_serves_a_decision_that_read_the_masks_values(spy):
+    """At L = S = 128 the table reads a bool mask's tiles (skip them on tiled, or SDPA when all are partial):
+    that decision is about those values, so it is never replayed for another mask of the same shape."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 128, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    banded = (torch.arange(128)[:, None] - torch.arange(128)[None, :]).abs() < 8
+    rand = torch.rand(128, 128, generator=g) > 0.5
+    rand[:, 0] = True
+    for m in (banded, rand, banded, rand):
+        spy.clear()
+        out = attnkit.attention(q, k, v, mask=m)
+        ref, _ = golden(q, k, v, mask=m)
+        assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12
+        assert spy == [False]
+
+
+def test_replay_follows_what_the_signature_holds(spy, monkeypatch):
+    """Another built-in mask, another scale, the compiled kernel switched off, another thread count: each a
+    decision of its own, each answer equal to the golden one; a non-finite scale after a replayed call still
+    raises the full path's error."""
+    from attnkit.backends import tiled
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :2].repeat(1, 1, 7, 1), v[:, :2].repeat(1, 1, 7, 1)  # GQA 4/2, S = 21
+    for kw in (dict(mask=masks.sliding_window(4)), dict(mask=masks.sliding_window(9)), dict(causal=True),
+               dict(mask=masks.sliding_window(4), scale=0.3), dict(mask=masks.sliding_window(4), scale=2)):
+        for _ in range(2):
+            out = attnkit.attention(q, k, v, **kw)
+            ref, _ = golden(q, k, v, **kw)
+            assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12, kw
+    with pytest.raises(TypeError, match="scale"):
+        attnkit.attention(q, k, v, mask=masks.sliding_window(4), scale=float("inf"))
+    monkeypatch.setattr(tiled, "NATIVE", False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        out = attnkit.attention(q, k, v, causal=True)
+        ref, _ = golden(q, k, v, causal=True)
+        assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_one_tile_bool_mask_goes_to_sdpa_as_it_is(spy):
+    """A bool mask of one 64 x 64 tile has nothing to skip: auto hands it to SDPA (and the next call with the
+    same signature replays that), exact against the golden."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    m = torch.rand(64, 64, generator=g) > 0.5
+    m[:, 0] = True
+    d = attnkit.dispatch(q, k, v, mask=m)
+    assert (d.backend, d.worker) == ("sdpa", "fused") and "one 64 x 64 tile" in d.reason
+    for _ in range(2):
+        spy.clear()
+        out = attnkit.attention(q, k, v, mask=m)
+    assert spy == [True]
+    ref, _ = golden(q, k, v, mask=m)
+    assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12

@@ -241,6 +241,58 @@ class Fused(Kernel):
     def run(self, req: Request):
         return run(req, "fused")
 
+    def replay(self, req: Request, user_mask):
+        """The prepared call ``(q, k, v, mask, scale) -> out | None`` that :mod:`attnkit._fast` replays for
+        every call with ``req``'s signature, or None when this decision cannot be replayed (it read values
+        the signature does not hold, or asks for more than an output). What it prepares is what
+        :func:`_fused` computes for ``req``: the keys the mask can reach, the decode tile, the GQA fold.
+        It returns None on an all-zero output row (a NaN torch's kernel may have hidden: the caller takes
+        the full path, which looks closer)."""
+        B, H, L, S, D, Dv, Hkv = req.shape
+        if (req.need_lse or req.dropout_p > 0 or req.score_mod is not None or req.plan is not None
+                or req.sinks is not None or req.weight_heads is not None):
+            return None
+        gqa = H != Hkv
+        if type(user_mask) is torch.Tensor:  # the call's own tensor, as SDPA takes it (True = attend, or a bias)
+            if req.mask is not None or user_mask.dim() < 2 or (req.dense_mask is not None and req.bias is not None):
+                return None
+            if req.bias is not None and user_mask.dtype != req.q.dtype:
+                return None
+            if req.dense_mask is not None and not (L <= DECODE_MAX_L or (L <= SMALL_MASK and S <= SMALL_MASK)):
+                return None  # the table read the mask's tiles: a decision about these values only
+
+            def run_tensor(q, k, v, mask, scale):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                return None if may_hide_nan(out) else out
+
+            return run_tensor
+        is_causal = _is_causal_only(req)
+        j0, j1, allowed = 0, S, None
+        if req.mask is not None and not is_causal:
+            tile = req.mask.decode_tile(B, L, S, req.q.device) if L <= DECODE_MAX_L else None
+            if tile is None:
+                return None
+            j0, j1, allowed = tile  # built once for this signature (a built-in mask is a value): read only
+        n = j1 - j0
+        fold = gqa and _decode.foldable(req.q, req.k[:, :, j0:j1], allowed, is_causal) is None
+        if fold and allowed is not None and allowed.shape[-2] != 1:  # the rows of the g heads, repeated once here
+            reps = [1] * allowed.dim()
+            reps[-2] = H // Hkv
+            allowed = allowed.repeat(*reps)
+
+        def run(q, k, v, mask, scale):
+            if n < S:
+                k, v = k.narrow(2, j0, n), v.narrow(2, j0, n)  # views: only the keys the mask can reach
+            if fold:
+                out = F.scaled_dot_product_attention(q.reshape(B, Hkv, -1, D), k, v, attn_mask=allowed,
+                                                     scale=scale).view(B, H, L, Dv)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=is_causal, scale=scale,
+                                                     enable_gqa=gqa)
+            return None if may_hide_nan(out) else out
+
+        return run
+
 
 class Math(Kernel):
     """The same formula in plain ops (``eager``'s), for a named ``backend="sdpa"`` call with dropout whose
