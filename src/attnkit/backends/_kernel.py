@@ -52,6 +52,10 @@ class Kernel:
         """``auto`` only: why another kernel should run this call although this one can (None: run it)."""
         return None
 
+    def backward_flaw(self, req: Request) -> str | None:
+        """Why this kernel's own autograd would be inexact for ``req`` (None: it would not)."""
+        return None
+
     def why(self, req: Request) -> str:
         """What runs, in one line (``Decision.worker_reason``)."""
         return self.title

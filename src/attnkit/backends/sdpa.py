@@ -159,6 +159,10 @@ class Fused(Kernel):
             why.append(flaw)
         return why
 
+    def backward_flaw(self, req: Request) -> str | None:
+        """Why SDPA's own autograd would be inexact for ``req`` (:func:`backward_flaw`)."""
+        return backward_flaw(req)
+
     def declines(self, req: Request) -> str | None:
         if req.dropout_p > 0:
             return "dropout_p > 0: auto runs dropout on the eager path"

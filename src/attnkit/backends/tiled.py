@@ -116,9 +116,7 @@ def auto_reason(req: Request, passed) -> str:
             return r if "compiled kernel is faster" in r else f"block-sparse tiled kernel for {r}"
         if req.score_mod is not None:
             return "block-sparse tiled kernel for a score_mod"
-        from .sdpa import backward_flaw
-
-        flaw = backward_flaw(req)
+        flaw = k.backward_flaw(req)  # the SDPA kernel's own judgement of its autograd (no import of sdpa here)
         if flaw is not None and flaw in reasons:
             return f"tiled kernel, exact gradients where SDPA's are not: {flaw}"
         return "torch SDPA cannot return what was asked"
