@@ -363,8 +363,8 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True)
     out = torch.empty(oshape)
     lse = torch.empty(lshape) if need_lse else None
     f[_STEP:_STEP + 14] = (S, *ks[:3], *vs[:3], q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
-                           hi.data_ptr(), out.data_ptr(), lse.data_ptr() if need_lse else 0)
-    rc = _lib.ak_decode(ref)
+                           hi.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+    rc = _lib.ak_decode(ref)  # type: ignore[union-attr]  # loaded: the record above was built by _decode_record
     if rc:
         raise (MemoryError if rc == 1 else RuntimeError)(f"attnkit's compiled kernel: decode refused (code {rc})")
     return out, lse
