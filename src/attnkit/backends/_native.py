@@ -34,11 +34,12 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import threading
 import warnings
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "isa", "forward", "backward", "status", "release_scratch"]
+__all__ = ["available", "unavailable_reason", "isa", "forward", "backward", "decode", "status", "release_scratch"]
 
 ISA_NAMES = {0: "portable", 1: "AVX2", 2: "AVX-512"}
 TILE = 64  # the kernel's tile: 64 query rows x 64 keys (BM, BN in csrc/attn_impl.h); tile maps use it
@@ -54,18 +55,22 @@ class _Call(ctypes.Structure):
     """The kernel's call record (``AkCall`` in csrc/attn_common.h): one per call, its size and version
     checked by the kernel, so a stale build never reads arguments by the wrong position."""
 
-    _fields_ = [*((n, ctypes.c_int64) for n in ("size", "version", "B", "H", "Hkv", "L", "S", "D", "Dv")),
-                *((n, ctypes.c_int64 * 3) for n in ("sq", "sk", "sv")), ("sdo", ctypes.c_int64 * 4),
-                *((n, ctypes.c_int64) for n in ("lob", "threads", "tkb", "tkh")), ("scale", ctypes.c_double),
-                *((n, ctypes.c_void_p) for n in ("q", "k", "v", "lo", "hi", "alibi", "tkind", "tidx", "tbits",
-                                                 "pcode")),
+    _fields_ = [*((n, ctypes.c_int64) for n in ("size", "version", "B", "H", "Hkv", "L", "D", "Dv")),
+                ("sq", ctypes.c_int64 * 3),
+                # the block a decode step rewrites (S, K / V strides, pointers, outputs): contiguous, in this order
+                ("S", ctypes.c_int64), ("sk", ctypes.c_int64 * 3), ("sv", ctypes.c_int64 * 3),
+                *((n, ctypes.c_void_p) for n in ("q", "k", "v", "lo", "hi", "out", "lse")),
+                ("sdo", ctypes.c_int64 * 4),
+                *((n, ctypes.c_int64) for n in ("lob", "threads", "tkb", "tkh", "dtype", "chunk")),
+                ("scale", ctypes.c_double),
+                *((n, ctypes.c_void_p) for n in ("alibi", "tkind", "tidx", "tbits", "pcode")),
                 *((n, ctypes.c_int64) for n in ("pn", "pregs", "pout")),
                 *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "perr", "ptgrad")),
                 ("pntables", ctypes.c_int64),
-                *((n, ctypes.c_void_p) for n in ("out", "lse", "dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv"))]
+                *((n, ctypes.c_void_p) for n in ("dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv"))]
 
 
-_ABI_VERSION = 4  # AK_ABI_VERSION in csrc/attn_common.h
+_ABI_VERSION = 5  # AK_ABI_VERSION in csrc/attn_common.h
 
 
 def _load() -> None:
@@ -94,8 +99,8 @@ def _load() -> None:
         _why = ("attnkit's compiled CPU kernel is from another version of attnkit (its call record differs); "
                 "rebuild it: `pip install --force-reinstall --no-deps -e .` (or `make test`)")
         return
-    lib.ak_forward.restype = lib.ak_backward.restype = ctypes.c_int
-    lib.ak_forward.argtypes = lib.ak_backward.argtypes = (ctypes.POINTER(_Call),)
+    lib.ak_forward.restype = lib.ak_backward.restype = lib.ak_decode.restype = ctypes.c_int
+    lib.ak_forward.argtypes = lib.ak_backward.argtypes = lib.ak_decode.argtypes = (ctypes.POINTER(_Call),)
     lib.ak_release_scratch.restype = None
     forced = os.environ.get("ATTNKIT_NATIVE_ISA", "").lower()
     if forced:
@@ -278,6 +283,91 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
     _check(lib.ak_backward(ctypes.byref(c)), B, H, L)
     del keep
     return dq, dk, dv, tgrads
+
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DECODE_MAX_L = 64  # query rows per head that :func:`decode` takes (the kernel's query block)
+_STEP = _Call.S.offset // 8  # the 8-byte slot where a decode step's block (S .. lse: 14 slots) starts
+_tls = threading.local()  # per thread: prepared decode records by call signature (ctypes releases the GIL)
+
+
+def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int):
+    """Check a new decode signature once and build its call record (all but the per-step block: S, K / V strides,
+    pointers, outputs); returns (its 8-byte slots, its pointer, out shape, lse shape, D > 1, Dv > 1, the record)."""
+    _require()
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"decode: q, k, v must be 4-d (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv); got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, L, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
+    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Hkv or k.shape[3] != D or Hkv < 1 or H % Hkv:
+        raise ValueError(f"decode: k must be (B, Hkv, S, D) and v (B, Hkv, S, Dv) with H a multiple of Hkv for q "
+                         f"{tuple(q.shape)}; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not 1 <= L <= DECODE_MAX_L:
+        raise ValueError(f"decode: q has L = {L} rows per head; expected 1 to {DECODE_MAX_L} (use forward beyond)")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPE_CODE:
+        raise TypeError(f"decode: q, k, v must share one dtype of float32, bfloat16, float16; got {q.dtype}, "
+                        f"{k.dtype}, {v.dtype}")
+    if not (q.is_cpu and k.is_cpu and v.is_cpu and lo.is_cpu and hi.is_cpu):
+        raise ValueError("decode: the compiled kernel reads CPU tensors only; got tensors on "
+                         f"{q.device}, {k.device}, {v.device}")
+    if q.stride(-1) != 1 and D > 1:
+        raise ValueError(f"decode: q's last dim must be contiguous (stride 1); got strides {q.stride()}")
+    if lo.dtype != torch.int32 or hi.dtype != torch.int32 or lo.shape != hi.shape or lo.dim() != 2 \
+            or lo.shape[0] not in (1, B) or lo.shape[1] != L:
+        raise ValueError(f"decode: lo, hi must be int32 of shape (1 or B, L) = (1 or {B}, {L}); got "
+                         f"{lo.dtype} {tuple(lo.shape)}, {hi.dtype} {tuple(hi.shape)}")
+    if chunk < 0 or chunk % TILE:
+        raise ValueError(f"decode: chunk must be 0 (chosen from S) or a positive multiple of {TILE}; got {chunk}")
+    c = _Call(size=ctypes.sizeof(_Call), version=_ABI_VERSION, B=B, H=H, Hkv=Hkv, L=L, D=D, Dv=Dv,
+              lob=(L if lo.shape[0] == B and B > 1 else 0), threads=key[-1], scale=float(scale),
+              dtype=_DTYPE_CODE[q.dtype], chunk=chunk)
+    c.sq[:] = q.stride()[:3]
+    slots = (ctypes.c_int64 * (ctypes.sizeof(_Call) // 8)).from_buffer(c)
+    rec = (slots, ctypes.byref(c), (B, H, L, Dv), (B, H, L), D > 1, Dv > 1, c)
+    cache = getattr(_tls, "decode", None)
+    if cache is None or len(cache) > 64:  # a few signatures per model; never grows without bound
+        cache = _tls.decode = {}
+    cache[key] = rec
+    return rec
+
+
+def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True):
+    """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32, or None when not ``need_lse``) of attention for a few query
+    rows over a key/value cache, on the compiled kernel's decode entry (csrc/attn_decode.h): the g = H / Hkv
+    query heads of a kv head read its K and V once, and long caches are split over the threads (split-K, exact
+    lse merge; the same bits at any thread count).
+
+    q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv): CPU, one dtype of float32 / bfloat16 / float16 (read in
+    place, widened in registers, never converted whole), last dim contiguous, any other strides (a view into a
+    bigger preallocated cache is read in place); 1 <= L <= 64; H a multiple of Hkv. lo, hi: int32 contiguous
+    (1 or B, L): query row i sees keys lo <= j < hi (bottom-right causal, windows, padding: the masks'
+    ``row_intervals``). A row that sees no key: out 0, lse -inf. ``chunk``: keys per split-K chunk (a multiple
+    of 64), 0 to let the kernel choose from S. No autograd, no score_mod / ALiBi / tile map (the forward has them).
+
+    Per call only S, K / V strides, the pointers and the outputs are written (one block of the record), into a
+    record prepared once per signature (q's shape and strides, dtypes, B / Hkv / D / Dv, lo / hi shapes, scale,
+    chunk, threads) and kept per thread."""
+    ksh, vsh = k.shape, v.shape
+    key = (q.shape, q.stride(), q.dtype, k.dtype, v.dtype, ksh[0], ksh[1], ksh[3], vsh[0], vsh[1], vsh[3],
+           lo.shape, hi.shape, scale, chunk, torch.get_num_threads())
+    try:
+        f, ref, oshape, lshape, dk, dv, _ = _tls.decode[key]
+    except (AttributeError, KeyError):
+        f, ref, oshape, lshape, dk, dv, _ = _decode_record(key, q, k, v, lo, hi, scale, chunk)
+    ks, vs = k.stride(), v.stride()
+    S = ksh[2]
+    if vsh[2] != S or (ks[3] != 1 and dk) or (vs[3] != 1 and dv) or not (lo.is_contiguous() and hi.is_contiguous()):
+        raise ValueError(f"decode: k, v must hold the same S keys with a contiguous last dim, lo / hi contiguous; "
+                         f"got k {tuple(ksh)} strides {ks}, v {tuple(vsh)} strides {vs}")
+    out = torch.empty(oshape)
+    lse = torch.empty(lshape) if need_lse else None
+    f[_STEP:_STEP + 14] = (S, *ks[:3], *vs[:3], q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
+                           hi.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+    rc = _lib.ak_decode(ref)  # type: ignore[union-attr]  # loaded: the record above was built by _decode_record
+    if rc:
+        raise (MemoryError if rc == 1 else RuntimeError)(f"attnkit's compiled kernel: decode refused (code {rc})")
+    return out, lse
 
 
 def release_scratch() -> None:

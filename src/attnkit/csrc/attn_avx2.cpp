@@ -1,11 +1,12 @@
-// The AVX2 + FMA build (8 floats per vector); compiled only on x86-64, chosen at run time.
+// The AVX2 + FMA (+ F16C) build (8 floats per vector); compiled only on x86-64, chosen at run time.
 #if defined(__x86_64__) && defined(__GNUC__)
 #include "attn_common.h"
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #define AK_NS ak_avx2
 #define AK_VW 8
 #include "attn_impl.h"
+#include "attn_decode.h"
 #include "attn_entry.h"
 #pragma GCC pop_options
 #endif

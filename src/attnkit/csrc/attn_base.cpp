@@ -2,4 +2,5 @@
 #define AK_NS ak_base
 #define AK_VW 4
 #include "attn_impl.h"
+#include "attn_decode.h"
 #include "attn_entry.h"

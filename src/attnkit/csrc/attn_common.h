@@ -8,15 +8,22 @@
 
 #include <sched.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>  // the AVX2 / AVX-512 builds' fp16 conversion and lane reductions (attn_decode.h)
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 // Bumped whenever AkCall changes; the caller (attnkit/backends/_native.py) sends the version and
 // sizeof(AkCall) it was built for, and a call whose record does not match is refused (returns AK_E_ABI).
-#define AK_ABI_VERSION 4
+#define AK_ABI_VERSION 5
 
-enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2 };
+enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
+
+// Element type of q, k, v (AkCall::dtype): fp32, bf16 or fp16 (the last two widened to fp32 in registers).
+enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
 
 // One kernel call, forward or backward. Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv); strides in
 // elements (batch, head, row), the last dimension contiguous. The mask is per-row key intervals lo/hi
@@ -25,17 +32,26 @@ enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2 };
 // shared), tidx int32 the same shape (a partial tile's bit mask in tbits), tbits uint32 (P, 2, 64): per
 // query row of a tile, keys 0-31 in plane 0 and 32-63 in plane 1, bit set = attend. With a tile map the
 // intervals only bound the keys (the caller passes [0, S)).
+// Decode (ak_decode): the same record, with dtype (q, k, v's element type: AK_F32 / AK_BF16 / AK_F16) and chunk
+// (keys per split-K chunk, a multiple of 64; 0: chosen from S); no tile map, ALiBi or program; writes out, lse.
+// The forward and the backward take dtype AK_F32 only (anything else: AK_E_ARG).
 struct AkCall {
   int64_t size, version;
-  int64_t B, H, Hkv, L, S, D, Dv;
-  int64_t sq[3], sk[3], sv[3];
+  int64_t B, H, Hkv, L, D, Dv;
+  int64_t sq[3];
+  // what changes from one decode step to the next, in one block (the caller writes it with one store):
+  // the key count, K / V strides, the input pointers and the outputs (forward: out (B, H, L, Dv), lse (B, H, L))
+  int64_t S;
+  int64_t sk[3], sv[3];
+  const void *q, *k, *v;
+  const int32_t *lo, *hi;
+  float *out, *lse;
   int64_t sdo[4];  // dO's strides (backward; any, e.g. 0 for an expanded gradient)
   int64_t lob;     // batch stride of lo / hi (0 or L)
   int64_t threads;
   int64_t tkb, tkh;
+  int64_t dtype, chunk;
   double scale;
-  const float *q, *k, *v;
-  const int32_t *lo, *hi;
   const float* alibi;  // (H,) ALiBi slopes, or null
   const int8_t* tkind;
   const int32_t* tidx;
@@ -50,8 +66,6 @@ struct AkCall {
   int32_t* perr;  // set to (table + 1) when a read's index is out of range at a point inside (L, S)
   float* const* ptgrad;  // per table: its gradient to accumulate (fp32, the table's size; backward), or null
   int64_t pntables;
-  // forward: writes out (B, H, L, Dv), lse (B, H, L)
-  float *out, *lse;
   // backward: reads the forward's out (contiguous) and lse, dout (strides sdo), dlse (or null); writes dq, dk, dv
   const float *dout, *fwd_out, *fwd_lse, *dlse;
   float *dq, *dk, *dv;

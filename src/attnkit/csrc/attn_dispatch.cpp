@@ -9,6 +9,7 @@
   namespace ns {                                                                                                \
   int run_forward(const AkCall*);                                                                                \
   int run_backward(const AkCall*);                                                                               \
+  int run_decode(const AkCall*);                                                                                 \
   void release_scratch();                                                                                       \
   }
 AK_DECLARE(ak_base)
@@ -17,14 +18,14 @@ AK_DECLARE(ak_avx2)
 AK_DECLARE(ak_avx512)
 #endif
 
-// 2: AVX-512, 1: AVX2 + FMA, 0: portable
+// 2: AVX-512, 1: AVX2 + FMA + F16C, 0: portable
 static int best_isa() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw"))
     return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
 #endif
   return 0;
 }
@@ -88,7 +89,24 @@ AK_API int ak_backward(const AkCall* c) {
   }
 }
 
-// Frees the scratch memory the backward keeps between calls (on the calling thread).
+// Decode: L <= 64 query rows per head against a cache (split-K over threads, GQA heads packed; attn_decode.h).
+// Reads q, k, v of c->dtype, lo / hi; writes c->out (B, H, L, Dv), c->lse (B, H, L; or null: not written), fp32
+// contiguous. The same bits
+// at any thread count. Returns AK_OK, AK_E_NOMEM, AK_E_ABI, or AK_E_ARG (L outside 1..64, H not a multiple of
+// Hkv, an unknown dtype, a chunk that is not a positive multiple of 64).
+AK_API int ak_decode(const AkCall* c) {
+  if (!abi_ok(c)) return AK_E_ABI;
+  switch (ak_isa()) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    case 2: return ak_avx512::run_decode(c);
+    case 1: return ak_avx2::run_decode(c);
+#endif
+    default: return ak_base::run_decode(c);
+  }
+}
+
+// Frees the scratch memory the backward and the decode keep between calls (on the calling thread; each decode
+// worker thread keeps its own small buffers, a few tens of KB).
 AK_API void ak_release_scratch() {
   ak_base::release_scratch();
 #if defined(__x86_64__) && defined(__GNUC__)

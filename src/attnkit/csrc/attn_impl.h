@@ -162,7 +162,9 @@ struct Arena {
   size_t cap = 0;
   ~Arena() { free(p); }
 };
-static thread_local Arena arenas[3];  // slot 0: delta, slot 1: the dQ turns, slot 2: the key-tile ranges
+// slot 0: delta, slot 1: the dQ turns, slot 2: the key-tile ranges (backward); slot 3: decode's partial states,
+// slot 4: its units (calling thread), slot 5: each decode thread's buffers (attn_decode.h)
+static thread_local Arena arenas[6];
 
 template <class T>
 static T* scratch(int slot, long n) {

@@ -1,0 +1,448 @@
+// Decode: a few query rows (L <= 64) against a long key/value cache, at the speed of reading the cache.
+//
+// Compiled once per instruction set, after attn_impl.h (its vector types, exp2v, scratch arenas), inside AK_NS.
+//
+// Work: the g = H / Hkv query heads of a kv head are packed as g * L rows ("a unit", at most 64 rows; more rows
+// make more units) against that kv head's keys, so K and V are read once per group, not once per query head.
+// The keys a unit may see (the union of its rows' intervals [lo, hi)) are cut into chunks of `chunk` keys
+// (a multiple of 64, at absolute key offsets), and every (unit, chunk) pair is one work item: a long cache
+// is spread over all threads even when B * Hkv is 1. Each item leaves its rows' partial softmax state
+// (max m, sum l, unnormalised output acc) in a scratch array; the chunks of a row are then merged exactly
+// (out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, lse = M + log(...)) in chunk order. The chunk size
+// depends on S only (never on the thread count), so the result is the same bits at any thread count.
+//
+// Per item, key tiles of 64: scores q . k by dot products (VW keys at a time, the VW partial sums reduced in
+// registers), scaled, masked to each row's interval, online softmax per row, then acc += P V with V rows
+// broadcast-free (P broadcast, V rows read in place). K and V are read in place at any batch / head / row
+// strides (last dim contiguous); bf16 and fp16 caches are widened to fp32 per vector in registers (bf16:
+// shift left 16; fp16: F16C in the AVX2 / AVX-512 builds, a portable bit conversion in the base build).
+// A row that sees no key: out 0, lse -inf. NaN in a row's scores gives NaN there (as in the forward).
+#include "attn_common.h"
+
+namespace AK_NS {
+
+typedef uint16_t vh_u __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+
+// one bf16 / fp16 number to fp32 (the portable conversion; exact, subnormals, inf and NaN included)
+static inline float bf16_to_f32(uint16_t h) {
+  const uint32_t b = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t em = h & 0x7fffu, sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t b;
+  if (em >= 0x7c00u) {
+    b = (em << 13) | 0x7f800000u;  // inf, NaN (payload kept)
+  } else {
+    float f;
+    const uint32_t m = em << 13;
+    std::memcpy(&f, &m, 4);
+    f *= 0x1p112f;  // exponent bias 15 -> 127; a subnormal half becomes the normal float it equals
+    std::memcpy(&b, &f, 4);
+  }
+  b |= sign;
+  float out;
+  std::memcpy(&out, &b, 4);
+  return out;
+}
+
+template <int DT>
+static inline float ld1(const void* p, long i) {
+  if constexpr (DT == AK_F32) return ((const float*)p)[i];
+  else if constexpr (DT == AK_BF16) return bf16_to_f32(((const uint16_t*)p)[i]);
+  else return f16_to_f32(((const uint16_t*)p)[i]);
+}
+
+// VW elements at p + i, widened to fp32
+template <int DT>
+static inline vf ld(const void* p, long i) {
+  if constexpr (DT == AK_F32) {
+    return load((const float*)p + i);
+  } else if constexpr (DT == AK_BF16) {
+    const vu w = __builtin_convertvector(*(const vh_u*)((const uint16_t*)p + i), vu);
+    return (vf)(w << 16);
+  } else {
+#if AK_VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
+#elif AK_VW == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
+#else
+    const vu h = __builtin_convertvector(*(const vh_u*)((const uint16_t*)p + i), vu);
+    const vu em = h & 0x7fffu, sign = (h & 0x8000u) << 16;
+    const vf scaled = (vf)(em << 13) * splat(0x1p112f);
+    const vi special = (vi)(em >= 0x7c00u);
+    const vu bits = special ? ((em << 13) | 0x7f800000u) : (vu)scaled;
+    return (vf)(bits | sign);
+#endif
+  }
+}
+
+// lane c of the result: the sum of a[c]'s lanes
+static inline vf reduce_lanes(const vf* a) {
+#if AK_VW == 8 && defined(__AVX2__)
+  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes 0-3 of a[0..3], then 4-7; a[4..7]
+  return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#elif AK_VW == 16 && defined(__AVX512F__)
+  // four rounds of pairwise sums: (x, y) -> [x0+x1, x2+x3, ..., y0+y1, ...], the order of the a[c] kept
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512 x[16];
+  for (int c = 0; c < 16; c++) x[c] = (__m512)a[c];
+#pragma GCC unroll 4
+  for (int n = 16; n > 1; n /= 2)
+#pragma GCC unroll 8
+    for (int i = 0; i < n / 2; i++)
+      x[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], ev, x[2 * i + 1]),
+                           _mm512_permutex2var_ps(x[2 * i], od, x[2 * i + 1]));
+  return (vf)x[0];
+#else
+  vf r;
+  for (int c = 0; c < VW; c++) r[c] = hsum(a[c]);
+  return r;
+#endif
+}
+
+struct Dec {
+  long B, H, Hkv, L, S, D, Dv, g;
+  long sq[3], sk[3], sv[3];
+  const int32_t* lo;
+  const int32_t* hi;
+  long lob;
+  float scale;
+  int threads;
+  long chunk;     // keys per chunk (a multiple of BN)
+  long rb, nrb;   // rows per unit (<= BM) and units per (batch, kv head)
+  long Dp, Dvp;   // D, Dv rounded up to VW
+  const void *q, *k, *v;
+};
+
+// per unit: the keys its rows may see [kmin, kmax), its first chunk, its chunk count and first item
+struct Unit {
+  int32_t kmin, kmax;
+  int64_t c0, nc, item;
+};
+
+// rows [r0, r1) of unit (b, hk, rb); row r is query head hk * g + r / L, query row r % L
+static inline void unit_rows(const Dec& s, long rb, long& r0, long& r1) {
+  r0 = rb * s.rb, r1 = mn<long>(r0 + s.rb, s.g * s.L);
+}
+
+// scores sc[r * BN + j] = q_r . k_j of rows r < rows (fp32, qb, row stride ldq, zero beyond D) and keys j < n
+// (K rows at kr, row stride ldk); lanes beyond n hold scores of key n - 1 (masked by the caller)
+// While a tile is scored, the next tile's K and V rows (nk of them at pk / pv, row bytes kbytes / vbytes, strides
+// in elements of esz bytes) are prefetched into L2, VW rows per VW keys scored: the cache is streamed from
+// memory one tile ahead, two streams the hardware prefetcher alone keeps too few lines in flight for.
+struct Ahead {
+  const char *pk, *pv;
+  long nk, ldk, ldv, kbytes, vbytes;
+};
+
+static inline void prefetch_rows(const Ahead& a, long j0) {
+  for (long j = j0; j < mn<long>(j0 + VW, a.nk); j++) {
+    for (long x = 0; x < a.kbytes; x += 64) __builtin_prefetch(a.pk + j * a.ldk + x, 0, 2);
+    for (long x = 0; x < a.vbytes; x += 64) __builtin_prefetch(a.pv + j * a.ldv + x, 0, 2);
+  }
+}
+
+template <int DT>
+static void dots(long rows, long n, long D, const float* qb, long ldq, const void* kr, long ldk, float* sc,
+                 const Ahead& ahead) {
+  const long Df = D / VW * VW;
+  for (long j0 = 0; j0 < n; j0 += VW) {
+    prefetch_rows(ahead, j0);
+    long off[VW];
+    for (int c = 0; c < VW; c++) off[c] = mn<long>(j0 + c, n - 1) * ldk;
+    for (long r = 0; r < rows; r++) {
+      const float* qr = qb + r * ldq;
+      vf acc[VW];
+#pragma GCC unroll 16
+      for (int c = 0; c < VW; c++) acc[c] = splat(0.f);
+      for (long d = 0; d < Df; d += VW) {
+        const vf qv = load(qr + d);
+#pragma GCC unroll 16
+        for (int c = 0; c < VW; c++) acc[c] += qv * ld<DT>(kr, off[c] + d);
+      }
+      vf s = reduce_lanes(acc);
+      for (long d = Df; d < D; d++)
+        for (int c = 0; c < VW; c++) s[c] += qr[d] * ld1<DT>(kr, off[c] + d);
+      store(sc + r * BN + j0, s);
+    }
+  }
+}
+
+// acc (RR rows x NV vectors, row stride lda) += P (RR rows, stride BN; n keys) . V (n rows at vr, stride ldv)
+template <int RR, int NV, int DT>
+static inline void pv_block(long n, const float* P, const void* vr, long ldv, long col, float* acc, long lda) {
+  vf a[RR][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; r++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; c++) a[r][c] = load(acc + r * lda + col + c * VW);
+  for (long j = 0; j < n; j++) {
+    vf b[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; c++) b[c] = ld<DT>(vr, j * ldv + col + c * VW);
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; r++) {
+      const vf p = splat(P[r * BN + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; c++) a[r][c] += p * b[c];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; r++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; c++) store(acc + r * lda + col + c * VW, a[r][c]);
+}
+
+template <int RR, int DT>
+static inline void pv_rows(long n, long N, const float* P, const void* vr, long ldv, float* acc, long lda) {
+  constexpr int NV = RR >= 4 ? 2 : 4;
+  long col = 0;
+  for (; col + NV * VW <= N; col += NV * VW) pv_block<RR, NV, DT>(n, P, vr, ldv, col, acc, lda);
+  for (; col < N; col += VW) pv_block<RR, 1, DT>(n, P, vr, ldv, col, acc, lda);
+}
+
+// acc (rows x N, N a multiple of VW) += P (rows x n) . V (n x N)
+template <int DT>
+static void pv(long rows, long n, long N, const float* P, const void* vr, long ldv, float* acc, long lda) {
+  long r = 0;
+  for (; r + 4 <= rows; r += 4) pv_rows<4, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda);
+  for (; r + 2 <= rows; r += 2) pv_rows<2, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda);
+  for (; r < rows; r++) pv_rows<1, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda);
+}
+
+// One thread's buffers: q rows (fp32), scores / probabilities, a converted V tile (only when V cannot be
+// read in place: Dv not a multiple of VW), the rows' intervals. Kept between calls (thread_local arena).
+struct DecBufs {
+  float *qb, *sc, *vt;
+  int32_t *lo, *hi;
+};
+
+static bool dec_bufs(const Dec& s, DecBufs& w) {
+  const long nf = s.rb * s.Dp + s.rb * BN + BN * s.Dvp;
+  float* p = scratch<float>(5, nf + 2 * s.rb);
+  if (!p) return false;
+  w.qb = p, w.sc = p + s.rb * s.Dp, w.vt = w.sc + s.rb * BN;
+  w.lo = (int32_t*)(w.vt + BN * s.Dvp), w.hi = w.lo + s.rb;
+  return true;
+}
+
+// One item: chunk c of unit u; leaves m, l (rows) and acc (rows x Dvp) at part.
+template <int DT>
+static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, DecBufs& w) {
+  const long per = s.Hkv * s.nrb, b = u / per, hk = (u % per) / s.nrb, rb = u % s.nrb;
+  long r0, r1;
+  unit_rows(s, rb, r0, r1);
+  const long rows = r1 - r0;
+  float* m = part;
+  float* l = part + s.rb;
+  float* acc = part + 2 * s.rb;
+  const long esz = DT == AK_F32 ? 4 : 2;
+  // q rows, widened and zero-padded to Dp; the rows' intervals
+  for (long r = 0; r < rows; r++) {
+    const long h = hk * s.g + (r0 + r) / s.L, i = (r0 + r) % s.L;
+    const char* qr = (const char*)s.q + (b * s.sq[0] + h * s.sq[1] + i * s.sq[2]) * esz;
+    float* dst = w.qb + r * s.Dp;
+    for (long d = 0; d < s.D; d++) dst[d] = ld1<DT>(qr, d);
+    fill(dst + s.D, dst + s.Dp, 0.f);
+    w.lo[r] = mx2<int32_t>(s.lo[b * s.lob + i], 0), w.hi[r] = mn<int32_t>(s.hi[b * s.lob + i], (int32_t)s.S);
+    m[r] = NEG_INF, l[r] = 0.f;
+  }
+  fill(acc, acc + rows * s.Dvp, 0.f);
+  const long ka = mx2<long>(c * s.chunk, un.kmin), kb = mn<long>((c + 1) * s.chunk, un.kmax);
+  const char* kbase = (const char*)s.k + (b * s.sk[0] + hk * s.sk[1]) * esz;
+  const char* vbase = (const char*)s.v + (b * s.sv[0] + hk * s.sv[1]) * esz;
+  const bool v_in_place = s.Dvp == s.Dv;
+  const vf scv = splat(s.scale), l2e = splat(LOG2E);
+  for (long j0 = ka / BN * BN; j0 < kb; j0 += BN) {
+    const long n = mn<long>(BN, kb - j0);  // keys [j0, j0 + n); kb <= S
+    const long t0 = mx2<long>(j0, ka);      // the first chunk's tile may start before ka
+    bool any = false;
+    for (long r = 0; r < rows; r++) any |= w.lo[r] < j0 + n && w.hi[r] > t0 && w.lo[r] < w.hi[r];
+    if (!any) continue;
+    const long nn = mn<long>(BN, kb - j0 - BN);  // keys of the next tile of this chunk
+    const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
+                      s.sv[2] * esz, s.D * esz, s.Dv * esz};
+    dots<DT>(rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead);
+    for (long r = 0; r < rows; r++) {
+      float* srow = w.sc + r * BN;
+      const int32_t a = (int32_t)mx2<long>(w.lo[r], t0), e = (int32_t)mn<long>(w.hi[r], j0 + n);
+      if (a >= e) {  // this row sees no key of the tile
+        fill(srow, srow + n, 0.f);
+        continue;
+      }
+      const bool full = a == j0 && e == j0 + n;
+      const vi av = splati(a), ev = splati(e);
+      const long nv = round_up(n, VW);
+      vf mxv = splat(NEG_INF);
+      for (long j = 0; j < nv; j += VW) {
+        vf x = load(srow + j) * scv;
+        if (!full || j + VW > n) {
+          const vi jj = splati((int32_t)(j0 + j)) + iota();
+          x = ((jj >= av) & (jj < ev)) ? x : splat(NEG_INF);
+        }
+        store(srow + j, x);
+        mxv = x > mxv ? x : mxv;
+      }
+      const float mt = hmax(mxv), mold = m[r];
+      const float mnew = mt > mold ? mt : mold;
+      const float base = mnew == NEG_INF ? 0.f : mnew;
+      const vf bv = splat(base);
+      vf sum = splat(0.f);
+      for (long j = 0; j < nv; j += VW) {
+        const vf p = exp2v((load(srow + j) - bv) * l2e);
+        store(srow + j, p);
+        sum += p;
+      }
+      const float alpha = exp2s((mold - base) * LOG2E);
+      l[r] = l[r] * alpha + hsum(sum);
+      m[r] = mnew;
+      if (alpha != 1.f) {
+        float* ar = acc + r * s.Dvp;
+        const vf alv = splat(alpha);
+        for (long d = 0; d < s.Dvp; d += VW) store(ar + d, load(ar + d) * alv);
+      }
+    }
+    const char* vr = vbase + j0 * s.sv[2] * esz;
+    if (v_in_place) {
+      pv<DT>(rows, n, s.Dvp, w.sc, vr, s.sv[2], acc, s.Dvp);
+    } else {  // Dv not a multiple of VW: this tile's V rows widened into a zero-padded buffer
+      for (long j = 0; j < n; j++) {
+        float* dst = w.vt + j * s.Dvp;
+        for (long d = 0; d < s.Dv; d++) dst[d] = ld1<DT>(vr, j * s.sv[2] + d);
+        fill(dst + s.Dv, dst + s.Dvp, 0.f);
+      }
+      pv<AK_F32>(rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp);
+    }
+  }
+}
+
+// out (B, H, L, Dv), lse (B, H, L) or null, contiguous fp32
+template <int DT>
+static int decode_t(Dec& s, float* out, float* lse) {
+  const long units = s.B * s.Hkv * s.nrb;
+  Unit* un = scratch<Unit>(4, units);
+  if (!un) return AK_E_NOMEM;
+  long items = 0, work = 0;
+  for (long u = 0; u < units; u++) {
+    const long per = s.Hkv * s.nrb, b = u / per, rb = u % s.nrb;
+    long r0, r1;
+    unit_rows(s, rb, r0, r1);
+    int32_t a = (int32_t)s.S, e = 0;
+    // its rows' query positions: all L of them once the unit spans a whole head, else r0 % L .. (r1 - 1) % L
+    const long i0 = r1 - r0 >= s.L ? 0 : r0 % s.L, cnt = mn<long>(r1 - r0, s.L);
+    for (long x = 0; x < cnt; x++) {
+      const long i = (i0 + x) % s.L;
+      const int32_t lo = mx2<int32_t>(s.lo[b * s.lob + i], 0), hi = mn<int32_t>(s.hi[b * s.lob + i], (int32_t)s.S);
+      if (lo < hi) a = mn(a, lo), e = mx2(e, hi);
+    }
+    Unit& x = un[u];
+    x.kmin = a, x.kmax = e, x.item = items;
+    if (a < e) {
+      x.c0 = a / s.chunk;
+      x.nc = (e - 1) / s.chunk + 1 - x.c0;
+    } else {
+      x.c0 = 0, x.nc = 0;
+    }
+    items += x.nc;
+    work += (long)(e > a ? e - a : 0) * (s.D + s.Dv) * (r1 - r0 + 3) / 4;
+  }
+  const long pstride = s.rb * (2 + s.Dvp);  // per item: m, l (rb each) and acc (rb x Dvp)
+  float* part = scratch<float>(3, items * pstride);
+  if (!part) return AK_E_NOMEM;
+  // a small call runs on the calling thread (starting the team costs more than it saves)
+  const int threads = work >= (1L << 17) ? s.threads : 1;
+  int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+  {
+    DecBufs w;
+    const bool ok = dec_bufs(s, w);
+    if (!ok) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(dynamic, 1)
+    for (long it = 0; it < items; it++) {
+      if (!ok) continue;
+      // the unit of item it: the last unit whose first item is <= it (units without chunks skipped)
+      long lo = 0, hi = units - 1;
+      while (lo < hi) {
+        const long mid = (lo + hi + 1) / 2;
+        if (un[mid].item <= it) lo = mid;
+        else hi = mid - 1;
+      }
+      while (un[lo].nc == 0 || it >= un[lo].item + un[lo].nc) lo++;
+      dec_item<DT>(s, lo, un[lo], un[lo].c0 + (it - un[lo].item), part + it * pstride, w);
+    }
+    // merge each row's chunks in chunk order
+#pragma omp for schedule(static)
+    for (long u = 0; u < units; u++) {
+      const long per = s.Hkv * s.nrb, b = u / per, hk = (u % per) / s.nrb, rb = u % s.nrb;
+      long r0, r1;
+      unit_rows(s, rb, r0, r1);
+      const Unit& x = un[u];
+      for (long r = 0; r < r1 - r0; r++) {
+        const long h = hk * s.g + (r0 + r) / s.L, i = (r0 + r) % s.L;
+        float* o = out + ((b * s.H + h) * s.L + i) * s.Dv;
+        float dummy;
+        float* ls = lse ? lse + (b * s.H + h) * s.L + i : &dummy;
+        float M = NEG_INF;
+        for (long c = 0; c < x.nc; c++) {
+          const float mc = part[(x.item + c) * pstride + r];
+          M = mc > M ? mc : M;
+        }
+        // every chunk weighed, even one of weight 0: a NaN in its sum or output reaches the row, as in the forward
+        const float base = M == NEG_INF ? 0.f : M;
+        float lsum = 0.f;
+        fill(o, o + s.Dv, 0.f);
+        for (long c = 0; c < x.nc; c++) {
+          const float* pc = part + (x.item + c) * pstride;
+          const float wc = exp2s((pc[r] - base) * LOG2E);
+          lsum += wc * pc[s.rb + r];
+          const float* ac = pc + 2 * s.rb + r * s.Dvp;
+          for (long d = 0; d < s.Dv; d++) o[d] += wc * ac[d];
+        }
+        if (lsum == 0.f) {  // no key (or every score -inf): out 0, lse -inf
+          fill(o, o + s.Dv, 0.f);
+          *ls = NEG_INF;
+          continue;
+        }
+        const float inv = 1.f / lsum;
+        for (long d = 0; d < s.Dv; d++) o[d] *= inv;
+        *ls = M + std::log(lsum);
+      }
+    }
+  }
+  return failed ? AK_E_NOMEM : AK_OK;
+}
+
+int run_decode(const AkCall* c) {
+  if (c->L < 1 || c->L > BM || c->H % c->Hkv != 0 || c->dtype < AK_F32 || c->dtype > AK_F16 ||
+      (c->chunk != 0 && (c->chunk < 0 || c->chunk % BN != 0)))
+    return AK_E_ARG;
+  Dec s;
+  s.B = c->B, s.H = c->H, s.Hkv = c->Hkv, s.L = c->L, s.S = c->S, s.D = c->D, s.Dv = c->Dv;
+  s.g = s.H / s.Hkv;
+  for (int i = 0; i < 3; i++) s.sq[i] = c->sq[i], s.sk[i] = c->sk[i], s.sv[i] = c->sv[i];
+  s.lo = c->lo, s.hi = c->hi, s.lob = c->lob;
+  s.scale = (float)c->scale;
+  s.threads = (int)(c->threads > 0 ? c->threads : 1);
+  // S keys in at most 64 chunks of at least 512 (a multiple of BN): enough items for every thread, and partial
+  // states (rows x Dv per chunk) a small fraction of the keys' bytes
+  s.chunk = c->chunk ? c->chunk : mx2<long>(512, round_up((s.S + 63) / 64, BN));
+  s.rb = mn<long>(s.g * s.L, BM);
+  s.nrb = (s.g * s.L + s.rb - 1) / s.rb;
+  s.Dp = round_up(s.D, VW), s.Dvp = round_up(s.Dv, VW);
+  s.q = c->q, s.k = c->k, s.v = c->v;
+  switch (c->dtype) {
+    case AK_BF16: return decode_t<AK_BF16>(s, c->out, c->lse);
+    case AK_F16: return decode_t<AK_F16>(s, c->out, c->lse);
+    default: return decode_t<AK_F32>(s, c->out, c->lse);
+  }
+}
+
+}  // namespace AK_NS

@@ -1,0 +1,263 @@
+"""The compiled kernel's decode entry (``_native.decode``, csrc/attn_decode.h) against the float64 golden.
+
+A decode call is a few query rows (L <= 64) over a key/value cache: the g = H / Hkv query heads of a kv head are
+packed as g·L rows, and the keys are split into chunks whose partial softmax states are merged exactly. Checked
+here: every L / S / head layout of the brief (S around the 64-key tile and the 512-key chunk), built-in masks as
+row intervals (bottom-right causal, windows, padding, rows that see nothing), strided caches read in place, bf16
+and fp16 caches, rows of NaN, -inf and huge finite scores (as the forward treats them), each instruction set, one
+and two threads (the same bits: the chunks depend on S only) and repeated calls (the same bits).
+
+Error budget: the kernel widens bf16 / fp16 exactly and computes in fp32, so every dtype is held to conftest's
+fp32 budget ``16 eps (sqrt(D) + sqrt(S))`` against float64 math on the same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import assert_close, budget, golden
+from test_native_kernel import instruction_set
+
+from attnkit import masks as M
+from attnkit.backends import _native
+
+pytestmark = pytest.mark.skipif(os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"),
+                                reason="the compiled kernel is switched off by ATTNKIT_NATIVE=0")
+
+
+def _qkv(B, H, Hkv, L, S, D, Dv=None, dtype=torch.float32, gen=None):
+    Dv = D if Dv is None else Dv
+    g = gen or torch.Generator().manual_seed(B * 1000 + H * 100 + L * 10 + S)
+    q = torch.randn(B, H, L, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, Hkv, S, Dv, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def _dense(lo, hi, B, L, S):
+    j = torch.arange(S)
+    lo, hi = lo.long().expand(B, L), hi.long().expand(B, L)
+    return ((j >= lo[..., None]) & (j < hi[..., None]))[:, None]  # (B, 1, L, S), True = attend
+
+
+def _golden(q, k, v, lo, hi):
+    B, _, L, _ = q.shape
+    return golden(q, k, v, mask=_dense(lo, hi, B, L, k.shape[2]))
+
+
+def _check(q, k, v, lo, hi, what="", **kw):
+    """decode vs the float64 golden: output, lse, and rows that see no key (out 0, lse -inf)."""
+    out, lse = _native.decode(q, k, v, lo, hi, q.shape[-1] ** -0.5, **kw)
+    ref, ref_lse = _golden(q, k, v, lo, hi)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    tol = budget(torch.float32, q.shape[-1], k.shape[2], max(1.0, v.abs().max().item()))
+    assert_close(out, ref, tol, f"{what} out")
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), live), f"{what}: lse is -inf exactly where a row sees no key"
+    assert_close(lse[live], ref_lse[live], tol, f"{what} lse")
+    assert (out[~live] == 0).all(), f"{what}: a row that sees no key gives out 0"
+    return out, lse
+
+
+def _intervals(kind, B, L, S):
+    """(lo, hi) int32 of a decode step: bottom-right causal, a window with per-batch padding, or mixed with a
+    row that sees nothing."""
+    i = torch.arange(L)
+    if kind == "causal":
+        lo, hi = M.causal().row_intervals(B, L, S)
+        return lo, hi
+    if kind == "window_padding":  # batch row 0: window 300 over all keys; batch row 1: padded to 2/3 of S, window 40
+        valid = torch.tensor([S, max(1, 2 * S // 3)])[:B, None]
+        hi = (valid - L + 1 + i).clamp(min=0)
+        lo = (hi - torch.tensor([300, 40])[:B, None]).clamp(min=0)
+        return lo.int().contiguous(), hi.int().contiguous()
+    lo = torch.zeros(B, L, dtype=torch.int32)
+    hi = torch.full((B, L), S, dtype=torch.int32)
+    hi[0, 0] = 0  # a dead row
+    if L > 1:
+        lo[-1, 1], hi[-1, 1] = S // 2, S // 2 + 1  # one key only
+    return lo, hi
+
+
+@pytest.mark.parametrize("L", [1, 3, 16])
+@pytest.mark.parametrize("S", [1, 63, 64, 65, 1000, 5000])
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "gqa8"])
+def test_decode_matches_float64(L, S, H, Hkv):
+    B, D = 2, 32
+    q, k, v = _qkv(B, H, Hkv, L, S, D)
+    for kind in ("causal", "window_padding", "dead_rows"):
+        lo, hi = _intervals(kind, B, L, S)
+        _check(q, k, v, lo, hi, f"{kind} L={L} S={S} H={H} Hkv={Hkv}")
+
+
+@pytest.mark.parametrize("D,Dv", [(8, 8), (33, 17), (64, 64), (80, 96), (128, 128)])
+def test_head_dims(D, Dv):
+    """Head dims off the vector width: the score's tail summed per key, V tiles padded per tile."""
+    q, k, v = _qkv(2, 8, 2, 3, 700, D, Dv)
+    lo, hi = _intervals("window_padding", 2, 3, 700)
+    _check(q, k, v, lo, hi, f"D={D} Dv={Dv}")
+
+
+def test_built_in_masks_as_intervals():
+    """The masks a generation step uses, through ``row_intervals`` (shared by the batch, lob = 0, or per row)."""
+    B, H, Hkv, L, S, D = 2, 8, 2, 4, 1500, 64
+    q, k, v = _qkv(B, H, Hkv, L, S, D)
+    for mask in (None, M.causal(), M.sliding_window(128), M.causal() & M.padding([S, 900]),
+                 M.sliding_window(64) & M.padding([1000, 20]), M.padding([0, S])):
+        lo, hi = (M.full() if mask is None else mask).row_intervals(B, L, S)
+        out, lse = _check(q, k, v, lo, hi, repr(mask))
+        ref, ref_lse = golden(q, k, v, mask=mask)
+        assert_close(out, ref, budget(torch.float32, D, S), f"{mask!r} vs the mask itself")
+        assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), repr(mask)
+
+
+def test_strided_caches_are_read_in_place():
+    """A view into a bigger preallocated cache (B, Hkv, Smax, D), and a (B, Smax, Hkv, D) cache seen as
+    (B, Hkv, S, D) (heads not contiguous, rows Hkv·D apart): read at their strides, never copied."""
+    B, H, Hkv, L, S, Smax, D = 2, 8, 2, 3, 1100, 1600, 64
+    q, _, _ = _qkv(B, H, Hkv, L, S, D)
+    big_k, big_v = torch.randn(B, Hkv, Smax, D), torch.randn(B, Hkv, Smax, D)
+    k, v = big_k[:, :, :S], big_v[:, :, :S]
+    assert not k.is_contiguous()
+    lo, hi = _intervals("causal", B, L, S)
+    _check(q, k, v, lo, hi, "preallocated (B, Hkv, Smax, D)")
+    bsk, bsv = torch.randn(B, Smax, Hkv, D), torch.randn(B, Smax, Hkv, D)
+    k, v = bsk[:, :S].transpose(1, 2), bsv[:, :S].transpose(1, 2)
+    assert k.stride() == (Smax * Hkv * D, D, Hkv * D, 1)
+    _check(q, k, v, lo, hi, "(B, Smax, Hkv, D) transposed")
+    qs = torch.randn(B, L, H, D).transpose(1, 2)  # queries (B, L, H, D) as (B, H, L, D)
+    _check(qs, k, v, lo, hi, "transposed queries")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_low_precision_caches(dtype, H, Hkv):
+    """bf16 / fp16 q, k, v widened in registers (exactly): the fp32 budget against float64 on the same values;
+    fp16 subnormals, the largest finite values and signed zeros included."""
+    B, L, S, D = 2, 3, 1300, 64
+    q, k, v = _qkv(B, H, Hkv, L, S, D, dtype=dtype)
+    if dtype == torch.float16:
+        special = torch.tensor([6e-8, -6e-8, 1e-5, -3e-5, 65504.0, -65504.0, 0.0, -0.0] * 2 + [1.0] * 4, dtype=dtype)
+        v[0, 0, :20, 0] = special
+        k[0, 0, 20:40, 1] = special / 8192  # subnormal and tiny key entries (scores stay O(1))
+    lo, hi = _intervals("window_padding", B, L, S)
+    _check(q, k, v, lo, hi, f"{dtype}")
+    strided = torch.randn(B, Hkv, S + 100, D).to(dtype)[:, :, :S]
+    _check(q, strided, v, lo, hi, f"{dtype} strided")
+
+
+def test_nan_inf_and_huge_rows_as_the_forward():
+    """A query row of NaN gives NaN on that row; a NaN key gives NaN on the rows that see it and nothing on the
+    others; a -inf query row gives what the forward gives; a row whose scores are all a huge finite negative
+    (finfo.min / 8: identical keys) is the mean of its V rows, lse = score + log(n). Same finiteness pattern as
+    the forward on the same inputs, in fp32 and bf16 (NaN and inf survive the widening)."""
+    B, H, Hkv, L, S, D = 2, 8, 2, 3, 1200, 32
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = _qkv(B, H, Hkv, L, S, D, dtype=dtype)
+        q[0, 1, 0] = float("nan")
+        q[0, 5, 2] = float("-inf")
+        k[1, 1, 700] = float("nan")
+        lo, hi = _intervals("causal", B, L, S)
+        lo = lo.expand(B, L).contiguous()
+        hi = hi.expand(B, L).contiguous()
+        hi[1, 0] = 600  # batch row 1, row 0 does not see key 700
+        out, lse = _native.decode(q, k, v, lo, hi, D ** -0.5)
+        fo, fl = _native.forward(q.float(), k.float(), v.float(), lo, hi, D ** -0.5)
+        assert torch.equal(torch.isnan(out), torch.isnan(fo)), f"{dtype}: NaN where the forward has NaN"
+        assert torch.equal(torch.isnan(lse), torch.isnan(fl)) and torch.equal(torch.isinf(lse), torch.isinf(fl))
+        assert torch.isnan(out[0, 1, 0]).all() and torch.isnan(out[1, 4:8, 1:]).all()
+        assert torch.isfinite(out[1, 4:8, 0]).all(), "a row that does not see the NaN key stays finite"
+        ok = torch.isfinite(fo)
+        assert_close(out[ok], fo[ok], budget(torch.float32, D, S), f"{dtype}: the finite rows as the forward")
+    # all scores of a row equal and huge negative: the mean of the V rows it sees
+    q, k, v = _qkv(1, 4, 1, 1, 3000, D)
+    u = torch.randn(D)
+    k[:] = -u
+    q[0, 2, 0] = u * (torch.finfo(torch.float32).max / 8 / (u @ u) / D ** -0.5)  # q.k itself finite in fp32
+    lo, hi = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), 2500, dtype=torch.int32)
+    out, lse = _native.decode(q, k, v, lo, hi, D ** -0.5)
+    assert_close(out[0, 2, 0], v[0, 0, :2500].double().mean(0), budget(torch.float32, D, 2500), "finfo.min row")
+    s = (q[0, 2, 0] @ k[0, 0, 0]) * D ** -0.5
+    assert torch.isfinite(s) and s < -1e37 and torch.isfinite(q[0, 2, 0] @ k[0, 0, 0])
+    assert abs(lse[0, 2, 0].item() - (s.item() + torch.log(torch.tensor(2500.0)).item())) <= abs(s.item()) * 1e-6
+
+
+@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
+def test_every_instruction_set(isa):
+    with instruction_set(isa):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for (H, Hkv, L, S, D) in ((4, 4, 1, 1000, 24), (8, 2, 3, 700, 40), (8, 1, 16, 65, 33)):
+                q, k, v = _qkv(2, H, Hkv, L, S, D, dtype=dtype)
+                lo, hi = _intervals("window_padding", 2, L, S)
+                _check(q, k, v, lo, hi, f"{isa} {dtype} H={H} Hkv={Hkv} L={L} S={S} D={D}")
+
+
+def test_same_bits_at_one_and_two_threads_and_on_every_call():
+    """Chunks depend on S only, and are merged in chunk order: the same bits at any thread count, every call."""
+    B, H, Hkv, L, S, D = 2, 8, 2, 3, 5000, 64
+    q, k, v = _qkv(B, H, Hkv, L, S, D)
+    lo, hi = _intervals("window_padding", B, L, S)
+    saved = torch.get_num_threads()
+    try:
+        runs = []
+        for t in (1, 2, 1, 2):
+            torch.set_num_threads(t)
+            runs.append(_native.decode(q, k, v, lo, hi, D ** -0.5))
+            runs.append(_native.decode(q, k, v, lo, hi, D ** -0.5))
+    finally:
+        torch.set_num_threads(saved)
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 576, 4096])
+def test_explicit_chunk_sizes(chunk):
+    """Any chunk (a multiple of 64) gives the same function within the budget: the lse merge is exact."""
+    q, k, v = _qkv(2, 8, 2, 16, 3000, 32)
+    lo, hi = _intervals("window_padding", 2, 16, 3000)
+    _check(q, k, v, lo, hi, f"chunk {chunk}", chunk=chunk)
+
+
+def test_many_rows_span_several_units():
+    """g·L > 64 rows per kv head (L = 64, g = 4): the rows are cut into units of 64, each reading K / V."""
+    q, k, v = _qkv(1, 4, 1, 64, 900, 32)
+    lo, hi = _intervals("causal", 1, 64, 900)
+    _check(q, k, v, lo, hi, "L=64 g=4")
+
+
+def test_without_lse_and_the_signature_cache():
+    """need_lse=False returns None for lse and the same output; a new S, new strides and new tensors reuse the
+    prepared record of the signature (only the per-step block is rewritten) and stay exact."""
+    B, H, Hkv, L, D = 1, 8, 2, 1, 64
+    cache_k, cache_v = torch.randn(B, Hkv, 4000, D), torch.randn(B, Hkv, 4000, D)
+    q = torch.randn(B, H, L, D)
+    for S in (10, 11, 700, 3999):
+        k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+        lo, hi = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
+        out, _ = _check(q, k, v, lo, hi, f"S={S}")
+        out2, none = _native.decode(q, k, v, lo, hi, D ** -0.5, need_lse=False)
+        assert none is None and torch.equal(out, out2)
+        _check(q, k.contiguous(), v.contiguous(), lo, hi, f"S={S} contiguous")
+
+
+def test_bad_arguments_are_refused_with_the_reason():
+    q, k, v = _qkv(1, 6, 4, 1, 10, 8)
+    lo, hi = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), 10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="H a multiple of Hkv"):
+        _native.decode(q, k, v, lo, hi, 1.0)
+    q, k, v = _qkv(1, 4, 4, 65, 10, 8)
+    lo, hi = torch.zeros(1, 65, dtype=torch.int32), torch.full((1, 65), 10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="L = 65"):
+        _native.decode(q, k, v, lo, hi, 1.0)
+    q, k, v = _qkv(1, 4, 4, 1, 10, 8)
+    lo, hi = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), 10, dtype=torch.int32)
+    with pytest.raises(TypeError, match="share one dtype"):
+        _native.decode(q, k.half(), v, lo, hi, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        _native.decode(q, k, v, lo.long(), hi, 1.0)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        _native.decode(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, lo, hi, 1.0)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        _native.decode(q, k, v, lo, hi, 1.0, chunk=100)
