@@ -72,10 +72,10 @@ class Decision:
         w = f" [{self.worker}: {self.worker_reason}]" if self.worker else ""
         return f"{self.backend}: {self.reason}{w}"
 
-    def _repr_html_(self) -> str:
-        from .viz._html_repr import decision_html
+    def _repr_html_(self) -> str | None:
+        from ._display import html
 
-        return decision_html(self)
+        return html("decision", self)
 
 
 def _sdpa_fits(req: Request) -> str | None:

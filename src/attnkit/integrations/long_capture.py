@@ -4,7 +4,7 @@ Shape legend: B batch (1 here), H query heads, Hkv key/value heads, L query leng
 S key length (= L: one forward, no cache), D head dim.
 
 What the long-input view needs from a model is the q and k its attention multiplies, not
-the weights: :func:`attnkit.viz.tile_mass` turns them into the exact mass per tile without
+the weights: :func:`attnkit.tile_mass` turns them into the exact mass per tile without
 ever holding an L×S tensor. ``capture_attention`` (the weights, ``(B, H, L, S)`` per
 layer) cannot do that at 32k tokens: one layer's weights alone are 4 GiB per head. So::
 
