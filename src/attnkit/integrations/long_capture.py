@@ -115,8 +115,11 @@ def _capturing_forward(module, query, key, value, attention_mask, **kwargs):
         raise RuntimeError(f"capture_qk: layer {idx} ran twice in one forward; the long-input view captures one "
                            "forward of a model that calls each attention layer once.")
     rec.seen.add(idx)
-    ak_hf._check_kwargs(module, kwargs)
-    mask, causal = ak_hf._resolve_mask(module, query, key, attention_mask, kwargs.get("is_causal"))
+    from .transformers._mask_translation import resolve_mask
+    from .transformers._refusals import check_kwargs
+
+    check_kwargs(module, kwargs)
+    mask, causal = resolve_mask(module, query, key, attention_mask, kwargs.get("is_causal"))
     softcap = kwargs.get("softcap")
     score_mod = None
     if softcap is not None:
@@ -137,8 +140,10 @@ def register() -> str:
     Idempotent; returns the name. :func:`capture_qk` calls it (and switches the model to it for
     the one forward), so a user rarely needs to.
     """
+    from .transformers._hf import import_transformers
+
     ak_hf = _ak()
-    transformers, masking_utils = ak_hf._import_transformers()
+    transformers, masking_utils = import_transformers()
     # attnkit's mask hook (structured masks, no dense (B, 1, L, S)) and the capturing layer. Not
     # ak_hf.register(NAME): its refusal entries import a dozen modeling modules (seconds); a model
     # that picks its attention class by name fails at construction instead, turned into a clear
