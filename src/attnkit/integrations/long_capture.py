@@ -93,6 +93,13 @@ def _ak():
     return ak_hf
 
 
+def _transformers():
+    """The transformers package (ImportError with the install hint when missing)."""
+    from .transformers._hf import import_transformers
+
+    return import_transformers()[0]
+
+
 def _capturing_forward(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention hook for ``"attnkit_long"``: keep q and k, then run attnkit's own hook."""
     ak_hf = _ak()
@@ -281,7 +288,7 @@ def build_from_config(config, *, seed: int = 0):
     """A causal LM with random weights from ``config`` (a ``PretrainedConfig``, a dict with ``model_type``,
     or the path of a config.json), seeded: the same seed gives the same weights. The global RNG is left
     as it was. Eval mode, on ``"attnkit_long"``."""
-    transformers, _ = _ak()._import_transformers()
+    transformers = _transformers()
     if isinstance(config, (str, Path)):
         config = _config_from_file(Path(config))
     elif isinstance(config, dict):
@@ -299,7 +306,7 @@ def build_from_config(config, *, seed: int = 0):
 
 
 def _config_from_dict(d: dict, where: str):
-    transformers, _ = _ak()._import_transformers()
+    transformers = _transformers()
     mt = d.pop("model_type", None)
     if not isinstance(mt, str):
         raise ValueError(f"{where}: expected a transformers config with a \"model_type\" (e.g. \"llama\"), got "
@@ -325,7 +332,7 @@ def _tokenizer(d: Path):
     if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                                             "vocab.json", "vocab.txt", "spiece.model")):
         return None
-    transformers, _ = _ak()._import_transformers()
+    transformers = _transformers()
     try:
         return transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except (OSError, ValueError, TypeError, ImportError):
@@ -366,7 +373,7 @@ def load_causal_lm(path, *, from_config: bool = False, seed: int = 0) -> LoadedM
             f"model: {str(p)!r} has a config.json but no weights (no {' / '.join(WEIGHT_PATTERNS)}). To see a "
             "model with random weights built from that config, ask for it: from_config=True (attnkit long: "
             "--from-config, seeded by --seed); otherwise point at a directory that holds the weights.")
-    transformers, _ = _ak()._import_transformers()
+    transformers = _transformers()
     name = register()
     model = _construct(lambda: transformers.AutoModelForCausalLM.from_pretrained(
         str(p), attn_implementation=name, local_files_only=True), repr(str(p)))
