@@ -4,8 +4,8 @@
     OMP_NUM_THREADS=2 python benchmarks/tilemass.py --length 32768 --masks window
 
 Each case runs in a fresh subprocess (its peak RSS is the child's own ``VmHWM``): it builds the
-seeded synthetic q, k (D=64, float32) with ``attnkit.viz.long_inputs.synthetic``, computes
-``attnkit.viz.tile_mass`` (the timed part: "map s"), and writes the offline page ("page s",
+seeded synthetic q, k (D=64, float32) with ``attnkit.apps.long_inputs.synthetic``, computes
+``attnkit.tile_mass`` (the timed part: "map s"), and writes the offline page ("page s",
 "page MB"). Goals: map ≤ 10 s on 2 cores, peak RSS ≤ 1.5 GiB, page ≤ 5 MB.
 
 Work: the score GEMMs are 2·H·D·(computed tiles)·bm·bn FLOP (reported as GFLOP/s over the map time).
@@ -22,8 +22,8 @@ import tempfile
 
 CHILD = r"""
 import json, sys, time, torch
-from attnkit.viz.long_inputs import synthetic
-from attnkit.viz.tilemass import tile_mass
+from attnkit.apps.long_inputs import synthetic
+from attnkit.tilemass import tile_mass
 from attnkit.bench.runner import peak_rss_kib
 L, H, mask, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 q, k, m = synthetic(L, H=H, D=64, mask=mask)

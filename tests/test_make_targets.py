@@ -117,7 +117,7 @@ def test_bundled_model_runs_without_sentence_transformers_sklearn_scipy(tmp_path
         "for m in ('sentence_transformers', 'sklearn', 'scipy'):\n"
         "    sys.modules[m] = None  # import fails, find_spec answers None: as if not installed\n"
         "from attnkit.integrations import minilm\n"
-        "from attnkit.viz import show\n"
+        "from attnkit.apps import show\n"
         "tok, model = minilm.load()\n"
         "print(tuple(minilm.embed(model, tok, ['The river bank was eroding.']).shape))\n"
         f"res = show(None, out={str(tmp_path)!r})\n"

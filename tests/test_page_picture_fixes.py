@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
+from attnkit.apps import sentences as show_cli
 from attnkit.cli import main
-from attnkit.viz import _show as show_cli
 from attnkit.viz.png import short_title
 
 

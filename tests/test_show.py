@@ -148,8 +148,8 @@ def _page_data(page):
 def test_left_padding_gives_the_same_table_tokens_and_page_as_right_padding(tmp_path, monkeypatch, no_png):
     from transformers import AutoTokenizer
 
+    from attnkit.apps import sentences as show_mod
     from attnkit.integrations import minilm
-    from attnkit.viz import _show as show_mod
 
     tok, model = show_mod._load_cached(None)
     left = AutoTokenizer.from_pretrained(str(minilm.default_model_path()), local_files_only=True, padding_side="left")
@@ -201,8 +201,8 @@ def test_html_title_with_slot_markers_pulls_nothing_into_the_heading():
 
 @needs_model
 def test_bundled_model_load_failure_names_its_path(monkeypatch, capsys):
+    from attnkit.apps import sentences as show_mod
     from attnkit.integrations import minilm
-    from attnkit.viz import _show as show_mod
 
     def broken(path):
         raise OSError("Unable to load weights")
@@ -218,7 +218,7 @@ def test_bundled_model_load_failure_names_its_path(monkeypatch, capsys):
 @needs_model
 @pytest.mark.parametrize("n_tokens, noted", [(128, False), (129, True)])
 def test_truncation_note_exactly_past_128_tokens(tmp_path, capsys, no_png, n_tokens, noted):
-    from attnkit.viz import _show as show_mod
+    from attnkit.apps import sentences as show_mod
 
     tok, _ = show_mod._load_cached(None)
     sentence = "river " * (n_tokens - 2)  # [CLS] + words + [SEP]
@@ -275,8 +275,8 @@ def test_a_genuine_bug_keeps_its_traceback(monkeypatch, capsys, tmp_path):
 def test_words_and_positions_follow_the_attention_mask_with_left_padding():
     from transformers import AutoTokenizer
 
+    from attnkit.apps import sentences as show_mod
     from attnkit.integrations import minilm
-    from attnkit.viz import _show as show_mod
 
     left = AutoTokenizer.from_pretrained(str(minilm.default_model_path()), local_files_only=True, padding_side="left")
     sents = ["Hi there", "The river bank was eroding."]
@@ -301,7 +301,7 @@ def test_words_and_positions_follow_the_attention_mask_with_left_padding():
 ])
 def test_library_show_raises_show_input_error_naming_the_argument(kwargs, param, tmp_path):
     from attnkit._cli import CLIError
-    from attnkit.viz import ShowInputError, show
+    from attnkit.apps import ShowInputError, show
 
     with pytest.raises(ShowInputError) as info:  # checked up front: no model is loaded for these
         show(**{"out": str(tmp_path), "quiet": True, **kwargs})
@@ -311,8 +311,8 @@ def test_library_show_raises_show_input_error_naming_the_argument(kwargs, param,
 
 
 def test_library_show_without_transformers_raises_import_error(monkeypatch, tmp_path):
+    from attnkit.apps import show
     from attnkit.integrations.minilm import ModelUnavailable
-    from attnkit.viz import show
 
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ModelUnavailable, match=r"pip install -e '\.\[model\]' in the attnkit repository") as info:
@@ -322,7 +322,7 @@ def test_library_show_without_transformers_raises_import_error(monkeypatch, tmp_
 
 @needs_model
 def test_library_show_bad_layer_is_a_value_error_and_the_cli_names_the_flag(tmp_path, capsys):
-    from attnkit.viz import ShowInputError, show
+    from attnkit.apps import ShowInputError, show
 
     with pytest.raises(ShowInputError, match=r"^layer: expected 0\.\.5") as info:
         show(layer=6, out=str(tmp_path), quiet=True)
@@ -333,8 +333,8 @@ def test_library_show_bad_layer_is_a_value_error_and_the_cli_names_the_flag(tmp_
 
 
 def test_cli_show_module_only_parses_and_prints():
-    import attnkit.viz
+    import attnkit.apps
     from attnkit._cli import show as cli_show
 
-    assert cli_show.show is attnkit.viz.show  # one implementation, in the library
-    assert "CLIError" not in pathlib.Path(attnkit.viz._show.__file__).read_text(encoding="utf-8")
+    assert cli_show.show is attnkit.apps.show  # one implementation, in the library
+    assert "CLIError" not in pathlib.Path(attnkit.apps.sentences.__file__).read_text(encoding="utf-8")

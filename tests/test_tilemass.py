@@ -1,4 +1,4 @@
-"""Attention mass per tile (attnkit.viz.tile_mass): checked against a dense float64 softmax.
+"""Attention mass per tile (attnkit.tile_mass): checked against a dense float64 softmax.
 
 Error budget (fp32 inputs, compared with the float64 softmax of the same fp32 numbers): a
 score q·k·scale is within D·eps32·|q||k|·scale of exact; a weight's relative error is at
@@ -14,7 +14,8 @@ import torch
 
 import attnkit
 from attnkit import masks
-from attnkit.viz.tilemass import _runs_of, tile_mass
+from attnkit.backends._tilemass import _runs_of
+from attnkit.tilemass import tile_mass
 
 EPS32 = float(np.finfo(np.float32).eps)
 

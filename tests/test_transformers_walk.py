@@ -3,9 +3,9 @@ every family is either exact against ``"eager"`` (forward logits; for causal LMs
 ``generate`` with a dynamic and a static cache) or refuses with a clear error — never a wrong
 answer, never a crash from deep inside transformers.
 
-The walk itself is :mod:`attnkit.integrations._walk` (``python -m attnkit.integrations._walk``
-prints the whole table, ~600 families in about a minute); this test walks every second family
-(every ``ATTNKIT_WALK_SAMPLE``-th) plus every family the issues name, within ~30 s on two cores. It runs
+The walk itself is ``tools/walk_transformers.py``, a test harness kept out of the wheel (``python
+tools/walk_transformers.py`` prints the whole table, ~600 families in about a minute); this test walks every
+second family (every ``ATTNKIT_WALK_SAMPLE``-th) plus every family the issues name, within ~30 s on two cores. It runs
 on the pinned transformers and, in ``make test``'s second pass, on the newest one. Error budget (float32):
 ``|attnkit − eager| ≤ 2e-5 · max(1, max |eager|)`` on every unpadded position.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import sys
 import time
 
 import pytest
@@ -22,8 +23,11 @@ import torch
 
 T = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
 
-from attnkit.integrations import _walk  # noqa: E402
 from attnkit.integrations import transformers as ak_hf  # noqa: E402
+from attnkit.integrations.transformers import _refusals  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+import walk_transformers as _walk  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -39,8 +43,8 @@ EXACT = ["llama", "gemma3_text", "qwen3", "mixtral", "olmo2", "cohere2", "whispe
 
 
 # every SAMPLE-th family besides the named ones; `make test`'s second pass, on the newest transformers, walks
-# a sparser sample (ATTNKIT_WALK_SAMPLE=6) to keep its time small: the whole walk is `python -m
-# attnkit.integrations._walk`, and its results for both versions are in docs/compatibility.md
+# a sparser sample (ATTNKIT_WALK_SAMPLE=6) to keep its time small: the whole walk is `python
+# tools/walk_transformers.py`, and its results for both versions are in docs/compatibility.md
 SAMPLE = int(os.environ.get("ATTNKIT_WALK_SAMPLE", "2"))
 
 
@@ -118,4 +122,4 @@ def test_every_attention_class_dict_in_transformers_refuses_attnkit():
         if re.search(r"_ATTENTION_CLASSES\[", path.read_text(encoding="utf-8", errors="replace")):
             found.add(f"{path.parent.name}.{path.stem}")
     assert found, "the scan found no attention-class dict at all: the pattern is stale"
-    assert found <= set(ak_hf._CLASS_DICT_MODULES), sorted(found - set(ak_hf._CLASS_DICT_MODULES))
+    assert found <= set(_refusals._CLASS_DICT_MODULES), sorted(found - set(_refusals._CLASS_DICT_MODULES))

@@ -29,7 +29,9 @@ import torch
 
 T = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
 
+from attnkit import masks  # noqa: E402
 from attnkit.integrations import transformers as ak_hf  # noqa: E402
+from attnkit.integrations.transformers import _mask_translation as hf_masks  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -500,7 +502,7 @@ def test_packed_sequences_get_a_structured_mask_on_this_transformers(family, mon
     with _recording_mask_hook(monkeypatch) as returned, torch.no_grad():
         a = ak(input_ids=ids, position_ids=pos, use_cache=False).logits
     assert _maxdiff(a, b) <= TOL
-    assert returned and all(isinstance(m, ak_hf._masks.Mask) for m in returned), [type(m) for m in returned]
+    assert returned and all(isinstance(m, masks.Mask) for m in returned), [type(m) for m in returned]
     assert all("document(" in repr(m) for m in returned), [repr(m) for m in returned]
     if family == "mistral":  # window 4 < 7: the window is read through the packing too
         assert any("sliding_window(4" in repr(m) for m in returned), [repr(m) for m in returned]
@@ -510,7 +512,7 @@ def test_registering_warns_nothing_on_this_transformers(monkeypatch):
     """register() and the self-check it leads to (each kind of transformers mask function read by
     attnkit compared with transformers' own dense mask) give no warning on the installed
     transformers: every kind is read exactly (issue 27: 5.24's packed masks warned on every install)."""
-    monkeypatch.setattr(ak_hf, "_CHECKED", None)  # run the once-per-process self-check again, here
+    monkeypatch.setattr(hf_masks, "_CHECKED", None)  # run the once-per-process self-check again, here
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert ak_hf.register() == ak_hf.NAME
@@ -531,11 +533,11 @@ def test_a_packed_composition_attnkit_does_not_know_is_built_densely_with_a_warn
         return inner_mask
 
     monkeypatch.setattr(mu, "remap_positions_for_packed_sequence", remap_elsewhere)
-    monkeypatch.setattr(ak_hf, "_CHECKED", None)
+    monkeypatch.setattr(hf_masks, "_CHECKED", None)
     with pytest.warns(RuntimeWarning, match=r"'packed' mask functions do not mean what attnkit reads"):
         checked = ak_hf.checked_kinds()
     assert checked == {"causal": True, "all": True, "window": True, "chunk": True, "packed": False}
-    monkeypatch.setattr(ak_hf, "_CHECKED", None)  # the next user of the check sees the real transformers
+    monkeypatch.setattr(hf_masks, "_CHECKED", None)  # the next user of the check sees the real transformers
 
 
 def test_importing_the_integration_registers_attnkit_without_a_warning():
@@ -619,6 +621,6 @@ def test_generating_builds_no_dense_mask_and_equals_eager(family, monkeypatch):
                           do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
     assert len(returned) >= 8  # the prefill and every step asked for a mask
-    assert all(isinstance(m, ak_hf._masks.Mask) for m in returned), [type(m).__name__ for m in returned]
+    assert all(isinstance(m, masks.Mask) for m in returned), [type(m).__name__ for m in returned]
     if family != "llama":  # the sliding layers' masks carry the window
         assert any("sliding_window(4" in repr(m) for m in returned), [repr(m) for m in returned]

@@ -17,15 +17,18 @@ import sys as _sys
 import types as _types
 from typing import TYPE_CHECKING
 
-__all__ = ["attention", "flex_attention", "dispatch", "explain", "plan", "create_block_mask", "BlockPlan", "Decision",
-           "Trace", "masks", "plans", "score_mods", "positional", "nn"]
+from . import _display
+
+__all__ = ["attention", "flex_attention", "dispatch", "explain", "tile_mass", "plan", "create_block_mask", "BlockPlan",
+           "Decision", "Trace", "TileMass", "masks", "plans", "score_mods", "positional", "nn"]
 __version__ = "0.1.0"
 
 # The public names and the module each comes from, imported on first use rather than by `import attnkit`: they
 # import torch (seconds), and the command line (`attnkit --help`, `attnkit --version`) needs none of it.
 # `attnkit.attention(...)`, `from attnkit import attention` and `dir(attnkit)` behave as if imported eagerly.
 _API = {"attention": "api", "flex_attention": "_flex_api", "dispatch": "api", "explain": "explain", "plan": "plans",
-        "create_block_mask": "plans", "BlockPlan": "plans", "Decision": "_dispatch", "Trace": "backends.reference"}
+        "create_block_mask": "plans", "BlockPlan": "plans", "Decision": "_dispatch", "Trace": "backends.reference",
+        "tile_mass": "tilemass", "TileMass": "tilemass"}
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from . import masks, nn, plans, positional, score_mods
@@ -35,6 +38,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from .backends.reference import Trace
     from .explain import explain
     from .plans import BlockPlan, create_block_mask, plan
+    from .tilemass import TileMass, tile_mass
 
 
 def __getattr__(name: str):
@@ -62,3 +66,14 @@ class _Package(_types.ModuleType):
 
 
 _sys.modules[__name__].__class__ = _Package
+
+
+def _render_html(kind: str, obj, **options) -> str:
+    """What the ``_repr_html_`` of a mask, plan, decision, trace or tile-mass map shows: drawn by
+    :mod:`attnkit.viz`, imported on the first display (the core itself never imports the renderer)."""
+    from .viz._html_repr import render
+
+    return render(kind, obj, **options)
+
+
+_display.register(_render_html)

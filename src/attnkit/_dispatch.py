@@ -79,10 +79,10 @@ class Decision:
         width = max((len(n) for n, _ in self.verdicts), default=0)
         return "\n".join(f"{'>' if v == 'runs' else ' '} {n:<{width}}  {v}" for n, v in self.verdicts)
 
-    def _repr_html_(self) -> str:
-        from .viz._html_repr import decision_html
+    def _repr_html_(self) -> str | None:
+        from ._display import html
 
-        return decision_html(self)
+        return html("decision", self)
 
 
 def decide(req: Request, backend: str) -> Decision:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["format_matrix", "format_trace"]
+__all__ = ["format_matrix", "format_trace", "trace_repr"]
 
 
 def format_number(x: float, prec: int = 4) -> str:
@@ -92,3 +92,13 @@ def format_trace(t, b: int = 0, h: int = 0, tokens=None, prec: int = 4, q_tokens
               format_matrix(t.weights[b, h], qlab, klab, prec),
               f"{n + 1}. Output  weights · V", format_matrix(t.output[b, h], qlab, dv, prec)]
     return "\n".join(parts)
+
+
+def trace_repr(t) -> str:
+    """The plain ``repr`` of a trace: its sizes, not its arrays."""
+    L, S = np.shape(t.scores)[-2:]
+    lead = np.shape(t.scores)[:-2]
+    D, Dv = np.shape(t.q)[-1], np.shape(t.output)[-1]
+    names = ("B", "H")[-len(lead):] if 0 < len(lead) <= 2 else tuple(f"dim{i}" for i in range(len(lead)))
+    pre = "".join(f"{n}={v}, " for n, v in zip(names, lead, strict=True))
+    return f"Trace({pre}L={L}, S={S}, D={D}, Dv={Dv}, scale={t.scale:.6g}, masked={bool(t.has_mask)})"

@@ -21,7 +21,6 @@ The order of operations every backend follows (and the reference spells out)::
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ from . import _mods
 from . import masks as _masks
 from . import plans as _plans
 from . import score_mods as _score_mods
+from ._blockmask import block_mask_plan, is_block_mask
 from .backends._base import Request
 
 __all__ = ["Request", "make_request", "BACKENDS"]
@@ -250,9 +250,7 @@ def make_request(
     if req.weight_heads is not None or req.sinks is not None:
         req.need_lse = True
 
-    if _is_block_mask(mask):  # FlexAttention's BlockMask: its blocks and mask_mod, as an explicit plan
-        from ._flex_api import block_mask_plan
-
+    if is_block_mask(mask):  # FlexAttention's BlockMask: its blocks and mask_mod, as an explicit plan
         mask = block_mask_plan(mask, B, H, L, S, q4.device, "mask")
     structured: list[_masks.Mask] = []
     if causal:
@@ -293,12 +291,6 @@ def make_request(
     if score_mod is not None and torch.is_grad_enabled():
         _find_score_mod_tensors(req)
     return req
-
-
-def _is_block_mask(obj) -> bool:
-    """Whether ``obj`` is torch's ``BlockMask`` (FlexAttention is not imported when it was never loaded)."""
-    flex = sys.modules.get("torch.nn.attention.flex_attention")
-    return flex is not None and isinstance(obj, flex.BlockMask)
 
 
 _CAUSAL = _masks.causal()  # an immutable value: one object, so its tile maps are cached once

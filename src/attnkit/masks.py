@@ -214,10 +214,10 @@ class Mask:
             rows.append(f"q{i:<{len(str(L - 1))}} {cells}")
         return "\n".join(rows)
 
-    def _repr_html_(self) -> str:
-        from .viz._html_repr import mask_html
+    def _repr_html_(self) -> str | None:
+        from ._display import html
 
-        return mask_html(self)
+        return html("mask", self)
 
     def __str__(self) -> str:
         try:

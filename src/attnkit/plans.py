@@ -147,10 +147,10 @@ class BlockPlan:
     def __str__(self) -> str:
         return f"BlockPlan: {self._summary()}\n{self.draw()}"
 
-    def _repr_html_(self) -> str:
-        from .viz._html_repr import plan_html
+    def _repr_html_(self) -> str | None:
+        from ._display import html
 
-        return plan_html(self)
+        return html("plan", self)
 
     def to_block_mask(self):
         """FlexAttention's ``BlockMask`` for the same tiles: partial tiles → ``kv_*`` (the

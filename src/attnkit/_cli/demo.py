@@ -75,8 +75,8 @@ def _explain_part():
 
 
 def _model_part(out, model_path):
+    from ..apps import ShowDependencyError, ShowInputError, show
     from ..integrations.minilm import ModelUnavailable
-    from ..viz import ShowDependencyError, ShowInputError, show
 
     try:
         res = show(None, out=out, model_path=model_path)

@@ -133,8 +133,8 @@ def run(args) -> int:
                        "Add --model minilm, or leave them out.")
     import torch
 
-    from ..viz.long_inputs import synthetic
-    from ..viz.tilemass import tile_mass
+    from ..apps.long_inputs import synthetic
+    from ..tilemass import tile_mass
 
     if args.kv_heads is not None and args.heads % args.kv_heads:
         raise CLIError(f"--kv-heads: expected a divisor of --heads {args.heads}, got {args.kv_heads}.")
@@ -166,9 +166,9 @@ def _run_minilm(args, out) -> int:
     max_tokens = 512 if args.max_tokens is None else args.max_tokens
     if max_tokens > 512 or max_tokens < 3:
         raise CLIError(f"--max-tokens: expected 3..512 (all-MiniLM-L6-v2 has 512 positions), got {max_tokens}.")
+    from ..apps.long_inputs import minilm_qk
+    from ..tilemass import tile_mass
     from ..viz.long_html import tile_mass_page
-    from ..viz.long_inputs import minilm_qk
-    from ..viz.tilemass import tile_mass
 
     t0 = time.perf_counter()
     try:
@@ -219,9 +219,9 @@ def _run_model(args, out) -> int:
     if path.is_file() and path.suffix != ".json":
         raise CLIError(f"--model: expected a model directory or its config.json, got the file {args.model!r}.")
     try:
+        from ..apps import long_inputs
         from ..integrations import long_capture
         from ..integrations.minilm import INSTALL_HINT
-        from ..viz import long_inputs
     except ImportError as e:  # pragma: no cover - transformers is missing
         raise CLIError(f"--model DIR needs transformers ({e}).") from None
     t0 = time.perf_counter()

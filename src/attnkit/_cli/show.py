@@ -1,6 +1,6 @@
 """``attnkit show``: a real model's attention on your sentence — a table, a PNG and an offline HTML page.
 
-This module only parses the arguments, calls the library function :func:`attnkit.viz.show`
+This module only parses the arguments, calls the library function :func:`attnkit.apps.show`
 and prints. ``run`` turns exactly show()'s user errors (``ShowInputError`` naming the
 argument, a missing extra) into a one-line :class:`CLIError` with the command line's
 name for the argument; anything else is a bug and keeps its traceback.
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import sys
 
-# show() is library code (attnkit.viz.show); the `X as X` names stay importable from here (explicit re-exports)
+# show() is library code (attnkit.apps.show); the `X as X` names stay importable from here (explicit re-exports)
 # for callers of the CLI module.
-from ..viz._show import DEFAULT_LAYER, DEFAULT_SENTENCE, WORD_RULE, show
-from ..viz._show import MAX_TOKENS as MAX_TOKENS
-from ..viz._show import ShowResult as ShowResult
-from ..viz._show import _load_cached as _load_cached
+from ..apps.sentences import DEFAULT_LAYER, DEFAULT_SENTENCE, WORD_RULE, show
+from ..apps.sentences import MAX_TOKENS as MAX_TOKENS
+from ..apps.sentences import ShowResult as ShowResult
+from ..apps.sentences import _load_cached as _load_cached
 
 __all__ = ["add_arguments", "run", "sentences_from_args"]
 
@@ -69,8 +69,8 @@ def run(args) -> int:
     sentences, note = sentences_from_args(args.sentences, args.separate)
     if note:
         print(note, file=sys.stderr)
+    from ..apps import ShowDependencyError, ShowInputError
     from ..integrations.minilm import ModelUnavailable, check_model_dir
-    from ..viz import ShowDependencyError, ShowInputError
     from . import CLIError, check_out_dir
 
     # what can be checked without the model, before it loads and runs

@@ -63,14 +63,14 @@ class Trace:
         return format_trace(self)
 
     def __repr__(self) -> str:
-        from ..viz._html_repr import trace_repr
+        from .._format import trace_repr
 
         return trace_repr(self)
 
-    def _repr_html_(self) -> str:
-        from ..viz._html_repr import trace_html
+    def _repr_html_(self) -> str | None:
+        from .._display import html
 
-        return trace_html(self)
+        return html("trace", self)
 
     def at_rank(self, rank: int) -> Trace:
         """This rank-4 trace with the leading (B, H) dims dropped to match a rank-2 or rank-3 input."""

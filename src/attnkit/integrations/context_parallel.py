@@ -65,7 +65,8 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.guard import ContextParallelError
-from .transformers import UnsupportedModelError, _check_uses_attention_interface, _import_transformers
+from .transformers._hf import import_transformers
+from .transformers._refusals import UnsupportedModelError, check_uses_attention_interface
 
 __all__ = ["NAME", "prepare", "sync_state", "shard_batch", "causal_lm_loss", "sync_gradients"]
 
@@ -94,7 +95,7 @@ def prepare(model, cp, *, sync: str = "broadcast"):
     Under a data × context mesh only ``cp``'s group is synchronised (DDP broadcasts over the
     data-parallel group). Then registers ``attn_implementation="attnkit_cp"`` (attention and mask
     hook) and switches the model to it."""
-    transformers, masking_utils = _import_transformers()
+    transformers, masking_utils = import_transformers()
     cfg = model.config
     name = type(model).__name__
     if getattr(cfg, "is_encoder_decoder", False):
@@ -103,8 +104,8 @@ def prepare(model, cp, *, sync: str = "broadcast"):
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise UnsupportedModelError(f"{name}: its forward takes no position_ids, so the rows of a shard cannot be "
                                     "given their global positions. Use a model whose forward accepts position_ids.")
-    _check_uses_attention_interface(getattr(cfg, "get_text_config", lambda: cfg)())
-    _check_uses_attention_interface(cfg)
+    check_uses_attention_interface(getattr(cfg, "get_text_config", lambda: cfg)())
+    check_uses_attention_interface(cfg)
     sync_state(model, cp, sync)
     transformers.AttentionInterface.register(NAME, _attention)
     masking_utils.AttentionMaskInterface.register(NAME, _no_mask)

@@ -4,7 +4,7 @@ Shape legend: B batch (1 here), H query heads, Hkv key/value heads, L query leng
 S key length (= L: one forward, no cache), D head dim.
 
 What the long-input view needs from a model is the q and k its attention multiplies, not
-the weights: :func:`attnkit.viz.tile_mass` turns them into the exact mass per tile without
+the weights: :func:`attnkit.tile_mass` turns them into the exact mass per tile without
 ever holding an L×S tensor. ``capture_attention`` (the weights, ``(B, H, L, S)`` per
 layer) cannot do that at 32k tokens: one layer's weights alone are 4 GiB per head. So::
 
@@ -93,6 +93,13 @@ def _ak():
     return ak_hf
 
 
+def _transformers():
+    """The transformers package (ImportError with the install hint when missing)."""
+    from .transformers._hf import import_transformers
+
+    return import_transformers()[0]
+
+
 def _capturing_forward(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention hook for ``"attnkit_long"``: keep q and k, then run attnkit's own hook."""
     ak_hf = _ak()
@@ -115,8 +122,11 @@ def _capturing_forward(module, query, key, value, attention_mask, **kwargs):
         raise RuntimeError(f"capture_qk: layer {idx} ran twice in one forward; the long-input view captures one "
                            "forward of a model that calls each attention layer once.")
     rec.seen.add(idx)
-    ak_hf._check_kwargs(module, kwargs)
-    mask, causal = ak_hf._resolve_mask(module, query, key, attention_mask, kwargs.get("is_causal"))
+    from .transformers._mask_translation import resolve_mask
+    from .transformers._refusals import check_kwargs
+
+    check_kwargs(module, kwargs)
+    mask, causal = resolve_mask(module, query, key, attention_mask, kwargs.get("is_causal"))
     softcap = kwargs.get("softcap")
     score_mod = None
     if softcap is not None:
@@ -137,8 +147,10 @@ def register() -> str:
     Idempotent; returns the name. :func:`capture_qk` calls it (and switches the model to it for
     the one forward), so a user rarely needs to.
     """
+    from .transformers._hf import import_transformers
+
     ak_hf = _ak()
-    transformers, masking_utils = ak_hf._import_transformers()
+    transformers, masking_utils = import_transformers()
     # attnkit's mask hook (structured masks, no dense (B, 1, L, S)) and the capturing layer. Not
     # ak_hf.register(NAME): its refusal entries import a dozen modeling modules (seconds); a model
     # that picks its attention class by name fails at construction instead, turned into a clear
@@ -276,7 +288,7 @@ def build_from_config(config, *, seed: int = 0):
     """A causal LM with random weights from ``config`` (a ``PretrainedConfig``, a dict with ``model_type``,
     or the path of a config.json), seeded: the same seed gives the same weights. The global RNG is left
     as it was. Eval mode, on ``"attnkit_long"``."""
-    transformers, _ = _ak()._import_transformers()
+    transformers = _transformers()
     if isinstance(config, (str, Path)):
         config = _config_from_file(Path(config))
     elif isinstance(config, dict):
@@ -294,7 +306,7 @@ def build_from_config(config, *, seed: int = 0):
 
 
 def _config_from_dict(d: dict, where: str):
-    transformers, _ = _ak()._import_transformers()
+    transformers = _transformers()
     mt = d.pop("model_type", None)
     if not isinstance(mt, str):
         raise ValueError(f"{where}: expected a transformers config with a \"model_type\" (e.g. \"llama\"), got "
@@ -320,7 +332,7 @@ def _tokenizer(d: Path):
     if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                                             "vocab.json", "vocab.txt", "spiece.model")):
         return None
-    transformers, _ = _ak()._import_transformers()
+    transformers = _transformers()
     try:
         return transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except (OSError, ValueError, TypeError, ImportError):
@@ -361,7 +373,7 @@ def load_causal_lm(path, *, from_config: bool = False, seed: int = 0) -> LoadedM
             f"model: {str(p)!r} has a config.json but no weights (no {' / '.join(WEIGHT_PATTERNS)}). To see a "
             "model with random weights built from that config, ask for it: from_config=True (attnkit long: "
             "--from-config, seeded by --seed); otherwise point at a directory that holds the weights.")
-    transformers, _ = _ak()._import_transformers()
+    transformers = _transformers()
     name = register()
     model = _construct(lambda: transformers.AutoModelForCausalLM.from_pretrained(
         str(p), attn_implementation=name, local_files_only=True), repr(str(p)))

@@ -1,30 +1,26 @@
-"""Pictures of attention weights: a PNG grid of heads and an offline interactive HTML page.
+"""Pictures of attention: it renders only (plain arrays and attnkit's own results in, files or HTML out).
 
-Both take plain arrays — weights ``(H, L, S)`` for the PNG, ``{layer: (B, H, L, S)}``
-for the page — and token labels, so they work for any model or for
-:func:`attnkit.explain` traces. matplotlib is imported only when a PNG is drawn
-(the viz extra: ``pip install -e '.[viz]'`` in the attnkit repository); the HTML page needs nothing but a browser.
+Everything here takes numbers that were computed elsewhere — weights ``(H, L, S)`` for the PNG,
+``{layer: (B, H, L, S)}`` for the page, a :class:`~attnkit.Trace`, a :class:`~attnkit.TileMass` —
+and token labels; nothing here runs attention or loads a model (those are :mod:`attnkit`,
+:func:`attnkit.tile_mass` and the applications in :mod:`attnkit.apps`). matplotlib is imported
+only when a PNG is drawn (the viz extra: ``pip install -e '.[viz]'`` in the attnkit repository);
+the HTML pages need nothing but a browser.
 
 * :func:`save_heads_png` — one heatmap per head, token labels, a shared 0–1 colour scale.
 * :func:`save_attention_html` — ONE self-contained file (inline JS/CSS, no network):
   pick sentence, layer and head, hover a token to see its attention lines.
 * :func:`explain_page` — ONE self-contained page that walks through attention on your own
   numbers (``attnkit explain --html FILE``): hover a score or an output to see how it is made.
-* :func:`tile_mass` — attention over a long input (128k tokens and more): the exact mass of
-  every (query block × key block) tile from q, k and a mask, in O(L) memory, skipping the
-  plan's empty tiles; exact row and tile weights on demand; ``TileMass.to_html`` writes ONE
-  offline zoomable page (``attnkit long``). See ``docs/long.md``.
-* :func:`show` — a real model's attention on your sentences (what ``attnkit show``
-  runs): a table for one word, the PNG and the page. Needs the model extra
-  (``pip install -e '.[model]'`` in the attnkit repository, or ``make demo``);
-  bad arguments raise :class:`ShowInputError` (a ``ValueError`` naming the argument).
+* :func:`tile_mass_page` — ONE offline zoomable page of a :class:`~attnkit.TileMass` (what
+  ``TileMass.to_html`` writes and ``attnkit long`` opens). See ``docs/long.md``.
+* the inline HTML a notebook shows for a mask, a plan, a dispatch decision and a trace
+  (``_html_repr``; the objects reach it through ``attnkit._display``, never by importing it).
 """
 
-from ._show import ShowDependencyError, ShowInputError, ShowResult, show
 from .explain_html import explain_page, save_explain_page
 from .html import save_attention_html
+from .long_html import tile_mass_page
 from .png import save_heads_png
-from .tilemass import TileMass, tile_mass
 
-__all__ = ["save_heads_png", "save_attention_html", "explain_page", "save_explain_page", "show", "ShowResult",
-           "ShowInputError", "ShowDependencyError", "tile_mass", "TileMass"]
+__all__ = ["save_heads_png", "save_attention_html", "explain_page", "save_explain_page", "tile_mass_page"]

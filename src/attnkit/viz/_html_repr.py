@@ -2,19 +2,21 @@
 :class:`~attnkit.BlockPlan` and a dispatch :class:`~attnkit.Decision`.
 
 Every renderer returns one self-contained HTML fragment (inline styles, no scripts, no
-external assets) whose numbers are the object's own; all text is escaped. The classes
-call these from a two-line ``_repr_html_``.
+external assets) whose numbers are the object's own; all text is escaped. The classes do not
+import this module: their ``_repr_html_`` asks ``attnkit._display``, where the package registers
+:func:`render` (see that module).
 """
 
 from __future__ import annotations
 
 import html as _html
+from collections.abc import Callable
 
 import numpy as np
 
 from .._format import format_number
 
-__all__ = ["trace_html", "mask_html", "plan_html", "decision_html", "matrix_table", "trace_repr"]
+__all__ = ["render", "trace_html", "mask_html", "plan_html", "decision_html", "matrix_table"]
 
 _BOX = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;line-height:1.3"
 _CELL = "padding:2px 6px;text-align:right;border:1px solid #e5e7eb"
@@ -81,16 +83,6 @@ def _slice(a, ndim_tail, b, h):
     if lead == 1:
         return a[h]
     return a
-
-
-def trace_repr(t) -> str:
-    """The plain ``repr`` of a trace: its sizes, not its arrays."""
-    L, S = np.shape(t.scores)[-2:]
-    lead = np.shape(t.scores)[:-2]
-    D, Dv = np.shape(t.q)[-1], np.shape(t.output)[-1]
-    names = ("B", "H")[-len(lead):] if 0 < len(lead) <= 2 else tuple(f"dim{i}" for i in range(len(lead)))
-    pre = "".join(f"{n}={v}, " for n, v in zip(names, lead, strict=True))
-    return f"Trace({pre}L={L}, S={S}, D={D}, Dv={Dv}, scale={t.scale:.6g}, masked={bool(t.has_mask)})"
 
 
 def trace_html(t, b: int = 0, h: int = 0, prec: int = 4, q_tokens=None, k_tokens=None) -> str:
@@ -201,3 +193,15 @@ def decision_html(d) -> str:
     return (f'<div style="{_BOX}"><b>attnkit dispatch Decision</b><table style="border-collapse:collapse;font:inherit">'
             f"<tr><th></th><th style=\"{_HEAD};text-align:left\">choice</th>"
             f"<th style=\"{_HEAD};text-align:left\">why</th></tr>{body}</table></div>")
+
+
+def render(kind: str, obj, **options) -> str:
+    """The HTML of ``obj`` drawn as ``kind`` (``attnkit._display.KINDS``): what the core's
+    ``_repr_html_`` methods show, registered by the package."""
+    if kind == "tile_mass":
+        from .long_html import tile_mass_page
+
+        return tile_mass_page(obj, **options)
+    draws: dict[str, Callable[..., str]] = {"trace": trace_html, "mask": mask_html, "plan": plan_html,
+                                            "decision": decision_html}
+    return draws[kind](obj, **options)

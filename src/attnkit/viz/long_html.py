@@ -1,4 +1,4 @@
-"""The offline page of a :class:`~attnkit.viz.tilemass.TileMass`: a zoomable map of attention mass.
+"""The offline page of a :class:`~attnkit.TileMass`: a zoomable map of attention mass.
 
 One self-contained HTML file: inline CSS and plain JS drawing on a canvas, the data embedded
 as base64 float32/int32 arrays, no external library, no network request. What it embeds::

@@ -285,7 +285,7 @@ def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_pat
         _table(tokens, rows, heads, top),
     ])
 
-    from . import save_attention_html, save_heads_png  # looked up now: attnkit.viz's current functions
+    from ..viz import save_attention_html, save_heads_png  # looked up now: attnkit.viz's current functions
 
     out_dir = Path(out)
     try:

@@ -1,4 +1,9 @@
-"""Attention mass per tile over long inputs: where each block of queries sends its attention.
+"""The tile-mass engine: where each block of queries sends its attention, over long inputs.
+
+The fourth way attnkit computes attention, beside the reference, eager and tiled backends: from a
+validated request (q, k, mask), the exact softmax mass of every tile, never an L×S tensor. The
+public door is :func:`attnkit.tile_mass` (``attnkit/tilemass.py``); the page that draws a
+:class:`TileMass` is :mod:`attnkit.viz`'s, reached through ``attnkit._display``.
 
 Shape legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 D head dim.  q ``(B, H, L, D)``, k ``(B, Hkv, S, D)`` (GQA: query head ``h`` uses kv head
@@ -18,7 +23,7 @@ add up to the number of live rows of that query block::
                  share[qb, kb] = mass / live rows of qb: the fraction of that block's attention
                  landing in kb (the colour of the map); "." = empty tile of the plan: never computed.
 
-How it is computed (:func:`tile_mass`), per query block and all heads at once, over the
+How it is computed (:func:`run`), per query block and all heads at once, over the
 key runs the plan leaves (adjacent non-empty tiles, one GEMM each, GQA heads stacked in
 the GEMM's rows so K is never copied)::
 
@@ -50,12 +55,13 @@ import torch
 
 from .. import _tiling
 from .. import plans as _plans
-from .._request import make_request
+from .._display import html
 from .._tiling import EMPTY, PARTIAL
-from ..backends import _softmax
-from ..backends._tiles import modify_scores
+from . import _softmax
+from ._tiles import modify_scores
+from ._worklist import _runs_from_grid
 
-__all__ = ["TileMass", "tile_mass", "MAX_RUN"]
+__all__ = ["TileMass", "run", "MAX_RUN"]
 
 MAX_RUN = 2048  # keys per GEMM: a (B·H·bm × MAX_RUN) fp32 score tile stays a few MB
 
@@ -80,22 +86,11 @@ def _live_kinds(req, block) -> torch.Tensor:
 
 
 def _runs_of(kinds: torch.Tensor, block, S: int, max_run: int):
-    """For each query block, its runs of adjacent non-empty key blocks, capped at ``max_run`` keys."""
+    """For each query block, its runs of adjacent non-empty key blocks, capped at ``max_run`` keys:
+    ``(first key block, end key block, any partial tile)``, found as the tiled backend finds its runs."""
     bn = block[1]
-    k = kinds.numpy()
-    cap = max(1, max_run // bn)
-    out = []
-    for qi in range(k.shape[0]):
-        cols = np.flatnonzero(k[qi] != EMPTY)
-        runs = []
-        if cols.size:
-            breaks = np.flatnonzero(np.diff(cols) != 1) + 1
-            for seg in np.split(cols, breaks):
-                for a in range(0, seg.size, cap):
-                    part = seg[a:a + cap]
-                    runs.append((int(part[0]), int(part[-1]) + 1, bool((k[qi, part] == PARTIAL).any())))
-        out.append(runs)
-    return out
+    return [[(j0 // bn, -(-j1 // bn), bool(spans)) for j0, j1, spans in runs]
+            for runs in _runs_from_grid(kinds, S, bn, max(1, max_run // bn))]
 
 
 class TileMass:
@@ -294,48 +289,27 @@ class TileMass:
         """The offline page (one file, no network): a zoomable map of the mass, per head and the
         mean, a hover readout, and exact row weights for ``rows`` (default: a few spread over L).
         Written to ``path`` when given; the HTML text is returned."""
-        from .long_html import tile_mass_page
-
-        page = tile_mass_page(self, title=title, rows=rows, max_bytes=max_bytes)
+        page = html("tile_mass", self, title=title, rows=rows, max_bytes=max_bytes)
+        if page is None:
+            raise RuntimeError("TileMass.to_html: no page renderer is registered (attnkit.viz registers one when "
+                               "attnkit is imported); import attnkit first.")
         if path is not None:
             from pathlib import Path
 
             Path(path).write_text(page, encoding="utf-8")
         return page
 
-    def _repr_html_(self) -> str:
-        from .long_html import tile_mass_page
-
-        return tile_mass_page(self, embed=True, max_bytes=1_500_000)
+    def _repr_html_(self) -> str | None:
+        return html("tile_mass", self, embed=True, max_bytes=1_500_000)
 
 
-def tile_mass(q, k, *, mask=None, causal: bool = False, scale=None, score_mod=None, block=(64, 64),
-              max_run: int = MAX_RUN, workers: int | None = None) -> TileMass:
-    """The exact attention mass of every tile of ``softmax(q kᵀ · scale)`` (see the module picture).
+def run(req, *, block=(64, 64), max_run: int = MAX_RUN, workers: int | None = None) -> TileMass:
+    """The exact attention mass of every tile of a validated request's ``softmax(q kᵀ · scale)``
+    (see the module picture); what :func:`attnkit.tile_mass` runs after checking its arguments.
 
     Shape legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
-    D head dim.
-
-    Args:
-        q: ``(B, H, L, D)`` (or ``(H, L, D)``, ``(L, D)``), torch or NumPy.
-        k: ``(B, Hkv, S, D)`` with ``H % Hkv == 0`` (GQA/MQA; K is never copied).
-        mask, causal, scale, score_mod: as in :func:`attnkit.attention` (an attnkit mask, an
-            :func:`attnkit.plan`, a mask_mod, a bool tensor or a float bias).
-        block: tile shape ``(bm, bn)`` (one int for both). A plan passed as ``mask`` gives its own.
-        max_run: most keys in one GEMM.
-        workers: threads over query blocks (default ``torch.get_num_threads()``); while they
-            run, torch's intra-op threads are set to 1 (restored after).
-
-    Returns:
-        :class:`TileMass`. Its masses are the exact sums of the weights ``attention`` uses
-        (checked against a float64 dense softmax in the tests); empty tiles of the plan are
-        never computed; fully masked rows contribute 0.
-
-    >>> L = 1024
-    >>> q = k = torch.randn(1, 2, L, 32)
-    >>> tm = attnkit.viz.tile_mass(q, k, mask=attnkit.masks.sliding_window(128), block=128)
-    >>> tm.shape, tm.tiles.shape[0], round(float(tm.mass[0, 0].sum()))   # every row sums to 1
-    ((8, 8), 15, 1024)
+    D head dim. ``req.q`` ``(B, H, L, D)``, ``req.k`` ``(B, Hkv, S, D)``; ``block``, ``max_run``,
+    ``workers``: as in :func:`attnkit.tile_mass`.
     """
     if isinstance(max_run, bool) or not isinstance(max_run, int) or max_run < 1:
         raise ValueError(f"max_run: expected an int >= 1, got {max_run!r}. Pass e.g. max_run=2048.")
@@ -343,10 +317,6 @@ def tile_mass(q, k, *, mask=None, causal: bool = False, scale=None, score_mod=No
         workers = torch.get_num_threads()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an int >= 1 or None (torch's thread count), got {workers!r}.")
-    # v plays no part in the weights: a one-column view of k stands in (no copy)
-    v = k[..., :1] if isinstance(k, (torch.Tensor, np.ndarray)) and k.ndim >= 2 else k
-    req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
-                       dropout_p=0.0, return_lse=False, backend="auto")
     if req.plan is not None:
         plan = req.plan
         assert isinstance(plan, _plans.BlockPlan), "an explicit plan reaches the request as a BlockPlan"

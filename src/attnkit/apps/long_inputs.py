@@ -12,7 +12,7 @@ Shape legend: B batch, H query heads, Hkv key/value heads, L query length, S key
 * :func:`model_long_page` — a transformers causal LM (a model, a model directory, or a config.json
   built with seeded random weights) on a long input: every layer's post-RoPE ``q (1, H, L, D)``
   and ``k (1, Hkv, L, D)`` captured on attnkit's fast path (:mod:`attnkit.integrations.long_capture`,
-  O(L) memory), each layer's tile masses (:func:`attnkit.viz.tile_mass`), and one page with a layer
+  O(L) memory), each layer's tile masses (:func:`attnkit.tile_mass`), and one page with a layer
   and head selector that opens on the layer whose heaviest tiles it lists.
 """
 
@@ -175,8 +175,8 @@ def default_block(L: int) -> int:
 def layer_tile_masses(layers, *, block: int | tuple = 64, labels=None) -> list:
     """``[("layer i", TileMass), ...]`` from :func:`attnkit.integrations.long_capture.capture_qk`'s
     ``LayerQK`` list: each layer's exact mass per tile under the mask, causal flag, scale and
-    score_mod that layer ran with (O(L) memory per layer; see :func:`attnkit.viz.tile_mass`)."""
-    from .tilemass import tile_mass
+    score_mod that layer ran with (O(L) memory per layer; see :func:`attnkit.tile_mass`)."""
+    from ..tilemass import tile_mass
 
     maps = []
     for lq in layers:
@@ -281,7 +281,7 @@ def model_long_page(model, input_ids, out=None, *, block=None, rows=None, labels
         layers: keep the first ``layers`` layers (None: all).
 
     Returns:
-        :class:`ModelLongPage`: the page (text and path), every layer's :class:`~attnkit.viz.TileMass`,
+        :class:`ModelLongPage`: the page (text and path), every layer's :class:`~attnkit.TileMass`,
         the layer it opens on (the one with the heaviest tile away from the diagonal, whose list it
         shows), and the times.
 
@@ -289,7 +289,7 @@ def model_long_page(model, input_ids, out=None, *, block=None, rows=None, labels
     :mod:`attnkit.integrations.long_capture`), the tile masses keep ``(H, tiles)`` per layer.
     """
     from ..integrations import long_capture
-    from .long_html import tile_mass_page
+    from ..viz.long_html import tile_mass_page
 
     t0 = time.perf_counter()
     if isinstance(model, (str, Path)):

@@ -23,7 +23,7 @@ Float32 budget: ``|attnkit − eager| ≤ 2e-5 · max(1, max |eager|)``. The two
 summation order inside attention (~1e-7 relative measured); any mask error moves an output by
 far more (~1e-2).
 
-Run ``python -m attnkit.integrations._walk`` for the whole table (a few minutes), or
+Run ``python tools/walk_transformers.py`` for the whole table (a few minutes), or
 ``--sample N`` for every N-th family (what the test does).
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from . import transformers as ak_hf
+from attnkit.integrations import transformers as ak_hf
 
 __all__ = ["Result", "families", "walk_one", "walk", "table"]
 
@@ -371,7 +371,7 @@ def table(results: list[Result]) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m attnkit.integrations._walk", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python tools/walk_transformers.py", description=__doc__.splitlines()[0])
     p.add_argument("--sample", type=int, default=1, help="walk every N-th family (default: all)")
     p.add_argument("families", nargs="*", help="model types to walk (default: all)")
     a = p.parse_args(argv)

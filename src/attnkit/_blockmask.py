@@ -1,0 +1,175 @@
+"""FlexAttention's ``BlockMask`` read as an attnkit :class:`~attnkit.plans.BlockPlan`.
+
+Shape legend: B batch, H query heads, L query length, S key length; a ``BlockMask`` cuts the
+``(L, S)`` scores into blocks of ``BLOCK_SIZE = (BM, BN)``.
+
+The meaning FlexAttention's kernels give a block mask::
+
+    attended(b, h, i, j) =  block (i // BM, j // BN) is full                        (full_kv_*)
+                         or block (i // BM, j // BN) is partial and mask_mod(b, h, i, j)   (kv_*)
+
+Used where a ``BlockMask`` arrives: ``attnkit.attention(..., mask=block_mask)`` (the request) and
+``attnkit.flex_attention(..., block_mask=...)``. It sits beside the plans it builds, below both, so
+neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from . import masks as _masks
+from ._tiling import EMPTY, FULL, PARTIAL
+from .plans import BlockPlan
+
+__all__ = ["is_block_mask", "block_mask_plan"]
+
+_LARGE_BLOCK = 1 << 30  # torch's block size of the "no block mask" BlockMask (_LARGE_SPARSE_BLOCK_SIZE)
+
+
+def is_block_mask(obj) -> bool:
+    """Whether ``obj`` is torch's ``BlockMask`` (FlexAttention is not imported when it was never loaded)."""
+    flex = sys.modules.get("torch.nn.attention.flex_attention")
+    return flex is not None and isinstance(obj, flex.BlockMask)
+
+
+def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str) -> BlockPlan | None:
+    """The :class:`BlockPlan` meaning what ``block_mask`` means to FlexAttention's kernels (None: every
+    position attends). ``arg`` names the argument in messages."""
+    from torch.nn.attention.flex_attention import noop_mask
+
+    bms = tuple(block_mask.BLOCK_SIZE)
+    if bms == (_LARGE_BLOCK, _LARGE_BLOCK):
+        return None  # torch's "no block mask" placeholder
+    mod = block_mask.mask_mod
+    if getattr(mod, "__name__", "") == "_sliced_mask_mod_error":
+        raise ValueError(f"{arg}: a sliced BlockMask (block_mask[b] / [:, h]) has no usable mask_mod, as torch "
+                         "says too. Build the block mask for the batch rows and heads you call with.")
+    seq = tuple(int(x) for x in block_mask.seq_lengths)
+    if seq != (L, S):
+        raise ValueError(
+            f"{arg}: the BlockMask was built for (Q_LEN, KV_LEN) = {seq}, but query and key have (L, S) = "
+            f"({L}, {S}) (query {L} rows, key {S} rows). Build it for these sizes: "
+            f"create_block_mask(mask_mod, B, H, {L}, {S}).")
+    num = block_mask.kv_num_blocks
+    if num.device != torch.device(device):
+        raise ValueError(f"{arg}: the BlockMask is on {num.device}, but query is on {device}. "
+                         f"Move it with block_mask.to({str(device)!r}) or build it with device=.")
+    Bb, Hb = num.shape[0], num.shape[1]
+    if Bb not in (1, B) or Hb not in (1, H):
+        raise ValueError(f"{arg}: the BlockMask has B={Bb}, H={Hb} (batch rows, heads), but query has B={B}, "
+                         f"H={H}. Build it with B in (None, {B}) and H in (None, {H}).")
+    bm, bn = bms
+    nq, nk = math.ceil(L / bm), math.ceil(S / bn)
+    if num.shape[-1] < nq:
+        raise ValueError(f"{arg}: its kv_num_blocks has {num.shape[-1]} query blocks, but L={L} with "
+                         f"BLOCK_SIZE={bms} needs {nq}. Build the block mask again for these sizes.")
+    partial = _dense(num, block_mask.kv_indices, nq, nk)
+    if block_mask.full_kv_num_blocks is not None:
+        full = _dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nq, nk)
+        if bool((partial & full).any()):
+            raise ValueError(f"{arg}: some blocks are listed both in kv_indices (partial) and full_kv_indices "
+                             "(full), which FlexAttention's kernels would count twice. List each block once.")
+    else:
+        full = torch.zeros_like(partial)
+    noop = mod is None or mod is noop_mask
+    if noop:  # a partial block with no mask_mod is attended in full
+        full, partial = full | partial, torch.zeros_like(partial)
+        if bool(full.all()):
+            return None
+    kinds = torch.full(partial.shape, EMPTY, dtype=torch.int8, device=partial.device)
+    kinds[partial] = PARTIAL
+    kinds[full] = FULL
+    m = _BlockMaskMask(kinds, (bm, bn), None if noop else mod)
+    return BlockPlan(m, B, H, L, S, (bm, bn), kinds.cpu())
+
+
+def _dense(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
+    """bool ``(Bb, Hb, nq, nk)`` of the blocks listed by ``num (Bb, Hb, ≥nq)``, ``idx (Bb, Hb, ≥nq, K)``
+    (FlexAttention's layout: per query block, the first ``num`` entries of ``idx`` are its blocks)."""
+    num, idx = num[..., :nq].long(), idx[..., :nq, :].long()
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+    width = max(nk, int(idx.max()) + 1 if idx.numel() else 0)
+    target = torch.where(listed & (idx >= 0), idx, width)  # entries past num go to a spare column
+    out = torch.zeros(*idx.shape[:-1], width + 1, dtype=torch.bool, device=idx.device)
+    out.scatter_(-1, target, True)
+    return out[..., :nk]
+
+
+class _BlockMaskMask(_masks.Mask):
+    """A BlockMask's meaning as an attnkit mask: its full blocks, and ``mask_mod`` inside its partial ones.
+
+    ``kinds`` int8 ``(Bb, Hb, nq, nk)`` on the BlockMask's device (Bb, Hb ∈ {1, B}, {1, H}).
+    """
+
+    def __init__(self, kinds: torch.Tensor, block: tuple[int, int], mask_mod):
+        self.kinds, self.block, self.mask_mod = kinds, block, mask_mod
+        self.inner = None if mask_mod is None else _masks.from_mod(mask_mod)
+        self.batch_size = kinds.shape[0] if kinds.shape[0] > 1 else None
+
+    def cache_key(self):
+        return None  # a mask_mod may read data that changes between calls: evaluated afresh each time
+
+    def validate(self, B, H, L, S):
+        super().validate(B, H, L, S)
+        if self.inner is not None:
+            self.inner.validate(B, H, L, S)  # a mask_mod that does not return bool fails here
+
+    def _lookup(self, b, h, q, kv):
+        # a batch row / head index only where the kinds depend on it, so the result has no dim the mask
+        # does not depend on (the engines read a mask tile's leading dims as its batch rows / heads)
+        k, (bm, bn) = self.kinds, self.block
+        d = k.device
+        lead = [(b % k.shape[0]).to(d)] if k.shape[0] > 1 else []
+        k = k if k.shape[0] > 1 else k[0]
+        lead += [(h % k.shape[-3]).to(d)] if k.shape[-3] > 1 else []
+        k = k if k.shape[-3] > 1 else k.select(-3, 0)
+        index = [*lead, (q // bm).to(d), (kv // bn).to(d)]
+        return k[tuple(index)]
+
+    def bind(self, L, S):
+        inner = None if self.inner is None else self.inner.bind(L, S)
+
+        def mod(b, h, q, kv):
+            kind = self._lookup(b, h, q, kv).to(q.device)
+            if inner is None:
+                return kind != EMPTY
+            return (kind == FULL) | ((kind == PARTIAL) & inner(b, h, q, kv))
+
+        return mod
+
+    def flex_mask_mod(self, L, S):
+        fn, lookup = self.mask_mod, self._lookup
+
+        def mod(b, h, q, kv):  # scalar semantics, for a BlockMask with other blocks than these
+            kind = lookup(b, h, q, kv)
+            return (kind == FULL) if fn is None else (kind == FULL) | ((kind == PARTIAL) & fn(b, h, q, kv))
+
+        return mod
+
+    def tile_kinds(self, B, H, L, S, bm, bn):
+        """Kinds for tiles of ``bm × bn``: the BlockMask's own for its block size; for another, a tile
+        is EMPTY / FULL when every block it overlaps is, PARTIAL otherwise (2-D prefix counts)."""
+        k = self.kinds.cpu()
+        BM, BN = self.block
+        if (bm, bn) == (BM, BN):
+            return k.clone()
+        r0, r1 = (torch.arange(0, L, bm) // BM), ((torch.arange(0, L, bm) + bm).clamp(max=L) - 1) // BM
+        c0, c1 = (torch.arange(0, S, bn) // BN), ((torch.arange(0, S, bn) + bn).clamp(max=S) - 1) // BN
+        r0, r1, c0, c1 = r0.view(-1, 1), r1.view(-1, 1) + 1, c0.view(1, -1), c1.view(1, -1) + 1
+
+        def count(sel: torch.Tensor) -> torch.Tensor:
+            p = torch.nn.functional.pad(sel.to(torch.int32).cumsum(-2).cumsum(-1), (1, 0, 1, 0))
+            return p[..., r1, c1] - p[..., r0, c1] - p[..., r1, c0] + p[..., r0, c0]
+
+        total = (r1 - r0) * (c1 - c0)
+        out = torch.full((k.shape[0], k.shape[1], r0.shape[0], c0.shape[1]), PARTIAL, dtype=torch.int8)
+        out[count(k == EMPTY) == total] = EMPTY
+        out[count(k == FULL) == total] = FULL
+        return out
+
+    def __repr__(self):
+        name = "no mask_mod" if self.mask_mod is None else getattr(self.mask_mod, "__name__", "mask_mod")
+        return f"block_mask({name}, BLOCK_SIZE={self.block})"
