@@ -7,6 +7,7 @@ backends only. A new kernel is one class (:class:`attnkit.backends._kernel.Kerne
 
 CPU (auto order)::
 
+    native-decode  the compiled kernel's decode entry           a few query rows over a cache, no gradient
     sdpa         torch SDPA (+ the grouped-query decode fold)   declines what the rows below do faster
     native       attnkit's compiled kernel                      any mask the plan describes, score_mods
     flash-runs   torch's flash kernel per run of keys           masks the kernel cannot take (a tensor mask)
@@ -71,7 +72,7 @@ class Row:
 
 
 TABLES: dict[str, tuple[Row, ...]] = {
-    "cpu": (Row(sdpa.FUSED), Row(sdpa.MATH, auto=False), Row(EXACT, auto=False), Row(native.NATIVE),
+    "cpu": (Row(native.NATIVE_DECODE), Row(sdpa.FUSED), Row(sdpa.MATH, auto=False), Row(EXACT, auto=False), Row(native.NATIVE),
             Row(tiled.FLASH_RUNS), Row(tiled.PLAIN), Row(flex.FLEX, auto=False), Row(eager.EAGER),
             Row(reference.REFERENCE, auto=False)),
     "cuda": (Row(sdpa.FUSED), Row(sdpa.MATH, auto=False), Row(EXACT, auto=False), Row(flex.FLEX),

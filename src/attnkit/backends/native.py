@@ -25,7 +25,7 @@ from . import _native, _softmax, _tilebits, _tiles, tiled
 from ._base import Request
 from ._kernel import Kernel
 
-__all__ = ["NATIVE", "Native", "native_unfit"]
+__all__ = ["NATIVE", "NATIVE_DECODE", "Native", "NativeDecode", "native_unfit"]
 
 _FULL = _masks.full()
 # (mask.cache_key(), B, L, S) -> row intervals (or None). Built-in masks are immutable values, so the key
@@ -169,6 +169,85 @@ class Native(Kernel):
 
 
 NATIVE = Native()
+
+# The decode entry's query rows: one block of the kernel's (csrc/attn_decode.h takes up to 64 rows).
+DECODE_ROWS = 16
+
+
+class NativeDecode(Kernel):
+    """The compiled kernel's decode entry (:func:`attnkit.backends._native.decode`): a few query rows over a
+    key/value cache, the g query heads of a kv head packed as rows that read its K and V once, long caches
+    split over the threads (split-K, exact lse merge), strided / bf16 / fp16 caches read in place. Inference
+    only (no autograd), built-in masks given as row intervals."""
+
+    name = "native-decode"
+    backend = "tiled"
+    worker = "native"
+    title = "the compiled kernel's decode entry"
+    devices = ("cpu",)
+    measured = ("benchmarks/decode_splitk.py and benchmarks/overhead.py (2 threads): a decode step over a long "
+                "cache at read bandwidth, and the smallest calls with the least Python around the kernel")
+
+    def not_supported(self, req: Request) -> list[str]:
+        B, H, L, S, *_ = req.shape
+        why: list[str] = []
+        if not tiled.NATIVE:
+            why.append("the compiled kernel is switched off (tiled.NATIVE = False)")
+        if req.device_type != "cpu":
+            why.append(f"tensors on {req.device_type} (the compiled kernel is CPU-only)")
+        if req.q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why.append(f"{req.q.dtype} (the decode entry reads fp32, bf16 or fp16)")
+        if L > DECODE_ROWS:
+            why.append(f"L = {L} > {DECODE_ROWS} query rows (not a decode step: the forward's tiles)")
+        if req.requires_grad():
+            why.append("a gradient is wanted (the decode entry is inference only)")
+        if req.score_mod is not None or req.bias is not None or req.dense_mask is not None or req.plan is not None:
+            why.append("a score_mod, tensor mask or plan (the decode entry takes a mask as row intervals)")
+        if req.dropout_p > 0:
+            why.append("dropout (the compiled kernel has none)")
+        if why:
+            return why
+        if "row_intervals" not in req.memo:
+            iv = _row_intervals(req.mask if req.mask is not None else _FULL, B, L, S)
+            if iv is None:
+                return [f"mask {req.mask!r} is not one stretch of keys per row"]
+            req.memo["row_intervals"] = iv
+        if not _native.available():
+            return [_native.unavailable_reason()]
+        return []
+
+    def auto_reason(self, req: Request, passed) -> str:
+        B, H, L, S, D, Dv, Hkv = req.shape
+        return (f"a decode step (L = {L} <= {DECODE_ROWS}, no gradient): attnkit's compiled decode entry, "
+                f"K/V read once per group{' and split over the threads' if S >= 2048 else ''}")
+
+    def why(self, req: Request) -> str:
+        B, H, L, S, D, Dv, Hkv = req.shape
+        return (f"attnkit's compiled kernel, decode entry ({_native.isa()}): {H // Hkv * L} rows per kv head "
+                "against its K/V read once, split-K over the threads with an exact lse merge")
+
+    def run(self, req: Request):
+        lo, hi = req.memo["row_intervals"]
+        out, lse = _native.decode(req.q, req.k, req.v, lo, hi, req.scale, need_lse=req.need_lse)
+        return out.to(req.q.dtype), lse
+
+    def replay(self, req: Request, user_mask):
+        """The prepared call for :mod:`attnkit._fast` (see ``sdpa.Fused.replay``): the row intervals of this
+        signature's built-in mask, fixed; no NaN check needed (the kernel propagates NaN itself)."""
+        if req.need_lse or req.weight_heads is not None or req.sinks is not None or type(user_mask) is torch.Tensor:
+            return None
+        lo, hi = req.memo["row_intervals"]
+        default = req.scale
+        dt = req.q.dtype
+
+        def run(q, k, v, mask, scale):
+            out, _ = _native.decode(q, k, v, lo, hi, default if scale is None else scale, need_lse=False)
+            return out if dt is torch.float32 else out.to(dt)
+
+        return run
+
+
+NATIVE_DECODE = NativeDecode()
 
 
 def native_unfit(req: Request) -> str | None:
