@@ -293,6 +293,22 @@ def test_a_tie_stays_on_sdpa():
     assert not close.kernel_wins and clear.kernel_wins and round(clear.ratio, 2) == 1.04
 
 
+def test_the_dtype_rule_for_the_backends():
+    """What tiled/native's ``native_unfit`` asks: the measured choice, else today's bf16 rule."""
+    def hw():
+        raise AssertionError("bf16_hardware asked although the table decided")
+
+    today = C.Crossovers()
+    assert today.torch_keeps(torch.float32, hw) is None and today.torch_keeps(torch.float16, hw) is None
+    assert "multiplies bf16 in hardware" in today.torch_keeps(torch.bfloat16, lambda: True)
+    assert today.torch_keeps(torch.bfloat16, lambda: False) is None
+    measured = C.Crossovers(bf16="kernel", fp16="torch", source="calibrated 2026-11-26 on X")
+    assert measured.torch_keeps(torch.bfloat16, hw) is None  # measured: the kernel, bf16 hardware or not
+    why = measured.torch_keeps(torch.float16, hw)
+    assert why.startswith("float16: torch's kernel measured faster") and "calibrated 2026-11-26 on X" in why
+    assert C.Crossovers(bf16="torch").torch_keeps(torch.bfloat16, hw).startswith("bfloat16: torch's kernel")
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"budget_s: expected a number of seconds > 0, got 0"):
         C.calibrate(budget_s=0)

@@ -142,6 +142,19 @@ class Crossovers:
             return self.fp16
         return None
 
+    def torch_keeps(self, dtype: torch.dtype, bf16_hardware: Callable[[], bool]) -> str | None:
+        """Why a call in ``dtype`` stays on torch's kernel instead of the compiled kernel (None: the kernel may
+        take it): the measured choice, else today's rule (bf16 on a CPU with bf16 instructions, asked of
+        ``bf16_hardware`` only then)."""
+        choice = self.dtype_choice(dtype)
+        if choice == "torch":
+            name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+            return f"{name}: torch's kernel measured faster than the compiled kernel here ({self.source})"
+        if choice is None and dtype == torch.bfloat16 and bf16_hardware():
+            return ("bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; ours is "
+                    "fp32)")
+        return None
+
 
 _MEMO: dict[int, Crossovers] = {}
 _LOCK = threading.Lock()
