@@ -488,6 +488,10 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         raise ValueError(f"threads: expected a whole number >= 1 or None (torch's current count), got {threads!r}.")
     clock = _clock
     t0 = clock()
+    try:
+        load: float | None = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        load = None
     deadline = t0 + float(budget_s)
     before = torch.get_num_threads()
     n = before if threads is None else threads
@@ -528,6 +532,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         path = cache_path(n) if write else None
         created = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         data = {"key": key, "created": created, "budget_s": float(budget_s), "elapsed_s": round(elapsed, 3),
+                "load_before": load,  # the 1-minute load average as it began: high means shared cores, noisy times
                 "crossovers": values, "defaults_kept": kept, "points": [dataclasses.asdict(p) for p in points],
                 "defaults": {"native_causal_min": DEFAULT_NATIVE_CAUSAL_MIN,
                              "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS, "bf16": None, "fp16": None}}
