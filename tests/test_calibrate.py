@@ -203,6 +203,24 @@ def test_a_failed_calibration_leaves_the_previous_file_in_use(cache, monkeypatch
     assert path.read_text() == before and C.crossovers().calibrated
 
 
+def test_a_cache_that_cannot_be_written_keeps_the_measurement_in_this_process(cache, monkeypatch, capsys):
+    blocker = cache / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv(C.ENV_DIR, str(blocker / "attnkit"))  # a folder below a file cannot be made
+    Fake(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = C.calibrate()
+    msg = _one_warning(caught)
+    assert "could not be stored" in msg and C.ENV_DIR in msg
+    assert c.calibrated and c.path is None and "(not stored: " in c.source and C.crossovers() is c
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        rc, out, _ = _cli(capsys)
+    took = [line for line in out.splitlines() if line.startswith("took ")]
+    assert rc == 0 and len(took) == 1 and "; not stored: " in took[0], out
+
+
 def test_the_off_switch_gives_the_defaults_even_with_a_file(cache, monkeypatch):
     _stored(cache, monkeypatch)
     assert C.crossovers().calibrated
@@ -363,6 +381,10 @@ def test_cli_show_and_reset(cache, monkeypatch, capsys):
     _cli(capsys)
     rc, out, _ = _cli(capsys, "--show")
     assert rc == 0 and "table in use: calibrated " in out and "that calibration took" in out
+    monkeypatch.setenv(C.ENV_SWITCH, "off")
+    rc, out, _ = _cli(capsys)
+    assert rc == 0 and f"note: {C.ENV_SWITCH}=off here" in out
+    monkeypatch.setenv(C.ENV_SWITCH, "on")
     rc, out, _ = _cli(capsys, "--reset")
     assert rc == 0 and "deleted 1 calibration file from" in out and not list(cache.glob("calibration-*"))
     assert not C.crossovers().calibrated

@@ -537,9 +537,20 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
                 "crossovers": values, "defaults_kept": kept, "points": [dataclasses.asdict(p) for p in points],
                 "defaults": {"native_causal_min": DEFAULT_NATIVE_CAUSAL_MIN,
                              "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS, "bf16": None, "fp16": None}}
+        unstored = None
         if path is not None:
-            _write_atomic(path, data)
-        result = Crossovers(causal, dense, bf16, fp16, source=_source(key, created[:10], path, kept), calibrated=True,
+            try:
+                _write_atomic(path, data)
+            except OSError as e:  # measured, but the cache cannot take it: this process still decides by it
+                unstored = f"{type(e).__name__}: {e}"
+                warnings.warn(f"attnkit: the calibration could not be stored in {_home(path)} ({unstored}); this "
+                              f"process uses it, the next starts from the defaults. Set {ENV_DIR} to a writable "
+                              "folder.", RuntimeWarning, stacklevel=2)
+                path = None
+        source = _source(key, created[:10], path, kept)
+        if unstored is not None:
+            source = source.replace(" (not written)", f" (not stored: {unstored})", 1)
+        result = Crossovers(causal, dense, bf16, fp16, source=source, calibrated=True,
                             path=None if path is None else str(path), points=tuple(points), elapsed_s=elapsed)
     except _NoKernel as e:  # nothing to measure: not a failure, nothing written
         return Crossovers(source=f"defaults (nothing to calibrate: {e})", failure=str(e), points=tuple(points),
@@ -555,7 +566,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
     if write:
-        _MEMO[n] = result  # this process decides by it from now on
+        _MEMO[n] = result  # this process decides by it from now on (the memo is per process, not per switch)
     return result
 
 

@@ -142,8 +142,12 @@ def run(args) -> int:
         print(f"defaults kept for {kept}")
     if args.dry_run:
         print(f"{took}; dry run: nothing written (it would go to {C._home(C.cache_path(args.threads))})")
+    elif c.path is None:
+        print(f"{took}; {c.source.partition(' (')[2].partition(')')[0]}")
     else:
-        print(f"{took}; stored in {C._home(c.path or '')}")
+        print(f"{took}; stored in {C._home(c.path)}")
+        if os.environ.get(C.ENV_SWITCH, "").strip().lower() in ("off", "0", "false", "no"):
+            print(f"note: {C.ENV_SWITCH}=off here: auto ignores the file until that is unset")
     if busy:
         print(busy)
     return 0
