@@ -243,7 +243,7 @@ def test_first_use_calibrates_once_and_nothing_runs_by_default(cache, monkeypatc
     fake = Fake(monkeypatch)
     assert not C.crossovers().calibrated and fake.calls == []  # "on": nothing measured on its own
     monkeypatch.setenv(C.ENV_SWITCH, "first-use")
-    monkeypatch.setattr(C._local, "tried", False, raising=False)
+    monkeypatch.setattr(C._local, "tried", False)
     C.forget()
     c = C.crossovers()
     assert c.calibrated and len(fake.calls) == 13 and C.cache_path().exists()
@@ -254,7 +254,7 @@ def test_first_use_calibrates_once_and_nothing_runs_by_default(cache, monkeypatc
 def test_a_failing_first_use_warns_once_and_is_not_retried(cache, monkeypatch):
     fake = Fake(monkeypatch, fail_at=0)
     monkeypatch.setenv(C.ENV_SWITCH, "first-use")
-    monkeypatch.setattr(C._local, "tried", False, raising=False)
+    monkeypatch.setattr(C._local, "tried", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         c = C.crossovers()

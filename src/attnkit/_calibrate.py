@@ -157,7 +157,17 @@ class Crossovers:
 
 _MEMO: dict[int, Crossovers] = {}
 _LOCK = threading.Lock()
-_local = threading.local()
+
+
+class _Local(threading.local):
+    """Per thread: inside a calibration (``measuring``), and whether first-use calibration was tried. Class
+    attributes as defaults: reading one is a plain attribute lookup (a getattr default raises inside)."""
+
+    measuring = False
+    tried = False
+
+
+_local = _Local()
 # what crossovers() answers inside a calibration (the measuring thread only): every dtype on the kernel, so the
 # kernel is what gets measured, and no calibration starts inside one
 _MEASURING = Crossovers(bf16="kernel", fp16="kernel", source="calibrating (the kernel takes every dtype while it "
@@ -170,7 +180,7 @@ def crossovers(threads: int | None = None) -> Crossovers:
     Memoised per process and thread count (a dict lookup after the first call). Never raises for a
     missing, corrupt or foreign file: the defaults decide then, and ``source`` says why.
     """
-    if getattr(_local, "measuring", False):
+    if _local.measuring:
         return _MEASURING
     n = torch.get_num_threads() if threads is None else threads
     got = _MEMO.get(n)
@@ -286,7 +296,7 @@ def _load(threads: int) -> Crossovers:
     table, why = _read(path, threads)
     if table is not None:
         return table
-    if switch == _FIRST_USE and not getattr(_local, "tried", False):
+    if switch == _FIRST_USE and not _local.tried:
         _local.tried = True  # once per thread, even when it fails
         return calibrate(DEFAULT_BUDGET_S, threads=threads, write=True)  # failed: the defaults, saying why
     return Crossovers(source=f"defaults ({why})")
@@ -496,7 +506,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
     deadline = t0 + float(budget_s)
     before = torch.get_num_threads()
     n = before if threads is None else threads
-    was_measuring = getattr(_local, "measuring", False)
+    was_measuring = _local.measuring
     points: list[Point] = []
     try:
         _local.measuring = True
