@@ -67,7 +67,7 @@ def test_defaults_are_todays_table_and_say_so(cache):
     c = C.crossovers()
     assert (c.native_causal_min, c.native_dense_min_ls, c.bf16, c.fp16) == (256, 1024 * 1024, None, None)
     assert not c.calibrated and c.source.startswith("defaults (no calibration for this CPU")
-    assert "attnkit calibrate" in c.source and f"{torch.get_num_threads()} threads" in c.source
+    assert "attnkit calibrate" in c.source and f"{torch.get_num_threads()} thread" in c.source
     assert C.crossovers() is c  # memoised: a dict lookup on dispatch's hot path
 
 
@@ -89,7 +89,7 @@ def test_calibration_decides_from_the_measurements_and_is_stored_where_the_env_s
     C.forget()
     again = C.crossovers()
     assert again.calibrated and (again.native_causal_min, again.bf16) == (256, "torch") and len(again.points) == 13
-    assert again.source.startswith("calibrated ") and f"{n} threads" in again.source and files[0].name in again.source
+    assert again.source.startswith("calibrated ") and f"{n} thread" in again.source and files[0].name in again.source
     assert again.source.split(" on ")[1].startswith(C.machine_key()["cpu"].split(" [")[0])
 
 
@@ -97,7 +97,7 @@ def test_one_file_per_thread_count_cpu_and_torch_version(cache, monkeypatch):
     Fake(monkeypatch)
     one, two = C.calibrate(threads=1), C.calibrate(threads=2)
     assert one.path != two.path and one.path.endswith("-1t.json") and two.path.endswith("-2t.json")
-    assert "1 threads" in one.source and "2 threads" in two.source
+    assert "1 thread (" in one.source and "2 threads" in two.source
     assert C.crossovers(1).path == one.path and C.crossovers(2).path == two.path
     here = C.cache_path(2)
     monkeypatch.setattr(C, "_KEY", {**C.machine_key(), "torch": "9.9.9"})
@@ -370,7 +370,7 @@ def test_cli_measures_prints_the_table_and_stores_it(cache, monkeypatch, capsys)
 def test_cli_dry_run_writes_nothing(cache, monkeypatch, capsys):
     Fake(monkeypatch)
     rc, out, _ = _cli(capsys, "--dry-run", "--budget", "1.5", "--threads", "1")
-    assert rc == 0 and "dry run: nothing written" in out and "1 threads, budget 1.5 s" in out
+    assert rc == 0 and "dry run: nothing written" in out and "1 thread, budget 1.5 s" in out
     assert not list(cache.iterdir())
 
 

@@ -306,7 +306,7 @@ def _read(path: Path, threads: int) -> tuple[Crossovers | None, str]:
     """The calibrated table in ``path``, or None and why not (for ``source``)."""
     key = machine_key(threads)
     if not path.exists():
-        return None, (f"no calibration for this CPU, torch {key['torch']}, {threads} threads: run `attnkit calibrate`")
+        return None, f"no calibration for this CPU, torch {key['torch']}, {_threads(threads)}: run `attnkit calibrate`"
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or not isinstance(data.get("key"), dict):
@@ -346,10 +346,14 @@ def _from_json(data: dict, path: Path) -> Crossovers:
                       path=str(path), points=points, elapsed_s=data.get("elapsed_s"))
 
 
+def _threads(n) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
 def _source(key, when: str, path: Path | None, kept) -> str:
     cpu = str(key["cpu"]).split(" [")[0]
     where = f" ({_home(path)})" if path is not None else " (not written)"
-    line = f"calibrated {when} on {cpu}, torch {key['torch']}, {key['threads']} threads{where}"
+    line = f"calibrated {when} on {cpu}, torch {key['torch']}, {_threads(key['threads'])}{where}"
     return line + (f"; defaults kept for {', '.join(kept)} (not measured in the budget)" if kept else "")
 
 
@@ -515,13 +519,13 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         for case, dtype, L, mode in _plan(backward):
             if clock() >= deadline:
                 break
-            # what this point's warm-up costs, from the nearest smaller one measured (work grows as L²): it and
-            # one round must fit in what is left, else it is skipped (a cheaper point later may still fit);
-            # _measure_point then runs only the rounds that fit
+            # what one round of this point costs, from the nearest smaller one measured (work grows as L²): a
+            # warm-up and the fewest rounds must fit in what is left, else it is skipped (a cheaper point later
+            # may still fit); _measure_point then runs only the rounds that fit
             near = [p for p in points if p.L <= L]
             last = max(near, key=lambda p: p.L) if near else None
             est = 0.0 if last is None else (last.kernel_ms + last.sdpa_ms) / 1e3 * (L / last.L) ** 2
-            if clock() + 2 * est > deadline:
+            if clock() + (1 + _MIN_ROUNDS) * est > deadline:
                 continue
             try:
                 got = _measure_point(case, dtype, L, mode == "fwd+bwd", deadline, clock)

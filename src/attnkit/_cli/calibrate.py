@@ -119,7 +119,7 @@ def run(args) -> int:
     if args.show:
         C.forget()
         c = C.crossovers(args.threads)
-        print(f"attnkit calibrate --show: {args.threads or C.machine_key()['threads']} threads")
+        print(f"attnkit calibrate --show: {C._threads(args.threads or C.machine_key()['threads'])}")
         print(f"table in use: {c.source}\n")
         _print_table(c, defaults)
         if c.calibrated and c.elapsed_s is not None:
@@ -127,7 +127,7 @@ def run(args) -> int:
         return 0
     key = C.machine_key(args.threads)
     busy = _load_note()
-    print(f"attnkit calibrate: {key['cpu']}, torch {key['torch']}, {key['threads']} threads, "
+    print(f"attnkit calibrate: {key['cpu']}, torch {key['torch']}, {C._threads(key['threads'])}, "
           f"budget {args.budget:g} s{', forward+backward' if args.backward else ''}", flush=True)
     c = C.calibrate(args.budget, threads=args.threads, write=not args.dry_run, backward=args.backward)
     print()
