@@ -409,17 +409,22 @@ def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: floa
     rounds = min(_MAX_ROUNDS, max(_MIN_ROUNDS, int(_POINT_TARGET_S / max(pair, 1e-9))), int(left / max(pair, 1e-9)))
     if rounds < _MIN_ROUNDS:
         return None
-    tk, ts = [], []
+    tk: list[float] = []
+    ts: list[float] = []
     for r in range(rounds):  # interleaved, alternating who goes first: drift and turbo hit both alike
+        if r and clock() + min(tk) + min(ts) > deadline:
+            break  # rounds ran slower than the warm-up promised (other work on the cores): keep the budget
         if r % 2:
             ts.append(timed(sdpa))
             tk.append(timed(kernel))
         else:
             tk.append(timed(kernel))
             ts.append(timed(sdpa))
+    if len(tk) < _MIN_ROUNDS:
+        return None
     # the fastest round of each: other work on shared cores only ever adds time (a preempted OpenMP thread
     # holds up the whole call), so the minimum is the estimate least moved by it
-    return min(tk), min(ts), rounds
+    return min(tk), min(ts), len(tk)
 
 
 def _plan(backward: bool) -> list[tuple[str, str, int, str]]:
