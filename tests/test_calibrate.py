@@ -239,7 +239,12 @@ def test_an_unknown_switch_value_warns_once_and_reads_the_file(cache, monkeypatc
     assert len(caught) == 1 and "'on', 'off' or 'first-use'" in str(caught[0].message)
 
 
-def test_first_use_calibrates_once_and_nothing_runs_by_default(cache, monkeypatch):
+@pytest.fixture
+def quiet(monkeypatch):
+    monkeypatch.setattr(C.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+
+
+def test_first_use_calibrates_once_and_nothing_runs_by_default(cache, monkeypatch, quiet):
     fake = Fake(monkeypatch)
     assert not C.crossovers().calibrated and fake.calls == []  # "on": nothing measured on its own
     monkeypatch.setenv(C.ENV_SWITCH, "first-use")
@@ -251,7 +256,17 @@ def test_first_use_calibrates_once_and_nothing_runs_by_default(cache, monkeypatc
     assert C.crossovers().calibrated and len(fake.calls) == 13  # read back, not measured again
 
 
-def test_a_failing_first_use_warns_once_and_is_not_retried(cache, monkeypatch):
+def test_first_use_waits_for_a_quiet_machine(cache, monkeypatch):
+    fake = Fake(monkeypatch)
+    monkeypatch.setattr(C.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setenv(C.ENV_SWITCH, "first-use")
+    monkeypatch.setattr(C._local, "tried", False)
+    c = C.crossovers()
+    assert not c.calibrated and fake.calls == [] and not C.cache_path().exists()
+    assert "first-use calibration skipped: load 64.0 on" in c.source and "attnkit calibrate" in c.source
+
+
+def test_a_failing_first_use_warns_once_and_is_not_retried(cache, monkeypatch, quiet):
     fake = Fake(monkeypatch, fail_at=0)
     monkeypatch.setenv(C.ENV_SWITCH, "first-use")
     monkeypatch.setattr(C._local, "tried", False)

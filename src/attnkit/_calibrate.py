@@ -25,7 +25,8 @@ calibration.
 * ``on`` (or unset) — use this machine's file when there is one; measure nothing on its own;
 * ``off`` — always the defaults (the test suite sets this, so its decisions are deterministic);
 * ``first-use`` — as ``on``, and when there is no valid file, the first call that reads the table
-  calibrates (at most 2 s, once per process and thread count) and writes it.
+  calibrates (at most 2 s, once per process and thread count) and writes it; not while the machine is
+  busy (1-minute load above its core count), when the times would mostly measure the waiting.
 
 Nothing runs on its own by default: a 2 s pause inside someone's first attention call, measured while
 their program is busy with something else, would surprise them and could mislead the table.
@@ -298,8 +299,22 @@ def _load(threads: int) -> Crossovers:
         return table
     if switch == _FIRST_USE and not _local.tried:
         _local.tried = True  # once per thread, even when it fails
+        busy = _busy()
+        if busy:
+            return Crossovers(source=f"defaults ({why}; first-use calibration skipped: {busy})")
         return calibrate(DEFAULT_BUDGET_S, threads=threads, write=True)  # failed: the defaults, saying why
     return Crossovers(source=f"defaults ({why})")
+
+
+def _busy() -> str | None:
+    """Why this machine is too busy to calibrate on its own (the 1-minute load above the core count: the
+    times would include waiting for other work), or None."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = os.cpu_count() or 1
+    return f"load {load:.1f} on {cores} cores" if load > cores else None
 
 
 def _read(path: Path, threads: int) -> tuple[Crossovers | None, str]:
