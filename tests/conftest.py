@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 
 import attnkit
+
+# auto's crossovers are the defaults in every test (and every subprocess a test starts): a calibration file in
+# the developer's cache must not change which backend a test sees. tests/test_calibrate.py turns it back on.
+os.environ["ATTNKIT_CALIBRATION"] = "off"
 
 EPS = {torch.float64: 2.2e-16, torch.float32: 1.2e-7, torch.bfloat16: 7.8e-3, torch.float16: 9.8e-4}
 

@@ -69,17 +69,23 @@ def test_auto_choice(ran, name, kw, want):
     assert ran == [want]
 
 
-def test_decode_sized_structured_mask_goes_sdpa_over_reachable_keys(ran):
-    from attnkit.backends import sdpa
-    q, k, v = rand_qkv(1, 4, 2, 3, 300, 8)
-    for kw in (dict(causal=True), dict(mask=M.sliding_window(50)), dict(mask=M.document(torch.arange(300) // 90))):
-        ran.clear()
-        d = attnkit.dispatch(q, k, v, **kw)
-        assert d.backend == "sdpa" and "decode-sized" in d.reason
-        out = attnkit.attention(q, k, v, **kw)
-        assert ran == ["sdpa"]
-        ref = attnkit.attention(q.double(), k.double(), v.double(), backend="reference", **kw)
-        assert torch.allclose(out.double(), ref, atol=1e-5), kw
+def test_decode_sized_structured_mask_goes_to_the_decode_entry_or_sdpa_over_reachable_keys(ran):
+    """A decode step with a built-in mask: the compiled kernel's decode entry (inference; the mask as row
+    intervals); with a gradient wanted (or without the kernel), SDPA over the keys the mask can reach."""
+    from attnkit.backends import _native, sdpa
+    for grad in (False, True):
+        q, k, v = rand_qkv(1, 4, 2, 3, 300, 8, requires_grad=grad)
+        for kw in (dict(causal=True), dict(mask=M.sliding_window(50)), dict(mask=M.document(torch.arange(300) // 90))):
+            ran.clear()
+            d = attnkit.dispatch(q, k, v, **kw)
+            if _native.available() and not grad:
+                assert (d.backend, d.worker) == ("tiled", "native") and "decode" in d.reason, d
+            else:
+                assert d.backend == "sdpa" and "decode-sized" in d.reason, d
+            out = attnkit.attention(q, k, v, **kw)
+            assert ran == [d.backend]
+            ref = attnkit.attention(q.double(), k.double(), v.double(), backend="reference", **kw)
+            assert torch.allclose(out.double(), ref, atol=1e-5), kw
     req = attnkit._request.make_request(q, k, v, mask=M.sliding_window(50), causal=False, scale=None, score_mod=None,
                                         dropout_p=0.0, return_lse=False, backend="auto")
     assert sdpa.key_range(req) == (248, 300)  # only the window's keys reach SDPA: 300 - 3 - 50 + 1 = 248

@@ -1,4 +1,4 @@
-"""``attnkit`` command line: explain | masks | show | bench | demo | long.
+"""``attnkit`` command line: explain | masks | show | bench | demo | long | calibrate.
 
 Each subcommand lives in ``attnkit._cli.<name>`` with ``add_arguments(parser)``
 and ``run(args) -> int``; heavy imports happen only when that subcommand runs.
@@ -30,6 +30,7 @@ _COMMANDS = {
     "bench": "benchmark attnkit against torch SDPA, FlexAttention and naive attention",
     "demo": "a three-part demo: explain, a real model's attention, a speed table (the tour is examples/tour.ipynb)",
     "long": "attention over a long input (128k tokens, or MiniLM's 512): a zoomable map of the mass per tile",
+    "calibrate": "measure where attnkit's compiled kernel beats torch SDPA on this CPU; auto decides by it",
 }
 
 

@@ -72,8 +72,8 @@ class Row:
 
 
 TABLES: dict[str, tuple[Row, ...]] = {
-    "cpu": (Row(native.NATIVE_DECODE), Row(sdpa.FUSED), Row(sdpa.MATH, auto=False), Row(EXACT, auto=False), Row(native.NATIVE),
-            Row(tiled.FLASH_RUNS), Row(tiled.PLAIN), Row(flex.FLEX, auto=False), Row(eager.EAGER),
+    "cpu": (Row(native.NATIVE_DECODE), Row(sdpa.FUSED), Row(sdpa.MATH, auto=False), Row(EXACT, auto=False),
+            Row(native.NATIVE), Row(tiled.FLASH_RUNS), Row(tiled.PLAIN), Row(flex.FLEX, auto=False), Row(eager.EAGER),
             Row(reference.REFERENCE, auto=False)),
     "cuda": (Row(sdpa.FUSED), Row(sdpa.MATH, auto=False), Row(EXACT, auto=False), Row(flex.FLEX),
              Row(tiled.PLAIN), Row(eager.EAGER), Row(reference.REFERENCE, auto=False)),

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from .. import _scoreprog
+from .. import _calibrate, _scoreprog
 from .. import masks as _masks
 from .. import score_mods as _score_mods
 from . import _native, _softmax, _tilebits, _tiles, tiled
@@ -95,11 +95,13 @@ class Native(Kernel):
             why.append(f"tensors on {req.device_type} (the compiled kernel is CPU-only)")
         if req.q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             why.append(f"{req.q.dtype} (the compiled kernel computes in fp32; float64 stays in float64)")
-        elif req.q.dtype == torch.bfloat16 and _bf16_hardware():
-            # measured (`python benchmarks/kernel.py --dtype bf16 --cases dense,causal`, a CPU with AMX): torch's
-            # bf16 kernel per run ("before") 2.2-2.5x the compiled kernel's (fp32 inside) forward speed at L = 4096
-            why.append("bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; "
-                       "ours is fp32)")
+        elif req.q.dtype != torch.float32:
+            # this machine's measurement (attnkit calibrate), else today's rule: bf16 stays on torch's kernel
+            # where the CPU multiplies bf16 in hardware (measured on a CPU with AMX: `python benchmarks/kernel.py
+            # --dtype bf16 --cases dense,causal`, torch's bf16 kernel 2.2-2.5x the compiled kernel's forward)
+            keep = _calibrate.crossovers().torch_keeps(req.q.dtype, _bf16_hardware)
+            if keep is not None:
+                why.append(keep)
         if req.dropout_p > 0:
             why.append("dropout (the compiled kernel has none)")
         if req.bias is not None or req.dense_mask is not None:

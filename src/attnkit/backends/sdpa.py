@@ -16,9 +16,12 @@ by the math path of ``eager``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from .. import _calibrate
 from . import _decode, _flash_cpu, eager
 from ._base import Request
 from ._kernel import Kernel
@@ -123,16 +126,22 @@ def backward_flaw(req: Request) -> str | None:
     return None
 
 
-# Where attnkit's compiled kernel beats torch SDPA on SDPA's own ground (benchmarks/auto_grid.py, 2 threads,
-# fp32, D = 64): causal from L = 256 (1.17-1.41x, forward and forward+backward; at L = 64 SDPA's lower
-# per-call cost wins), no mask from L·S = 1024² (forward 1.03-1.04x, forward+backward 1.12x).
-NATIVE_CAUSAL_MIN = 256
-NATIVE_DENSE_MIN_LS = 1024 * 1024
+# Where attnkit's compiled kernel beats torch SDPA on SDPA's own ground: this machine's measurement
+# (`attnkit calibrate`, attnkit._calibrate.crossovers()), else these defaults (benchmarks/auto_grid.py, 2 threads,
+# fp32, D = 64: causal from L = 256, 1.17-1.41x forward and forward+backward, at L = 64 SDPA's lower per-call
+# cost wins; no mask from L·S = 1024², forward 1.03-1.04x, forward+backward 1.12x).
+NATIVE_CAUSAL_MIN = _calibrate.DEFAULT_NATIVE_CAUSAL_MIN
+NATIVE_DENSE_MIN_LS = _calibrate.DEFAULT_NATIVE_DENSE_MIN_LS
 # Above this fraction of partial tiles a user bool mask stays with SDPA (tiled ≈ 0.96× there: nothing to skip).
 DENSE_PARTIAL_MAX = 0.9
 # A user bool mask of one tile (L, S <= 64: nothing a tile analysis could skip) goes to SDPA as it is
 # (benchmarks/overhead.py, L = S = 64: the full path's tile analysis cost 1.9x SDPA's whole call).
 SMALL_MASK = 64
+
+
+def _square(n: int) -> str:
+    r = math.isqrt(n)
+    return f"{r}²" if r * r == n else f"{n:,}"
 
 
 def _native_runs(req: Request) -> bool:
@@ -169,9 +178,11 @@ class Fused(Kernel):
         if req.device_type != "cpu":
             return self._declines_cuda(req)
         L, S = req.q.shape[2], req.k.shape[2]
+        x = _calibrate.crossovers()
         if req.mask is None and req.dense_mask is None:
-            if req.bias is None and L * S >= NATIVE_DENSE_MIN_LS and _native_runs(req):
-                return "no mask at L·S >= 1024²: attnkit's compiled kernel is faster than SDPA here"
+            if req.bias is None and L * S >= x.native_dense_min_ls and _native_runs(req):
+                return (f"no mask at L·S >= {_square(x.native_dense_min_ls)}: attnkit's compiled kernel is faster "
+                        f"than SDPA here (table: {x.source})")
             return None  # no mask, or only a float bias: nothing to skip, SDPA applies it in one fused pass
         if L <= DECODE_MAX_L and req.plan is None:
             return None  # decoding: SDPA over the keys the mask can reach, with an (L × n) mask built per call
@@ -186,9 +197,9 @@ class Fused(Kernel):
             return f"a bool mask with {100 * (1 - partial):.0f}% of its tiles empty or full"
         if req.causal and (req.causal_align == "top_left" or L == S):
             if req.bias is None and req.dense_mask is None:
-                if min(L, S) >= NATIVE_CAUSAL_MIN and _native_runs(req):
-                    return (f"causal at L >= {NATIVE_CAUSAL_MIN}: attnkit's compiled kernel is faster than SDPA's "
-                            "is_causal")
+                if min(L, S) >= x.native_causal_min and _native_runs(req):
+                    return (f"causal at L >= {x.native_causal_min}: attnkit's compiled kernel is faster than SDPA's "
+                            f"is_causal (table: {x.source})")
                 return None
             return "causal with a tensor mask (SDPA would merge them into a dense (B, H, L, S) mask)"
         return f"mask {req.mask!r} (SDPA would need a dense (B, H, L, S) mask)"
@@ -230,7 +241,8 @@ class Fused(Kernel):
                     "one pass")
         if req.bias is not None:
             return "float bias and nothing to skip: torch's fused kernel applies it in one pass"
-        return f"{kind} attention without score_mod: torch's fused kernel is fastest here"
+        return (f"{kind} attention without score_mod: torch's fused kernel is fastest here "
+                f"(table: {_calibrate.crossovers().source})")
 
     def why(self, req: Request) -> str:
         why = "torch.nn.functional.scaled_dot_product_attention"

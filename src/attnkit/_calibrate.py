@@ -1,0 +1,630 @@
+"""``auto``'s crossovers measured on the machine that runs: attnkit's compiled kernel against torch SDPA.
+
+Shape legend: B batch · H query heads · L query length · S key length · D head dim. Every measurement
+runs q, k, v of shape (1, 8, L, 64) (L = S), the shape the default table was measured on.
+
+``auto`` hands a call with no mask, or with a causal mask (L = S or top-left), to attnkit's compiled
+kernel instead of SDPA from a size on; and keeps bf16 on torch's kernel where the CPU multiplies bf16
+in hardware. Those rules were measured on one CPU. This module measures them on this one:
+
+* :func:`crossovers` — the table ``auto`` reads (a dict lookup after the first call of a process):
+  from this machine's calibration file when there is one for this CPU, torch version, attnkit version
+  and thread count, else :class:`Crossovers`' defaults (today's table). ``source`` says which.
+* :func:`calibrate` — measures, bounded by ``budget_s`` of wall time (2 s by default), and writes the
+  file (``attnkit calibrate`` is the command line for it). A calibration that fails or is interrupted
+  never breaks attention: it returns the defaults, with one warning.
+
+Where the file lives: ``$ATTNKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnkit``, else
+``~/.cache/attnkit``; one file per CPU model (with its ISA flags), torch version, attnkit version and
+thread count, ``calibration-<digest>-<N>t.json``. A file that is corrupt, or whose recorded key does not
+match this machine, is ignored (the defaults decide, ``source`` says why) and rewritten by the next
+calibration.
+
+``ATTNKIT_CALIBRATION`` (read once per process and thread count; :func:`forget` re-reads it):
+
+* ``on`` (or unset) — use this machine's file when there is one; measure nothing on its own;
+* ``off`` — always the defaults (the test suite sets this, so its decisions are deterministic);
+* ``first-use`` — as ``on``, and when there is no valid file, the first call that reads the table
+  calibrates (at most 2 s, once per process and thread count) and writes it; not while the machine is
+  busy (1-minute load above its core count), when the times would mostly measure the waiting.
+
+Nothing runs on its own by default: a 2 s pause inside someone's first attention call, measured while
+their program is busy with something else, would surprise them and could mislead the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["Crossovers", "Point", "crossovers", "calibrate", "cache_dir", "cache_path", "machine_key", "forget",
+           "reset", "WIN_MARGIN", "DEFAULT_NATIVE_CAUSAL_MIN", "DEFAULT_NATIVE_DENSE_MIN_LS", "DEFAULT_BUDGET_S",
+           "SCHEMA"]
+
+# Today's table (2 threads, fp32, D = 64, an AMD EPYC: benchmarks/auto_grid.py): the compiled kernel beats
+# SDPA's is_causal from min(L, S) = 256, and SDPA with no mask from L·S = 1024².
+DEFAULT_NATIVE_CAUSAL_MIN = 256
+DEFAULT_NATIVE_DENSE_MIN_LS = 1024 * 1024
+DEFAULT_BUDGET_S = 2.0
+SCHEMA = 1  # the file's layout; a file with another schema is ignored and rewritten
+
+ENV_SWITCH = "ATTNKIT_CALIBRATION"
+ENV_DIR = "ATTNKIT_CACHE_DIR"
+_OFF = ("off", "0", "false", "no")
+_ON = ("", "on", "1", "true", "yes")
+_FIRST_USE = "first-use"
+
+H, D = 8, 64  # the measured shape (B = 1, L = S): the default table's
+CAUSAL_LENGTHS = (64, 128, 256, 512, 1024)
+DENSE_LENGTHS = (256, 512, 1024, 2048)  # L = S; the crossover is in L·S
+DTYPE_LENGTH = 512  # bf16 / fp16: kernel against torch's kernel at this L = S, causal and no mask
+_POINT_TARGET_S = 0.06  # time spent on one point (both peers), rounds in [_MIN_ROUNDS, _MAX_ROUNDS]
+_MIN_ROUNDS, _MAX_ROUNDS = 3, 15
+
+# the kernel must be at least this much faster to take a size from SDPA: closer is within the jitter of shared
+# cores, and SDPA's path costs less per call
+WIN_MARGIN = 1.03
+
+_CHOICES = ("kernel", "torch")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured point: ``case`` ``"causal"`` or ``"none"`` (no mask) at q (1, 8, L, 64), k/v (1, 8, S, 64);
+    the fastest round's milliseconds of the compiled kernel (``attnkit.attention(..., backend="tiled")``) and of
+    ``torch.nn.functional.scaled_dot_product_attention``, over ``rounds`` interleaved rounds."""
+
+    case: str
+    dtype: str
+    L: int
+    S: int
+    mode: str  # "fwd" or "fwd+bwd"
+    kernel_ms: float
+    sdpa_ms: float
+    rounds: int
+
+    @property
+    def ratio(self) -> float:
+        """SDPA's time over the kernel's: above 1 the kernel is faster."""
+        return self.sdpa_ms / self.kernel_ms if self.kernel_ms > 0 else math.inf
+
+    @property
+    def kernel_wins(self) -> bool:
+        """The kernel at least :data:`WIN_MARGIN` faster (a closer race is a tie, and a tie stays on SDPA)."""
+        return self.ratio >= WIN_MARGIN
+
+
+@dataclass(frozen=True)
+class Crossovers:
+    """The sizes and dtypes where ``auto`` prefers attnkit's compiled kernel to torch's kernels (CPU).
+
+    * ``native_causal_min``: causal (L = S or top-left) runs on the kernel from ``min(L, S) >=`` this;
+    * ``native_dense_min_ls``: no mask runs on the kernel from ``L * S >=`` this;
+    * ``bf16`` / ``fp16``: ``"kernel"`` (the compiled kernel takes this dtype), ``"torch"`` (torch's kernel
+      keeps it) or None (today's rule: bf16 stays on torch's kernel where the CPU has bf16 instructions);
+    * ``source``: which table decided, in words (``dispatch`` quotes it);
+    * ``calibrated``: measured on this machine (else the defaults); ``path``: the file it came from or
+      went to; ``points``: the measurements; ``failure``: why a calibration gave the defaults instead.
+    """
+
+    native_causal_min: int = DEFAULT_NATIVE_CAUSAL_MIN
+    native_dense_min_ls: int = DEFAULT_NATIVE_DENSE_MIN_LS
+    bf16: str | None = None
+    fp16: str | None = None
+    source: str = "defaults"
+    calibrated: bool = False
+    path: str | None = None
+    points: tuple[Point, ...] = ()
+    failure: str | None = None
+    elapsed_s: float | None = None
+
+    def dtype_choice(self, dtype: torch.dtype) -> str | None:
+        """``"kernel"``, ``"torch"`` or None (today's rule) for a low-precision ``dtype``; None for others."""
+        if dtype == torch.bfloat16:
+            return self.bf16
+        if dtype == torch.float16:
+            return self.fp16
+        return None
+
+    def torch_keeps(self, dtype: torch.dtype, bf16_hardware: Callable[[], bool]) -> str | None:
+        """Why a call in ``dtype`` stays on torch's kernel instead of the compiled kernel (None: the kernel may
+        take it): the measured choice, else today's rule (bf16 on a CPU with bf16 instructions, asked of
+        ``bf16_hardware`` only then)."""
+        choice = self.dtype_choice(dtype)
+        if choice == "torch":
+            name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+            return f"{name}: torch's kernel measured faster than the compiled kernel here ({self.source})"
+        if choice is None and dtype == torch.bfloat16 and bf16_hardware():
+            return ("bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; ours is "
+                    "fp32)")
+        return None
+
+
+_MEMO: dict[int, Crossovers] = {}
+_LOCK = threading.Lock()
+
+
+class _Local(threading.local):
+    """Per thread: inside a calibration (``measuring``), and whether first-use calibration was tried. Class
+    attributes as defaults: reading one is a plain attribute lookup (a getattr default raises inside)."""
+
+    measuring = False
+    tried = False
+
+
+_local = _Local()
+# what crossovers() answers inside a calibration (the measuring thread only): every dtype on the kernel, so the
+# kernel is what gets measured, and no calibration starts inside one
+_MEASURING = Crossovers(bf16="kernel", fp16="kernel", source="calibrating (the kernel takes every dtype while it "
+                                                             "is measured)")
+
+
+def crossovers(threads: int | None = None) -> Crossovers:
+    """The table ``auto`` decides by, for ``threads`` (default: ``torch.get_num_threads()``).
+
+    Memoised per process and thread count (a dict lookup after the first call). Never raises for a
+    missing, corrupt or foreign file: the defaults decide then, and ``source`` says why.
+    """
+    if _local.measuring:
+        return _MEASURING
+    n = torch.get_num_threads() if threads is None else threads
+    got = _MEMO.get(n)
+    if got is None:
+        with _LOCK:
+            got = _MEMO.get(n)
+            if got is None:
+                got = _MEMO[n] = _load(n)
+    return got
+
+
+def forget() -> None:
+    """Drop the in-process memo: the next :func:`crossovers` re-reads the environment and the file."""
+    _MEMO.clear()
+
+
+def cache_dir() -> Path:
+    """Where calibration files live: ``$ATTNKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnkit``, else
+    ``~/.cache/attnkit``."""
+    given = os.environ.get(ENV_DIR)
+    if given:
+        return Path(given).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "attnkit"
+
+
+_KEY: dict[str, object] | None = None
+
+
+def _attnkit_version() -> str:
+    """The installed attnkit's version (read from its metadata: the package face sits above this module)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("attnkit")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def machine_key(threads: int | None = None) -> dict[str, object]:
+    """What a calibration file must match: CPU model (with the ISA flags that change the kernels' speed),
+    torch version, attnkit version, schema and thread count."""
+    global _KEY
+    if _KEY is None:
+        _KEY = {"cpu": _cpu_name(), "torch": torch.__version__, "attnkit": _attnkit_version(), "schema": SCHEMA}
+    return {**_KEY, "threads": torch.get_num_threads() if threads is None else int(threads)}
+
+
+def cache_path(threads: int | None = None) -> Path:
+    """This machine's calibration file for ``threads`` (default: ``torch.get_num_threads()``)."""
+    key = machine_key(threads)
+    digest = hashlib.sha1(json.dumps({k: v for k, v in key.items() if k != "threads"}, sort_keys=True)
+                          .encode()).hexdigest()[:12]
+    return cache_dir() / f"calibration-{digest}-{key['threads']}t.json"
+
+
+def reset() -> list[Path]:
+    """Delete every calibration file in :func:`cache_dir` (any CPU, torch version, thread count); the
+    paths deleted. The memo is dropped too."""
+    gone = []
+    d = cache_dir()
+    if d.is_dir():
+        for p in sorted(d.glob("calibration-*.json")):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                gone.append(p)
+    forget()
+    return gone
+
+
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+def _cpu_name() -> str:
+    """The CPU model and the ISA flags that matter here, e.g. ``"AMD EPYC [avx2 fma]"``."""
+    name, flags = "", set[str]()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not name:
+                    name = val.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(val.split())
+                if name and flags:
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    have = [f for f in _FLAGS if f in flags]
+    return f"{name} [{' '.join(have)}]" if have else name
+
+
+def _home(p: Path | str) -> str:
+    s, home = str(p), str(Path.home())
+    return "~" + s[len(home):] if home and home != "/" and s.startswith(home + os.sep) else s
+
+
+def _switch() -> str:
+    v = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if v in _OFF:
+        return "off"
+    if v == _FIRST_USE:
+        return _FIRST_USE
+    if v not in _ON:
+        warnings.warn(f"{ENV_SWITCH}: expected 'on', 'off' or 'first-use', got {v!r}; using 'on' (this machine's "
+                      "calibration file when there is one). Set it to one of the three.", RuntimeWarning, stacklevel=4)
+    return "on"
+
+
+def _load(threads: int) -> Crossovers:
+    """The table for ``threads`` from the environment and the file (never raises)."""
+    switch = _switch()
+    if switch == "off":
+        return Crossovers(source=f"defaults (calibration switched off: {ENV_SWITCH}=off)")
+    try:
+        path = cache_path(threads)
+    except Exception as e:  # no home directory, an unreadable key: the defaults, said so
+        return Crossovers(source=f"defaults (no calibration cache: {type(e).__name__}: {e})")
+    table, why = _read(path, threads)
+    if table is not None:
+        return table
+    if switch == _FIRST_USE and not _local.tried:
+        _local.tried = True  # once per thread, even when it fails
+        busy = _busy()
+        if busy:
+            return Crossovers(source=f"defaults ({why}; first-use calibration skipped: {busy})")
+        return calibrate(DEFAULT_BUDGET_S, threads=threads, write=True)  # failed: the defaults, saying why
+    return Crossovers(source=f"defaults ({why})")
+
+
+def _busy() -> str | None:
+    """Why this machine is too busy to calibrate on its own (the 1-minute load above the core count: the
+    times would include waiting for other work), or None."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = os.cpu_count() or 1
+    return f"load {load:.1f} on {cores} cores" if load > cores else None
+
+
+def _read(path: Path, threads: int) -> tuple[Crossovers | None, str]:
+    """The calibrated table in ``path``, or None and why not (for ``source``)."""
+    key = machine_key(threads)
+    if not path.exists():
+        return None, f"no calibration for this CPU, torch {key['torch']}, {_threads(threads)}: run `attnkit calibrate`"
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("key"), dict):
+            raise ValueError("no 'key' object")
+        got = data["key"]
+        if got.get("schema") != SCHEMA:
+            return None, (f"calibration file {_home(path)} has schema {got.get('schema')!r}, not {SCHEMA}; "
+                          "will be rewritten by the next calibration")
+        differ = [f"{k} {got.get(k)!r} (this machine: {key[k]!r})" for k in ("cpu", "torch", "attnkit", "threads")
+                  if got.get(k) != key[k]]
+        if differ:
+            return None, (f"calibration file {_home(path)} is for another " + "; ".join(differ)
+                          + "; will be rewritten by the next calibration")
+        table = _from_json(data, path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return None, (f"calibration file {_home(path)} corrupt: {type(e).__name__}: {e}; "
+                      "will be rewritten by the next calibration")
+    return table, ""
+
+
+def _from_json(data: dict, path: Path) -> Crossovers:
+    c = data["crossovers"]
+    causal, dense = c["native_causal_min"], c["native_dense_min_ls"]
+    for name, val in (("native_causal_min", causal), ("native_dense_min_ls", dense)):
+        if not (isinstance(val, int) and not isinstance(val, bool) and val >= 1):
+            raise ValueError(f"{name}: expected a whole number >= 1, got {val!r}")
+    choice = {}
+    for name in ("bf16", "fp16"):
+        val = c.get(name)
+        if val is not None and val not in _CHOICES:
+            raise ValueError(f"{name}: expected one of {_CHOICES} or null, got {val!r}")
+        choice[name] = val
+    points = tuple(Point(**{f.name: p[f.name] for f in dataclasses.fields(Point)}) for p in data.get("points", []))
+    key, when = data["key"], str(data.get("created", "?"))[:10]
+    return Crossovers(causal, dense, choice["bf16"], choice["fp16"],
+                      source=_source(key, when, path, data.get("defaults_kept", [])), calibrated=True,
+                      path=str(path), points=points, elapsed_s=data.get("elapsed_s"))
+
+
+def _threads(n) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
+def _source(key, when: str, path: Path | None, kept) -> str:
+    cpu = str(key["cpu"]).split(" [")[0]
+    where = f" ({_home(path)})" if path is not None else " (not written)"
+    line = f"calibrated {when} on {cpu}, torch {key['torch']}, {_threads(key['threads'])}{where}"
+    return line + (f"; defaults kept for {', '.join(kept)} (not measured in the budget)" if kept else "")
+
+
+# --- measuring ----------------------------------------------------------------------------------------------
+
+_clock: Callable[[], float] = time.perf_counter  # the wall clock the budget is kept by (tests replace it)
+
+
+class _NoKernel(Exception):
+    """The compiled kernel cannot run here (not built, or refuses the call): nothing to calibrate."""
+
+
+def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: float,
+                   clock: Callable[[], float]) -> tuple[float, float, int] | None:
+    """The fastest round's seconds (kernel, SDPA) over interleaved rounds at (1, 8, L, 64) L = S; None when even the
+    fewest rounds would not end before ``deadline``. Raises :class:`_NoKernel` when the call would not
+    run on the compiled kernel."""
+    import torch.nn.functional as F
+
+    from . import masks
+    from .backends import _native  # lazy: the kernel's own entry points (the layer below everything that reads us)
+
+    if not _native.available():
+        raise _NoKernel(f"the compiled kernel is not available here ({_native.unavailable_reason()})")
+    dt = _DTYPES[dtype]
+    g = torch.Generator().manual_seed(L)
+    q, k, v = (torch.randn(1, H, L, D, generator=g).to(dt).requires_grad_(backward) for _ in range(3))
+    go = torch.randn(1, H, L, D, generator=g).to(dt)
+    causal = case == "causal"
+    iv = (masks.causal() if causal else masks.full()).row_intervals(1, L, L)
+    assert iv is not None  # both are one stretch of keys per row
+    lo, hi = iv
+    scale = D ** -0.5
+
+    def kernel():  # what the native kernel runs for such a call: forward (and backward), output rounded to dt
+        with torch.no_grad():
+            out, lse = _native.forward(q, k, v, lo, hi, scale)
+            out.to(dt)
+            if backward:
+                _native.backward(q, k, v, lo, hi, scale, out, lse, go)
+
+    def sdpa():
+        if backward:
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(go)
+        else:
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def timed(f):
+        t0 = clock()
+        f()
+        return clock() - t0
+
+    pair = timed(kernel) + timed(sdpa)  # the warm-up, and what one round costs
+    left = deadline - clock()
+    rounds = min(_MAX_ROUNDS, max(_MIN_ROUNDS, int(_POINT_TARGET_S / max(pair, 1e-9))), int(left / max(pair, 1e-9)))
+    if rounds < _MIN_ROUNDS:
+        return None
+    tk: list[float] = []
+    ts: list[float] = []
+    for r in range(rounds):  # interleaved, alternating who goes first: drift and turbo hit both alike
+        if r and clock() + min(tk) + min(ts) > deadline:
+            break  # rounds ran slower than the warm-up promised (other work on the cores): keep the budget
+        if r % 2:
+            ts.append(timed(sdpa))
+            tk.append(timed(kernel))
+        else:
+            tk.append(timed(kernel))
+            ts.append(timed(sdpa))
+    if len(tk) < _MIN_ROUNDS:
+        return None
+    # the fastest round of each: other work on shared cores only ever adds time (a preempted OpenMP thread
+    # holds up the whole call), so the minimum is the estimate least moved by it
+    return min(tk), min(ts), len(tk)
+
+
+def _plan(backward: bool) -> list[tuple[str, str, int, str]]:
+    """The points in the order they are measured (most useful first; the budget cuts the tail)."""
+    modes = ["fwd", "fwd+bwd"] if backward else ["fwd"]
+    pts = [("causal", "float32", L, m) for L in CAUSAL_LENGTHS for m in modes]
+    pts += [("none", "float32", L, m) for L in DENSE_LENGTHS[:-1] for m in modes]
+    pts += [(c, dt, DTYPE_LENGTH, "fwd") for dt in ("bfloat16", "float16") for c in ("causal", "none")]
+    pts += [("none", "float32", DENSE_LENGTHS[-1], m) for m in modes]
+    return pts
+
+
+def _crossover(points: list[Point], default: int, unit: Callable[[int], int]) -> int | None:
+    """The smallest measured size from which the kernel wins at every larger measured size (all modes);
+    None when nothing was measured. When the kernel loses at the largest measured size: the default if
+    it lies beyond it, else twice that size (the kernel not before what was measured)."""
+    if not points:
+        return None
+    sizes = sorted({p.L for p in points})
+    wins = {s: all(p.kernel_wins for p in points if p.L == s) for s in sizes}
+    best = None
+    for s in reversed(sizes):
+        if not wins[s]:
+            break
+        best = s
+    if best is not None:
+        return unit(best)
+    return default if default > unit(sizes[-1]) else unit(2 * sizes[-1])
+
+
+def _dtype_choice(points: list[Point]) -> str | None:
+    """``"kernel"`` when the kernel is faster than torch's kernel in this dtype (geometric mean over the
+    measured cases), ``"torch"`` otherwise; None when nothing was measured."""
+    if not points:
+        return None
+    g = math.exp(sum(math.log(max(p.ratio, 1e-12)) for p in points) / len(points))
+    return "kernel" if g > 1.0 else "torch"
+
+
+def _decide(points: list[Point]) -> tuple[int, int, str | None, str | None, list[str]]:
+    """(native_causal_min, native_dense_min_ls, bf16, fp16, what kept its default) from the points."""
+    f32 = [p for p in points if p.dtype == "float32"]
+    causal = _crossover([p for p in f32 if p.case == "causal"], DEFAULT_NATIVE_CAUSAL_MIN, lambda n: n)
+    dense = _crossover([p for p in f32 if p.case == "none"], DEFAULT_NATIVE_DENSE_MIN_LS, lambda n: n * n)
+    bf16 = _dtype_choice([p for p in points if p.dtype == "bfloat16"])
+    fp16 = _dtype_choice([p for p in points if p.dtype == "float16"])
+    kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", bf16), ("fp16", fp16)) if v is None]
+    return (DEFAULT_NATIVE_CAUSAL_MIN if causal is None else causal,
+            DEFAULT_NATIVE_DENSE_MIN_LS if dense is None else dense, bf16, fp16, kept)
+
+
+def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, write: bool = True,
+              backward: bool = False, progress: Callable[[Point], None] | None = None) -> Crossovers:
+    """Measure this machine's crossovers within ``budget_s`` seconds of wall time and (``write``) store them.
+
+    Shape legend: every point runs q, k, v of shape (B, H, L, D) = (1, 8, L, 64), L = S.
+
+    Measured, interleaved round by round (the fastest round of each): ``attnkit.attention(..., backend="tiled")`` on the
+    compiled kernel against ``torch.nn.functional.scaled_dot_product_attention`` — causal at L = 64 … 1024,
+    no mask at L = S = 256 … 2048, and bf16 / fp16 at L = 512 against torch's kernel in the same dtype;
+    forward only, or forward and forward+backward with ``backward`` (the kernel must win both). Points are
+    measured most useful first; what the budget leaves unmeasured keeps its default.
+
+    Args:
+        budget_s: wall-time bound in seconds (> 0); the calibration stops before it would exceed it.
+        threads: torch thread count to measure at (default: ``torch.get_num_threads()``; restored after).
+        write: store the result in :func:`cache_path` (atomically: a temporary file renamed over it).
+        backward: measure forward+backward too.
+        progress: called with each :class:`Point` as it is measured.
+
+    Returns:
+        The measured :class:`Crossovers` (``calibrated=True``). On any failure or interrupt (Ctrl-C):
+        the defaults with ``failure`` set, after one warning; the file is left as it was.
+
+    Raises:
+        ValueError / TypeError: a bad ``budget_s`` or ``threads`` (named, with what was got).
+    """
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not (0 < budget_s < math.inf):
+        raise ValueError(f"budget_s: expected a number of seconds > 0, got {budget_s!r}. Pass e.g. budget_s=2.0.")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads: expected a whole number >= 1 or None (torch's current count), got {threads!r}.")
+    clock = _clock
+    t0 = clock()
+    try:
+        load: float | None = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        load = None
+    deadline = t0 + float(budget_s)
+    before = torch.get_num_threads()
+    n = before if threads is None else threads
+    was_measuring = _local.measuring
+    points: list[Point] = []
+    try:
+        _local.measuring = True
+        if n != before:
+            torch.set_num_threads(n)
+        for case, dtype, L, mode in _plan(backward):
+            if clock() >= deadline:
+                break
+            # what one round of this point costs, from the nearest smaller one measured (work grows as L²): a
+            # warm-up and the fewest rounds must fit in what is left, else it is skipped (a cheaper point later
+            # may still fit); _measure_point then runs only the rounds that fit
+            near = [p for p in points if p.L <= L]
+            last = max(near, key=lambda p: p.L) if near else None
+            est = 0.0 if last is None else (last.kernel_ms + last.sdpa_ms) / 1e3 * (L / last.L) ** 2
+            if clock() + (1 + _MIN_ROUNDS) * est > deadline:
+                continue
+            try:
+                got = _measure_point(case, dtype, L, mode == "fwd+bwd", deadline, clock)
+            except _NoKernel:
+                if dtype == "float32":
+                    raise
+                continue  # the kernel refuses this dtype here: its rule stays today's
+            if got is None:
+                continue  # does not fit in what is left; a cheaper point later may
+            tk, ts, rounds = got
+            p = Point(case, dtype, L, L, mode, tk * 1e3, ts * 1e3, rounds)
+            points.append(p)
+            if progress is not None:
+                progress(p)
+        causal, dense, bf16, fp16, kept = _decide(points)
+        values = {"native_causal_min": causal, "native_dense_min_ls": dense, "bf16": bf16, "fp16": fp16}
+        key = machine_key(n)
+        elapsed = clock() - t0
+        path = cache_path(n) if write else None
+        created = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        data = {"key": key, "created": created, "budget_s": float(budget_s), "elapsed_s": round(elapsed, 3),
+                "load_before": load,  # the 1-minute load average as it began: high means shared cores, noisy times
+                "crossovers": values, "defaults_kept": kept, "points": [dataclasses.asdict(p) for p in points],
+                "defaults": {"native_causal_min": DEFAULT_NATIVE_CAUSAL_MIN,
+                             "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS, "bf16": None, "fp16": None}}
+        unstored = None
+        if path is not None:
+            try:
+                _write_atomic(path, data)
+            except OSError as e:  # measured, but the cache cannot take it: this process still decides by it
+                unstored = f"{type(e).__name__}: {e}"
+                warnings.warn(f"attnkit: the calibration could not be stored in {_home(path)} ({unstored}); this "
+                              f"process uses it, the next starts from the defaults. Set {ENV_DIR} to a writable "
+                              "folder.", RuntimeWarning, stacklevel=2)
+                path = None
+        source = _source(key, created[:10], path, kept)
+        if unstored is not None:
+            source = source.replace(" (not written)", f" (not stored: {unstored})", 1)
+        result = Crossovers(causal, dense, bf16, fp16, source=source, calibrated=True,
+                            path=None if path is None else str(path), points=tuple(points), elapsed_s=elapsed)
+    except _NoKernel as e:  # nothing to measure: not a failure, nothing written
+        return Crossovers(source=f"defaults (nothing to calibrate: {e})", failure=str(e), points=tuple(points),
+                          elapsed_s=clock() - t0)
+    except (Exception, KeyboardInterrupt) as e:
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed ({type(e).__name__}: {e})"
+        warnings.warn(f"attnkit: the calibration {what}; auto keeps its default crossovers (nothing was written). "
+                      "Run `attnkit calibrate` to try again.", RuntimeWarning, stacklevel=2)
+        return Crossovers(source=f"defaults (calibration {what})", failure=what, points=tuple(points),
+                          elapsed_s=clock() - t0)
+    finally:
+        _local.measuring = was_measuring
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+    if write:
+        _MEMO[n] = result  # this process decides by it from now on (the memo is per process, not per switch)
+    return result
+
+
+def _write_atomic(path: Path, data: dict) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file in the same folder, renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

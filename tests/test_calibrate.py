@@ -1,0 +1,429 @@
+"""``auto``'s crossovers measured on this machine (issue 28, item 2): the table, its cache file per CPU /
+torch / attnkit / threads, what a corrupt or foreign file, a failure and an interrupt give, the switch, the
+budget and ``attnkit calibrate``.
+
+Most tests replace the measurement by a model of it (``fake``): the decisions, the file and the messages
+are what is tested, not this machine's timings. One test measures for real, with a tiny budget.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import rand_qkv
+
+import attnkit
+from attnkit import _calibrate as C
+from attnkit import cli
+from attnkit.backends import _native
+
+# the fake machine: the kernel wins causal from L = 256, no mask from L·S = 1024², loses bf16, wins fp16
+RATIO = {("causal", "float32"): lambda L: 1.3 if L >= 256 else 0.8,
+         ("none", "float32"): lambda L: 1.1 if L >= 1024 else 0.95,
+         ("causal", "bfloat16"): lambda L: 0.4, ("none", "bfloat16"): lambda L: 0.5,
+         ("causal", "float16"): lambda L: 1.5, ("none", "float16"): lambda L: 1.2}
+
+
+class Fake:
+    """A stand-in for ``_measure_point``: times from RATIO, each point costing ``cost`` seconds of a fake clock."""
+
+    def __init__(self, monkeypatch, cost=0.0, fail_at=None, exc=None):
+        self.now, self.cost, self.calls, self.fail_at = 0.0, cost, [], fail_at
+        self.exc = RuntimeError("the kernel fell over") if exc is None else exc
+        self.tables = []
+        monkeypatch.setattr(C, "_measure_point", self)
+        monkeypatch.setattr(C, "_clock", lambda: self.now)
+
+    def __call__(self, case, dtype, L, backward, deadline, clock):
+        self.tables.append(C.crossovers())  # what the measured call would see
+        if self.fail_at is not None and len(self.calls) == self.fail_at:
+            raise self.exc
+        self.calls.append((case, dtype, L, backward))
+        self.now += self.cost
+        sdpa = 1e-3 * L / 64
+        return sdpa / RATIO[case, dtype](L), sdpa, 5
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    """Calibration on, its files under tmp_path; the in-process table forgotten before and after."""
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(C.ENV_SWITCH, "on")
+    C.forget()
+    yield tmp_path
+    C.forget()
+
+
+def _one_warning(caught):
+    ours = [w for w in caught if "calibration" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    return str(ours[0].message)
+
+
+def test_defaults_are_todays_table_and_say_so(cache):
+    c = C.crossovers()
+    assert (c.native_causal_min, c.native_dense_min_ls, c.bf16, c.fp16) == (256, 1024 * 1024, None, None)
+    assert not c.calibrated and c.source.startswith("defaults (no calibration for this CPU")
+    assert "attnkit calibrate" in c.source and f"{torch.get_num_threads()} thread" in c.source
+    assert C.crossovers() is c  # memoised: a dict lookup on dispatch's hot path
+
+
+def test_calibration_decides_from_the_measurements_and_is_stored_where_the_env_says(cache, monkeypatch):
+    fake = Fake(monkeypatch)
+    n = torch.get_num_threads()
+    c = C.calibrate(budget_s=2.0)
+    assert (c.native_causal_min, c.native_dense_min_ls, c.bf16, c.fp16) == (256, 1024 * 1024, "torch", "kernel")
+    assert c.calibrated and c.failure is None and len(c.points) == len(fake.calls) == 13
+    files = list(cache.glob("calibration-*.json"))
+    assert files == [C.cache_path(n)] and files[0].name.endswith(f"-{n}t.json") and c.path == str(files[0])
+    data = json.loads(files[0].read_text())
+    assert data["key"] == C.machine_key(n) and data["key"]["torch"] == torch.__version__
+    assert data["crossovers"] == {"native_causal_min": 256, "native_dense_min_ls": 1048576, "bf16": "torch",
+                                  "fp16": "kernel"}
+    assert not list(cache.glob(".calibration-*"))  # the temporary file was renamed, none left behind
+    # this process decides by it now, and a fresh one reads it back from the file
+    assert C.crossovers() is c
+    C.forget()
+    again = C.crossovers()
+    assert again.calibrated and (again.native_causal_min, again.bf16) == (256, "torch") and len(again.points) == 13
+    assert again.source.startswith("calibrated ") and f"{n} thread" in again.source and files[0].name in again.source
+    assert again.source.split(" on ")[1].startswith(C.machine_key()["cpu"].split(" [")[0])
+
+
+def test_one_file_per_thread_count_cpu_and_torch_version(cache, monkeypatch):
+    Fake(monkeypatch)
+    one, two = C.calibrate(threads=1), C.calibrate(threads=2)
+    assert one.path != two.path and one.path.endswith("-1t.json") and two.path.endswith("-2t.json")
+    assert "1 thread (" in one.source and "2 threads" in two.source
+    assert C.crossovers(1).path == one.path and C.crossovers(2).path == two.path
+    here = C.cache_path(2)
+    monkeypatch.setattr(C, "_KEY", {**C.machine_key(), "torch": "9.9.9"})
+    assert C.cache_path(2) != here  # another torch version: another file
+    monkeypatch.setattr(C, "_KEY", {**C.machine_key(), "cpu": "Some Other CPU [avx512f]"})
+    assert C.cache_path(2) != here
+
+
+def test_the_thread_count_is_restored(cache, monkeypatch):
+    Fake(monkeypatch)
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    seen = []
+    monkeypatch.setattr(C, "_measure_point", lambda *a: seen.append(torch.get_num_threads()) or (1e-3, 1e-3, 3))
+    C.calibrate(threads=other)
+    assert set(seen) == {other} and torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("content, says", [
+    ("{not json", "corrupt: JSONDecodeError"),
+    ('{"key": {"schema": 1}}', "is for another cpu"),
+    ("[1, 2]", "corrupt: ValueError: no 'key' object"),
+])
+def test_a_corrupt_or_foreign_file_gives_the_defaults_and_is_rewritten(cache, monkeypatch, content, says):
+    path = C.cache_path()
+    path.write_text(content)
+    c = C.crossovers()
+    assert not c.calibrated and (c.native_causal_min, c.native_dense_min_ls) == (256, 1024 * 1024)
+    assert c.source.startswith("defaults (") and says in c.source and "will be rewritten" in c.source
+    Fake(monkeypatch)
+    assert C.calibrate().calibrated
+    C.forget()
+    assert C.crossovers().calibrated and json.loads(path.read_text())["key"] == C.machine_key()
+
+
+def _stored(cache, monkeypatch, **key):
+    """A valid file for this machine, then its key changed to ``key``."""
+    fake = Fake(monkeypatch)
+    path = C.cache_path()
+    C.calibrate()
+    data = json.loads(path.read_text())
+    data["key"].update(key)
+    path.write_text(json.dumps(data))
+    C.forget()
+    return fake, path
+
+
+@pytest.mark.parametrize("key, says", [
+    ({"cpu": "Intel Xeon Platinum 8480 [avx512f amx_bf16]"}, "another cpu 'Intel Xeon Platinum 8480"),
+    ({"torch": "2.0.0"}, "another torch '2.0.0'"),
+    ({"threads": 64}, "another threads 64"),
+    ({"attnkit": "0.0.1"}, "another attnkit '0.0.1'"),
+    ({"schema": 0}, "has schema 0"),
+])
+def test_a_file_from_another_cpu_or_torch_version_is_ignored_and_rewritten(cache, monkeypatch, key, says):
+    _, path = _stored(cache, monkeypatch, **key)
+    c = C.crossovers()
+    assert not c.calibrated and says in c.source and "will be rewritten" in c.source, c.source
+    C.calibrate()
+    C.forget()
+    assert C.crossovers().calibrated and json.loads(path.read_text())["key"] == C.machine_key()
+
+
+@pytest.mark.parametrize("field, value", [("native_causal_min", -4), ("native_causal_min", "256"),
+                                          ("bf16", "fast"), ("native_dense_min_ls", None)])
+def test_a_file_with_bad_values_is_corrupt(cache, monkeypatch, field, value):
+    _, path = _stored(cache, monkeypatch)
+    data = json.loads(path.read_text())
+    data["crossovers"][field] = value
+    path.write_text(json.dumps(data))
+    c = C.crossovers()
+    assert not c.calibrated and "corrupt" in c.source and field in c.source
+
+
+@pytest.mark.parametrize("exc, says", [(RuntimeError("the kernel fell over"), "failed (RuntimeError: the kernel"),
+                                       (KeyboardInterrupt(), "interrupted")])
+def test_a_failed_or_interrupted_calibration_gives_the_defaults_with_one_warning(cache, monkeypatch, exc, says):
+    Fake(monkeypatch, fail_at=3, exc=exc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = C.calibrate()
+    msg = _one_warning(caught)
+    assert says in msg and "default crossovers" in msg and "nothing was written" in msg
+    assert not c.calibrated and c.failure is not None and says in c.source
+    assert (c.native_causal_min, c.native_dense_min_ls, c.bf16) == (256, 1024 * 1024, None)
+    assert not list(cache.iterdir())  # nothing written, no temporary file left
+    # attention keeps working, on the defaults
+    assert not C.crossovers().calibrated
+    q, k, v = rand_qkv(1, 2, 2, 64, 64, 16)
+    out = attnkit.attention(q, k, v, causal=True)
+    ref = attnkit.attention(q, k, v, causal=True, backend="eager")
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_a_failed_calibration_leaves_the_previous_file_in_use(cache, monkeypatch):
+    _, path = _stored(cache, monkeypatch)
+    before = path.read_text()
+    Fake(monkeypatch, fail_at=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert C.calibrate().failure
+    _one_warning(caught)
+    assert path.read_text() == before and C.crossovers().calibrated
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_measurement_in_this_process(cache, monkeypatch, capsys):
+    blocker = cache / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv(C.ENV_DIR, str(blocker / "attnkit"))  # a folder below a file cannot be made
+    Fake(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = C.calibrate()
+    msg = _one_warning(caught)
+    assert "could not be stored" in msg and C.ENV_DIR in msg
+    assert c.calibrated and c.path is None and "(not stored: " in c.source and C.crossovers() is c
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        rc, out, _ = _cli(capsys)
+    took = [line for line in out.splitlines() if line.startswith("took ")]
+    assert rc == 0 and len(took) == 1 and "; not stored: " in took[0], out
+
+
+def test_the_off_switch_gives_the_defaults_even_with_a_file(cache, monkeypatch):
+    _stored(cache, monkeypatch)
+    assert C.crossovers().calibrated
+    monkeypatch.setenv(C.ENV_SWITCH, "off")
+    C.forget()
+    c = C.crossovers()
+    assert not c.calibrated and c.source == f"defaults (calibration switched off: {C.ENV_SWITCH}=off)"
+
+
+def test_an_unknown_switch_value_warns_once_and_reads_the_file(cache, monkeypatch):
+    _stored(cache, monkeypatch)
+    monkeypatch.setenv(C.ENV_SWITCH, "sometimes")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert C.crossovers().calibrated and C.crossovers().calibrated
+    assert len(caught) == 1 and "'on', 'off' or 'first-use'" in str(caught[0].message)
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    monkeypatch.setattr(C.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+
+
+def test_first_use_calibrates_once_and_nothing_runs_by_default(cache, monkeypatch, quiet):
+    fake = Fake(monkeypatch)
+    assert not C.crossovers().calibrated and fake.calls == []  # "on": nothing measured on its own
+    monkeypatch.setenv(C.ENV_SWITCH, "first-use")
+    monkeypatch.setattr(C._local, "tried", False)
+    C.forget()
+    c = C.crossovers()
+    assert c.calibrated and len(fake.calls) == 13 and C.cache_path().exists()
+    C.forget()
+    assert C.crossovers().calibrated and len(fake.calls) == 13  # read back, not measured again
+
+
+def test_first_use_waits_for_a_quiet_machine(cache, monkeypatch):
+    fake = Fake(monkeypatch)
+    monkeypatch.setattr(C.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setenv(C.ENV_SWITCH, "first-use")
+    monkeypatch.setattr(C._local, "tried", False)
+    c = C.crossovers()
+    assert not c.calibrated and fake.calls == [] and not C.cache_path().exists()
+    assert "first-use calibration skipped: load 64.0 on" in c.source and "attnkit calibrate" in c.source
+
+
+def test_a_failing_first_use_warns_once_and_is_not_retried(cache, monkeypatch, quiet):
+    fake = Fake(monkeypatch, fail_at=0)
+    monkeypatch.setenv(C.ENV_SWITCH, "first-use")
+    monkeypatch.setattr(C._local, "tried", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = C.crossovers()
+        for _ in range(3):
+            assert C.crossovers() is c
+        C.forget()
+        assert not C.crossovers().calibrated
+    _one_warning(caught)
+    assert not c.calibrated and c.source.startswith("defaults (calibration failed") and len(fake.tables) == 1
+
+
+def test_the_measured_calls_see_every_dtype_on_the_kernel(cache, monkeypatch):
+    fake = Fake(monkeypatch)
+    C.calibrate()
+    assert fake.tables and all(t.bf16 == "kernel" and t.fp16 == "kernel" for t in fake.tables)
+    assert C.crossovers().bf16 == "torch"  # outside the calibration: the measured choice
+
+
+def test_the_budget_bounds_the_measurement_and_the_rest_keeps_its_default(cache, monkeypatch):
+    fake = Fake(monkeypatch, cost=0.25)
+    c = C.calibrate(budget_s=1.0)
+    assert len(fake.calls) == 4 and {x[:2] for x in fake.calls} == {("causal", "float32")}
+    assert c.calibrated and c.native_causal_min == 256  # measured: 64, 128 lose, 256, 512 win
+    assert (c.native_dense_min_ls, c.bf16, c.fp16) == (1024 * 1024, None, None)
+    assert "defaults kept for no mask, bf16, fp16 (not measured in the budget)" in c.source
+
+
+def test_backward_measures_both_modes_and_needs_both_won(cache, monkeypatch):
+    fake = Fake(monkeypatch)
+    c = C.calibrate(backward=True)
+    assert {x[3] for x in fake.calls if x[1] == "float32"} == {False, True}
+    assert {p.mode for p in c.points} == {"fwd", "fwd+bwd"} and c.native_causal_min == 256
+
+
+def _pts(case, wins):
+    return [C.Point(case, "float32", L, L, "fwd", 1.0, 1.2 if w else 1.0, 3) for L, w in wins]
+
+
+@pytest.mark.parametrize("wins, want", [
+    ([(64, 0), (128, 0), (256, 1), (512, 1)], 256),
+    ([(64, 1), (128, 1)], 64),
+    ([(64, 0), (128, 1), (256, 0), (512, 1)], 512),  # noise: the kernel must win at every larger size
+    ([(64, 0), (128, 0)], 256),  # lost up to 128: the default (256) lies beyond what was measured
+    ([(64, 0), (128, 0), (256, 0), (512, 0)], 1024),  # lost at 512: not before twice that
+    ([], None),
+])
+def test_the_crossover_rule(wins, want):
+    assert C._crossover(_pts("causal", wins), 256, lambda n: n) == want
+
+
+def test_a_tie_stays_on_sdpa():
+    close = C.Point("none", "float32", 1024, 1024, "fwd", 1.0, 1.02, 5)
+    clear = C.Point("none", "float32", 1024, 1024, "fwd", 1.0, 1.04, 5)
+    assert not close.kernel_wins and clear.kernel_wins and round(clear.ratio, 2) == 1.04
+
+
+def test_the_dtype_rule_for_the_backends():
+    """What tiled/native's ``native_unfit`` asks: the measured choice, else today's bf16 rule."""
+    def hw():
+        raise AssertionError("bf16_hardware asked although the table decided")
+
+    today = C.Crossovers()
+    assert today.torch_keeps(torch.float32, hw) is None and today.torch_keeps(torch.float16, hw) is None
+    assert "multiplies bf16 in hardware" in today.torch_keeps(torch.bfloat16, lambda: True)
+    assert today.torch_keeps(torch.bfloat16, lambda: False) is None
+    measured = C.Crossovers(bf16="kernel", fp16="torch", source="calibrated 2026-11-26 on X")
+    assert measured.torch_keeps(torch.bfloat16, hw) is None  # measured: the kernel, bf16 hardware or not
+    why = measured.torch_keeps(torch.float16, hw)
+    assert why.startswith("float16: torch's kernel measured faster") and "calibrated 2026-11-26 on X" in why
+    assert C.Crossovers(bf16="torch").torch_keeps(torch.bfloat16, hw).startswith("bfloat16: torch's kernel")
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match=r"budget_s: expected a number of seconds > 0, got 0"):
+        C.calibrate(budget_s=0)
+    with pytest.raises(ValueError, match=r"threads: expected a whole number >= 1 or None .*got 0"):
+        C.calibrate(threads=0)
+
+
+def test_a_real_calibration_keeps_its_budget(cache):
+    """The real measurement, briefly: it ends near its budget, on the compiled kernel when it is built."""
+    c = C.calibrate(budget_s=0.3, write=False)
+    assert c.elapsed_s is not None and c.elapsed_s < 0.3 + 0.5  # at most one warm-up past the budget
+    if _native.available():
+        assert c.calibrated and c.points and c.points[0].L == 64 and c.path is None and "(not written)" in c.source
+    else:  # torch's kernel everywhere: nothing to compare, nothing written
+        assert not c.calibrated and c.source.startswith("defaults (nothing to calibrate")
+    assert not list(cache.iterdir())
+
+
+# --- attnkit calibrate --------------------------------------------------------------------------------------
+
+def _cli(capsys, *argv):
+    rc = cli.main(["calibrate", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_measures_prints_the_table_and_stores_it(cache, monkeypatch, capsys):
+    Fake(monkeypatch)
+    rc, out, err = _cli(capsys)
+    assert rc == 0 and err == ""
+    path = C.cache_path()
+    assert path.exists()
+    assert out.startswith(f"attnkit calibrate: {C.machine_key()['cpu']}, torch {torch.__version__}")
+    assert "causal  float32        64 x 64      fwd" in out and "SDPA/kernel" in out
+    assert "crossover" in out and "default" in out and "measured" in out
+    assert "kernel from min(L, S) >=  256" in out and "1024²" in out and "torch's kernel" in out
+    assert f"stored in {C._home(path)}" in out
+    assert "took " in out
+
+
+def test_cli_dry_run_writes_nothing(cache, monkeypatch, capsys):
+    Fake(monkeypatch)
+    rc, out, _ = _cli(capsys, "--dry-run", "--budget", "1.5", "--threads", "1")
+    assert rc == 0 and "dry run: nothing written" in out and "1 thread, budget 1.5 s" in out
+    assert not list(cache.iterdir())
+
+
+def test_cli_show_and_reset(cache, monkeypatch, capsys):
+    rc, out, _ = _cli(capsys, "--show")
+    assert rc == 0 and "table in use: defaults (no calibration for this CPU" in out and "in use" in out
+    Fake(monkeypatch)
+    _cli(capsys)
+    rc, out, _ = _cli(capsys, "--show")
+    assert rc == 0 and "table in use: calibrated " in out and "that calibration took" in out
+    monkeypatch.setenv(C.ENV_SWITCH, "off")
+    rc, out, _ = _cli(capsys)
+    assert rc == 0 and f"note: {C.ENV_SWITCH}=off here" in out
+    monkeypatch.setenv(C.ENV_SWITCH, "on")
+    rc, out, _ = _cli(capsys, "--reset")
+    assert rc == 0 and "deleted 1 calibration file from" in out and not list(cache.glob("calibration-*"))
+    assert not C.crossovers().calibrated
+    rc, out, _ = _cli(capsys, "--reset")
+    assert "deleted 0 calibration files" in out and "(there were none)" in out
+
+
+def test_cli_reports_a_failure(cache, monkeypatch, capsys):
+    Fake(monkeypatch, fail_at=2)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        rc, out, _ = _cli(capsys)
+    assert rc == 1 and "nothing written" in out and "calibration failed" in out
+    Fake(monkeypatch, fail_at=2, exc=KeyboardInterrupt())
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        rc, out, _ = _cli(capsys)
+    assert rc == 130 and "interrupted" in out
+
+
+@pytest.mark.parametrize("argv, says", [(["--budget", "0"], "--budget"), (["--budget", "x"], "--budget"),
+                                        (["--threads", "0"], "--threads"), (["--show", "--reset"], "not allowed")])
+def test_cli_bad_options(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["calibrate", *argv])
+    _, err = capsys.readouterr()
+    assert e.value.code == 2 and says in err
