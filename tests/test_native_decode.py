@@ -242,6 +242,13 @@ def test_without_lse_and_the_signature_cache():
         _check(q, k.contiguous(), v.contiguous(), lo, hi, f"S={S} contiguous")
 
 
+def test_an_empty_cache_gives_dead_rows():
+    q, k, v = _qkv(2, 4, 2, 3, 0, 16)
+    lo, hi = torch.zeros(1, 3, dtype=torch.int32), torch.zeros(1, 3, dtype=torch.int32)
+    out, lse = _native.decode(q, k, v, lo, hi, 0.25)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
 def test_bad_arguments_are_refused_with_the_reason():
     q, k, v = _qkv(1, 6, 4, 1, 10, 8)
     lo, hi = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), 10, dtype=torch.int32)
@@ -261,3 +268,5 @@ def test_bad_arguments_are_refused_with_the_reason():
         _native.decode(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, lo, hi, 1.0)
     with pytest.raises(ValueError, match="multiple of 64"):
         _native.decode(q, k, v, lo, hi, 1.0, chunk=100)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        _native.decode(q, k.to("meta"), v, lo, hi, 1.0)

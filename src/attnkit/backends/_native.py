@@ -357,9 +357,11 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True)
         f, ref, oshape, lshape, dk, dv, _ = _decode_record(key, q, k, v, lo, hi, scale, chunk)
     ks, vs = k.stride(), v.stride()
     S = ksh[2]
-    if vsh[2] != S or (ks[3] != 1 and dk) or (vs[3] != 1 and dv) or not (lo.is_contiguous() and hi.is_contiguous()):
-        raise ValueError(f"decode: k, v must hold the same S keys with a contiguous last dim, lo / hi contiguous; "
-                         f"got k {tuple(ksh)} strides {ks}, v {tuple(vsh)} strides {vs}")
+    if vsh[2] != S or (ks[3] != 1 and dk) or (vs[3] != 1 and dv) or not (lo.is_contiguous() and hi.is_contiguous()) \
+            or not (q.is_cpu and k.is_cpu and v.is_cpu):
+        raise ValueError(f"decode: q, k, v must be CPU tensors, k and v holding the same S keys with a contiguous "
+                         f"last dim, lo / hi contiguous; got k {tuple(ksh)} strides {ks} on {k.device}, v "
+                         f"{tuple(vsh)} strides {vs}")
     out = torch.empty(oshape)
     lse = torch.empty(lshape) if need_lse else None
     f[_STEP:_STEP + 14] = (S, *ks[:3], *vs[:3], q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),

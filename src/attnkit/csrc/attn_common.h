@@ -8,8 +8,14 @@
 
 #include <sched.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>  // the AVX2 / AVX-512 builds' fp16 conversion and lane reductions (attn_decode.h)
+// The AVX2 / AVX-512 builds' fp16 conversion and lane reductions (attn_decode.h) use intrinsics, with GCC only:
+// its `#pragma GCC target` enables them per build (it does not define __AVX2__ and friends, so the builds are told
+// apart by AK_VW); elsewhere (clang ignores the pragma) the portable code serves every build.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define AK_X86_INTRIN 1
+#else
+#define AK_X86_INTRIN 0
 #endif
 
 #ifdef _OPENMP

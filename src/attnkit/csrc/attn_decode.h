@@ -66,9 +66,10 @@ static inline vf ld(const void* p, long i) {
     const vu w = __builtin_convertvector(*(const vh_u*)((const uint16_t*)p + i), vu);
     return (vf)(w << 16);
   } else {
-#if AK_VW == 16 && defined(__AVX512F__)
-    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
-#elif AK_VW == 8 && defined(__F16C__)
+#if AK_VW == 16 && AK_X86_INTRIN
+    // the zero-masked form: GCC 12 warns about the plain one's undefined pass-through operand
+    return (vf)_mm512_maskz_cvtph_ps((__mmask16)0xffff, _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
+#elif AK_VW == 8 && AK_X86_INTRIN
     return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
 #else
     const vu h = __builtin_convertvector(*(const vh_u*)((const uint16_t*)p + i), vu);
@@ -83,12 +84,12 @@ static inline vf ld(const void* p, long i) {
 
 // lane c of the result: the sum of a[c]'s lanes
 static inline vf reduce_lanes(const vf* a) {
-#if AK_VW == 8 && defined(__AVX2__)
+#if AK_VW == 8 && AK_X86_INTRIN
   const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
   const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes 0-3 of a[0..3], then 4-7; a[4..7]
   return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-#elif AK_VW == 16 && defined(__AVX512F__)
+#elif AK_VW == 16 && AK_X86_INTRIN
   // four rounds of pairwise sums: (x, y) -> [x0+x1, x2+x3, ..., y0+y1, ...], the order of the a[c] kept
   const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -150,28 +151,48 @@ static inline void prefetch_rows(const Ahead& a, long j0) {
   }
 }
 
+// the dot products of rows r < rows with the VW keys at kr + off[c] (lane c of the result)
+template <int DT>
+static inline void dots_block(long rows, long D, const float* qb, long ldq, const void* kr, const long* off,
+                              float* sc) {
+  const long Df = D / VW * VW;
+  for (long r = 0; r < rows; r++) {
+    const float* qr = qb + r * ldq;
+    vf acc[VW];
+#pragma GCC unroll 16
+    for (int c = 0; c < VW; c++) acc[c] = splat(0.f);
+    for (long d = 0; d < Df; d += VW) {
+      const vf qv = load(qr + d);
+#pragma GCC unroll 16
+      for (int c = 0; c < VW; c++) acc[c] += qv * ld<DT>(kr, off[c] + d);
+    }
+    vf s = reduce_lanes(acc);
+    for (long d = Df; d < D; d++)
+      for (int c = 0; c < VW; c++) s[c] += qr[d] * ld1<DT>(kr, off[c] + d);
+    store(sc + r * BN, s);
+  }
+}
+
+// kbuf: VW x Dp floats, for widening a bf16 / fp16 key block once when several rows read it
 template <int DT>
 static void dots(long rows, long n, long D, const float* qb, long ldq, const void* kr, long ldk, float* sc,
-                 const Ahead& ahead) {
-  const long Df = D / VW * VW;
+                 const Ahead& ahead, float* kbuf, long Dp) {
   for (long j0 = 0; j0 < n; j0 += VW) {
     prefetch_rows(ahead, j0);
     long off[VW];
     for (int c = 0; c < VW; c++) off[c] = mn<long>(j0 + c, n - 1) * ldk;
-    for (long r = 0; r < rows; r++) {
-      const float* qr = qb + r * ldq;
-      vf acc[VW];
-#pragma GCC unroll 16
-      for (int c = 0; c < VW; c++) acc[c] = splat(0.f);
-      for (long d = 0; d < Df; d += VW) {
-        const vf qv = load(qr + d);
-#pragma GCC unroll 16
-        for (int c = 0; c < VW; c++) acc[c] += qv * ld<DT>(kr, off[c] + d);
+    if (DT != AK_F32 && rows > 1) {  // widen the VW keys once, then every row reads fp32
+      const long Df = D / VW * VW;
+      long boff[VW];
+      for (int c = 0; c < VW; c++) {
+        float* dst = kbuf + c * Dp;
+        for (long d = 0; d < Df; d += VW) store(dst + d, ld<DT>(kr, off[c] + d));
+        for (long d = Df; d < D; d++) dst[d] = ld1<DT>(kr, off[c] + d);
+        boff[c] = c * Dp;
       }
-      vf s = reduce_lanes(acc);
-      for (long d = Df; d < D; d++)
-        for (int c = 0; c < VW; c++) s[c] += qr[d] * ld1<DT>(kr, off[c] + d);
-      store(sc + r * BN + j0, s);
+      dots_block<AK_F32>(rows, D, qb, ldq, kbuf, boff, sc + j0);
+    } else {
+      dots_block<DT>(rows, D, qb, ldq, kr, off, sc + j0);
     }
   }
 }
@@ -219,18 +240,19 @@ static void pv(long rows, long n, long N, const float* P, const void* vr, long l
 }
 
 // One thread's buffers: q rows (fp32), scores / probabilities, a converted V tile (only when V cannot be
-// read in place: Dv not a multiple of VW), the rows' intervals. Kept between calls (thread_local arena).
+// read in place: Dv not a multiple of VW), a widened key block (bf16 / fp16, several rows), the rows'
+// intervals. Kept between calls (thread_local arena).
 struct DecBufs {
-  float *qb, *sc, *vt;
+  float *qb, *sc, *vt, *kb;
   int32_t *lo, *hi;
 };
 
 static bool dec_bufs(const Dec& s, DecBufs& w) {
-  const long nf = s.rb * s.Dp + s.rb * BN + BN * s.Dvp;
+  const long nf = s.rb * s.Dp + s.rb * BN + BN * s.Dvp + VW * s.Dp;
   float* p = scratch<float>(5, nf + 2 * s.rb);
   if (!p) return false;
-  w.qb = p, w.sc = p + s.rb * s.Dp, w.vt = w.sc + s.rb * BN;
-  w.lo = (int32_t*)(w.vt + BN * s.Dvp), w.hi = w.lo + s.rb;
+  w.qb = p, w.sc = p + s.rb * s.Dp, w.vt = w.sc + s.rb * BN, w.kb = w.vt + BN * s.Dvp;
+  w.lo = (int32_t*)(w.kb + VW * s.Dp), w.hi = w.lo + s.rb;
   return true;
 }
 
@@ -270,7 +292,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const long nn = mn<long>(BN, kb - j0 - BN);  // keys of the next tile of this chunk
     const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
                       s.sv[2] * esz, s.D * esz, s.Dv * esz};
-    dots<DT>(rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead);
+    dots<DT>(rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp);
     for (long r = 0; r < rows; r++) {
       float* srow = w.sc + r * BN;
       const int32_t a = (int32_t)mx2<long>(w.lo[r], t0), e = (int32_t)mn<long>(w.hi[r], j0 + n);

@@ -1,0 +1,91 @@
+"""Long-cache decode on the compiled kernel (split-K, GQA packed) vs torch SDPA vs reading K and V once.
+
+    OMP_NUM_THREADS=2 python benchmarks/decode_splitk.py [--repeats 15] [--S 65536]
+
+One query row (B = 1, L = 1, D = 128) over S cached keys: MHA (H = Hkv = 8) and GQA (H = 32, Hkv = 8), fp32 and
+bf16 caches. Three calls, timed interleaved (one of each in turn), medians:
+
+* kernel: ``attnkit.backends._native.decode`` (the decode entry: the g heads of a kv head packed as rows,
+  keys split into chunks across the threads, exact lse merge);
+* SDPA: ``F.scaled_dot_product_attention(q, k, v, enable_gqa=...)`` on the same tensors;
+* read: ``k.sum()`` then ``v.sum()`` — reading K and V once, the floor of a memory-bound decode step.
+
+"kernel / read" is the goal's ratio (<= 1.25); GB/s is K and V's bytes over each call's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from attnkit.backends import _native
+
+
+def _bench(fns, repeats):
+    for f in fns:
+        f()
+    ts: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, f in enumerate(fns):
+            t = time.perf_counter()
+            f()
+            ts[i].append(time.perf_counter() - t)
+    return [statistics.median(x) for x in ts]
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _case(name, H, Hkv, S, D, dtype, repeats, g) -> str:
+    q = torch.randn(1, H, 1, D, generator=g).to(dtype)
+    k = torch.randn(1, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(1, Hkv, S, D, generator=g).to(dtype)
+    lo = torch.zeros(1, 1, dtype=torch.int32)
+    hi = torch.full((1, 1), S, dtype=torch.int32)
+    scale = D ** -0.5
+    ours = lambda: _native.decode(q, k, v, lo, hi, scale)  # noqa: E731
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv)  # noqa: E731
+    read = lambda: (k.sum(), v.sum())  # noqa: E731
+    t_ours, t_sdpa, t_read = _bench([ours, sdpa, read], repeats)
+    nbytes = 2 * Hkv * S * D * k.element_size()
+    return (f"| {name} | {str(dtype).replace('torch.', '')} | {t_ours * 1e3:.2f} | {t_sdpa * 1e3:.2f} | "
+            f"{t_read * 1e3:.2f} | {t_ours / t_read:.2f} | {t_sdpa / t_read:.2f} | "
+            f"{nbytes / t_ours / 1e9:.1f} | {nbytes / t_read / 1e9:.1f} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--S", type=int, default=65536)
+    a = ap.parse_args(argv)
+    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
+    torch.set_num_threads(threads)
+    S, D = a.S, 128
+    print(f"{_cpu()}, {_native.status()}, {threads} threads, B = 1, L = 1, D = {D}, S = {S}, "
+          f"{a.repeats} interleaved repeats, medians\n")
+    print("| case | dtype | kernel ms | SDPA ms | read K+V ms | kernel / read | SDPA / read | kernel GB/s | "
+          "read GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for name, H, Hkv in (("MHA 8/8", 8, 8), ("GQA 32/8", 32, 8)):
+        for dtype in (torch.float32, torch.bfloat16):
+            print(_case(name, H, Hkv, S, D, dtype, a.repeats, g), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
