@@ -2,7 +2,8 @@
 
 Every case: attnkit's decode call against the float64 golden with the error budget of
 tests/conftest.py, whether the call takes the fast path (``attention``) or the full path
-(``backend="sdpa"``), and ``attnkit.dispatch`` says whether the heads were folded.
+(``backend="sdpa"``; ``auto`` runs a decode step without gradients on the compiled kernel's decode entry),
+and ``attnkit.dispatch`` says whether the heads were folded.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_folded_decode_matches_float64(g, L, S, mname):
         assert err <= tol, (backend, err, tol)
     # folded: one query row, or no mask; several rows with a mask over few keys are not (repeating the mask
     # per head costs more than reading K/V again: _decode.FOLD_MASKED_MIN_S)
-    folded = "folded into rows" in str(attnkit.dispatch(q, k, v, mask=mask))
+    folded = "folded into rows" in str(attnkit.dispatch(q, k, v, backend="sdpa", mask=mask))
     assert folded == (mask is None or L == 1), (folded, mname, L, S)
 
 
@@ -123,13 +124,13 @@ def test_not_folded_where_nothing_is_saved(why, kw):
     q, k, v = rand_qkv(1, kw["H"], kw["Hkv"], kw["L"], 64, 16)
     tile = M.causal().decode_tile(1, kw["L"], 64, "cpu")[2] if kw.get("mask") else None
     assert _decode.foldable(q, k, tile, False).startswith(why)
-    assert "folded" not in str(attnkit.dispatch(q, k, v, mask=M.causal() if kw.get("mask") else None))
+    assert "folded" not in str(attnkit.dispatch(q, k, v, backend="sdpa", mask=M.causal() if kw.get("mask") else None))
 
 
 def test_several_rows_with_a_mask_fold_over_many_keys():
     q, k, v = rand_qkv(1, 8, 2, 4, 9000, 16)
     ref, _ = golden(q, k, v, mask=M.causal())
-    assert "folded into rows" in str(attnkit.dispatch(q, k, v, mask=M.causal()))
+    assert "folded into rows" in str(attnkit.dispatch(q, k, v, backend="sdpa", mask=M.causal()))
     assert (attnkit.attention(q, k, v, mask=M.causal()).double() - ref).abs().max().item() <= budget(
         torch.float32, 16, 9000)
 
@@ -142,7 +143,7 @@ def test_a_mask_that_differs_per_head_is_not_folded_and_is_right():
     out = attnkit.attention(q, k, v, mask=m)
     assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 64)
     assert _decode.foldable(q, k, m, False) == "a mask that differs per head"
-    assert "folded" not in str(attnkit.dispatch(q, k, v, mask=m))
+    assert "folded" not in str(attnkit.dispatch(q, k, v, backend="sdpa", mask=m))
 
 
 @pytest.mark.parametrize("L", [1, 3])

@@ -105,7 +105,9 @@ def test_fast_path_matches_golden_and_full_path(case, dtype, layout, spy):
     out = attnkit.attention(q, k, v, **kw)
     assert spy == [True], "this call is inside the fast path's contract"
     d = attnkit.dispatch(q, k, v, **kw)
-    assert (d.backend, d.worker) == ("sdpa", "fused"), d  # what auto decides for the same call
+    # what auto decides for the same call: SDPA, or the compiled kernel's decode entry (a decode step, no gradient)
+    assert (d.backend, d.worker) in (("sdpa", "fused"), ("tiled", "native")), d
+    assert d.kernel is not None and hasattr(d.kernel, "replay"), d
     ref, _ = golden(q, k, v, **kw)
     full = _full(q, k, v, **kw)
     assert out.dtype == dtype and out.shape == ref.shape == full.shape
@@ -222,7 +224,7 @@ def test_debug_logging_still_logs_every_decision(caplog, spy):
     with caplog.at_level(logging.DEBUG, logger="attnkit"):
         attnkit.attention(q, k, v, causal=True)
     assert spy == [False]
-    assert any("attnkit.attention -> sdpa" in r.getMessage() for r in caplog.records)
+    assert any("attnkit.attention -> " in r.getMessage() for r in caplog.records)
 
 
 def test_decode_tile_equals_the_mask_it_stands_for():

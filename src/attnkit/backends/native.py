@@ -230,7 +230,7 @@ class NativeDecode(Kernel):
 
     def run(self, req: Request):
         lo, hi = req.memo["row_intervals"]
-        out, lse = _native.decode(req.q, req.k, req.v, lo, hi, req.scale, need_lse=req.need_lse)
+        out, lse = _native.decode(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi, req.scale, need_lse=req.need_lse)
         return out.to(req.q.dtype), lse
 
     def replay(self, req: Request, user_mask):
@@ -243,6 +243,8 @@ class NativeDecode(Kernel):
         dt = req.q.dtype
 
         def run(q, k, v, mask, scale):
+            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+                q, k, v = _rows(q), _rows(k), _rows(v)  # the kernel reads rows in place; any other stride is fine
             out, _ = _native.decode(q, k, v, lo, hi, default if scale is None else scale, need_lse=False)
             return out if dt is torch.float32 else out.to(dt)
 
@@ -250,6 +252,11 @@ class NativeDecode(Kernel):
 
 
 NATIVE_DECODE = NativeDecode()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last dimension contiguous (the kernel reads rows in place; other strides as they are)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def native_unfit(req: Request) -> str | None:
