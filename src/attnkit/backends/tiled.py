@@ -380,6 +380,31 @@ def _launch(req: Request, worker: str):
     return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)
 
 
+def context(req: Request, worker: str) -> TileContext:
+    """The :class:`TileContext` :func:`_launch` builds for ``worker`` (its tiles, work list, gradient targets),
+    without running anything: for callers that run ``_TiledAttention``'s forward and backward themselves
+    (``attnkit._op``, the torch op behind ``torch.compile``). For ``"native"`` the mask's row intervals or
+    tile map must be in ``req.memo`` (:func:`choose_worker` / :func:`native_unfit` leave them there)."""
+    B, H, L, S, *_ = req.shape
+    bm, bn, _ = _sizes()
+    given = None
+    if req.plan is not None:
+        bm, bn = req.plan.block
+        given = req.plan.collapsed()
+        if req.plan_extra is not None:
+            given = torch.minimum(given, _worklist.tile_map(req.plan_extra, B, H, L, S, bm, bn))
+    c = TileContext(req, worker)
+    if worker == "native":
+        why = None if "row_intervals" in req.memo or "tile_bits" in req.memo else native_unfit(req)
+        if why is not None:
+            raise RuntimeError(f"the compiled kernel cannot run this call: {why}")
+        return c
+    c.plan_bm_bn, c.given = (bm, bn), given
+    c.causal = _tiled_fused.causal_pieces(req, given) if worker == "fused" else None
+    c.plan = _work_list(req, worker, (bm, bn), given)
+    return c
+
+
 def _work_list(req: Request, worker: str, block, given):
     """The work list for ``worker``: the fused kernel tiles internally (uncapped runs, identical
     query blocks merged); the plain loop keeps each score tile at most bm × MAX_RUN per group."""
