@@ -11,17 +11,20 @@ op ``torch.ops.attnkit.attention_backward``.
 
 What crosses into the op, and how (the data flow)::
 
-    traced by TorchDynamo (cheap Python, no tensor data read)          runs eagerly, per call, inside the op
-    ──────────────────────────────────────────────────────────        ─────────────────────────────────────────
-    mask=document(ids) & causal()      ┐  describe: a spec of          key ──► spec (parsed once) ──┐
-    score_mod=lambda s,b,h,q,kv: ...   ┘  constants + tensor slots                                  ▼
-            │                                                          tensors ──► the same mask and score_mod,
-            ├── tensors: ids, tables the mods capture, a tensor mask     rebuilt around THESE tensors
-            │     (op inputs: graph values, gradients flow)                        │
-            └── key: a string naming the spec; user functions by                   ▼
-                  a number into a registry of (code, constants)        make_request → tiled.choose_worker →
-                                                                       the tiled backend's forward / backward
-    out, lse = torch.ops.attnkit.attention(q, k, v, tensors, key, scale, learn)
+    traced by TorchDynamo (cheap Python, no tensor data read)        runs eagerly, per call, inside the op
+    ─────────────────────────────────────────────────────────        ───────────────────────────────────────
+    mask=document(ids) & sliding_window(w)  ┐ describe: a spec       key ──► spec (parsed once, cached) ─┐
+    score_mod=rel (closes over a table)     ┘ with slots                                                ▼
+            │                                                        tensors, ints, floats ──► the same mask
+            ├── tensors: ids, the table, a tensor mask (graph          and score_mod, rebuilt around THESE
+            │     values: read at run time, gradients flow)            values
+            ├── ints, floats: w, numbers a closure holds                          │
+            │     (TorchDynamo may trace them as symbols)                         ▼
+            └── key: a string of constants (JSON); a user            make_request → tiled.choose_worker →
+                  function by its number in a registry of            _TiledAttention's forward / backward
+                  (code object, what its closure holds)              (the compiled kernel where it fits)
+
+    out, lse, out_hi = torch.ops.attnkit.attention(q, k, v, tensors, ints, floats, key, scale, learn)
 
 Why this keeps results exact (never stale):
 
@@ -30,8 +33,10 @@ Why this keeps results exact (never stale):
   graph orders it after whatever produced it, and a learnable table gets its gradient through the op's
   autograd formula. Tile maps and score programs are then found inside the op exactly as eagerly: cached
   by *content* (a digest of the tensors taken on every call), never by identity or shapes.
-* The key holds only constants: built-in masks and score_mods as readable JSON (``causal``, window sizes,
-  alignments, the softcap), user functions as a number into a registry of ``(code object, the constants
+* Numbers (a window size, an int a closure holds) are op inputs too, so a value TorchDynamo traces as a
+  symbol after a recompile (automatic dynamic) still reaches the op exactly.
+* The key holds only constants: built-in masks and score_mods as readable JSON (their kinds, alignments and
+  slot numbers), user functions as a number into a registry of ``(code object, the constants
   in its closure and defaults)``. It is made by :func:`_register`, which TorchDynamo runs once per trace
   and stores as a constant (``assume_constant_result``). That is safe because :func:`_register` depends on
   its arguments only, and the traced code *read* every one of them from the live objects first: the code
@@ -114,13 +119,13 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         raise ValueError(f"q, k, v: expected the same rank 2, 3 or 4, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}.")
     q4, k4, v4 = _lift(q, rank), _lift(k, rank), _lift(v, rank)
-    tensors: list = []
-    mspec = None if mask is None else _mask_spec(mask, tensors, True)
-    sspec = None if score_mod is None else _score_spec(score_mod, tensors)
+    acc = _Acc()
+    mspec = None if mask is None else _mask_spec(mask, acc, True)
+    sspec = None if score_mod is None else _score_spec(score_mod, acc)
     grad = torch.is_grad_enabled()
-    learn = "".join("1" if grad and t.requires_grad and t.is_floating_point() else "0" for t in tensors)
+    learn = "".join("1" if grad and t.requires_grad and t.is_floating_point() else "0" for t in acc.tensors)
     key = _register(causal, mspec, sspec)
-    out, lse, _ = torch.ops.attnkit.attention(q4, k4, v4, tensors, key, scale, learn)
+    out, lse, _ = torch.ops.attnkit.attention(q4, k4, v4, acc.tensors, acc.ints, acc.floats, key, scale, learn)
     if sinks is not None:
         B, H, L = q4.shape[0], q4.shape[1], q4.shape[2]
         out, lse = _softmax.add_sink(out, lse, _check_sinks(sinks, q4, B, H, L))
@@ -139,68 +144,88 @@ def _lift(t, rank: int):
     return t
 
 
-def _slot(tensors: list, t) -> int:
-    """The op input number of ``t`` (each tensor object once)."""
-    for i, x in enumerate(tensors):
+class _Acc:
+    """What a spec's slots point into: the op's tensor inputs, and its int and float inputs. Numbers travel as op
+    inputs, not in the key: TorchDynamo traces a number that changed between calls as a symbol (automatic
+    dynamic), which a constant key could not hold."""
+
+    def __init__(self):
+        self.tensors: list = []
+        self.ints: list = []
+        self.floats: list = []
+
+
+def _slot(acc: _Acc, t) -> int:
+    """The op input number of tensor ``t`` (each tensor object once)."""
+    for i, x in enumerate(acc.tensors):
         if x is t:
             return i
-    tensors.append(t)
-    return len(tensors) - 1
+    acc.tensors.append(t)
+    return len(acc.tensors) - 1
 
 
-def _mask_spec(m, tensors: list, top: bool):
+def _num(acc: _Acc, x):
+    """``["i", n]`` / ``["f", n]``: the op's n-th int / float input holds ``x``."""
+    if isinstance(x, int):
+        acc.ints.append(x)
+        return ("i", len(acc.ints) - 1)
+    acc.floats.append(x)
+    return ("f", len(acc.floats) - 1)
+
+
+def _mask_spec(m, acc: _Acc, top: bool):
     t = type(m)
     if t is _m.Causal:
         return ("causal", m.align)
     if t is _m.SlidingWindow:
-        return ("sliding_window", m.size, m.align)
+        return ("sliding_window", _num(acc, m.size), m.align)
     if t is _m.Chunked:
-        return ("chunked", m.size, m.align)
+        return ("chunked", _num(acc, m.size), m.align)
     if t is _m.PrefixLM:
-        return ("prefix_lm", m.prefix_length)
+        return ("prefix_lm", _num(acc, m.prefix_length))
     if t is _m.Full:
         return ("full",)
     if t is _m.Document:
-        return ("document", _slot(tensors, m._doc_ids))
+        return ("document", _slot(acc, m._doc_ids))
     if t is _m.Padding:
-        return ("padding", _slot(tensors, m._key_lengths))
+        return ("padding", _slot(acc, m._key_lengths))
     if t is _m.KeyPadding:
-        return ("key_padding", _slot(tensors, m._valid))
+        return ("key_padding", _slot(acc, m._valid))
     if t is _m.And or t is _m.Or:
-        return ("and" if t is _m.And else "or", tuple(_mask_spec(p, tensors, False) for p in m.parts))
+        return ("and" if t is _m.And else "or", tuple(_mask_spec(p, acc, False) for p in m.parts))
     if t is _m.Not:
-        return ("not", _mask_spec(m.inner, tensors, False))
+        return ("not", _mask_spec(m.inner, acc, False))
     if t is _m.FromMod:
-        return ("mod", _fn_spec(m.fn, tensors, "mask_mod"))
+        return ("mod", _fn_spec(m.fn, acc, "mask_mod"))
     if isinstance(m, torch.Tensor):
         if not top:
             raise TypeError("mask: a tensor inside a combined mask; pass it as mask= on its own.")
-        return ("tensor", _slot(tensors, m))
+        return ("tensor", _slot(acc, m))
     if isinstance(m, _m.Mask):
         raise TypeError(f"mask: {t.__name__} is a Mask subclass attnkit's torch op does not know; under "
                         "torch.compile / torch.export pass its mask_mod function (mask=fn) or a built-in mask.")
     if isinstance(m, types.FunctionType):
-        return ("mod", _fn_spec(m, tensors, "mask_mod"))
+        return ("mod", _fn_spec(m, acc, "mask_mod"))
     raise TypeError(f"mask: under torch.compile / torch.export attnkit.attention takes None, a tensor, a built-in "
                     f"attnkit.masks mask or a mask_mod function, got {t.__name__} (a BlockMask, a plan or a callable "
                     "object needs the eager call: make it outside the compiled code).")
 
 
-def _score_spec(fn, tensors: list):
+def _score_spec(fn, acc: _Acc):
     t = type(fn)
     if t is _sm.Softcap:
-        return ("softcap", fn.cap)
+        return ("softcap", _num(acc, fn.cap))
     if t is _sm.RelativeBias:
-        return ("relative_bias", _slot(tensors, fn.table))
+        return ("relative_bias", _slot(acc, fn.table))
     if t is _sm.Alibi:
-        return ("alibi", _slot(tensors, fn.slopes))
+        return ("alibi", _slot(acc, fn.slopes))
     if isinstance(fn, types.FunctionType):
-        return ("fn", _fn_spec(fn, tensors, "score_mod"))
+        return ("fn", _fn_spec(fn, acc, "score_mod"))
     raise TypeError(f"score_mod: under torch.compile / torch.export attnkit.attention takes a function or an "
                     f"attnkit.score_mods built-in, got {t.__name__}; wrap it in a function.")
 
 
-def _fn_spec(fn, tensors: list, what: str):
+def _fn_spec(fn, acc: _Acc, what: str):
     """``("fn", fn, code, cells, defaults)``: the function's code and what its closure and defaults hold, each a
     tensor (an op input: ``("t", slot)``) or a constant (``("c", value)``), read here so TorchDynamo guards them;
     ``("nested", fn)`` for a function TorchDynamo made inside the compiled region (it guards how it made it)."""
@@ -209,14 +234,18 @@ def _fn_spec(fn, tensors: list, what: str):
     except AttributeError:  # TorchDynamo does not expose the closure of a function made while tracing
         return ("nested", fn)
     code = fn.__code__
-    got = tuple(_part(c.cell_contents, tensors, what) for c in (cells or ()))
-    defaults = tuple(_part(d, tensors, what) for d in (fn.__defaults__ or ()))
+    got = tuple(_part(c.cell_contents, acc, what) for c in (cells or ()))
+    defaults = tuple(_part(d, acc, what) for d in (fn.__defaults__ or ()))
     return ("fn", fn, code, got, defaults)
 
 
-def _part(x, tensors: list, what: str):
+def _part(x, acc: _Acc, what: str):
     if isinstance(x, torch.Tensor):
-        return ("t", _slot(tensors, x))
+        return ("t", _slot(acc, x))
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return _num(acc, x)
+    if isinstance(x, tuple) and _constant(x):
+        return ("tuple", tuple(_part(y, acc, what) for y in x))
     if _constant(x):
         return ("c", x)
     raise TypeError(f"{what}: under torch.compile / torch.export its closure and defaults may hold tensors and "
@@ -321,30 +350,44 @@ def _spec(key: str) -> dict:
     return doc
 
 
-def _fn(n: int, ts: list):
+def _val(part, ts: list, ints: list, floats: list):
+    """The value a spec part names: a tensor, int or float input of this call, or a constant."""
+    kind, x = part
+    if kind == "t":
+        return ts[x]
+    if kind == "i":
+        return int(ints[x])
+    if kind == "f":
+        return float(floats[x])
+    if kind == "tuple":
+        return tuple(_val(p, ts, ints, floats) for p in x)
+    return x
+
+
+def _fn(n: int, ts: list, ints: list, floats: list):
     if n >= len(_FNS):
         raise RuntimeError(f"attnkit op: user function #{n} is not registered in this process (a program exported "
                            "elsewhere runs where the model's code has been traced once; built-in masks and "
                            "score_mods need nothing).")
     code, g, name, cells, defaults, kw = _FNS[n]
-    val = [ts[x] if k == "t" else x for k, x in cells]
-    dfl = tuple(ts[x] if k == "t" else x for k, x in defaults) or None
+    val = [_val(p, ts, ints, floats) for p in cells]
+    dfl = tuple(_val(p, ts, ints, floats) for p in defaults) or None
     f = types.FunctionType(code, g, name, dfl, tuple(types.CellType(x) for x in val) or None)
     if kw:
         f.__kwdefaults__ = dict(kw)
     return f
 
 
-def _build_mask(s, ts: list):
+def _build_mask(s, ts: list, ints: list, floats: list):
     kind = s[0]
     if kind == "causal":
         return _m.causal(s[1])
     if kind == "sliding_window":
-        return _m.sliding_window(s[1], s[2])
+        return _m.sliding_window(_val(s[1], ts, ints, floats), s[2])
     if kind == "chunked":
-        return _m.chunked(s[1], s[2])
+        return _m.chunked(_val(s[1], ts, ints, floats), s[2])
     if kind == "prefix_lm":
-        return _m.prefix_lm(s[1])
+        return _m.prefix_lm(_val(s[1], ts, ints, floats))
     if kind == "full":
         return _m.full()
     if kind == "document":
@@ -354,39 +397,39 @@ def _build_mask(s, ts: list):
     if kind == "key_padding":
         return _m.key_padding(ts[s[1]])
     if kind == "and" or kind == "or":
-        parts = [_build_mask(p, ts) for p in s[1]]
+        parts = [_build_mask(p, ts, ints, floats) for p in s[1]]
         return _m.And(*parts) if kind == "and" else _m.Or(*parts)
     if kind == "not":
-        return _m.Not(_build_mask(s[1], ts))
+        return _m.Not(_build_mask(s[1], ts, ints, floats))
     if kind == "mod":
-        return _m.from_mod(_fn(s[1], ts))
+        return _m.from_mod(_fn(s[1], ts, ints, floats))
     if kind == "tensor":
         return ts[s[1]]
     raise ValueError(f"attnkit op: unknown mask kind {kind!r}")
 
 
-def _build_score(s, ts: list):
+def _build_score(s, ts: list, ints: list, floats: list):
     kind = s[0]
     if kind == "softcap":
-        return _sm.softcap(s[1])
+        return _sm.softcap(_val(s[1], ts, ints, floats))
     if kind == "relative_bias":
         return _sm.relative_bias(ts[s[1]])
     if kind == "alibi":
         return _sm.alibi(ts[s[1]])
     if kind == "fn":
-        return _fn(s[1], ts)
+        return _fn(s[1], ts, ints, floats)
     raise ValueError(f"attnkit op: unknown score_mod kind {kind!r}")
 
 
-def _prepare(q, k, v, tensors, key: str, scale, learn):
+def _prepare(q, k, v, tensors, ints, floats, key: str, scale, learn):
     """The request and tile context of one op call, the tensors as the mods see them (a learnable one as a
     fresh leaf that requires grad, so the backend returns its gradient)."""
     doc = _spec(key)
     wants = [c == "1" for c in learn]
     ts = [t.detach().requires_grad_(True) if want else t.detach() for t, want in zip(tensors, wants, strict=True)]
     with torch.enable_grad():
-        mask = None if doc["mask"] is None else _build_mask(doc["mask"], ts)
-        sm = None if doc["score"] is None else _build_score(doc["score"], ts)
+        mask = None if doc["mask"] is None else _build_mask(doc["mask"], ts, ints, floats)
+        sm = None if doc["score"] is None else _build_score(doc["score"], ts, ints, floats)
         req = make_request(q.detach(), k.detach(), v.detach(), mask=mask, causal=doc["causal"], scale=scale,
                            score_mod=sm, dropout_p=0.0, return_lse=True, backend="tiled")
         mine = [t for t, want in zip(ts, wants, strict=True) if want]
@@ -415,16 +458,36 @@ class _Saved:
         pass
 
 
+def _with_autograd(fn):
+    """Run ``fn`` with autograd recording on again: a custom op's implementation runs below the autograd key, but
+    the tiled backend differentiates score_mod tiles itself (its torch workers, the exact-rows fix) by autograd."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args):
+        C = torch._C
+        ex = C._dispatch_tls_local_exclude_set().remove(C.DispatchKey.AutogradFunctionality)
+        with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), ex):
+            return fn(*args)
+
+    return run
+
+
 def _lse_dtype(dt):
     return torch.float64 if dt == torch.float64 else torch.float32
 
 
 @torch.library.custom_op("attnkit::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], key: str,
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], ints: list[int],
+                  floats: list[float], key: str,
                   scale: float | None, learn: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out (B, H, L, Dv), lse (B, H, L), out_hi)``: out_hi is the fp32 output before rounding for fp16 /
     bf16 inputs (the backward's delta is taken from it), an empty tensor otherwise."""
-    req, c, _ = _prepare(q, k, v, tensors, key, scale, learn)
+    return _with_autograd(_forward)(q, k, v, tensors, ints, floats, key, scale, learn)
+
+
+def _forward(q, k, v, tensors, ints, floats, key, scale, learn):
+    req, c, _ = _prepare(q, k, v, tensors, ints, floats, key, scale, learn)
     ctx = _Saved()
     with torch.no_grad():
         out, lse = tiled._TiledAttention.forward(ctx, req.q, req.k, req.v, req.bias, c, *c.captured)
@@ -434,7 +497,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: li
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, tensors, key, scale, learn):
+def _attention_fake(q, k, v, tensors, ints, floats, key, scale, learn):
     B, H, L, _ = q.shape
     Dv = v.shape[-1]
     out_hi = q.new_empty(B, H, L, Dv, dtype=torch.float32) if q.dtype in _HALF else q.new_empty(0)
@@ -444,10 +507,16 @@ def _attention_fake(q, k, v, tensors, key, scale, learn):
 @torch.library.custom_op("attnkit::attention_backward", mutates_args=())
 def _attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, out_hi: torch.Tensor,
-                           tensors: list[torch.Tensor], key: str, scale: float | None,
+                           tensors: list[torch.Tensor], ints: list[int], floats: list[float], key: str,
+                           scale: float | None,
                            learn: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(dq, dk, dv, [gradient of each tensor with learn set])`` for the forward above."""
-    req, c, ts = _prepare(q, k, v, tensors, key, scale, learn)
+    return _with_autograd(_backward_impl)(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats, key, scale,
+                                          learn)
+
+
+def _backward_impl(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats, key, scale, learn):
+    req, c, ts = _prepare(q, k, v, tensors, ints, floats, key, scale, learn)
     ctx = _Saved()
     ctx.saved_tensors = (req.q, req.k, req.v, out_hi if out_hi.numel() else out, lse)
     ctx.c = c
@@ -469,16 +538,16 @@ def _attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: tor
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(dout, dlse, q, k, v, out, lse, out_hi, tensors, key, scale, learn):
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats, key, scale, learn):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             [torch.empty_like(t) for t, want in zip(tensors, learn, strict=True) if want == "1"])
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, tensors, key, scale, learn = inputs
+    q, k, v, tensors, ints, floats, key, scale, learn = inputs
     out, lse, out_hi = output
     ctx.save_for_backward(q, k, v, out, lse, out_hi, *tensors)
-    ctx.key, ctx.scale, ctx.learn = key, scale, learn
+    ctx.ints, ctx.floats, ctx.key, ctx.scale, ctx.learn = ints, floats, key, scale, learn
     ctx.set_materialize_grads(False)
 
 
@@ -486,15 +555,17 @@ def _backward(ctx, dout, dlse, _dout_hi):
     q, k, v, out, lse, out_hi, *tensors = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, dt = torch.ops.attnkit.attention_backward(dout, dlse, q, k, v, out, lse, out_hi, tensors, ctx.key,
-                                                          ctx.scale, ctx.learn)
+    dq, dk, dv, dt = torch.ops.attnkit.attention_backward(dout, dlse, q, k, v, out, lse, out_hi, tensors, ctx.ints,
+                                                          ctx.floats, ctx.key, ctx.scale, ctx.learn)
     grads: list = [None] * len(tensors)
     j = 0
     for i, want in enumerate(ctx.learn):
         if want == "1":
             grads[i] = dt[j]
             j += 1
-    return dq, dk, dv, grads, None, None, None
+    # no gradient for the numbers: an empty list is matched by an empty list, a filled one by None (its structure
+    # as torch's autograd wrapper flattens the inputs)
+    return dq, dk, dv, grads, [] if not ctx.ints else None, [] if not ctx.floats else None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
