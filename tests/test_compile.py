@@ -195,7 +195,7 @@ def test_what_the_op_cannot_take_is_named_under_fullgraph():
     fullgraph the call breaks the graph and runs eagerly."""
     q, k, v = rand_qkv(1, H, H, L, L, D)
     fn = lambda q, k, v: attnkit.attention(q, k, v, causal=True, dropout_p=0.5)  # noqa: E731
-    with pytest.raises(Exception, match="dropout_p: under torch.compile"):
+    with pytest.raises(Exception, match=r"dropout_p: under torch\.compile"):
         torch.compile(fn, fullgraph=True, backend="eager")(q, k, v)
     torch.manual_seed(1)
     out = torch.compile(fn, backend="eager")(q, k, v)

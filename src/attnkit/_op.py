@@ -539,8 +539,8 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats,
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats, key, scale, learn):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            [torch.empty_like(t) for t, want in zip(tensors, learn, strict=True) if want == "1"])
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),  # contiguous, as the real ones
+            [t.new_empty(t.shape) for t, want in zip(tensors, learn, strict=True) if want == "1"])
 
 
 def _setup_context(ctx, inputs, output):
