@@ -56,7 +56,7 @@ from ._base import Request
 from ._tiled_ctx import TileContext, additive_mod
 from ._tiles import has_nan
 
-__all__ = ["NAME", "unsupported", "choose_worker", "partial_fraction", "run", "block_sizes"]
+__all__ = ["NAME", "unsupported", "choose_worker", "partial_fraction", "run", "block_sizes", "context"]
 
 NAME = "tiled"
 
