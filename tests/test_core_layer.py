@@ -186,7 +186,7 @@ LAYERS = [
     ("engines: the backends, the tile-mass engine, the measured table they read",
      {"attnkit.backends", "attnkit._calibrate"}),
     ("the one validation point and the dispatch decision", {"attnkit._request", "attnkit._dispatch"}),
-    ("the fast path of a common call", {"attnkit._fast"}),
+    ("the fast path of a common call, the torch op behind torch.compile", {"attnkit._fast", "attnkit._op"}),
     ("the front door", {"attnkit.api"}),
     ("built on the front door", {"attnkit.explain", "attnkit.tilemass", "attnkit._flex_api", "attnkit.nn",
                                  "attnkit.distributed"}),

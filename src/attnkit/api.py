@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import Tensor as _Tensor
+from torch.compiler import is_compiling as _is_compiling
 
 from . import _fast
 from ._dispatch import Decision, decide, explain_decision
@@ -73,6 +74,11 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         TypeError: a wrong kind of argument; the message names it, what was expected and what was got.
         ValueError: a wrong value or shape; the message names it, what was expected and what was got.
     """
+    if _is_compiling():  # traced by torch.compile / torch.export: one call of attnkit's torch op (attnkit._op)
+        from . import _op
+
+        return _op.attention(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=dropout_p,
+                             return_lse=return_lse, return_weights=return_weights, sinks=sinks, backend=backend)
     if ((mask is None or type(mask) in _fast.MASKS or type(mask) is _And or type(mask) is _Tensor)
             and score_mod is None and type(backend) is str and backend == "auto" and return_lse is False
             and return_weights is False and sinks is None and type(dropout_p) is float and dropout_p == 0.0):

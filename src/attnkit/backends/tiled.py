@@ -54,7 +54,8 @@ from ._kernel import Kernel
 from ._tiled_ctx import TileContext, additive_mod
 from ._tiles import has_nan
 
-__all__ = ["NAME", "FLASH_RUNS", "PLAIN", "auto_reason", "unsupported", "partial_fraction", "run", "block_sizes"]
+__all__ = ["NAME", "FLASH_RUNS", "PLAIN", "auto_reason", "unsupported", "partial_fraction", "run", "block_sizes",
+           "context"]
 
 NAME = "tiled"
 
@@ -276,19 +277,27 @@ def _add(a, b):
 
 
 def _launch(req: Request, worker: str):
-    B, H, L, S, D, Dv, Hkv = req.shape
+    c = context(req, worker)
+    return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)
+
+
+def context(req: Request, worker: str) -> TileContext:
+    """The :class:`TileContext` :func:`_launch` builds for ``worker`` (``"fused"`` or ``"plain"``: its tiles, work
+    list, gradient targets), without running anything: for callers that run ``_TiledAttention``'s forward and
+    backward themselves (``attnkit._op``, the torch op behind ``torch.compile``)."""
+    B, H, L, S, *_ = req.shape
     bm, bn, _ = _sizes()
     given = None
-    if req.plan is not None:  # the caller's explicit plan: its tiles, its tile shape
+    if req.plan is not None:
         bm, bn = req.plan.block
         given = req.plan.collapsed()
-        if req.plan_extra is not None:  # causal=True on top of the plan: closed form, intersected
+        if req.plan_extra is not None:
             given = torch.minimum(given, _worklist.tile_map(req.plan_extra, B, H, L, S, bm, bn))
     c = TileContext(req, worker)
     c.plan_bm_bn, c.given = (bm, bn), given
     c.causal = _tiled_fused.causal_pieces(req, given) if worker == "fused" else None
     c.plan = _work_list(req, worker, (bm, bn), given)
-    return _TiledAttention.apply(req.q, req.k, req.v, req.bias, c, *c.captured)
+    return c
 
 
 def _work_list(req: Request, worker: str, block, given):

@@ -1,0 +1,238 @@
+"""attnkit.attention under torch.compile(fullgraph=True) and torch.export (attnkit._op, issue 26 item 2).
+
+``fullgraph=True`` compiling at all is the "0 graph breaks" check (TorchDynamo raises on any break). Compiles
+use the ``aot_eager`` backend (AOT autograd, the fake implementations and the op's autograd formula, without
+inductor's C++ build: seconds, not minutes); ``benchmarks/compile_step.py`` runs inductor. Shapes are tiny.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close, budget, rand_qkv
+
+import attnkit
+from attnkit import masks as M
+from attnkit import score_mods as SM
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+B, H, L, D = 2, 2, 80, 16
+IDS = torch.tensor([0] * 30 + [1] * 25 + [2] * 25)
+TABLE = torch.nn.Parameter(torch.randn(H, 2 * L - 1) * 0.5)  # a learnable relative-position bias
+
+
+def _make_rel(table):
+    def rel(score, b, h, q_idx, kv_idx):  # the tensor is captured in the closure
+        return score + table[h, q_idx - kv_idx + L - 1]
+
+    return rel
+
+
+REL = _make_rel(TABLE)
+
+
+def _band(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= 20
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 20.0 * torch.tanh(score / 20.0)
+
+
+CALLS = {
+    "causal": dict(causal=True),
+    "sliding_window": dict(mask=M.sliding_window(24)),
+    "document": dict(mask=M.document(IDS)),
+    "mask_mod": dict(mask=_band),
+    "score_mod": dict(causal=True, score_mod=REL),
+    "softcap_document": dict(mask=M.document(IDS) & M.causal(), score_mod=_softcap),
+    "builtin_score_mods": dict(mask=M.causal(), score_mod=SM.relative_bias(TABLE[:, L - 20:L + 19])),
+}
+
+
+def _grads(fn, q, k, v, leaves):
+    out = fn(q, k, v)
+    go = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(out.dtype)
+    return out, torch.autograd.grad((out * go).sum(), (q, k, v, *leaves))
+
+
+@pytest.fixture
+def no_int_constant_programs(monkeypatch):
+    """Keeps score_mods whose program holds an integer constant (``+ L - 1``, a clamp) off the compiled kernel's
+    backward: its reverse mode (csrc/attn_prog.h, prog_grad) loads the operand fields of every instruction as
+    registers, so a ``consti`` value reads memory far from the register slab and may crash (eager calls too;
+    reported to the lead). The tiled backend's torch workers run those calls here."""
+    from attnkit.backends import tiled
+
+    monkeypatch.setattr(tiled, "NATIVE", False)
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_fullgraph_forward_backward_equal_eager_and_float64(name, request):
+    """0 graph breaks (fullgraph=True), and out, dq, dk, dv and a learnable table's gradient match eager and the
+    float64 autograd reference within the error budget."""
+    kw = CALLS[name]
+    if name in ("score_mod", "builtin_score_mods"):
+        request.getfixturevalue("no_int_constant_programs")
+    q, k, v = rand_qkv(B, H, H, L, L, D, requires_grad=True)
+    fn = lambda q, k, v: attnkit.attention(q, k, v, **kw)  # noqa: E731
+    leaves = [TABLE] if "score_mod" in name or "builtin" in name else []
+    cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out, got = _grads(cf, q, k, v, leaves)
+    eout, eager = _grads(fn, q, k, v, leaves)
+    tol = budget(torch.float32, D, L)
+    assert_close(out, eout, tol, f"{name}: out vs eager")
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    kw64 = dict(kw)
+    if "score_mod" in name:  # the same mod over a float64 copy of the table (the table's grad compared below)
+        t64 = TABLE.detach().double().requires_grad_()
+        kw64["score_mod"] = _make_rel(t64) if kw["score_mod"] is REL else kw["score_mod"]
+        leaves64 = [t64] if kw["score_mod"] is REL else [TABLE]
+    else:
+        leaves64 = leaves
+    ref = attnkit.attention(qd, kd, vd, backend="eager", **kw64)
+    go = torch.linspace(-1, 1, ref.numel(), dtype=torch.float64).reshape(ref.shape)
+    want = torch.autograd.grad((ref * go).sum(), (qd, kd, vd, *leaves64))
+    assert_close(out, ref, tol, f"{name}: out vs float64")
+    for what, a, e, w in zip(["dq", "dk", "dv", "dtable"], got, eager, want, strict=False):
+        scale = max(1.0, w.abs().max().item())
+        assert_close(a, w, 4 * tol * scale, f"{name}: {what} vs float64")
+        assert_close(a, e, 4 * tol * scale, f"{name}: {what} vs eager")
+
+
+def test_explain_counts_no_graph_break_and_one_op_call(no_int_constant_programs):
+    """torch._dynamo.explain over a model-like function with several calls: one graph, 0 breaks, and the graph
+    calls attnkit's op (not a Python fallback)."""
+    q, k, v = rand_qkv(1, H, H, L, L, D)
+
+    def f(q, k, v):
+        x = attnkit.attention(q, k, v, causal=True)
+        x = attnkit.attention(x, k, v, mask=M.sliding_window(24), score_mod=REL)
+        return attnkit.attention(x, k, v, mask=_band)
+
+    e = torch._dynamo.explain(f)(q, k, v)
+    assert e.graph_count == 1 and e.graph_break_count == 0, e.break_reasons
+    code = e.graphs[0].code
+    assert code.count("torch.ops.attnkit.attention") == 3, code
+
+
+def test_captured_tensor_edited_in_place_after_compiling_is_never_stale(no_int_constant_programs):
+    """The document ids a mask_mod captures and the table a score_mod captures are op inputs: editing them in
+    place after compiling changes the compiled result exactly as it changes the eager one."""
+    ids = IDS.clone()
+    table = torch.zeros(H, 2 * L - 1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    sm = _make_rel(table)
+    fn = lambda q, k, v: attnkit.attention(q, k, v, mask=mask_mod, score_mod=sm)  # noqa: E731
+    cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    q, k, v = rand_qkv(1, H, H, L, L, D)
+    before = cf(q, k, v)
+    assert_close(before, fn(q, k, v), 0.0, "before the edit")
+    ids[10:30] = 1
+    table[:, L - 1] = 3.0
+    after = cf(q, k, v)
+    assert (after - before).abs().max() > 0.1  # the edit changed the answer ...
+    assert_close(after, fn(q, k, v), 0.0, "after the edit")  # ... to the eager one
+
+
+def test_another_window_or_function_constant_recompiles():
+    """What the key is made of (a window size, a constant a mask_mod closes over) is guarded: a new value
+    gives a new graph and the right answer, never the first graph's."""
+    q, k, v = rand_qkv(1, H, H, L, L, D)
+
+    def make_band(w):
+        return lambda b, h, qi, ki: (qi - ki).abs() <= w
+
+    fn = lambda q, k, v, m: attnkit.attention(q, k, v, mask=m)  # noqa: E731
+    cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for m in (M.sliding_window(8), M.sliding_window(30), make_band(3), make_band(9)):
+        assert_close(cf(q, k, v, m), fn(q, k, v, m), 0.0, repr(m))
+
+
+def test_a_function_made_inside_the_compiled_code_with_constants():
+    """A mask_mod / score_mod defined inside the compiled function (capturing constants) is described too."""
+    q, k, v = rand_qkv(1, H, H, L, L, D, requires_grad=True)
+
+    def fn(q, k, v):
+        w, cap = 12, 7.0
+
+        def near(b, h, qi, ki):
+            return (qi - ki).abs() < w
+
+        def soft(s, b, h, qi, ki):
+            return cap * torch.tanh(s / cap)
+
+        return attnkit.attention(q, k, v, mask=near, score_mod=soft)
+
+    cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out, got = _grads(cf, q, k, v, [])
+    eout, eager = _grads(fn, q, k, v, [])
+    tol = budget(torch.float32, D, L)
+    assert_close(out, eout, tol, "out")
+    for a, e in zip(got, eager, strict=True):
+        assert_close(a, e, 4 * tol * max(1.0, e.abs().max().item()), "grad")
+
+
+def test_mask_mod_no_longer_crashes_dynamo():
+    """Pin: torch.compile (without fullgraph) over attention with a mask_mod crashed TorchDynamo with
+    ``InternalTorchDynamoError: SyntaxError``; it now compiles and matches eager (3-D inputs, lse too)."""
+    q, k, v = rand_qkv(1, H, H, L, L, D)
+    q, k, v = q[0], k[0], v[0]
+    fn = lambda q, k, v: attnkit.attention(q, k, v, mask=lambda b, h, qi, ki: qi >= ki, return_lse=True)  # noqa: E731
+    out, lse = torch.compile(fn, backend="aot_eager")(q, k, v)
+    eout, else_ = fn(q, k, v)
+    assert out.shape == (H, L, D) and lse.shape == (H, L)
+    assert_close(out, eout, budget(torch.float32, D, L), "out")
+    assert_close(lse, else_, budget(torch.float32, D, L), "lse")
+
+
+def test_what_the_op_cannot_take_is_named_under_fullgraph():
+    """dropout is not in the op: under fullgraph the compile fails with attnkit's message naming it; without
+    fullgraph the call breaks the graph and runs eagerly."""
+    q, k, v = rand_qkv(1, H, H, L, L, D)
+    fn = lambda q, k, v: attnkit.attention(q, k, v, causal=True, dropout_p=0.5)  # noqa: E731
+    with pytest.raises(Exception, match=r"dropout_p: under torch\.compile"):
+        torch.compile(fn, fullgraph=True, backend="eager")(q, k, v)
+    torch.manual_seed(1)
+    out = torch.compile(fn, backend="eager")(q, k, v)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_export_runs_and_equals_eager(no_int_constant_programs):
+    """torch.export of a module with a document & causal mask, a learnable relative-bias table and sinks: the
+    exported program calls attnkit's op with the table as an input, and its output equals eager."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(H, 2 * L - 1) * 0.5)
+            self.sinks = torch.nn.Parameter(torch.zeros(H))
+
+        def forward(self, q, k, v, ids):
+            return attnkit.attention(q, k, v, mask=M.document(ids) & M.causal(),
+                                     score_mod=SM.relative_bias(self.table), sinks=self.sinks)
+
+    m = Layer()
+    q, k, v = rand_qkv(1, H, H, L, L, D)
+    ep = torch.export.export(m, (q, k, v, IDS))
+    assert "attnkit.attention" in ep.graph_module.code
+    assert_close(ep.module()(q, k, v, IDS), m(q, k, v, IDS), 0.0, "exported")
+    ids2 = torch.tensor([0] * 40 + [1] * 40)  # new data through the same program
+    assert_close(ep.module()(q, k, v, ids2), m(q, k, v, ids2), 0.0, "exported, other ids")
+
+
+def test_the_op_called_directly_has_a_consistent_fake_and_autograd(no_int_constant_programs):
+    """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree."""
+    from attnkit import _op
+
+    q, k, v = rand_qkv(1, H, H, L, L, D, requires_grad=True)
+    table = torch.randn(H, 2 * L - 1, requires_grad=True)
+    acc = _op._Acc()
+    key = _op._register(True, None, _op._score_spec(_make_rel(table), acc))
+    torch.library.opcheck(torch.ops.attnkit.attention.default, (q, k, v, acc.tensors, acc.ints, acc.floats, key, None,
+                                                                 "1"),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
