@@ -57,24 +57,11 @@ def _grads(fn, q, k, v, leaves):
     return out, torch.autograd.grad((out * go).sum(), (q, k, v, *leaves))
 
 
-@pytest.fixture
-def no_int_constant_programs(monkeypatch):
-    """Keeps score_mods whose program holds an integer constant (``+ L - 1``, a clamp) off the compiled kernel's
-    backward: its reverse mode (csrc/attn_prog.h, prog_grad) loads the operand fields of every instruction as
-    registers, so a ``consti`` value reads memory far from the register slab and may crash (eager calls too;
-    reported to the lead). The tiled backend's torch workers run those calls here."""
-    from attnkit.backends import tiled
-
-    monkeypatch.setattr(tiled, "NATIVE", False)
-
-
 @pytest.mark.parametrize("name", list(CALLS))
-def test_fullgraph_forward_backward_equal_eager_and_float64(name, request):
+def test_fullgraph_forward_backward_equal_eager_and_float64(name):
     """0 graph breaks (fullgraph=True), and out, dq, dk, dv and a learnable table's gradient match eager and the
     float64 autograd reference within the error budget."""
     kw = CALLS[name]
-    if name in ("score_mod", "builtin_score_mods"):
-        request.getfixturevalue("no_int_constant_programs")
     q, k, v = rand_qkv(B, H, H, L, L, D, requires_grad=True)
     fn = lambda q, k, v: attnkit.attention(q, k, v, **kw)  # noqa: E731
     leaves = [TABLE] if "score_mod" in name or "builtin" in name else []
@@ -101,7 +88,7 @@ def test_fullgraph_forward_backward_equal_eager_and_float64(name, request):
         assert_close(a, e, 4 * tol * scale, f"{name}: {what} vs eager")
 
 
-def test_explain_counts_no_graph_break_and_one_op_call(no_int_constant_programs):
+def test_explain_counts_no_graph_break_and_one_op_call():
     """torch._dynamo.explain over a model-like function with several calls: one graph, 0 breaks, and the graph
     calls attnkit's op (not a Python fallback)."""
     q, k, v = rand_qkv(1, H, H, L, L, D)
@@ -117,7 +104,7 @@ def test_explain_counts_no_graph_break_and_one_op_call(no_int_constant_programs)
     assert code.count("torch.ops.attnkit.attention") == 3, code
 
 
-def test_captured_tensor_edited_in_place_after_compiling_is_never_stale(no_int_constant_programs):
+def test_captured_tensor_edited_in_place_after_compiling_is_never_stale():
     """The document ids a mask_mod captures and the table a score_mod captures are op inputs: editing them in
     place after compiling changes the compiled result exactly as it changes the eager one."""
     ids = IDS.clone()
@@ -202,7 +189,7 @@ def test_what_the_op_cannot_take_is_named_under_fullgraph():
     assert out.shape == q.shape and torch.isfinite(out).all()
 
 
-def test_export_runs_and_equals_eager(no_int_constant_programs):
+def test_export_runs_and_equals_eager():
     """torch.export of a module with a document & causal mask, a learnable relative-bias table and sinks: the
     exported program calls attnkit's op with the table as an input, and its output equals eager."""
 
@@ -225,7 +212,7 @@ def test_export_runs_and_equals_eager(no_int_constant_programs):
     assert_close(ep.module()(q, k, v, ids2), m(q, k, v, ids2), 0.0, "exported, other ids")
 
 
-def test_the_op_called_directly_has_a_consistent_fake_and_autograd(no_int_constant_programs):
+def test_the_op_called_directly_has_a_consistent_fake_and_autograd():
     """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree."""
     from attnkit import _op
 

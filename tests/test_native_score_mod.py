@@ -276,3 +276,27 @@ def test_a_cached_program_never_sees_later_edits_of_the_tensor_it_was_traced_fro
     _check(q, k, v, None, score_mod=make(first))
     first.copy_(torch.linspace(-3, 3, 70))  # the cached program's key is the zeros it was traced from
     _check(q, k, v, None, score_mod=make(torch.zeros(70)))
+
+
+def test_backward_of_a_program_with_a_large_integer_constant():
+    """An integer constant's value sits in an instruction's operand field: the backward must never read it as a
+    register (it once did: a constant of 3 000 127 sent the reverse pass far outside its buffer, a segfault)."""
+    g = torch.Generator().manual_seed(11)
+    tab = torch.randn(4, 401, generator=g, dtype=torch.float64).float().requires_grad_()
+    q, k, v = (torch.randn(1, 4, 130, 16, generator=g).requires_grad_() for _ in range(3))
+
+    def sm(score, b, h, qi, kv):
+        return score + tab[h, (qi - kv + 3000127) % 401] * 0.5
+
+    d = attnkit.dispatch(q, k, v, causal=True, score_mod=sm)
+    assert d.worker == "native" and "program" in d.worker_reason, d
+    out = attnkit.attention(q, k, v, causal=True, score_mod=sm)
+    go = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v, tab), go)
+    td = tab.detach().double().requires_grad_()
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attnkit.attention(qd, kd, vd, causal=True, backend="eager",
+                            score_mod=lambda s, b, h, qi, kv: s + td[h, (qi - kv + 3000127) % 401] * 0.5)
+    refs = torch.autograd.grad(ref, (qd, kd, vd, td), go.double())
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), grads, refs, strict=True):
+        assert (a.double() - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item()), name

@@ -241,6 +241,18 @@ static const int32_t* prog_run(const Prog& p, int32_t* R, const float* s, long b
   return R + p.out * SL;
 }
 
+// The instructions whose float operands take a share of the adjoint (the others: integer, comparison, sign,
+// floor, casts, constants, reads have no gradient to pass on, and their operand fields need not be registers).
+static inline bool passes_grad(int32_t op) {
+  switch (op) {
+    case P_ADD: case P_SUB: case P_MUL: case P_DIV: case P_FMIN: case P_FMAX: case P_NEG: case P_ABS: case P_TANH:
+    case P_EXP: case P_LOG: case P_LOG1P: case P_WHERE:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Reverse mode over the slab the last prog_run left in R: with g = dL/d(result) per lane, writes dL/d(score)
 // into ds. G: regs * SL floats of adjoints. Only float registers carry adjoints; reads of captured tensors do
 // not (a tensor that requires grad is refused by the tracer).
@@ -250,45 +262,46 @@ static void prog_grad(const Prog& p, const int32_t* R, float* G, const float* g,
   for (long k = p.n - 1; k >= 0; k--) {
     const int32_t* c = p.code + k * PW;
     const float* gd = G + (long)c[1] * SL;
-    float* ga = G + (long)c[2] * SL;
-    float* gb = G + (long)c[3] * SL;
-    float* gc = G + (long)c[4] * SL;
-    const int32_t* A = R + (long)c[2] * SL;
-    const int32_t* Bq = R + (long)c[3] * SL;
-    const int32_t* Y = R + (long)c[1] * SL;
-    for (int l = 0; l < SL; l += VW) {
-      const vf gv = load(gd + l);
-      const vf a = fv(A + l), bb = fv(Bq + l), y = fv(Y + l);
-      switch (c[0]) {
-        case P_ADD: store(ga + l, load(ga + l) + gv); store(gb + l, load(gb + l) + gv); break;
-        case P_SUB: store(ga + l, load(ga + l) + gv); store(gb + l, load(gb + l) - gv); break;
-        case P_MUL: store(ga + l, load(ga + l) + gv * bb); store(gb + l, load(gb + l) + gv * a); break;
-        case P_DIV: store(ga + l, load(ga + l) + gv / bb); store(gb + l, load(gb + l) - gv * y / bb); break;
-        case P_FMIN:
-        case P_FMAX: {  // torch's rule: the chosen side takes the gradient, a tie splits it in halves
-          const vi pick_a = c[0] == P_FMIN ? (a < bb) : (a > bb);
-          const vi tie = a == bb;
-          const vf half = gv * splat(0.5f);
-          store(ga + l, load(ga + l) + (tie ? half : (pick_a ? gv : splat(0.f))));
-          store(gb + l, load(gb + l) + (tie ? half : (pick_a ? splat(0.f) : gv)));
-          break;
+    if (passes_grad(c[0])) {  // only then are its operand fields registers (else: a constant, a table index)
+      float* ga = G + (long)c[2] * SL;
+      float* gb = G + (long)c[3] * SL;
+      float* gc = G + (long)c[4] * SL;
+      const int32_t* A = R + (long)c[2] * SL;
+      const int32_t* Bq = R + (long)c[3] * SL;
+      const int32_t* Y = R + (long)c[1] * SL;
+      for (int l = 0; l < SL; l += VW) {
+        const vf gv = load(gd + l);
+        const vf a = fv(A + l), bb = fv(Bq + l), y = fv(Y + l);
+        switch (c[0]) {
+          case P_ADD: store(ga + l, load(ga + l) + gv); store(gb + l, load(gb + l) + gv); break;
+          case P_SUB: store(ga + l, load(ga + l) + gv); store(gb + l, load(gb + l) - gv); break;
+          case P_MUL: store(ga + l, load(ga + l) + gv * bb); store(gb + l, load(gb + l) + gv * a); break;
+          case P_DIV: store(ga + l, load(ga + l) + gv / bb); store(gb + l, load(gb + l) - gv * y / bb); break;
+          case P_FMIN:
+          case P_FMAX: {  // torch's rule: the chosen side takes the gradient, a tie splits it in halves
+            const vi pick_a = c[0] == P_FMIN ? (a < bb) : (a > bb);
+            const vi tie = a == bb;
+            const vf half = gv * splat(0.5f);
+            store(ga + l, load(ga + l) + (tie ? half : (pick_a ? gv : splat(0.f))));
+            store(gb + l, load(gb + l) + (tie ? half : (pick_a ? splat(0.f) : gv)));
+            break;
+          }
+          case P_NEG: store(ga + l, load(ga + l) - gv); break;
+          case P_ABS: store(ga + l, load(ga + l) + gv * signv(a)); break;
+          case P_TANH: store(ga + l, load(ga + l) + gv * (splat(1.f) - y * y)); break;
+          case P_EXP: store(ga + l, load(ga + l) + gv * y); break;
+          case P_LOG: store(ga + l, load(ga + l) + gv / a); break;
+          case P_LOG1P: store(ga + l, load(ga + l) + gv / (splat(1.f) + a)); break;
+          case P_WHERE: {
+            const vi cond = iv(A + l) != 0;
+            store(gb + l, load(gb + l) + (cond ? gv : splat(0.f)));
+            store(gc + l, load(gc + l) + (cond ? splat(0.f) : gv));
+            break;
+          }
+          default: break;
         }
-        case P_NEG: store(ga + l, load(ga + l) - gv); break;
-        case P_ABS: store(ga + l, load(ga + l) + gv * signv(a)); break;
-        case P_TANH: store(ga + l, load(ga + l) + gv * (splat(1.f) - y * y)); break;
-        case P_EXP: store(ga + l, load(ga + l) + gv * y); break;
-        case P_LOG: store(ga + l, load(ga + l) + gv / a); break;
-        case P_LOG1P: store(ga + l, load(ga + l) + gv / (splat(1.f) + a)); break;
-        case P_WHERE: {
-          const vi cond = iv(A + l) != 0;
-          store(gb + l, load(gb + l) + (cond ? gv : splat(0.f)));
-          store(gc + l, load(gc + l) + (cond ? splat(0.f) : gv));
-          break;
-        }
-        default: break;  // integer, comparison, sign, floor, casts, reads: no gradient to pass on
       }
-    }
-    if (c[0] == P_READF && acc && p.tgrad && p.tgrad[c[2]]) {  // into a learnable table, at the read's element
+    } else if (c[0] == P_READF && acc && p.tgrad && p.tgrad[c[2]]) {  // into a learnable table, at the read's element
       const int64_t* sh = p.tshape + 5L * c[2];
       float* buf = acc->buf[c[2]];
       long& lo = acc->lo[c[2]];
