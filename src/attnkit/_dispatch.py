@@ -128,7 +128,7 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
     reason = chosen.auto_reason(req, passed) if auto else "asked for by name"
     worker_reason = chosen.why(req) + "".join(
         f" (not {k.title}: {'; '.join(rs)})" for k, rs, declined in passed
-        if k.backend == chosen.backend and not declined and k is not chosen)
+        if k.backend == chosen.backend and not declined and not k.specialist)
     return Decision(chosen.backend, reason, chosen.worker, worker_reason,
                     None if device_type == "cuda" else True, tuple(verdicts), chosen)
 

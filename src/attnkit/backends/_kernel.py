@@ -41,6 +41,9 @@ class Kernel:
     title: str = ""  # how a reason names it ("the compiled kernel")
     devices: tuple[str, ...] = ("cpu", "cuda")
     measured: str = ""  # the benchmark behind its place in the table, and its result
+    # a kernel for one kind of call only (the decode entry): why it passed a call is in the table's verdicts,
+    # not repeated in the reason of the kernel that ran
+    specialist: bool = False
 
     def not_supported(self, req: Request) -> list[str]:
         """Every reason this kernel cannot run ``req`` exactly (empty: it can)."""

@@ -187,6 +187,7 @@ class NativeDecode(Kernel):
     worker = "native"
     title = "the compiled kernel's decode entry"
     devices = ("cpu",)
+    specialist = True
     measured = ("benchmarks/decode_splitk.py and benchmarks/overhead.py (2 threads): a decode step over a long "
                 "cache at read bandwidth, and the smallest calls with the least Python around the kernel")
 
