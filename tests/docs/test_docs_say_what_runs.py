@@ -16,13 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 import attnkit
 from attnkit import cli
 from attnkit.nn import MultiHeadAttention
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 # ---------------------------------------------------------------- examples/train_reverse.py
 
