@@ -31,8 +31,8 @@ PIP_NEXT   := $(BIN_NEXT)/pip install --disable-pip-version-check --progress-bar
 # One thread: these tests run tiny models, where a second OpenMP thread only waits; on 2 shared cores the pass took
 # 82 s with one thread and 217 s with two (load ~3)
 TF_NEXT_ENV := OMP_NUM_THREADS=1
-TF_TESTS   := tests/test_integration_transformers.py tests/test_trust_transformers.py tests/test_transformers_generate.py \
-              tests/test_transformers_walk.py
+TF_TESTS   := $(addprefix tests/integrations/,test_integration_transformers.py test_transformers_attention_args.py \
+                test_transformers_generate.py test_transformers_walk.py)
 
 # Where torch comes from (tools/install-torch.sh; a torch already in the venv is always kept):
 #   TORCH=auto (default)  a wheel in WHEEL_DIR; else the CPU-only index when no NVIDIA GPU is found
@@ -129,7 +129,7 @@ notebook: $(STAMP_NB)
 
 # The differential fuzz test with 10x the examples (the default profile runs in `make test`).
 fuzz: $(STAMP_TEST)
-	ATTNKIT_FUZZ=long $(BIN)/python -m pytest -q tests/test_fuzz.py
+	ATTNKIT_FUZZ=long $(BIN)/python -m pytest -q tests/backends/test_fuzz.py
 
 # The small default set (about a minute on 2 cores); prints a table, writes nothing.
 bench: $(STAMP)

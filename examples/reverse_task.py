@@ -10,7 +10,7 @@ so a trained model shows the anti-diagonal in its attention maps::
 
 An example application of :mod:`attnkit.nn`, not part of the library: the model, the
 data and the training loop. Used by ``examples/train_reverse.py`` (the script: CLI and
-picture) and by ``tests/test_train_small.py`` (the check that the blocks learn), which
+picture) and by ``tests/nn/test_train_small.py`` (the check that the blocks learn), which
 put ``examples/`` on ``sys.path``. Needs only attnkit and torch.
 Shape legend: B batch, L sequence length, E embed dim, H heads, V vocabulary size.
 """

@@ -1,4 +1,4 @@
-"""One rank of the two-host context-parallel test (tests/test_cp_two_hosts.py), started by torchrun
+"""One rank of the two-host context-parallel test (tests/distributed/test_cp_two_hosts.py), started by torchrun
 inside a network namespace: a causal attention over 4 ranks on 2 "hosts", forward and backward,
 checked against the float64 single-process reference; each rank prints one line and writes it to
 ``$AK_OUT_DIR/rank<r>.txt``."""

@@ -1,4 +1,10 @@
-"""Shared test helpers: the float64 golden and error-budget tolerances.
+"""Shared test helpers: the float64 golden and error-budget tolerances, and the repository root.
+
+This file stays at ``tests/``; the test files sit one folder below it, mirroring ``src/attnkit``
+(``tests/core``, ``tests/backends``, ...). ``pyproject.toml`` puts ``tests/`` on ``sys.path``
+(``pythonpath``), so every test file imports these helpers, ``_flashmask`` and ``_cp_spawn`` as
+top-level modules. Test file names are unique across the folders (pytest's default import mode
+imports each as a top-level module by its name).
 
 Tolerances follow the flash-attention test habit: a backend's error against the
 float64 golden must stay within a budget derived from the arithmetic, not a
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +33,10 @@ import torch
 import attnkit
 
 # auto's crossovers are the defaults in every test (and every subprocess a test starts): a calibration file in
-# the developer's cache must not change which backend a test sees. tests/test_calibrate.py turns it back on.
+# the developer's cache must not change which backend a test sees. tests/core/test_calibrate.py turns it back on.
 os.environ["ATTNKIT_CALIBRATION"] = "off"
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository (README.md, docs/, examples/, src/)
 
 EPS = {torch.float64: 2.2e-16, torch.float32: 1.2e-7, torch.bfloat16: 7.8e-3, torch.float16: 9.8e-4}
 

@@ -11,7 +11,7 @@
 #                    local: WHEEL_DIR only (no index)     cpu: TORCH_INDEX     cuda: PyPI's default build
 #   TORCH_VERSION  2.13.0            TORCH_INDEX  https://download.pytorch.org/whl/cpu
 #   WHEEL_DIR      /opt/wheels       CONSTRAINTS  constraints.txt
-#   TORCH_DRY_RUN  1: print the pip command that would run, run nothing (tests/test_install_torch.py)
+#   TORCH_DRY_RUN  1: print the pip command that would run, run nothing (tests/install/test_install_torch.py)
 #
 # An index that does not answer within 5 s is reported at once, never waited on.
 set -euo pipefail

@@ -3,7 +3,7 @@ progress bars left out), so that it reads with its results on a code host.
 
     PYTHONPATH=src python tools/make_tour.py
 
-tests/test_tour_notebook.py executes it again in a fresh kernel and checks its numbers.
+tests/docs/test_tour_notebook.py executes it again in a fresh kernel and checks its numbers.
 """
 
 from pathlib import Path

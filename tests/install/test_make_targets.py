@@ -9,11 +9,10 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TOOLING = ("pytest", "hypothesis", "selenium", "nbclient", "nbformat", "ipykernel", "mkdocs", "mkdocstrings",
            "ruff", "mypy", "jupyterlab", "notebook")
 HEAVY = ("sentence-transformers", "scikit-learn", "scipy")
@@ -84,6 +83,14 @@ def test_test_target_lints_type_checks_then_runs_pytest(tmp_path):
     assert steps[-1] == len(lines) - 1 and max(i for i, ln in enumerate(lines) if " install " in ln) < steps[0]
     assert _dry_run("lint", tmp_path)[-2:] == [lines[steps[0]], lines[steps[1]]]
 
+
+
+@pytest.mark.parametrize("target", ["test", "test-transformers", "fuzz"])
+def test_every_test_file_a_target_runs_exists(tmp_path, target):
+    named = {w for ln in _dry_run(target, tmp_path) for w in ln.split() if re.fullmatch(r"tests/\S+\.py", w)}
+    assert named, f"make {target} names no test file"
+    missing = [p for p in sorted(named) if not (ROOT / p).is_file()]
+    assert not missing, f"make {target} runs test files that do not exist: {missing}"
 
 def test_notebook_target_opens_the_tour(tmp_path):
     lines = _dry_run("notebook", tmp_path)

@@ -18,7 +18,7 @@ plain float64 autograd (up to one rounding of each score).
 
 Error budget (fp32/fp64): the gradients are sums of S terms p·(dp − delta) with dot products
 of length D; conftest's budget ``16 eps (√D + √S)`` for outputs, times 32 for the backward's
-extra products and the magnitude of the largest gradient (as tests/test_fuzz.py does). The
+extra products and the magnitude of the largest gradient (as tests/backends/test_fuzz.py does). The
 flaw gives errors of order 1 (fp32 and fp64 alike: it is log S that is lost, not a few ulps).
 """
 

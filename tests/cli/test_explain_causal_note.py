@@ -5,6 +5,7 @@ silently the unmasked one (one query, bottom-right aligned, sees every key); wit
 from __future__ import annotations
 
 import pytest
+from conftest import ROOT
 
 from attnkit import cli
 
@@ -42,8 +43,7 @@ def test_any_mask_that_hides_nothing_is_noted(capsys, mask):
 
 
 def test_the_readme_shows_the_causal_example_that_changes_something():
-    from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "attnkit explain --causal" in readme
     assert "--example cat --causal" not in readme

@@ -8,11 +8,10 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "examples" / "tour.ipynb"
 BUDGET_S = 60  # the notebook takes ~10-15 s on a busy 2-core machine; a cell is stopped past this
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ROOT
 
 pytest.importorskip("transformers", reason="needs the transformers extra: pip install 'attnkit[transformers]'")
 
@@ -112,9 +113,8 @@ def test_llama_example_trains_like_one_process():
     """examples/train_llama_context_parallel.py, small: 2 processes it spawns itself, 3 steps."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    ex = Path(__file__).parent.parent / "examples" / "train_llama_context_parallel.py"
+    ex = ROOT / "examples" / "train_llama_context_parallel.py"
     r = subprocess.run([sys.executable, str(ex), "--steps", "3", "--seq-len", "64", "--world", "2"],
                        capture_output=True, text=True, timeout=240)
     # judged by what rank 0 printed (a spawned child's teardown under load can still abort after it)

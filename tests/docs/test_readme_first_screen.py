@@ -5,9 +5,9 @@ speaks of the library (not of the issues that changed it), and the README names 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
+
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 BENCH = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
 FIRST = README.splitlines()[:25]

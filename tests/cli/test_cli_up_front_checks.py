@@ -1,5 +1,7 @@
 """``attnkit show`` and ``attnkit demo`` refuse an unusable ``--out`` folder before the model runs, and a
-``--model`` folder that lacks weights is named precisely (not "has no config.json")."""
+``--model`` folder that lacks weights is named precisely (not "has no config.json"); ``attnkit demo --model
+/bad/path`` and ``attnkit explain --html /bad/dir/x.html`` are refused before anything is printed (exit 2,
+one line naming the option)."""
 
 from __future__ import annotations
 
@@ -76,3 +78,48 @@ def test_model_folder_messages_name_what_is_missing(tmp_path):
     (sharded / "model.safetensors.index.json").unlink()
     with pytest.raises(ModelUnavailable, match=r"has config\.json but no weights .* model\.save_pretrained\(path\)"):
         check_model_dir(sharded)
+
+
+# ---------------------------------------------------------------- demo --model, explain --html: refused up front
+
+def _run(capsys, argv):
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "no-config"])
+def test_demo_refuses_a_bad_model_path_before_running(tmp_path, capsys, kind):
+    bad = tmp_path / "model"
+    if kind == "file":
+        bad.write_text("not a model")
+    elif kind == "no-config":
+        bad.mkdir()
+    rc, out, err = _run(capsys, ["demo", "--quick", "--model", str(bad), "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert out == "" and "[1/3]" not in err  # nothing ran
+    line = err.strip()
+    assert "\n" not in line and line.startswith("attnkit demo: error: --model:") and str(bad) in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_demo_refuses_an_out_that_is_a_file(tmp_path, capsys):
+    f = tmp_path / "o"
+    f.write_text("x")
+    rc, out, err = _run(capsys, ["demo", "--quick", "--out", str(f)])
+    assert rc == 2 and out == "" and err.startswith("attnkit demo: error: --out:")
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
+def test_explain_html_checks_the_path_before_printing(tmp_path, capsys, where):
+    path = tmp_path / "nope" / "x.html" if where == "missing-folder" else tmp_path
+    rc, out, err = _run(capsys, ["explain", "--html", str(path)])
+    assert rc == 2
+    assert out == ""  # before: the whole explanation was printed, then the write failed
+    assert err.startswith("attnkit explain: error: --html:") and err.strip().count("\n") == 0
+    assert ("does not exist" if where == "missing-folder" else "a directory") in err
+
+
+def test_explain_html_still_writes_a_good_path(tmp_path, capsys):
+    rc, out, _ = _run(capsys, ["explain", "--html", str(tmp_path / "p.html")])
+    assert rc == 0 and (tmp_path / "p.html").stat().st_size > 1000 and "5.0000" in out

@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from conftest import ROOT
 
 import attnkit
 import attnkit.distributed as akd
@@ -787,7 +788,7 @@ def test_rope_at_global_positions_equals_rotating_the_full_sequence():
 def test_example_trains_like_one_process():
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, os.path.join(root, "examples", "train_context_parallel.py"), "--nproc", "2",
                         "--steps", "3", "--seq-len", "24", "--layout", "zigzag", "--block", "2"],
@@ -799,7 +800,7 @@ def test_example_trains_like_one_process():
 def test_benchmark_counts_smoke(capsys, monkeypatch):
     import runpy
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     monkeypatch.setattr(sys, "argv", ["context_parallel.py", "--quick"])
     n = torch.get_num_threads()
     try:
@@ -879,7 +880,7 @@ def test_simulate_rows_of_finfo_min_and_minus_1e9_are_exact(lay, mname, dtype):
     """Ranks merge each row's partial results; on rows whose every score is finfo.min or -1e9 the lse
     rounds to the row max, so merging by lse alone gave weights 1, 1, ... (output up to W× off). The
     merge keeps lse in two parts (c, r): forward, lse and gradients (q, k, v and a captured tensor)
-    equal the single-process result, which is exact on such rows (tests/test_huge_negative_rows.py)."""
+    equal the single-process result, which is exact on such rows (tests/backends/test_huge_negative_rows.py)."""
     torch.manual_seed(0)
     B, H, Hkv, L, D = 2, 4, 2, 29, 8
     q, k, v = (torch.randn(B, h, L, D, dtype=dtype) for h in (H, Hkv, Hkv))

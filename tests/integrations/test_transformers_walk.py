@@ -20,13 +20,14 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT
 
 T = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
 
 from attnkit.integrations import transformers as ak_hf  # noqa: E402
 from attnkit.integrations.transformers import _refusals  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(ROOT / "tools"))
 import walk_transformers as _walk  # noqa: E402
 
 pytestmark = pytest.mark.model

@@ -4,11 +4,10 @@ so ``pip install attnkit`` or ``pip install 'attnkit[model]'`` fails for whoever
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # Installing attnkit by name from an index: `pip install attnkit`, `pip install 'attnkit[model]'`, `"attnkit[viz]"`.
 BY_NAME = re.compile(r"""pip install\s+(?:-U\s+)?['"]?attnkit\b|['"]attnkit\[\w""")
 

@@ -1,8 +1,10 @@
-"""Regression tests for the silent wrong answers of the trust review (core side).
+"""What ``attention()`` makes of the caller's inputs, where a wrong reading would be silent: tensors whose
+last dim is strided, masks and captured tensors changed between calls (no stale block plan), gradients
+into tensors a score_mod captures, integer masks, ``from_torch`` with ``batch_first=False``, score_mod
+tensors of the wrong size, FlexAttention-valid mods, and how a mask prints.
 
-Each test names the review item it pins. Every comparison is against an independent
-float64 computation (``golden`` runs the NumPy reference backend; gradients use float64
-torch autograd on a dense formula written here).
+Every comparison is against an independent float64 computation (``golden`` runs the NumPy reference
+backend; gradients use float64 torch autograd on a dense formula written here).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def dense_ref(q, k, v, *, score_mod=None, bias=None, allowed=None, scale=None):
     return (p / torch.where(den > 0, den, torch.ones_like(den))) @ vv
 
 
-# --- item 1: last-dim stride != 1 reached torch's private kernel -------------------------
+# --- a last dim with stride != 1 (torch's private kernel must not see it) ------------------
 
 def _strided(t: torch.Tensor, how: str) -> torch.Tensor:
     if how == "step2":  # x[..., ::2]
@@ -59,7 +61,7 @@ def _strided(t: torch.Tensor, how: str) -> torch.Tensor:
 @pytest.mark.parametrize("how", ["step2", "transposed_last", "as_strided"])
 @pytest.mark.parametrize("backend", ["tiled", "auto", "sdpa", "eager"])
 @pytest.mark.parametrize("case", ["window", "causal_br", "dense_lse"])
-def test_item1_last_dim_stride_is_exact(how, backend, case):
+def test_last_dim_stride_is_exact(how, backend, case):
     q, k, v = rand_qkv(2, 4, 2, 70, 93, 16)
     kw = {"window": dict(mask=masks.sliding_window(9)), "causal_br": dict(causal=True),
           "dense_lse": dict()}[case]
@@ -72,7 +74,7 @@ def test_item1_last_dim_stride_is_exact(how, backend, case):
         assert_close(lse, ref_lse, budget(torch.float32, 16, 93), f"{backend} {how} {case} lse")
 
 
-def test_item1_stride_grads_tiled():
+def test_stride_grads_tiled():
     q, k, v = rand_qkv(1, 2, 1, 40, 70, 8)
     leaves = [_strided(t, "step2").detach().requires_grad_() for t in (q, k, v)]
     qs, ks, vs = leaves
@@ -85,7 +87,7 @@ def test_item1_stride_grads_tiled():
         assert_close(got.grad, want.grad, 1e-4, f"d{n}")
 
 
-def test_item1_fit_copies_only_when_needed():
+def test_fit_copies_only_when_needed():
     x = torch.randn(2, 3, 5, 8)
     assert _flash_cpu.fit(x) is x
     t = torch.randn(2, 5, 3, 8).transpose(1, 2)  # leading dims transposed: read correctly, no copy
@@ -97,10 +99,10 @@ def test_item1_fit_copies_only_when_needed():
     assert f is not s and f.stride(-1) == 1 and torch.equal(f, s)
 
 
-# --- item 2: stale block plans ---------------------------------------------------------
+# --- masks and captured data changed between calls: no stale block plan -----------------
 
 @pytest.mark.parametrize("backend", ["tiled", "auto"])
-def test_item2_mask_mod_closure_data_changes_between_calls(backend):
+def test_mask_mod_closure_data_changes_between_calls(backend):
     L = 256
     q, k, v = rand_qkv(1, 2, 2, L, L, 16)
     doc = torch.zeros(L, dtype=torch.long)
@@ -119,7 +121,7 @@ def test_item2_mask_mod_closure_data_changes_between_calls(backend):
         assert_close(out, ref, budget(torch.float32, 16, L), f"from_mod boundary {boundary}")
 
 
-def test_item2_builtin_masks_are_values():
+def test_builtin_masks_are_values():
     L = 192
     q, k, v = rand_qkv(2, 2, 2, L, L, 8)
     ids = torch.zeros(L, dtype=torch.long)
@@ -137,7 +139,7 @@ def test_item2_builtin_masks_are_values():
     assert_close(attnkit.attention(q, k, v, mask=pad, backend="tiled"), ref_p, budget(torch.float32, 8, L))
 
 
-def test_item2_dense_mask_changed_in_place_and_through_numpy():
+def test_dense_mask_changed_in_place_and_through_numpy():
     L = 200
     q, k, v = rand_qkv(1, 2, 2, L, L, 8)
     arr = np.tril(np.ones((L, L), dtype=bool))
@@ -150,7 +152,7 @@ def test_item2_dense_mask_changed_in_place_and_through_numpy():
         arr[:, 50 * (step + 1):] = np.tril(np.ones((L, L), dtype=bool))[:, 50 * (step + 1):]
 
 
-def test_item2_unchanged_builtin_mask_plan_is_reused():
+def test_unchanged_builtin_mask_plan_is_reused():
     """Built-in masks stay cached by value (speed): the same object plans once per size."""
     from attnkit.backends import _worklist as _blocks
     m = masks.sliding_window(32)
@@ -187,7 +189,7 @@ def _band_global(b, h, q, kv):
     return (q - kv).abs() <= _WIDTH
 
 
-# --- item 3: gradients into tensors a score_mod captures --------------------------------
+# --- gradients into tensors a score_mod captures ----------------------------------------
 
 def _grad_case(backend, bias_requires_qkv=True, L=80, S=80):
     torch.manual_seed(1)
@@ -213,18 +215,18 @@ def _grad_case(backend, bias_requires_qkv=True, L=80, S=80):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "auto", "eager"])
-def test_item3_captured_tensor_gets_gradient(backend):
+def test_captured_tensor_gets_gradient(backend):
     _grad_case(backend)
 
 
 @pytest.mark.parametrize("backend", ["tiled", "auto"])
-def test_item3_only_captured_tensor_requires_grad(backend):
+def test_only_captured_tensor_requires_grad(backend):
     _grad_case(backend, bias_requires_qkv=False)
 
 
 @pytest.mark.parametrize("backend", ["tiled", "auto", "eager"])
 @pytest.mark.parametrize("which", ["alibi", "relative_bias"])
-def test_item3_builtin_score_mod_tensors_learn(backend, which):
+def test_builtin_score_mod_tensors_learn(backend, which):
     q, k, v = rand_qkv(1, 4, 2, 70, 70, 8, requires_grad=True)
     if which == "alibi":
         param = torch.rand(4, requires_grad=True)
@@ -242,7 +244,7 @@ def test_item3_builtin_score_mod_tensors_learn(backend, which):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "auto", "eager", "sdpa"])
-def test_item3_float_mask_gets_gradient(backend):
+def test_float_mask_gets_gradient(backend):
     q, k, v = rand_qkv(2, 2, 2, 70, 90, 8, requires_grad=True)
     bias = torch.randn(2, 1, 1, 90, requires_grad=True)  # broadcast over heads and rows
     attnkit.attention(q, k, v, mask=bias, backend=backend).square().sum().backward()
@@ -252,7 +254,7 @@ def test_item3_float_mask_gets_gradient(backend):
     assert_close(bias.grad, b64.grad, 1e-4, f"{backend} d bias")
 
 
-def test_item3_hidden_tensor_refused_by_tiled_and_exact_on_auto():
+def test_hidden_tensor_refused_by_tiled_and_exact_on_auto():
     holder = type("Holder", (), {})()
     holder.w = torch.randn(1, requires_grad=True)
     box = {"h": holder}
@@ -268,10 +270,10 @@ def test_item3_hidden_tensor_refused_by_tiled_and_exact_on_auto():
     assert holder.w.grad is not None and torch.isfinite(holder.w.grad).all()
 
 
-# --- item 5: integer masks -------------------------------------------------------------
+# --- integer masks ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_item5_int_mask_error_suggests_bool(kind):
+def test_int_mask_error_suggests_bool(kind):
     q, k, v = rand_qkv(1, 1, 1, 4, 4, 8)
     m = np.tril(np.ones((4, 4), dtype=np.int64))
     if kind == "torch":
@@ -288,10 +290,10 @@ def test_item5_int_mask_error_suggests_bool(kind):
     assert_close(attnkit.attention(q, k, v, mask=fixed), ref, 1e-5)
 
 
-# --- item 6: from_torch with batch_first=False ------------------------------------------
+# --- from_torch with batch_first=False -------------------------------------------------
 
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_item6_from_torch_keeps_batch_first(batch_first):
+def test_from_torch_keeps_batch_first(batch_first):
     torch.manual_seed(0)
     tm = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first).eval()
     ours = attnkit.nn.MultiHeadAttention.from_torch(tm).eval()
@@ -304,9 +306,9 @@ def test_item6_from_torch_keeps_batch_first(batch_first):
     assert back.batch_first == batch_first
 
 
-# --- item 8: score_mod tensors of the wrong size ----------------------------------------
+# --- score_mod tensors of the wrong size -----------------------------------------------
 
-def test_item8_alibi_slopes_must_match_heads():
+def test_alibi_slopes_must_match_heads():
     q, k, v = rand_qkv(1, 4, 4, 8, 8, 8)
     for n in (3, 5):
         with pytest.raises(ValueError, match=r"one slope per query head \(H=4\), got " + str(n)):
@@ -314,7 +316,7 @@ def test_item8_alibi_slopes_must_match_heads():
 
 
 @pytest.mark.parametrize("rows", [2, 8])
-def test_item8_relative_bias_rows_must_match_heads(rows):
+def test_relative_bias_rows_must_match_heads(rows):
     q, k, v = rand_qkv(1, 4, 4, 8, 8, 8)
     with pytest.raises(ValueError, match=rf"one row per query head \(H=4\), got {rows} rows"):
         attnkit.attention(q, k, v, score_mod=score_mods.relative_bias(torch.zeros(rows, 5)))

@@ -10,11 +10,10 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-HERE = Path(__file__).parent
 ADDR = ("10.77.0.1", "10.77.0.2")
 
 
@@ -53,10 +52,10 @@ def test_torchrun_two_nodes_over_a_veth_link(two_hosts, tmp_path):
     for node in (0, 1):
         env = dict(os.environ, GLOO_SOCKET_IFNAME=ifs[node], AK_HOST_IP=ADDR[node], OMP_NUM_THREADS="1",
                    AK_OUT_DIR=str(tmp_path),
-                   PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
         cmd = ["ip", "netns", "exec", ns[node], sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", ADDR[0], "--master-port", port,
-               str(HERE / "_cp_two_host_worker.py")]
+               str(ROOT / "tests" / "_cp_two_host_worker.py")]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from attnkit.apps import sentences as show_cli
 from attnkit.cli import main
@@ -90,12 +91,11 @@ def test_explain_shows_inputs_and_value_dims(capsys):
 def test_reverse_example_png_has_a_colour_bar(tmp_path):
     pytest.importorskip("matplotlib")
     import importlib.util
-    import pathlib
     import sys
 
     import torch
 
-    examples = pathlib.Path(__file__).resolve().parents[1] / "examples"
+    examples = ROOT / "examples"
     if str(examples) not in sys.path:
         sys.path.insert(0, str(examples))  # the toy task is example code (examples/reverse_task.py)
     from reverse_task import TinyTransformer

@@ -9,11 +9,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-SRC = str(Path(__file__).resolve().parent.parent / "src")
+SRC = str(ROOT / "src")
 HEAVY = ("torch", "numpy", "transformers", "matplotlib")
 HELP_BUDGET_S = 0.5  # what `attnkit --help` may add to a bare interpreter's start
 

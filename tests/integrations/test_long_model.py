@@ -9,7 +9,7 @@ What is checked:
   ``"eager"`` with ``output_attentions=True``) summed per tile, in float64 within 1e-10 (Llama,
   Mistral's sliding window, Gemma 2's softcap and alternating window), and an fp32 model's
   masses equal the float64 softmax of its captured q, k within the error budget of
-  tests/test_tilemass.py (bm · (D·eps32·|q||k|·scale + 8·eps32));
+  tests/backends/test_tilemass.py (bm · (D·eps32·|q||k|·scale + 8·eps32));
 * memory: no op of the forward or of the tile masses produces a tensor of L·L/8 values or more
   (a dense L×L would be 8× that), and the 32k goal in a fresh subprocess (slow);
 * bad input: one line, exit 2, the fix, nothing written.

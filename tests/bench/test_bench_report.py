@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from attnkit.bench import report
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _update_md():

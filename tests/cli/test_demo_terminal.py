@@ -9,11 +9,11 @@ import select
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-SRC = str(Path(__file__).resolve().parent.parent / "src")
+SRC = str(ROOT / "src")
 
 # The demo with its three parts stubbed out: only the headings and progress lines are printed.
 _SCRIPT = textwrap.dedent("""

@@ -105,6 +105,40 @@ def test_from_torch_not_batch_first_and_dtype():
     torch.testing.assert_close(m(x, x, x), ref, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_from_torch_takes_torchs_key_padding_mask_exactly(batch_first):
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first, dtype=torch.float64).eval()
+    ours = MultiHeadAttention.from_torch(theirs)
+    x = torch.randn(3, 7, 16, dtype=torch.float64)  # (B, L, E)
+    if not batch_first:
+        x = x.transpose(0, 1)  # (L, B, E)
+    pad = torch.zeros(3, 7, dtype=torch.bool)  # (B, S): True = padding (torch's polarity)
+    pad[1, 5:] = True
+    pad[2, 1:] = True
+    ref, _ = theirs(x, x, x, key_padding_mask=pad)
+    got = ours(x, x, x, key_padding_mask=pad)
+    assert (got - ref).abs().max().item() < 1e-12
+    # a float key_padding_mask is added to the scores, as torch does
+    bias = torch.randn(3, 7, dtype=torch.float64)
+    ref, _ = theirs(x, x, x, key_padding_mask=bias)
+    assert (ours(x, key_padding_mask=bias) - ref).abs().max().item() < 1e-12
+    # and it is the same as attnkit's own polarity
+    assert torch.equal(got, ours(x, mask=~pad[:, None, None, :]))
+
+
+def test_from_torch_key_padding_mask_errors_name_the_argument():
+    ours = MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, batch_first=True))
+    x = torch.randn(2, 3, 8)
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"key_padding_mask: pass either .* not both"):
+        ours(x, key_padding_mask=pad, mask=~pad[:, None, None, :])
+    with pytest.raises(ValueError, match=r"key_padding_mask: expected torch's \(B, S\)"):
+        ours(x, key_padding_mask=pad[:, None, None, :])
+    with pytest.raises(ValueError, match=r"key_padding_mask: expected a bool .* key_padding_mask\.bool\(\)"):
+        ours(x, key_padding_mask=pad.long())
+
+
 @pytest.mark.parametrize("kdim,vdim,bias", [(None, None, True), (6, 9, True), (None, None, False)])
 def test_to_torch_round_trip(kdim, vdim, bias):
     m = MultiHeadAttention(12, 3, kdim=kdim, vdim=vdim, bias=bias).eval()

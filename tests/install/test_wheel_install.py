@@ -15,11 +15,9 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 import attnkit
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 # no PYTHONPATH anywhere: a checkout on it (with its egg-info) would look like an installed attnkit
 CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -8,11 +8,10 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "install-torch.sh"
 UNREACHABLE = "http://127.0.0.1:9/simple"  # the discard port: refused at once
 

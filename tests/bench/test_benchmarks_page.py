@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import re
 import shlex
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGE = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
 HAND_WRITTEN = PAGE[:PAGE.index("<!-- attnkit-bench:begin")]  # the generated section records the command as typed
 COMMANDS = [" ".join(c.split())  # a command may wrap across lines of the page

@@ -18,7 +18,6 @@ import copy
 import inspect
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import ROOT
 
 T = pytest.importorskip("transformers", reason="needs transformers (`make test` installs it)")
 
@@ -568,7 +568,7 @@ def test_importing_the_integration_registers_attnkit_without_a_warning():
                               warnings=[f"{w.category.__name__}: {w.message}" for w in caught
                                         if "attnkit" in str(w.message) or "attnkit" in w.filename])))
     """)
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = ROOT
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -1,14 +1,14 @@
 """The building blocks learn: a tiny 2-layer Transformer learns to reverse sequences on the CPU."""
 
 import importlib.util
-import pathlib
 import sys
 import time
 
 import pytest
 import torch
+from conftest import ROOT
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))  # the toy task is example code (examples/reverse_task.py), not the library
 
 from reverse_task import TinyTransformer, accuracy, reverse_batch, train_reverse  # noqa: E402
