@@ -31,6 +31,12 @@ PIP_NEXT   := $(BIN_NEXT)/pip install --disable-pip-version-check --progress-bar
 # One thread: these tests run tiny models, where a second OpenMP thread only waits; on 2 shared cores the pass took
 # 82 s with one thread and 217 s with two (load ~3)
 TF_NEXT_ENV := OMP_NUM_THREADS=1
+# The suite runs on one worker per core (pytest-xdist), each test file whole on one worker (--dist loadfile: a
+# file's fixtures and compiled functions are shared by its tests), one OpenMP thread a worker (two workers of two
+# threads on two cores would mostly wait for each other; the tests that need threads set them). On 2 cores:
+# 795 s against 17-20 min in one process. TEST_PAR= runs it in one process.
+TEST_ENV   := OMP_NUM_THREADS=1
+TEST_PAR   ?= -n auto --dist loadfile
 TF_TESTS   := $(addprefix tests/integrations/,test_integration_transformers.py test_transformers_attention_args.py \
                 test_transformers_generate.py test_transformers_walk.py)
 
@@ -109,7 +115,7 @@ demo: $(STAMP) $(STAMP_NATIVE)
 test: $(STAMP_TEST) $(STAMP_NATIVE) $(STAMP_NEXT)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(TEST_ENV) $(BIN)/python -m pytest -q $(TEST_PAR)
 	@echo "==> the transformers tests on transformers $$($(BIN_NEXT)/python -c 'import transformers; print(transformers.__version__)')"
 	PYTHONPATH=src $(TF_NEXT_ENV) ATTNKIT_WALK_SAMPLE=6 $(BIN_NEXT)/python -m pytest -q $(TF_TESTS)
 
