@@ -24,7 +24,7 @@ Not replayed: NumPy inputs, score_mods, dropout, lse / weights / sinks, named ba
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from math import isfinite as _isfinite
 
 import torch
@@ -38,17 +38,26 @@ _T = torch.Tensor
 _log = logging.getLogger("attnkit")
 
 # Built-in masks: immutable values (see attnkit.masks), each its own key.
-MASKS = frozenset((_masks.Causal, _masks.SlidingWindow, _masks.Padding, _masks.KeyPadding, _masks.Chunked))
+MASKS = frozenset((_masks.Causal, _masks.SlidingWindow, _masks.Padding, _masks.KeyPadding, _masks.Chunked,
+                   _masks.Document, _masks.PrefixLM, _masks.Full))
 
 _REPLAY: OrderedDict = OrderedDict()  # signature -> the prepared call, or None (this signature takes the full path)
 _REPLAY_MAX = 512
+# signatures holding a mask keyed by identity (a document's ids, a key-padding pattern: their own tensors), newest
+# last: a model that builds a new such mask every step must not fill the cache with masks it never uses again
+_BY_IDENTITY: deque = deque()
+_BY_IDENTITY_MAX = 8
 _threads = torch.get_num_threads
 
 
 def _signature(q, k, v, mask, causal, scale):
     """Everything the decision for this call reads that can change between calls (see the module docstring)."""
-    # None or a built-in mask: an immutable value (the key keeps it alive, so even its identity is safe)
-    m = (mask.shape, mask.dtype, mask.device, mask.requires_grad) if type(mask) is _T else mask
+    # a built-in mask is an immutable value: its cache_key() (e.g. ("sliding_window", 128, align): equal for equal
+    # masks built anew each call), or the mask itself, which the key keeps alive (so even its identity is safe)
+    if type(mask) is _T:
+        m = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
+    else:
+        m = None if mask is None else mask.cache_key()
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
             q.requires_grad, k.requires_grad, v.requires_grad, torch.is_grad_enabled(), m, causal,
             type(scale), _threads(), tiled.NATIVE, tiled.FUSED)
@@ -87,6 +96,10 @@ def _learn(key, q, k, v, mask, causal, scale):
     replay = getattr(d.kernel, "replay", None)
     run = None if replay is None or req.input_rank != 4 or req.numpy_in else replay(req, mask)
     _REPLAY[key] = run
+    if isinstance(key[13], _masks.Mask):  # a mask keyed by its identity (its data is a tensor): at most a few kept
+        _BY_IDENTITY.append(key)
+        if len(_BY_IDENTITY) > _BY_IDENTITY_MAX:
+            _REPLAY.pop(_BY_IDENTITY.popleft(), None)
     if len(_REPLAY) > _REPLAY_MAX:
         _REPLAY.popitem(last=False)
     return run
@@ -95,3 +108,4 @@ def _learn(key, q, k, v, mask, causal, scale):
 def clear() -> None:
     """Forget every remembered decision (tests; a change the signature cannot see, e.g. calibration)."""
     _REPLAY.clear()
+    _BY_IDENTITY.clear()

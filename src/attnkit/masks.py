@@ -409,6 +409,9 @@ class Full(Mask):
     def row_intervals(self, B, L, S):
         return _intervals(torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S, dtype=torch.long), S)
 
+    def cache_key(self):
+        return ("full",)  # a value: every full() has the same tiles
+
     def __repr__(self):
         return "full()"
 
@@ -515,6 +518,10 @@ class Padding(Mask):
         self._max = int(self._key_lengths.max()) if self.batch_size else 0
         self._min = int(self._key_lengths.min()) if self.batch_size else 0
         self._on = {}  # device -> decode_tile's mask there
+        self._key = ("padding", tuple(self._key_lengths.tolist()))  # a value: the immutable lengths
+
+    def cache_key(self):
+        return self._key
 
     def validate(self, B, H, L, S):
         if self.batch_size != B:
@@ -750,6 +757,9 @@ class PrefixLM(Mask):
 
     def __init__(self, prefix_length: int):
         self.prefix_length = _check_int("prefix_length", prefix_length, 0)
+
+    def cache_key(self):
+        return ("prefix_lm", self.prefix_length)
 
     def validate(self, B, H, L, S):
         if self.prefix_length > S:

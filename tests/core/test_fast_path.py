@@ -333,3 +333,45 @@ def test_one_tile_bool_mask_goes_to_sdpa_as_it_is(spy):
     assert spy == [True]
     ref, _ = golden(q, k, v, mask=m)
     assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12
+
+
+def test_replayed_compiled_kernel_call_forward_and_backward_equal_golden(spy):
+    """A call auto sends to the compiled kernel (causal at L >= 256, a window) is replayed too: the request is
+    rebuilt around each call's tensors (its mask's row intervals kept), gradients included."""
+    from attnkit.backends import _native
+
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    g = torch.Generator().manual_seed(9)
+    for kw in (dict(causal=True), dict(mask=masks.sliding_window(40)), dict(mask=masks.padding([300, 170]))):
+        for step in range(3):
+            q, k, v = (torch.randn(2, 2, 300, 16, generator=g, dtype=torch.float32).requires_grad_() for _ in range(3))
+            spy.clear()
+            out = attnkit.attention(q, k, v, **kw)
+            if step:
+                assert spy == [True], kw
+            d = attnkit.dispatch(q, k, v, **kw)
+            assert (d.backend, d.worker) == ("tiled", "native"), d
+            go = torch.randn(out.shape, generator=g)
+            grads = torch.autograd.grad(out, (q, k, v), go)
+            qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+            ref = attnkit.attention(qd, kd, vd, backend="eager", **kw)
+            refs = torch.autograd.grad(ref, (qd, kd, vd), go.double())
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 300)
+            for a, b in zip(grads, refs, strict=True):
+                assert (a.double() - b).abs().max().item() <= 4 * budget(torch.float32, 16, 300)
+
+
+def test_masks_keyed_by_identity_are_few_in_the_replay_cache():
+    """A document mask (its ids a tensor) is keyed by identity: a model building a new one every step keeps at
+    most a few in the cache, and each call's answer is its own mask's."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 2, 1, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = k.repeat(1, 1, 20, 1), v.repeat(1, 1, 20, 1)
+    for step in range(20):
+        ids = (torch.arange(20) >= step).long()
+        m = masks.document(ids)
+        out = attnkit.attention(q, k, v, mask=m)
+        ref, _ = golden(q, k, v, mask=m)
+        assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12, step
+    assert len(_fast._BY_IDENTITY) <= _fast._BY_IDENTITY_MAX

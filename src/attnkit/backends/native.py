@@ -14,6 +14,7 @@ its slopes. Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv); out (B,
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import torch
@@ -160,6 +161,26 @@ class Native(Kernel):
         if prog is not None:
             how += f", the score_mod run as a {len(prog.ops)}-instruction program"
         return f"attnkit's compiled kernel ({_native.isa()}): block-sparse FlashAttention-2 over {how}"
+
+    def replay(self, req: Request, user_mask):
+        """The prepared call for :mod:`attnkit._fast` (see ``sdpa.Fused.replay``): a built-in mask's row intervals
+        or tile map (values of this signature) kept, the request rebuilt around each call's tensors; None for what
+        the signature does not fix (a score_mod, a tensor mask, a plan) or for more than an output."""
+        if (req.need_lse or req.weight_heads is not None or req.sinks is not None or req.score_mod is not None
+                or req.plan is not None or type(user_mask) is torch.Tensor or req.grad_tensors):
+            return None
+        if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
+            return None
+        # the first call's request without its tensors (kept alive by nothing here): its mask, flags and memo
+        nothing = torch.empty(0)
+        base = dataclasses.replace(req, q=nothing, k=nothing, v=nothing)
+        default = req.scale
+
+        def run(q, k, v, mask, scale):
+            r = dataclasses.replace(base, q=q, k=k, v=v, scale=default if scale is None else scale)
+            return _NativeAttention.apply(q, k, v, r)[0]
+
+        return run
 
     def run(self, req: Request):
         if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
