@@ -54,6 +54,7 @@ def _signature(q, k, v, mask, causal, scale):
     """Everything the decision for this call reads that can change between calls (see the module docstring)."""
     # a built-in mask is an immutable value: its cache_key() (e.g. ("sliding_window", 128, align): equal for equal
     # masks built anew each call), or the mask itself, which the key keeps alive (so even its identity is safe)
+    m: object
     if type(mask) is _T:
         m = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
     else:
