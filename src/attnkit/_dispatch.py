@@ -58,6 +58,15 @@ class Decision:
     torch's CPU kernels reduce in a fixed order), so ``torch.use_deterministic_algorithms(True)``
     changes nothing there; None on a GPU, where torch's own kernels decide (and raise under that
     switch where they are not).
+
+    ``verdicts``: the device table's verdict on each kernel it may run, in order; ``table()`` prints them::
+
+        > native-decode  runs                     a decode step: the first row that can and does not decline
+          sdpa           not asked
+          native         not asked
+          ...
+
+    ``kernel``: the declared kernel that runs (``kernel.run(request)``).
     """
 
     backend: str
