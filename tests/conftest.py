@@ -114,3 +114,17 @@ def fused(on: bool):
         yield
     finally:
         tiled.FUSED, tiled.NATIVE = saved
+
+
+# The folders whose files each take a minute or more (several processes, subprocess installs, notebook and docs
+# runs, model walks) go first: `make test` hands whole files to one worker per core (pytest-xdist --dist
+# loadfile), and a long file handed out last would leave the other cores idle while it runs.
+_LONG_FIRST = ("distributed", "install", "docs", "integrations")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        parts = Path(str(item.fspath)).parts
+        return next((i for i, d in enumerate(_LONG_FIRST) if d in parts), len(_LONG_FIRST))
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
