@@ -76,6 +76,18 @@ def _alibi(req: Request):
     return None
 
 
+def _kernel_off(req: Request, dtype_why: str) -> list[str]:
+    """What keeps both of the compiled kernel's entries off a call: the switch, the device, the dtype."""
+    why: list[str] = []
+    if not tiled.NATIVE:
+        why.append("the compiled kernel is switched off (tiled.NATIVE = False)")
+    if req.device_type != "cpu":
+        why.append(f"tensors on {req.device_type} (the compiled kernel is CPU-only)")
+    if req.q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        why.append(f"{req.q.dtype} ({dtype_why})")
+    return why
+
+
 class Native(Kernel):
     name = "native"
     backend = "tiled"
@@ -89,14 +101,8 @@ class Native(Kernel):
         """Every reason the compiled kernel cannot run ``req``. When it can, what it needs is left in
         ``req.memo``: the mask's row intervals (``"row_intervals"``) or its tile map with each partial
         tile's bits (``"tile_bits"``), and a score_mod's program (``"score_prog"``)."""
-        why: list[str] = []
-        if not tiled.NATIVE:
-            why.append("the compiled kernel is switched off (tiled.NATIVE = False)")
-        if req.device_type != "cpu":
-            why.append(f"tensors on {req.device_type} (the compiled kernel is CPU-only)")
-        if req.q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            why.append(f"{req.q.dtype} (the compiled kernel computes in fp32; float64 stays in float64)")
-        elif req.q.dtype != torch.float32:
+        why = _kernel_off(req, "the compiled kernel computes in fp32; float64 stays in float64")
+        if req.q.dtype in (torch.bfloat16, torch.float16):
             # this machine's measurement (attnkit calibrate), else today's rule: bf16 stays on torch's kernel
             # where the CPU multiplies bf16 in hardware (measured on a CPU with AMX: `python benchmarks/kernel.py
             # --dtype bf16 --cases dense,causal`, torch's bf16 kernel 2.2-2.5x the compiled kernel's forward)
@@ -214,13 +220,7 @@ class NativeDecode(Kernel):
 
     def not_supported(self, req: Request) -> list[str]:
         B, H, L, S, *_ = req.shape
-        why: list[str] = []
-        if not tiled.NATIVE:
-            why.append("the compiled kernel is switched off (tiled.NATIVE = False)")
-        if req.device_type != "cpu":
-            why.append(f"tensors on {req.device_type} (the compiled kernel is CPU-only)")
-        if req.q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            why.append(f"{req.q.dtype} (the decode entry reads fp32, bf16 or fp16)")
+        why = _kernel_off(req, "the decode entry reads fp32, bf16 or fp16")
         if L > DECODE_ROWS:
             why.append(f"L = {L} > {DECODE_ROWS} query rows (not a decode step: the forward's tiles)")
         if req.requires_grad():
