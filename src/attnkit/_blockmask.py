@@ -140,6 +140,20 @@ class _BlockMaskMask(_masks.Mask):
 
         return mod
 
+    def points_mod(self, B, H, L, S):
+        # the inner mod's own points form (any arrangement of index tensors: the compiled kernel's tile map
+        # evaluates partial tiles stacked on the batch dim), not bind's, which assumes the (b, h, q, kv) grid
+        inner = None if self.inner is None else self.inner.points_mod(B, H, L, S)
+        lookup = self._lookup
+
+        def mod(b, h, q, kv):
+            kind = lookup(b, h, q, kv).to(q.device)
+            if inner is None:
+                return kind != EMPTY
+            return (kind == FULL) | ((kind == PARTIAL) & inner(b, h, q, kv))
+
+        return mod
+
     def flex_mask_mod(self, L, S):
         fn, lookup = self.mask_mod, self._lookup
 

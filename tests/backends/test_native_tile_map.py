@@ -166,3 +166,26 @@ def test_explicit_plans_and_block_masks_run_on_the_kernel(block):
     assert "tile map" in attnkit.dispatch(qf, kf, vf, mask=bm, backend="tiled").worker_reason
     assert_close(attnkit.flex_attention(qf, kf, vf, block_mask=bm), golden(qf, kf, vf, mask=mask)[0],
                  budget(torch.float32, 32, 300), "flex_attention")
+
+
+def test_a_block_mask_of_a_mod_that_ignores_batch_and_head_runs_on_the_kernel():
+    """A BlockMask with many partial tiles whose mod reads only q_idx / kv_idx (and one that only vmap reads:
+    chained indexing) is evaluated on the kernel's stacked tiles, not refused for the (b, h, q, kv) grid's shape
+    (it fell back to torch's kernels before)."""
+    from conftest import assert_close, budget, golden
+
+    def checker(b, h, q_idx, kv_idx):
+        return ((q_idx // 8 + kv_idx // 8) % 2 == 0) | (q_idx == kv_idx)
+
+    table = torch.rand(2, 300) > 0.3
+
+    def chained(b, h, q_idx, kv_idx):
+        return table[b][kv_idx] | (q_idx == kv_idx)
+
+    for mod in (checker, chained):
+        bm = attnkit.create_block_mask(mod, 2, None, 300, 300)
+        q, k, v = rand_qkv(2, 4, 2, 300, 300, 32, requires_grad=True)
+        _on_tile_map(q, k, v, bm)
+        _check(q, k, v, bm, lse_grad=True)
+        assert_close(attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True),
+                     golden(q, k, v, mask=M.from_mod(mod))[0], budget(torch.float32, 32, 300), mod.__name__)
