@@ -13,12 +13,13 @@ comparisons per score — no (L, S) mask and no per-tile mask tensors::
     q3  · · █ █                       2   4
 
 Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv); H a multiple of Hkv (GQA
-without copying K/V); lo, hi (1 or B, L) int32. Computes in fp32 (bf16 / fp16 inputs are
-converted on the way in, outputs rounded on the way out); lse (B, H, L) fp32 in natural-log
+without copying K/V); lo, hi (1 or B, L) int32. Computes in fp32: bf16 / fp16 inputs (q, k, v
+and dO of one dtype) are read as they are and widened tile by tile inside the kernel, never
+converted whole; outputs are fp32 (the callers round them); lse (B, H, L) fp32 in natural-log
 units; a row that sees no key gives out 0 and lse ``-inf``.
 
 **Layout contract** (:func:`_fit`, applied to every tensor handed over): the kernel reads each
-row (last dimension) as contiguous fp32 memory and any other stride as given (sliced or
+row (last dimension) as contiguous memory and any other stride as given (sliced or
 transposed leading dims, stride-0 broadcasts). A tensor whose last dim has stride != 1 is copied.
 
 **Instruction set**: AVX-512, AVX2 + FMA, or portable code (SSE2 / NEON), chosen at run time
@@ -70,7 +71,7 @@ class _Call(ctypes.Structure):
                 *((n, ctypes.c_void_p) for n in ("dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv"))]
 
 
-_ABI_VERSION = 5  # AK_ABI_VERSION in csrc/attn_common.h
+_ABI_VERSION = 6  # AK_ABI_VERSION in csrc/attn_common.h
 
 
 def _load() -> None:
@@ -161,8 +162,15 @@ def _require() -> ctypes.CDLL:
 
 
 def _fit(t: torch.Tensor) -> torch.Tensor:
-    t = t.float()
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _fit_all(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``ts`` as the kernel reads them: as they are where they share one of its dtypes (fp32, bf16, fp16: widened
+    per tile inside), else all in fp32; each with its last dimension contiguous."""
+    if ts[0].dtype not in _DTYPE_CODE or any(t.dtype != ts[0].dtype for t in ts):
+        ts = tuple(t.float() for t in ts)
+    return tuple(_fit(t) for t in ts)
 
 
 def _edges(lo: torch.Tensor, hi: torch.Tensor, B: int, L: int):
@@ -190,7 +198,7 @@ def _call(q, k, v, lo, hi, scale: float, alibi, tiles, prog=None) -> tuple[_Call
     lo, hi, lob = _edges(lo, hi, B, L)
     ab = _slopes(alibi, H)
     c = _Call(size=ctypes.sizeof(_Call), version=_ABI_VERSION, B=B, H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv,
-              lob=lob, threads=torch.get_num_threads(), scale=float(scale))
+              lob=lob, threads=torch.get_num_threads(), scale=float(scale), dtype=_DTYPE_CODE[q.dtype])
     c.sq[:], c.sk[:], c.sv[:] = q.stride()[:3], k.stride()[:3], v.stride()[:3]
     c.q, c.k, c.v, c.alibi = q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(ab)
     c.lo, c.hi = lo.data_ptr(), hi.data_ptr()
@@ -241,7 +249,7 @@ def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None):
     and partial tiles' bits allow; ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)``, or None; ``prog``:
     a traced score_mod (:class:`attnkit._scoreprog.Program`) run on the scaled scores, or None."""
     lib = _require()
-    q, k, v = _fit(q), _fit(k), _fit(v)
+    q, k, v = _fit_all(q, k, v)
     B, H, L, _ = q.shape
     c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles, prog)
     out = torch.empty(B, H, L, v.shape[-1])
@@ -260,8 +268,10 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
     ``table grads``: per table of ``prog``, the gradient into it (fp32, the table's shape) where
     ``prog.grad_of`` names a tensor that wants one, else None (an empty list without a program)."""
     lib = _require()
-    q, k, v = _fit(q), _fit(k), _fit(v)
-    dout = dout.float()  # any strides: an expanded gradient (loss.sum()) is read in place, never copied whole
+    # dout at any strides: an expanded gradient (loss.sum()) is read in place, never copied whole
+    q, k, v = _fit_all(q, k, v)
+    if dout.dtype != q.dtype:  # one dtype for all four (a gradient in another dtype: all of them in fp32)
+        q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
     B, H, L, D = q.shape
     c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles, prog)
     out = out.float().contiguous()

@@ -24,7 +24,7 @@
 
 // Bumped whenever AkCall changes; the caller (attnkit/backends/_native.py) sends the version and
 // sizeof(AkCall) it was built for, and a call whose record does not match is refused (returns AK_E_ABI).
-#define AK_ABI_VERSION 5
+#define AK_ABI_VERSION 6
 
 enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
 
@@ -40,7 +40,8 @@ enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
 // intervals only bound the keys (the caller passes [0, S)).
 // Decode (ak_decode): the same record, with dtype (q, k, v's element type: AK_F32 / AK_BF16 / AK_F16) and chunk
 // (keys per split-K chunk, a multiple of 64; 0: chosen from S); no tile map, ALiBi or program; writes out, lse.
-// The forward and the backward take dtype AK_F32 only (anything else: AK_E_ARG).
+// The forward and the backward take the same three dtypes (q, k, v and dout alike; widened per tile) and write
+// fp32 (out, lse, dq, dk, dv); fwd_out, fwd_lse and dlse are fp32.
 struct AkCall {
   int64_t size, version;
   int64_t B, H, Hkv, L, D, Dv;
@@ -73,6 +74,7 @@ struct AkCall {
   float* const* ptgrad;  // per table: its gradient to accumulate (fp32, the table's size; backward), or null
   int64_t pntables;
   // backward: reads the forward's out (contiguous) and lse, dout (strides sdo), dlse (or null); writes dq, dk, dv
-  const float *dout, *fwd_out, *fwd_lse, *dlse;
+  const void* dout;
+  const float *fwd_out, *fwd_lse, *dlse;
   float *dq, *dk, *dv;
 };

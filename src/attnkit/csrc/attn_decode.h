@@ -21,67 +21,6 @@
 
 namespace AK_NS {
 
-typedef uint16_t vh_u __attribute__((vector_size(VW * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(VW * 4)));
-
-// one bf16 / fp16 number to fp32 (the portable conversion; exact, subnormals, inf and NaN included)
-static inline float bf16_to_f32(uint16_t h) {
-  const uint32_t b = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-  const uint32_t em = h & 0x7fffu, sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t b;
-  if (em >= 0x7c00u) {
-    b = (em << 13) | 0x7f800000u;  // inf, NaN (payload kept)
-  } else {
-    float f;
-    const uint32_t m = em << 13;
-    std::memcpy(&f, &m, 4);
-    f *= 0x1p112f;  // exponent bias 15 -> 127; a subnormal half becomes the normal float it equals
-    std::memcpy(&b, &f, 4);
-  }
-  b |= sign;
-  float out;
-  std::memcpy(&out, &b, 4);
-  return out;
-}
-
-template <int DT>
-static inline float ld1(const void* p, long i) {
-  if constexpr (DT == AK_F32) return ((const float*)p)[i];
-  else if constexpr (DT == AK_BF16) return bf16_to_f32(((const uint16_t*)p)[i]);
-  else return f16_to_f32(((const uint16_t*)p)[i]);
-}
-
-// VW elements at p + i, widened to fp32
-template <int DT>
-static inline vf ld(const void* p, long i) {
-  if constexpr (DT == AK_F32) {
-    return load((const float*)p + i);
-  } else if constexpr (DT == AK_BF16) {
-    const vu w = __builtin_convertvector(*(const vh_u*)((const uint16_t*)p + i), vu);
-    return (vf)(w << 16);
-  } else {
-#if AK_VW == 16 && AK_X86_INTRIN
-    // the zero-masked form: GCC 12 warns about the plain one's undefined pass-through operand
-    return (vf)_mm512_maskz_cvtph_ps((__mmask16)0xffff, _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
-#elif AK_VW == 8 && AK_X86_INTRIN
-    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
-#else
-    const vu h = __builtin_convertvector(*(const vh_u*)((const uint16_t*)p + i), vu);
-    const vu em = h & 0x7fffu, sign = (h & 0x8000u) << 16;
-    const vf scaled = (vf)(em << 13) * splat(0x1p112f);
-    const vi special = (vi)(em >= 0x7c00u);
-    const vu bits = special ? ((em << 13) | 0x7f800000u) : (vu)scaled;
-    return (vf)(bits | sign);
-#endif
-  }
-}
-
 // lane c of the result: the sum of a[c]'s lanes
 static inline vf reduce_lanes(const vf* a) {
 #if AK_VW == 8 && AK_X86_INTRIN

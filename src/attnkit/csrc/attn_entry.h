@@ -16,21 +16,22 @@ static Shape shape_of(const AkCall* c, Prog* prog) {
   s.scale = (float)c->scale;
   s.alibi = c->alibi;
   s.tkind = c->tkind, s.tidx = c->tidx, s.tbits = c->tbits, s.tkb = c->tkb, s.tkh = c->tkh;
+  s.dt = (int)c->dtype;
   return s;
 }
 
 int run_forward(const AkCall* c) {
-  if (c->dtype != AK_F32) return AK_E_ARG;
+  if (c->dtype < AK_F32 || c->dtype > AK_F16) return AK_E_ARG;
   Prog prog;
-  forward(shape_of(c, &prog), (const float*)c->q, (const float*)c->k, (const float*)c->v, c->out, c->lse);
+  forward(shape_of(c, &prog), c->q, c->k, c->v, c->out, c->lse);
   return AK_OK;
 }
 
 int run_backward(const AkCall* c) {
-  if (c->dtype != AK_F32) return AK_E_ARG;
+  if (c->dtype < AK_F32 || c->dtype > AK_F16) return AK_E_ARG;
   const long sd[4] = {(long)c->sdo[0], (long)c->sdo[1], (long)c->sdo[2], (long)c->sdo[3]};
   Prog prog;
-  return backward(shape_of(c, &prog), (const float*)c->q, (const float*)c->k, (const float*)c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq, c->dk,
+  return backward(shape_of(c, &prog), c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq, c->dk,
                   c->dv);
 }
 

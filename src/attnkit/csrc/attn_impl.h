@@ -11,8 +11,10 @@
 //   full      when it lies inside every row's interval (no mask work at all),
 //   partial   otherwise: two comparisons per score against the row's edges.
 //
-// Layout: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), fp32, last dimension contiguous,
-// any other strides (given in elements). GQA: query head h reads kv head h / (H / Hkv), no copy.
+// Layout: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), last dimension contiguous, any other strides
+// (given in elements); fp32, bf16 or fp16 (Shape::dt: all three alike, and dO in the backward). A bf16 / fp16
+// input is widened to fp32 tile by tile as it is packed (attn_widen.h), never converted whole: the math is
+// fp32 throughout, outputs are fp32 (the caller rounds them). GQA: query head h reads kv head h / (H / Hkv), no copy.
 // Scores, statistics and lse in natural units, fp32 (exponentials computed as exp2 of x * log2(e)); a row
 // that sees no key gets out = 0 and lse = -inf.
 
@@ -198,6 +200,7 @@ struct Buf {
 };
 
 #include "attn_prog.h"
+#include "attn_widen.h"
 
 struct Shape {
   long B, H, Hkv, L, S, D, Dv;
@@ -214,6 +217,7 @@ struct Shape {
   const uint32_t* tbits;
   long tkb, tkh;
   const Prog* prog;  // a score_mod program run on the scaled scores (attn_prog.h), or null
+  int dt;            // element type of q, k, v (and the backward's dO): AK_F32, AK_BF16 or AK_F16
 };
 
 enum { T_EMPTY = 0, T_PARTIAL = 1, T_FULL = 2 };
@@ -315,20 +319,24 @@ static inline void mask_bits_row(float* srow, const uint32_t* bits, long i) {
   }
 }
 
-// Q^T of a query block (D x BM), zero in the padding columns
-static inline void pack_t(float* dst, const float* src, long stride, long m, long D) {
+// Q^T of a query block (D x BM) from the rows at src + off (type dt), zero in the padding columns
+static inline void pack_t(float* dst, const void* src, long off, long stride, long m, long D, int dt) {
   for (long i = 0; i < m; i++) {
-    const float* r = src + i * stride;
-    for (long d = 0; d < D; d++) dst[d * BM + i] = r[d];
+    if (dt == AK_F32) {
+      const float* r = (const float*)src + off + i * stride;
+      for (long d = 0; d < D; d++) dst[d * BM + i] = r[d];
+    } else {
+      for (long d = 0; d < D; d++) dst[d * BM + i] = widen1(src, off + i * stride + d, dt);
+    }
   }
   if (m < BM)
     for (long d = 0; d < D; d++) fill(dst + d * BM + m, dst + d * BM + BM, 0.f);
 }
 
-// rows (m x X) into an (m x Xp) buffer, zero-padded columns
-static inline void pack_rows(float* dst, const float* src, long stride, long m, long X, long Xp) {
+// rows (m x X) at src + off (type dt, row stride `stride`) into an (m x Xp) fp32 buffer, zero-padded columns
+static inline void pack_rows(float* dst, const void* src, long off, long stride, long m, long X, long Xp, int dt) {
   for (long i = 0; i < m; i++) {
-    std::memcpy(dst + i * Xp, src + i * stride, X * sizeof(float));
+    widen_row(dst + i * Xp, src, off + i * stride, X, dt);
     if (Xp > X) fill(dst + i * Xp + X, dst + (i + 1) * Xp, 0.f);
   }
 }
@@ -400,14 +408,16 @@ static void by_keys_trimmed(long m, long n, long j0, long N, const float* pt, co
 // ---------------------------------------------------------------------------------------------------
 // forward: out (B, H, L, Dv) contiguous, lse (B, H, L) contiguous
 // ---------------------------------------------------------------------------------------------------
-static void forward(const Shape& s, const float* q, const float* k, const float* v, float* out, float* lse) {
+static void forward(const Shape& s, const void* q, const void* k, const void* v, float* out, float* lse) {
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
   const long Dvp = round_up(s.Dv, VW);
   const long items = s.B * s.H * nq;
-  const bool v_in_place = Dvp == s.Dv, ab = s.alibi != nullptr;
+  // fp32 K and V are read in place (V unless Dv needs padding); bf16 / fp16 tiles are widened into buffers
+  const bool k_in_place = s.dt == AK_F32, v_in_place = Dvp == s.Dv && s.dt == AK_F32, ab = s.alibi != nullptr;
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
-    Buf<float> qt(s.D * BM), st(BN * BM), vp(v_in_place ? 1 : BN * Dvp), acc(BM * Dvp), mrow(BM), lrow(BM);
+    Buf<float> qt(s.D * BM), st(BN * BM), kp(k_in_place ? 1 : BN * s.D), vp(v_in_place ? 1 : BN * Dvp),
+        acc(BM * Dvp), mrow(BM), lrow(BM);
     Buf<int32_t> lo(BM), hi(BM), regs(s.prog ? s.prog->regs * SL : 1);
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++) {
@@ -424,22 +434,27 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
       block_edges(s, b, i0, m, lo.p, hi.p);
       Edges edges;
       edges_of(edges, lo.p, hi.p);
-      pack_t(qt.p, q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D);
+      pack_t(qt.p, q, b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D, s.dt);
       fill(acc.p, acc.p + BM * Dvp, 0.f);
       fill(mrow.p, mrow.p + BM, NEG_INF);
       fill(lrow.p, lrow.p + BM, 0.f);
-      const float* kb = k + b * s.sk[0] + hk * s.sk[1];
-      const float* vb = v + b * s.sv[0] + hk * s.sv[1];
+      const long koff = b * s.sk[0] + hk * s.sk[1], voff = b * s.sv[0] + hk * s.sv[1];
       for (long j0 = blk.kmin / BN * BN; j0 < blk.kmax; j0 += BN) {
         const long n = mn<long>(BN, s.S - j0);
         const TileMask tm = tile_mask(s, b, h, qb, j0 / BN, nk);
         if (tm.kind == T_EMPTY) continue;
         const bool full = !tm.bits && n == BN && j0 >= blk.flo && j0 + n <= blk.fhi;
         if (!full && !tile_touched(lo.p, hi.p, m, j0, j0 + n)) continue;
+        const float* kt = (const float*)k + koff + j0 * s.sk[2];  // this tile's K rows (n x D)
+        long ldk = s.sk[2];
+        if (!k_in_place) {
+          pack_rows(kp.p, k, koff + j0 * s.sk[2], s.sk[2], n, s.D, s.D, s.dt);
+          kt = kp.p, ldk = s.D;
+        }
         if (full)
-          gemm<true>(n, BM, s.D, kb + j0 * s.sk[2], s.sk[2], 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
+          gemm<true>(n, BM, s.D, kt, ldk, 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
         else
-          scores_trimmed(n, j0, (int)s.D, kb + j0 * s.sk[2], s.sk[2], qt.p, st.p, edges);
+          scores_trimmed(n, j0, (int)s.D, kt, ldk, qt.p, st.p, edges);
         if (s.prog) {  // scale, then the score_mod's program on each key's BM queries (before any mask)
           const vf scv = splat(s.scale);
           for (long j = 0; j < n; j++) {
@@ -485,10 +500,10 @@ static void forward(const Shape& s, const float* q, const float* k, const float*
             }
           }
         }
-        const float* vt = vb + j0 * s.sv[2];
+        const float* vt = (const float*)v + voff + j0 * s.sv[2];
         long ldv = s.sv[2];
         if (!v_in_place) {
-          pack_rows(vp.p, vt, s.sv[2], n, s.Dv, Dvp);
+          pack_rows(vp.p, v, voff + j0 * s.sv[2], s.sv[2], n, s.Dv, Dvp, s.dt);
           vt = vp.p, ldv = Dvp;
         }
         if (full)
@@ -573,21 +588,29 @@ static inline void mask_row(float* srow, int32_t lo, int32_t hi, long j0, long n
 // The backward's steps, one function each; `backward` below strings them together.
 
 // delta = rowsum(dO * O) - dlse for every row, and dq = 0 (dQ shares are added into it in key-tile order)
-static void prepare_rows(const Shape& s, const float* dout, const long* sdo, const float* out, const float* dlse,
+static void prepare_rows(const Shape& s, const void* dout, const long* sdo, const float* out, const float* dlse,
                          float* delta, float* dq) {
   const long nq = (s.L + BM - 1) / BM, nblk = s.B * s.H * nq, sdl = sdo[3];
-#pragma omp parallel for schedule(dynamic, 16) num_threads(s.threads) if (s.threads > 1 && nblk > 1)
-  for (long it = 0; it < nblk; it++) {
-    const long qb = it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H;
-    const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
-    const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
-    const float* o = out + (bh * s.L + i0) * s.Dv;
-    for (long i = 0; i < m; i++) {
-      float acc = 0.f;
-      for (long d = 0; d < s.Dv; d++) acc += ds[i * sdo[2] + d * sdl] * o[i * s.Dv + d];
-      delta[bh * s.L + i0 + i] = acc - (dlse ? dlse[bh * s.L + i0 + i] : 0.f);
+#pragma omp parallel num_threads(s.threads) if (s.threads > 1 && nblk > 1)
+  {
+    Buf<float> row(s.Dv);  // a dO row in fp32: every dtype and stride then takes the same sum (the same bits)
+#pragma omp for schedule(dynamic, 16)
+    for (long it = 0; it < nblk; it++) {
+      const long qb = it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H;
+      const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
+      const long ds = b * sdo[0] + h * sdo[1] + i0 * sdo[2];
+      const float* o = out + (bh * s.L + i0) * s.Dv;
+      for (long i = 0; i < m; i++) {
+        if (sdl == 1)
+          widen_row(row.p, dout, ds + i * sdo[2], s.Dv, s.dt);
+        else
+          for (long d = 0; d < s.Dv; d++) row[d] = widen1(dout, ds + i * sdo[2] + d * sdl, s.dt);
+        float acc = 0.f;
+        for (long d = 0; d < s.Dv; d++) acc += row[d] * o[i * s.Dv + d];
+        delta[bh * s.L + i0 + i] = acc - (dlse ? dlse[bh * s.L + i0 + i] : 0.f);
+      }
+      fill(dq + (bh * s.L + i0) * s.D, dq + (bh * s.L + i0 + m) * s.D, 0.f);
     }
-    fill(dq + (bh * s.L + i0) * s.D, dq + (bh * s.L + i0 + m) * s.D, 0.f);
   }
 }
 
@@ -633,13 +656,13 @@ static inline void wait_turn(const int32_t* turn, int32_t kt) {
 
 // One thread's buffers for key-tile items.
 struct BwdBufs {
-  Buf<float> kt, vt, kp, qr, dor, p, dp, dka, dva, dqs, sraw, grads, dsrow;
+  Buf<float> kt, vt, kp, qr, dor, p, dp, dka, dva, dqs, sraw, grads, dsrow, row;
   Buf<int32_t> lo, hi, regs;
   GradAcc acc;  // this thread's share of the gradients into the score_mod's learnable tables (one item's)
   BwdBufs(long D, long Dv, long Dp, long Dvp, long Dq, const Prog* prog)
       : kt(D * BN), vt(Dv * BN), kp(BN * Dp), qr(BM * Dp), dor(BM * Dvp), p(BM * BN), dp(BM * BN), dka(BN * Dp),
         dva(BN * Dvp), dqs(BM * Dq), sraw(prog ? BM * BN : 1), grads(prog ? prog->regs * SL : 1), dsrow(SL),
-        lo(BM), hi(BM), regs(prog ? prog->regs * SL : 1) {
+        row(Dvp), lo(BM), hi(BM), regs(prog ? prog->regs * SL : 1) {
     for (long t = 0; prog && prog->tgrad && t < MAX_GRAD_TABLES; t++) {
       const int64_t* sh = prog->tshape + 5 * t;
       if (t >= prog->ntables || !prog->tgrad[t]) continue;
@@ -746,19 +769,20 @@ static void dq_share(long m, long j0, long n, long Dp, bool full, const float* k
 
 // One work item: key tile kbk of kv head hk in batch b, visiting its g query heads and every query block of
 // their ranges; dK and dV of the tile are written once, here.
-static void key_tile_item(const Shape& s, long b, long hk, long kbk, const float* q, const float* k, const float* v,
-                          const float* dout, const long* sdo, const float* lse, const float* delta,
+static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void* q, const void* k, const void* v,
+                          const void* dout, const long* sdo, const float* lse, const float* delta,
                           const TileRange* ranges, int32_t* turns, float* dq, float* dk, float* dv, BwdBufs& w) {
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
   const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(Dp, 16);
   const long sdl = sdo[3];  // dO's last-dim stride (1, or e.g. 0 for an expanded gradient)
   const long j0 = kbk * BN, n = mn<long>(BN, s.S - j0);
-  const float* kr = k + b * s.sk[0] + hk * s.sk[1] + j0 * s.sk[2];  // this tile's K rows (n x D)
-  const float* vr = v + b * s.sv[0] + hk * s.sv[1] + j0 * s.sv[2];  // and V rows (n x Dv)
+  const long kro = b * s.sk[0] + hk * s.sk[1] + j0 * s.sk[2];  // this tile's K rows (n x D)
+  const long vro = b * s.sv[0] + hk * s.sv[1] + j0 * s.sv[2];  // and V rows (n x Dv)
+  const bool f32 = s.dt == AK_F32;  // fp32 rows are read in place where no padding is needed; others widened
   fill(w.dka.p, w.dka.p + BN * Dp, 0.f);
   fill(w.dva.p, w.dva.p + BN * Dvp, 0.f);
   bool packed = false;
-  const float* kb = kr;  // K rows as the right-hand side of dQ = dS K: in place unless D needs padding
+  const float* kb = (const float*)k + kro;  // K rows, the right-hand side of dQ = dS K: in place if fp32, unpadded
   long ldk = s.sk[2];
   for (long h = hk * g; h < (hk + 1) * g; h++) {
     const long bh2 = b * s.H + h;
@@ -775,30 +799,35 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const float
         if (!packed) {  // this tile's K^T and V^T (zero beyond n keys), and K rows padded if needed
           fill(w.kt.p, w.kt.p + s.D * BN, 0.f);
           fill(w.vt.p, w.vt.p + s.Dv * BN, 0.f);
-          for (long j = 0; j < n; j++) {
-            for (long d = 0; d < s.D; d++) w.kt[d * BN + j] = kr[j * s.sk[2] + d];
-            for (long d = 0; d < s.Dv; d++) w.vt[d * BN + j] = vr[j * s.sv[2] + d];
-          }
-          if (Dp != s.D) {
+          if (Dp != s.D || !f32) {  // K rows widened / padded once; K^T from them
             fill(w.kp.p, w.kp.p + BN * Dp, 0.f);
-            pack_rows(w.kp.p, kr, s.sk[2], n, s.D, Dp);
+            pack_rows(w.kp.p, k, kro, s.sk[2], n, s.D, Dp, s.dt);
             kb = w.kp.p, ldk = Dp;
+          }
+          for (long j = 0; j < n; j++) {
+            for (long d = 0; d < s.D; d++) w.kt[d * BN + j] = kb[j * ldk + d];
+            const float* vj = (const float*)v + vro + j * s.sv[2];
+            if (!f32) widen_row(w.row.p, v, vro + j * s.sv[2], s.Dv, s.dt), vj = w.row.p;
+            for (long d = 0; d < s.Dv; d++) w.vt[d * BN + j] = vj[d];
           }
           packed = true;
         }
-        const float* qs = q + b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
-        const float* ds = dout + b * sdo[0] + h * sdo[1] + i0 * sdo[2];
-        const float* q_rows = qs;  // Q rows (m x D): the left side of S, the right side of dK = dS^T Q
+        const long qs = b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
+        const long ds = b * sdo[0] + h * sdo[1] + i0 * sdo[2];
+        const float* q_rows = (const float*)q + qs;  // Q rows (m x D): the left side of S, the right of dK = dS^T Q
         long ldq = s.sq[2];
-        if (Dp != s.D) {
-          pack_rows(w.qr.p, qs, s.sq[2], m, s.D, Dp);
+        if (Dp != s.D || !f32) {
+          pack_rows(w.qr.p, q, qs, s.sq[2], m, s.D, Dp, s.dt);
           q_rows = w.qr.p, ldq = Dp;
         }
-        const float* do_rows = ds;
+        const float* do_rows = (const float*)dout + ds;
         long lddo = sdo[2];
-        if (Dvp != s.Dv || sdl != 1) {
+        if (Dvp != s.Dv || sdl != 1 || !f32) {
           for (long i = 0; i < m; i++) {
-            for (long d = 0; d < s.Dv; d++) w.dor[i * Dvp + d] = ds[i * sdo[2] + d * sdl];
+            if (sdl == 1)
+              widen_row(w.dor.p + i * Dvp, dout, ds + i * sdo[2], s.Dv, s.dt);
+            else
+              for (long d = 0; d < s.Dv; d++) w.dor[i * Dvp + d] = widen1(dout, ds + i * sdo[2] + d * sdl, s.dt);
             fill(w.dor.p + i * Dvp + s.Dv, w.dor.p + (i + 1) * Dvp, 0.f);
           }
           do_rows = w.dor.p, lddo = Dvp;
@@ -835,7 +864,7 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const float
   }
 }
 
-static int backward(const Shape& s, const float* q, const float* k, const float* v, const float* dout,
+static int backward(const Shape& s, const void* q, const void* k, const void* v, const void* dout,
                     const long* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
                     float* dv) {
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN;

@@ -1,0 +1,179 @@
+"""bf16 / fp16 in the compiled kernel's forward and backward: the inputs are read as they are and widened to fp32
+tile by tile (csrc/attn_widen.h), never converted whole.
+
+Widening is exact and the math after it is the fp32 kernel's, so the strongest check is bitwise: a bf16 / fp16
+call gives exactly the fp32 kernel's results on the widened inputs, rounded once to the input dtype (forward and
+every gradient, NaN and inf in the same places), at every instruction set, layout and mask kind. The error budget
+against the float64 golden follows from that (see :func:`_budget`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import budget, golden, rand_qkv
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnkit
+from attnkit import masks as M
+from attnkit import score_mods as SM
+from attnkit.backends import _native, native
+
+pytestmark = pytest.mark.skipif(os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"),
+                                reason="the compiled kernel is switched off by ATTNKIT_NATIVE=0")
+
+LOW = [torch.bfloat16, torch.float16]
+# unit roundoff of one rounding to the dtype (half an ulp of 1): bf16 keeps 8 significant bits, fp16 11
+UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+@pytest.fixture(autouse=True)
+def _kernel_even_where_bf16_has_hardware(monkeypatch):
+    """On a CPU with bf16 instructions auto keeps bf16 on torch's kernel; these tests are about the kernel's own."""
+    monkeypatch.setattr(native, "_BF16_HW", False)
+
+
+def _checkerboard(b, h, q_idx, kv_idx):  # a mask_mod that is not intervals: the tile map with partial bits
+    return ((q_idx // 8 + kv_idx // 8) % 2 == 0) | (q_idx == kv_idx)
+
+
+def _cases(L: int, S: int):
+    slopes = attnkit.positional.alibi_slopes(4)
+    yield "causal", dict(mask=M.causal())
+    yield "window", dict(mask=M.sliding_window(37))
+    yield "padding", dict(mask=M.padding([S, S // 3]))
+    yield "document", dict(mask=M.document(torch.arange(S) * 3 // S))
+    yield "mask_mod", dict(mask=attnkit.create_block_mask(_checkerboard, None, None, L, S))
+    yield "alibi", dict(mask=M.causal(), score_mod=SM.alibi(slopes))
+    yield "softcap", dict(mask=M.causal(), score_mod=SM.softcap(20.0))
+
+
+def _run(q, k, v, go, **kw):
+    d = attnkit.dispatch(q, k, v, backend="tiled", **kw)
+    assert d.worker == "native", d
+    out = attnkit.attention(q, k, v, backend="tiled", **kw)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    return out, grads
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype, (what, a.dtype, b.dtype)
+    same = (a == b) | (a.isnan() & b.isnan())
+    assert bool(same.all()), f"{what}: {int((~same).sum())} of {a.numel()} elements differ from the fp32 kernel's"
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
+def test_low_precision_is_the_fp32_kernel_on_the_widened_inputs_bit_for_bit(dtype, isa):
+    order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
+    best = _native.isa()
+    if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
+        pytest.skip(f"this CPU runs {best} at most")
+    try:
+        _native.set_isa(isa)
+        for (L, S, D, Dv, H, Hkv) in ((130, 130, 64, 64, 4, 2), (70, 100, 33, 40, 4, 4)):
+            for name, kw in _cases(L, S):
+                if name in ("causal", "alibi", "softcap") and L != S:
+                    kw["mask"] = M.causal("top_left")
+                q, k, v = rand_qkv(2, H, Hkv, L, S, D, Dv, dtype=dtype, requires_grad=True)
+                go = torch.randn(2, H, L, Dv).to(dtype)
+                out, grads = _run(q, k, v, go, **kw)
+                q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+                out32, grads32 = _run(q32, k32, v32, go.float(), **kw)
+                _same_bits(out, out32.to(dtype), f"{isa} {name} L={L} S={S} out")
+                for n, a, b in zip("qkv", grads, grads32, strict=True):
+                    _same_bits(a, b.to(dtype), f"{isa} {name} L={L} S={S} d{n}")
+    finally:
+        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_strided_inputs_and_an_expanded_gradient_are_read_in_place(dtype):
+    """(B, L, H, D) queries, a K shared by the batch (stride 0), V with a strided last dim, and the gradient of
+    ``out.sum()`` (stride 0 everywhere): bit for bit the fp32 kernel's on the widened inputs."""
+    B, H, L, S, D = 3, 4, 70, 90, 32
+    q = torch.randn(B, L, H, D).to(dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, 2, S, D).to(dtype).expand(B, 2, S, D).requires_grad_()
+    v = torch.randn(B, 2, D, S).to(dtype).transpose(-1, -2).requires_grad_()
+    go = torch.ones((), dtype=dtype).expand(B, H, L, D)
+    kw = dict(mask=M.causal() & M.padding([S, 40, 71]))
+    out, grads = _run(q, k, v, go, **kw)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out32, grads32 = _run(q32, k32, v32, go.float(), **kw)
+    _same_bits(out, out32.to(dtype), "out")
+    for n, a, b in zip("qkv", grads, grads32, strict=True):
+        _same_bits(a, b.to(dtype), f"d{n}")
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_nan_and_inf_behave_as_in_fp32(dtype):
+    """A NaN in a query, an inf in a key and a NaN in a value: NaN exactly where the fp32 kernel has NaN."""
+    q, k, v = rand_qkv(1, 2, 2, 96, 96, 16, dtype=dtype, requires_grad=True)
+    with torch.no_grad():
+        q[0, 0, 5, 3] = float("nan")
+        k[0, 1, 40, 0] = float("inf")
+        v[0, 0, 70, 2] = float("nan")
+    go = torch.randn(1, 2, 96, 16).to(dtype)
+    out, grads = _run(q, k, v, go, mask=M.sliding_window(20))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out32, grads32 = _run(q32, k32, v32, go.float(), mask=M.sliding_window(20))
+    assert out.isnan().any()
+    _same_bits(out, out32.to(dtype), "out")
+    for n, a, b in zip("qkv", grads, grads32, strict=True):
+        _same_bits(a, b.to(dtype), f"d{n}")
+
+
+def _budget(dtype, ref: torch.Tensor, D: int, S: int) -> torch.Tensor:
+    """Per element: the fp32 kernel's budget (conftest's, on the widened inputs, which the golden also reads) plus
+    one rounding of the result to ``dtype`` (half an ulp: ``UNIT · |ref|``, and the same again for the fp32 error
+    it rounds). Gradients scale with the largest reference gradient, as in test_native_kernel."""
+    tol32 = 4 * budget(torch.float32, D, S) * max(1.0, ref.abs().max().item())
+    return tol32 * (1 + UNIT[dtype]) + UNIT[dtype] * ref.abs()
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_errors_against_float64_within_one_rounding_of_the_fp32_budget(dtype):
+    B, H, Hkv, L, S, D = 2, 4, 2, 200, 200, 64
+    for kw in (dict(mask=M.causal()), dict(mask=M.sliding_window(50)), dict(mask=M.document(torch.arange(S) // 70))):
+        q, k, v = rand_qkv(B, H, Hkv, L, S, D, dtype=dtype, requires_grad=True)
+        go = torch.randn(B, H, L, D).to(dtype)
+        out, grads = _run(q, k, v, go, **kw)
+        ref, _ = golden(q, k, v, **kw)
+        assert bool(((out.double() - ref).abs() <= _budget(dtype, ref, D, S)).all()), "out"
+        q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        r2 = attnkit.attention(q2, k2, v2, backend="eager", **kw)
+        refs = torch.autograd.grad(r2, (q2, k2, v2), go.double())
+        for n, a, b in zip("qkv", grads, refs, strict=True):
+            err = (a.double() - b).abs()
+            assert bool((err <= _budget(dtype, b, D, S)).all()), f"d{n}: max error {err.max().item():.3g}"
+
+
+class _Widenings(TorchDispatchMode):
+    """Records every dtype conversion torch performs: (source dtype, numel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[0] if func is torch.ops.aten._to_copy.default else args[1]
+            dst_dtype = kwargs.get("dtype", args[0].dtype if func is torch.ops.aten.copy_.default else None)
+            if isinstance(src, torch.Tensor) and dst_dtype is not None and dst_dtype != src.dtype:
+                self.seen.append((src.dtype, src.numel()))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_no_input_is_converted_whole(dtype):
+    """Forward and backward: torch converts no bf16 / fp16 tensor to fp32 (only the fp32 results are rounded)."""
+    q, k, v = rand_qkv(1, 4, 2, 256, 256, 64, dtype=dtype, requires_grad=True)
+    go = torch.randn(1, 4, 256, 64).to(dtype)
+    with _Widenings() as w:
+        out = attnkit.attention(q, k, v, mask=M.sliding_window(64), backend="tiled")
+        torch.autograd.grad(out, (q, k, v), go)
+    widened = [(dt, n) for dt, n in w.seen if dt == dtype]
+    assert not widened, f"{dtype} tensors converted whole: {widened}"
