@@ -84,10 +84,8 @@ struct Ahead {
 };
 
 static inline void prefetch_rows(const Ahead& a, long j0) {
-  for (long j = j0; j < mn<long>(j0 + VW, a.nk); j++) {
+  for (long j = j0; j < mn<long>(j0 + VW, a.nk); j++)
     for (long x = 0; x < a.kbytes; x += 64) __builtin_prefetch(a.pk + j * a.ldk + x, 0, 2);
-    for (long x = 0; x < a.vbytes; x += 64) __builtin_prefetch(a.pv + j * a.ldv + x, 0, 2);
-  }
 }
 
 // the dot products of rows r < rows with the VW keys at kr + off[c] (lane c of the result)
@@ -136,15 +134,21 @@ static void dots(long rows, long n, long D, const float* qb, long ldq, const voi
   }
 }
 
-// acc (RR rows x NV vectors, row stride lda) += P (RR rows, stride BN; n keys) . V (n rows at vr, stride ldv)
+// acc (RR rows x NV vectors, row stride lda) += P (RR rows, stride BN; n keys) . V (n rows at vr, stride ldv);
+// with `ahead`, the same columns of the next tile's V rows are prefetched, one row per key: the next tile's V
+// streams in while this one is multiplied (its K is prefetched while this tile's keys are scored)
 template <int RR, int NV, int DT>
-static inline void pv_block(long n, const float* P, const void* vr, long ldv, long col, float* acc, long lda) {
+static inline void pv_block(long n, const float* P, const void* vr, long ldv, long col, float* acc, long lda,
+                            const Ahead* ahead) {
   vf a[RR][NV];
 #pragma GCC unroll 4
   for (int r = 0; r < RR; r++)
 #pragma GCC unroll 4
     for (int c = 0; c < NV; c++) a[r][c] = load(acc + r * lda + col + c * VW);
+  const long esz = DT == AK_F32 ? 4 : 2, span = NV * VW * esz;
   for (long j = 0; j < n; j++) {
+    if (ahead && j < ahead->nk)
+      for (long x = 0; x < span; x += 64) __builtin_prefetch(ahead->pv + j * ahead->ldv + col * esz + x, 0, 2);
     vf b[NV];
 #pragma GCC unroll 4
     for (int c = 0; c < NV; c++) b[c] = ld<DT>(vr, j * ldv + col + c * VW);
@@ -162,20 +166,23 @@ static inline void pv_block(long n, const float* P, const void* vr, long ldv, lo
 }
 
 template <int RR, int DT>
-static inline void pv_rows(long n, long N, const float* P, const void* vr, long ldv, float* acc, long lda) {
+static inline void pv_rows(long n, long N, const float* P, const void* vr, long ldv, float* acc, long lda,
+                           const Ahead* ahead) {
   constexpr int NV = RR >= 4 ? 2 : 4;
   long col = 0;
-  for (; col + NV * VW <= N; col += NV * VW) pv_block<RR, NV, DT>(n, P, vr, ldv, col, acc, lda);
-  for (; col < N; col += VW) pv_block<RR, 1, DT>(n, P, vr, ldv, col, acc, lda);
+  for (; col + NV * VW <= N; col += NV * VW) pv_block<RR, NV, DT>(n, P, vr, ldv, col, acc, lda, ahead);
+  for (; col < N; col += VW) pv_block<RR, 1, DT>(n, P, vr, ldv, col, acc, lda, ahead);
 }
 
-// acc (rows x N, N a multiple of VW) += P (rows x n) . V (n x N)
+// acc (rows x N, N a multiple of VW) += P (rows x n) . V (n x N); `ahead`: the next tile's V rows to prefetch
+// (by the first group of rows only), or null
 template <int DT>
-static void pv(long rows, long n, long N, const float* P, const void* vr, long ldv, float* acc, long lda) {
+static void pv(long rows, long n, long N, const float* P, const void* vr, long ldv, float* acc, long lda,
+               const Ahead* ahead) {
   long r = 0;
-  for (; r + 4 <= rows; r += 4) pv_rows<4, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda);
-  for (; r + 2 <= rows; r += 2) pv_rows<2, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda);
-  for (; r < rows; r++) pv_rows<1, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda);
+  for (; r + 4 <= rows; r += 4) pv_rows<4, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
+  for (; r + 2 <= rows; r += 2) pv_rows<2, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
+  for (; r < rows; r++) pv_rows<1, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
 }
 
 // One thread's buffers: q rows (fp32), scores / probabilities, a converted V tile (only when V cannot be
@@ -273,14 +280,16 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     }
     const char* vr = vbase + j0 * s.sv[2] * esz;
     if (v_in_place) {
-      pv<DT>(rows, n, s.Dvp, w.sc, vr, s.sv[2], acc, s.Dvp);
+      pv<DT>(rows, n, s.Dvp, w.sc, vr, s.sv[2], acc, s.Dvp, &ahead);
     } else {  // Dv not a multiple of VW: this tile's V rows widened into a zero-padded buffer
       for (long j = 0; j < n; j++) {
         float* dst = w.vt + j * s.Dvp;
         for (long d = 0; d < s.Dv; d++) dst[d] = ld1<DT>(vr, j * s.sv[2] + d);
         fill(dst + s.Dv, dst + s.Dvp, 0.f);
       }
-      pv<AK_F32>(rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp);
+      for (long j = 0; j < ahead.nk; j++)  // the next tile's V rows (read by this widening, not by pv)
+        for (long x = 0; x < ahead.vbytes; x += 64) __builtin_prefetch(ahead.pv + j * ahead.ldv + x, 0, 2);
+      pv<AK_F32>(rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp, nullptr);
     }
   }
 }
