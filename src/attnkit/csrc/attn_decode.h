@@ -75,9 +75,11 @@ static inline void unit_rows(const Dec& s, long rb, long& r0, long& r1) {
 
 // scores sc[r * BN + j] = q_r . k_j of rows r < rows (fp32, qb, row stride ldq, zero beyond D) and keys j < n
 // (K rows at kr, row stride ldk); lanes beyond n hold scores of key n - 1 (masked by the caller)
-// While a tile is scored, the next tile's K and V rows (nk of them at pk / pv, row bytes kbytes / vbytes, strides
-// in elements of esz bytes) are prefetched into L2, VW rows per VW keys scored: the cache is streamed from
-// memory one tile ahead, two streams the hardware prefetcher alone keeps too few lines in flight for.
+// The next tile's K and V rows (nk of them at pk / pv, row bytes kbytes / vbytes, strides in bytes) are prefetched
+// into L2 one tile ahead, spread over the whole tile's work: its K rows while this tile is scored (VW rows per VW
+// keys), its V rows while this tile's P.V runs (pv_block: each column block the same columns of the next tile's
+// rows). Two streams the hardware prefetcher alone keeps too few lines in flight for; one burst of both (the
+// first version) left the memory idle during the softmax and P.V.
 struct Ahead {
   const char *pk, *pv;
   long nk, ldk, ldv, kbytes, vbytes;
