@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import attnkit
 from attnkit import masks as M
 from attnkit.backends import _native, tiled
+from attnkit.backends import native as native_kernel
 
 B, H, D = 1, 8, 64
 
@@ -87,11 +88,11 @@ def peers_for(name, L, mask, sdpa_mask, mode, flex, dtype=torch.float32):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
 
     def native():
-        saved, native._BF16_HW = native._BF16_HW, False  # bf16: the kernel itself, even where auto avoids it
+        saved, native_kernel._BF16_HW = native_kernel._BF16_HW, False  # bf16: the kernel itself, even where auto avoids it
         try:
             return attnkit.attention(q, k, v, mask=mask, backend="tiled")
         finally:
-            native._BF16_HW = saved
+            native_kernel._BF16_HW = saved
 
     def before():
         saved, tiled.NATIVE = tiled.NATIVE, False
@@ -100,11 +101,11 @@ def peers_for(name, L, mask, sdpa_mask, mode, flex, dtype=torch.float32):
         finally:
             tiled.NATIVE = saved
 
-    saved, native._BF16_HW = native._BF16_HW, False
+    saved, native_kernel._BF16_HW = native_kernel._BF16_HW, False
     try:
         d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
     finally:
-        native._BF16_HW = saved
+        native_kernel._BF16_HW = saved
     if d.worker != "native":
         raise SystemExit(f"{name}: the compiled kernel does not run here ({d.worker}: {d.worker_reason})")
     out = {"sdpa": run(sdpa), "native": run(native), "before": run(before)}
