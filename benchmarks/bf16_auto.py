@@ -1,10 +1,10 @@
 """bf16 against fp32 through ``auto``: the time of the same call in each dtype, forward and forward + backward.
 
-    OMP_NUM_THREADS=2 python benchmarks/bf16_auto.py [--length 4096] [--rounds 3]
+    OMP_NUM_THREADS=2 python benchmarks/bf16_auto.py [--length 4096] [--rounds 10]
 
 B = 1, H = 8, D = 64; causal and sliding window 256; the fastest of ``--rounds`` runs of each (after one
-warm-up), both dtypes measured in the same run. Prints bf16 time / fp32 time (< 1: bf16 is faster) and the
-worker ``auto`` chose for each dtype (``attnkit.dispatch``).
+warm-up), the two dtypes interleaved (one call of each in turn, so the machine's load hits both alike). Prints
+bf16 time / fp32 time (< 1: bf16 is faster) and the worker ``auto`` chose for each dtype (``attnkit.dispatch``).
 """
 
 from __future__ import annotations
@@ -18,29 +18,32 @@ import attnkit
 from attnkit import masks as M
 
 
-def _best_ms(f, rounds: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
+def _interleaved_best_ms(fns: dict, rounds: int) -> dict:
+    """The fastest of ``rounds`` calls of each, in turns (one call of each per round), after one warm-up."""
+    for f in fns.values():
         f()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {n: t * 1e3 for n, t in best.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--length", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=10)
     a = ap.parse_args()
     torch.manual_seed(0)
     L = a.length
     for name, kw in (("causal", dict(causal=True)), ("window 256", dict(mask=M.sliding_window(256)))):
-        res = {}
+        fns, workers = {}, {}
         for dt in (torch.float32, torch.bfloat16):
             q, k, v = (torch.randn(1, 8, L, 64).to(dt).requires_grad_() for _ in range(3))
             go = torch.randn(1, 8, L, 64).to(dt)
-            worker = attnkit.dispatch(q, k, v, **kw).worker
+            workers[dt] = attnkit.dispatch(q, k, v, **kw).worker
 
             def fwd(q=q, k=k, v=v):
                 with torch.no_grad():
@@ -49,11 +52,13 @@ def main() -> None:
             def fwd_bwd(q=q, k=k, v=v, go=go):
                 attnkit.attention(q, k, v, **kw).backward(go)
 
-            res[dt] = (_best_ms(fwd, a.rounds), _best_ms(fwd_bwd, a.rounds), worker)
-        f, b = res[torch.float32], res[torch.bfloat16]
-        print(f"{name}, L = {L}: forward fp32 {f[0]:.1f} ms, bf16 {b[0]:.1f} ms (bf16 / fp32 {b[0] / f[0]:.2f}); "
-              f"forward + backward fp32 {f[1]:.1f} ms, bf16 {b[1]:.1f} ms ({b[1] / f[1]:.2f}); "
-              f"workers {f[2]} / {b[2]}")
+            fns[("fwd", dt)], fns[("fwd_bwd", dt)] = fwd, fwd_bwd
+        t = _interleaved_best_ms(fns, a.rounds)
+        f32, b16 = torch.float32, torch.bfloat16
+        print(f"{name}, L = {L}: forward fp32 {t['fwd', f32]:.1f} ms, bf16 {t['fwd', b16]:.1f} ms (bf16 / fp32 "
+              f"{t['fwd', b16] / t['fwd', f32]:.2f}); forward + backward fp32 {t['fwd_bwd', f32]:.1f} ms, bf16 "
+              f"{t['fwd_bwd', b16]:.1f} ms ({t['fwd_bwd', b16] / t['fwd_bwd', f32]:.2f}); workers {workers[f32]} / "
+              f"{workers[b16]}")
 
 
 if __name__ == "__main__":

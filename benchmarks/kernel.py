@@ -88,7 +88,8 @@ def peers_for(name, L, mask, sdpa_mask, mode, flex, dtype=torch.float32):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
 
     def native():
-        saved, native_kernel._BF16_HW = native_kernel._BF16_HW, False  # bf16: the kernel itself, even where auto avoids it
+        # bf16: the kernel itself, even where auto avoids it
+        saved, native_kernel._BF16_HW = native_kernel._BF16_HW, False
         try:
             return attnkit.attention(q, k, v, mask=mask, backend="tiled")
         finally:

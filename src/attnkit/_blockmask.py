@@ -140,6 +140,12 @@ class _BlockMaskMask(_masks.Mask):
 
         return mod
 
+    def within_partial(self) -> _masks.Mask | None:
+        """The mask that decides the points of this BlockMask's partial blocks (its ``mask_mod``), or None
+        (no mod: a partial block is attended whole). For evaluating points known to lie in partial blocks (the
+        kernel's tile map) without looking each point's block up."""
+        return self.inner
+
     def points_mod(self, B, H, L, S):
         # the inner mod's own points form (any arrangement of index tensors: the compiled kernel's tile map
         # evaluates partial tiles stacked on the batch dim), not bind's, which assumes the (b, h, q, kv) grid

@@ -96,6 +96,12 @@ def plan_bits(plan, extra: _m.Mask | None, B: int, H: int, L: int, S: int) -> Ti
     nq, nk = -(-L // TILE), -(-S // TILE)
     k64 = kinds.repeat_interleave(bm // TILE, 2).repeat_interleave(bn // TILE, 3)[:, :, :nq, :nk]
     mask = plan.mask
+    # without an extra mask the points evaluated below all lie in the plan's partial tiles: a BlockMask's own mod
+    # decides them there (no per-point lookup of its block kinds); no mod: a partial tile is attended whole. (With
+    # one, a tile can be partial by the extra mask inside a full block, where the mod does not apply.)
+    within = getattr(mask, "within_partial", None)
+    if within is not None and extra is None:
+        mask = within() or _m.Full()
     if extra is not None:
         ek = extra.tile_kinds(B, H, L, S, TILE, TILE)
         shape = torch.broadcast_shapes(k64.shape, ek.shape)
