@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from . import _mods
 from . import masks as _masks
 from ._tiling import EMPTY, FULL, PARTIAL
 from .plans import BlockPlan
@@ -110,7 +111,13 @@ class _BlockMaskMask(_masks.Mask):
         self.batch_size = kinds.shape[0] if kinds.shape[0] > 1 else None
 
     def cache_key(self):
-        return None  # a mask_mod may read data that changes between calls: evaluated afresh each time
+        # by content: the block kinds' digest and the mod's own key (its code and what it captures, numbers by
+        # value, CPU tensors by a digest taken on this call: ids edited in place give a new key); None where the
+        # mod reads anything else (evaluated afresh each call)
+        if self.inner is None:
+            return None
+        inner, kinds = self.inner.cache_key(), _mods._content(self.kinds)
+        return None if inner is None or kinds is None else ("block_mask", kinds, self.block, inner)
 
     def validate(self, B, H, L, S):
         super().validate(B, H, L, S)

@@ -217,9 +217,12 @@ def test_forward_is_the_same_on_one_thread_and_two():
 def test_masks_that_are_not_intervals_run_on_the_tile_map_and_say_so():
     q, k, v = rand_qkv(1, 2, 2, 64, 64, 16)
     for mask in [M.key_padding(torch.tensor([[True, False] * 32])), M.document(torch.tensor([0, 1] * 32)),
-                 M.sliding_window(8) | M.causal("top_left")]:
+                 M.sliding_window(8) | M.from_mod(lambda b, h, q_idx, kv_idx: kv_idx < 4)]:  # a hole from row 12
         d = attnkit.dispatch(q, k, v, mask=mask, backend="tiled")
         assert d.worker == "native" and "tile map" in d.worker_reason and "partial tiles masked" in d.worker_reason, d
+    # a union whose rows are still one stretch each (here: causal) runs on the intervals read off its tile map
+    d = attnkit.dispatch(q, k, v, mask=M.sliding_window(8) | M.causal("top_left"), backend="tiled")
+    assert d.worker == "native" and "row intervals (read off its tile map" in d.worker_reason, d
     d = attnkit.dispatch(q, k, v, mask=M.causal(), backend="tiled")
     assert d.worker == "native" and "row intervals" in d.worker_reason, d
     d = attnkit.dispatch(q.double(), k.double(), v.double(), mask=M.causal(), backend="tiled")

@@ -189,3 +189,82 @@ def test_a_block_mask_of_a_mod_that_ignores_batch_and_head_runs_on_the_kernel():
         _check(q, k, v, bm, lse_grad=True)
         assert_close(attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True),
                      golden(q, k, v, mask=M.from_mod(mod))[0], budget(torch.float32, 32, 300), mod.__name__)
+
+
+def _dense(mod, B, H, L, S):
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    return M.from_mod(mod).bind(L, S)(b, h, torch.arange(L).view(1, 1, L, 1), torch.arange(S).view(1, 1, 1, S))
+
+
+@pytest.mark.parametrize("L,S", [(256, 256), (130, 200), (200, 70), (1, 65)])
+def test_row_intervals_read_off_a_tile_map_equal_the_dense_mask(L, S):
+    """Where every row of a mod's tile map sees one stretch of keys, ``row_intervals`` gives exactly that stretch
+    (``lo = hi = 0`` for a row that sees nothing); anything else (holes, heads that differ) gives None."""
+    ids = torch.arange(max(L, S)) * 5 // max(L, S)
+    lengths = torch.tensor([S, S // 3])
+    interval_mods = {
+        "window": lambda b, h, q, kv: (kv <= q) & (q - kv < 40),
+        "causal_documents": lambda b, h, q, kv: (ids[q] == ids[kv]) & (kv <= q),
+        "prefix_lm": lambda b, h, q, kv: (kv < 70) | (kv <= q),
+        "padding_by_batch": lambda b, h, q, kv: kv < lengths[b],
+        "dead_rows": lambda b, h, q, kv: (q >= 100) & (kv < q - 99),
+    }
+    other_mods = {
+        "checkerboard": lambda b, h, q, kv: ((q // 8 + kv // 8) % 2 == 0) | (q == kv),
+        "per_head": lambda b, h, q, kv: kv <= q + h,
+    }
+    B, H = 2, 3
+    for name, mod in {**interval_mods, **other_mods}.items():
+        dense = _dense(mod, B, H, L, S).expand(B, H, L, S)
+        tb = _tilebits.tile_bits(M.from_mod(mod), B, H, L, S)
+        got = _tilebits.row_intervals(tb, L, S)
+        keys = torch.arange(S)
+        rows_are_stretches = all(
+            bool((dense[b, h, i] == ((keys >= dense[b, h, i].int().argmax()) & (keys <= S - 1 - dense[b, h, i].flip(0)
+                                                                              .int().argmax()))).all())
+            or not bool(dense[b, h, i].any())
+            for b in range(B) for h in range(H) for i in range(L))
+        same_heads = bool((dense == dense[:, :1]).all())
+        if name in other_mods and not (rows_are_stretches and same_heads):
+            assert got is None, name
+            continue
+        assert got is not None, name
+        lo, hi = got
+        assert lo.dtype == hi.dtype == torch.int32 and lo.shape[1] == L and lo.shape[0] in (1, B), (name, lo.shape)
+        want = (keys >= lo.long().unsqueeze(-1)) & (keys < hi.long().unsqueeze(-1))  # (TB, L, S)
+        assert torch.equal(want.unsqueeze(1).expand(B, H, L, S), dense), name
+
+
+def test_a_block_mask_of_interval_rows_runs_on_intervals_and_matches_float64():
+    """A BlockMask of a window mod (FlexAttention code switched by one import) runs the kernel on row intervals
+    read off its tile map, forward and backward equal to the float64 golden."""
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 100)
+
+    bm = attnkit.create_block_mask(window, 2, None, 300, 300)
+    q, k, v = rand_qkv(2, 4, 2, 300, 300, 32, requires_grad=True)
+    d = attnkit.dispatch(q, k, v, mask=bm, backend="tiled")
+    assert d.worker == "native" and "row intervals (read off its tile map" in d.worker_reason, d
+    _check(q, k, v, bm, lse_grad=True)
+
+
+def test_a_block_mask_whose_mod_reads_ids_edited_in_place_is_never_stale():
+    """A BlockMask's tile map (and the intervals read off it) is cached by content: the mod's captured ids are
+    digested on every call, so ids edited in place between calls give the new mask's result, not the cached one."""
+    from conftest import assert_close, budget, golden
+    ids = torch.arange(300) * 3 // 300
+
+    def docs(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
+
+    bm = attnkit.create_block_mask(docs, 1, None, 300, 300)
+    q, k, v = rand_qkv(1, 4, 4, 300, 300, 32)
+    first = attnkit.flex_attention(q, k, v, block_mask=bm)
+    assert_close(first, golden(q, k, v, mask=bm)[0], budget(torch.float32, 32, 300), "first")
+    again = attnkit.flex_attention(q, k, v, block_mask=bm)  # the cached map / intervals
+    assert torch.equal(first, again)
+    ids[150:] += 1  # a new document boundary inside the block mask's partial blocks
+    after = attnkit.flex_attention(q, k, v, block_mask=bm)
+    assert not torch.equal(after, first)
+    assert_close(after, golden(q, k, v, mask=bm)[0], budget(torch.float32, 32, 300), "after the edit")

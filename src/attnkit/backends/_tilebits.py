@@ -33,7 +33,7 @@ import torch
 
 from .. import _mods
 from .. import masks as _m
-from .._tiling import PARTIAL
+from .._tiling import FULL, PARTIAL
 
 __all__ = ["TileBits", "TILE", "tile_bits", "plan_bits", "unpack"]
 
@@ -172,3 +172,85 @@ def unpack(tb: TileBits, B: int, H: int, L: int, S: int) -> torch.Tensor:
                         w = tb.bits[int(tb.index[b, h, i, j])]  # (2, 64)
                         tile[:] = ((w.t().unsqueeze(-1) >> shifts) & 1).reshape(TILE, TILE).bool()
     return dense[:, :, :L, :S].expand(B, H, L, S)
+
+
+def _byte_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per byte value: its number of set bits, its lowest and its highest set bit (0 for the byte 0)."""
+    v = range(256)
+    return (torch.tensor([bin(x).count("1") for x in v]),
+            torch.tensor([(x & -x).bit_length() - 1 if x else 0 for x in v]),
+            torch.tensor([x.bit_length() - 1 if x else 0 for x in v]))
+
+
+_BYTE_TABLES = _byte_tables()
+
+# at most this many (tile, row) entries are read to find a tile map's row intervals (a few MB of work); a bigger
+# map stays a tile map
+_INTERVAL_ENTRIES_MAX = 1 << 22
+
+
+def row_intervals(tb: TileBits, L: int, S: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(lo, hi)`` int32 ``(TB, L)`` where every query row of the tile map sees one stretch of keys ``[lo, hi)``
+    (a window, causal documents, a prefix-LM written as a ``mask_mod`` or a BlockMask), the same for every head;
+    else None. The kernel then runs the call on intervals, trimming partial tiles to what each row sees, as for
+    a built-in mask, instead of masking whole tiles by their bits.
+
+    A row is one stretch iff the number of keys it sees equals ``hi - lo`` for its smallest and largest key.
+    Keys past ``S`` in a ragged last tile are never set. A row that sees nothing gets ``lo = hi = 0``."""
+    done = tb.__dict__.get("_row_intervals", False)  # read once per tile map (maps are cached by content)
+    if done is not False:
+        return done
+    got = _row_intervals(tb, L, S)
+    object.__setattr__(tb, "_row_intervals", got)
+    return got
+
+
+def _row_intervals(tb: TileBits, L: int, S: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    kinds = tb.kinds
+    TB, TH, nq, _ = kinds.shape
+    if TH != 1:
+        return None
+    full = (kinds == FULL).nonzero()  # (F, 4)
+    part = (kinds == PARTIAL).nonzero()  # (P, 4)
+    if (full.shape[0] + part.shape[0] * 2) * TILE > _INTERVAL_ENTRIES_MAX:
+        return None
+    rows = torch.arange(TILE)
+    big = torch.iinfo(torch.int64).max
+    lo = torch.full((TB * nq * TILE,), big, dtype=torch.int64)
+    hi = torch.zeros(TB * nq * TILE, dtype=torch.int64)
+    cnt = torch.zeros(TB * nq * TILE, dtype=torch.int64)
+    # full tiles: every row sees the tile's keys [kb * 64, min(S, kb * 64 + 64))
+    if full.shape[0]:
+        row = ((full[:, 0] * nq + full[:, 2]) * TILE).unsqueeze(1) + rows  # (F, 64)
+        a = (full[:, 3] * TILE).unsqueeze(1).expand_as(row)
+        e = (full[:, 3] * TILE + TILE).clamp(max=S).unsqueeze(1).expand_as(row)
+        lo.scatter_reduce_(0, row.reshape(-1), a.reshape(-1), "amin")
+        hi.scatter_reduce_(0, row.reshape(-1), e.reshape(-1), "amax")
+        cnt.scatter_add_(0, row.reshape(-1), (e - a).reshape(-1))
+    # partial tiles: each row's 64 bits (keys 0-31 in plane 0, 32-63 in plane 1, bit j = key j) as 8 bytes; the
+    # count, first and last key seen from per-byte tables (exact integer work on (P, 64, 8) bytes)
+    if part.shape[0]:
+        w = tb.bits[tb.index[tuple(part.t())].long()].long()  # (P, 2, 64)
+        m = ((w[:, 1] << 32) | (w[:, 0] & 0xFFFFFFFF)).contiguous()  # (P, 64) int64
+        by = m.view(torch.uint8).view(m.shape[0], TILE, 8).long()  # little-endian: byte x holds keys 8x .. 8x+7
+        pop8, low8, high8 = _BYTE_TABLES
+        n = pop8[by].sum(-1)  # (P, 64)
+        live = n > 0
+        nz = by != 0
+        at = torch.arange(8)
+        lb = torch.where(nz, at, 8).amin(-1).clamp(max=7)  # the lowest / highest nonzero byte
+        hb = torch.where(nz, at, -1).amax(-1).clamp(min=0)
+        first = lb * 8 + low8[by.gather(-1, lb.unsqueeze(-1)).squeeze(-1)]
+        last = hb * 8 + high8[by.gather(-1, hb.unsqueeze(-1)).squeeze(-1)]
+        base = (part[:, 3] * TILE).unsqueeze(1)
+        row = (((part[:, 0] * nq + part[:, 2]) * TILE).unsqueeze(1) + rows).expand_as(n)[live]
+        lo.scatter_reduce_(0, row, (base + first)[live], "amin")
+        hi.scatter_reduce_(0, row, (base + last + 1)[live], "amax")
+        cnt.scatter_add_(0, row, n[live])
+    lo, hi, cnt = lo.view(TB, nq * TILE)[:, :L], hi.view(TB, nq * TILE)[:, :L], cnt.view(TB, nq * TILE)[:, :L]
+    dead = cnt == 0
+    if not bool(((hi - lo == cnt) | dead).all()):
+        return None
+    lo = torch.where(dead, 0, lo)
+    hi = torch.where(dead, 0, hi)
+    return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()

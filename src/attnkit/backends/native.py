@@ -131,12 +131,13 @@ class Native(Kernel):
                 return ["a score_mod tensor that requires grad but is not read as a table (e.g. a copy made inside "
                         "the score_mod): the kernel could not return its gradient"]
             req.memo["score_prog"] = prog
-        if req.plan is not None and "tile_bits" not in req.memo:
+        if req.plan is not None and "tile_bits" not in req.memo and "row_intervals" not in req.memo:
             try:  # its tiles as given (a BlockMask's), the mask evaluated in the partial ones
-                req.memo["tile_bits"] = _tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S)
+                tb = _tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S)
             except Exception as e:
                 return [f"the plan's mask could not be evaluated on stacked 64 x 64 tiles for the kernel's tile map "
                         f"({type(e).__name__}: {e})"]
+            _keep_map_or_intervals(req, tb, L, S)
         if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
             mask = req.mask if req.mask is not None else _FULL
             iv = _row_intervals(mask, B, L, S)
@@ -144,10 +145,11 @@ class Native(Kernel):
                 req.memo["row_intervals"] = iv
             else:
                 try:
-                    req.memo["tile_bits"] = _tilebits.tile_bits(mask, B, H, L, S)
+                    tb = _tilebits.tile_bits(mask, B, H, L, S)
                 except Exception as e:  # a mod that cannot run on stacked tiles: torch's kernels evaluate it per run
                     return [f"mask {req.mask!r} could not be evaluated on stacked 64 x 64 tiles for the kernel's "
                             f"tile map ({type(e).__name__}: {e})"]
+                _keep_map_or_intervals(req, tb, L, S)
         if not _native.available():
             _native.warn_missing()
             return [_native.unavailable_reason()]
@@ -158,7 +160,10 @@ class Native(Kernel):
 
     def why(self, req: Request) -> str:
         tb = req.memo.get("tile_bits")
-        if tb is None:
+        if tb is None and req.memo.get("intervals_of_map"):
+            how = ("the mask's row intervals (read off its tile map: every row sees one stretch of keys), empty "
+                   "tiles skipped, full tiles unmasked")
+        elif tb is None:
             how = "the mask's row intervals, empty tiles skipped, full tiles unmasked"
         else:
             how = (f"the mask's tile map ({100 * tb.computed_fraction:.0f}% of 64 x 64 tiles computed, "
@@ -198,6 +203,18 @@ class Native(Kernel):
 
 
 NATIVE = Native()
+
+
+def _keep_map_or_intervals(req: Request, tb, L: int, S: int) -> None:
+    """Leave in ``req.memo`` the tile map ``tb``, or, where every row of it sees one stretch of keys (a window,
+    causal documents, a prefix-LM written as a ``mask_mod`` or a BlockMask), its row intervals: the kernel then
+    trims partial tiles to each row's keys as it does for a built-in mask."""
+    iv = _tilebits.row_intervals(tb, L, S)
+    if iv is None:
+        req.memo["tile_bits"] = tb
+    else:
+        req.memo["row_intervals"] = iv
+        req.memo["intervals_of_map"] = True
 
 # The decode entry's query rows: one block of the kernel's (csrc/attn_decode.h takes up to 64 rows).
 DECODE_ROWS = 16
