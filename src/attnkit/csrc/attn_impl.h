@@ -37,7 +37,9 @@ typedef int32_t vi_u __attribute__((vector_size(VW * 4), aligned(4)));
 
 constexpr int BM = 64;  // query rows per block
 constexpr int BN = 64;  // keys per tile (a multiple of every VW)
-constexpr int TC = 8;   // packed K / V tiles a forward thread keeps
+// packed K / V tiles a forward thread keeps: at least TC_MIN, and every tile of a kv head where they fit in
+// TC_BYTES (a causal block reads all the tiles below it: each is then widened about once per thread and head)
+constexpr long TC_MIN = 8, TC_BYTES = 4L << 20;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -417,12 +419,17 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
   const bool k_in_place = s.dt == AK_F32, v_in_place = Dvp == s.Dv && s.dt == AK_F32, ab = s.alibi != nullptr;
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
-    // packed (widened / padded) K and V tiles, TC of them kept by tile number: the next query block of a
+    // packed (widened / padded) K and V tiles, tc of them kept by tile number: the next query block of a
     // thread mostly reads the same tiles again (a window's), so each is widened about once, not once per block
-    Buf<float> qt(s.D * BM), st(BN * BM), kp(k_in_place ? 1 : TC * BN * s.D), vp(v_in_place ? 1 : TC * BN * Dvp),
+    const long tile_bytes = BN * ((k_in_place ? 0 : s.D) + (v_in_place ? 0 : Dvp)) * 4;
+    const long tc = mx2<long>(TC_MIN, mn<long>(nk, TC_BYTES / mx2<long>(tile_bytes, 1)));
+    // slots spaced by a cache line more than a tile and V's 2 KB off K's: packed tiles at page-aligned offsets
+    // from each other (and from the score / accumulator buffers) made the GEMMs' loads alias the stores 4 KB apart
+    const long ks = BN * s.D + 16, vs = BN * Dvp + 16;
+    Buf<float> qt(s.D * BM), st(BN * BM), kp(k_in_place ? 1 : tc * ks), vp(v_in_place ? 1 : tc * vs + 512),
         acc(BM * Dvp), mrow(BM), lrow(BM);
-    long tag[TC];
-    for (long& t : tag) t = -1;
+    Buf<long> tag(tc);
+    for (long t = 0; t < tc; t++) tag[t] = -1;
     Buf<int32_t> lo(BM), hi(BM), regs(s.prog ? s.prog->regs * SL : 1);
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++) {
@@ -452,12 +459,12 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
         if (!full && !tile_touched(lo.p, hi.p, m, j0, j0 + n)) continue;
         const float* kt = (const float*)k + koff + j0 * s.sk[2];  // this tile's K rows (n x D)
         long ldk = s.sk[2];
-        const long slot = (j0 / BN) % TC, tile = (b * s.Hkv + hk) * nk + j0 / BN;
+        const long slot = (j0 / BN) % tc, tile = (b * s.Hkv + hk) * nk + j0 / BN;
         const bool packed = tag[slot] == tile;
         tag[slot] = (k_in_place && v_in_place) ? -1 : tile;
         if (!k_in_place) {
-          if (!packed) pack_rows(kp.p + slot * BN * s.D, k, koff + j0 * s.sk[2], s.sk[2], n, s.D, s.D, s.dt);
-          kt = kp.p + slot * BN * s.D, ldk = s.D;
+          if (!packed) pack_rows(kp.p + slot * ks, k, koff + j0 * s.sk[2], s.sk[2], n, s.D, s.D, s.dt);
+          kt = kp.p + slot * ks, ldk = s.D;
         }
         if (full)
           gemm<true>(n, BM, s.D, kt, ldk, 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
@@ -511,8 +518,8 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
         const float* vt = (const float*)v + voff + j0 * s.sv[2];
         long ldv = s.sv[2];
         if (!v_in_place) {
-          if (!packed) pack_rows(vp.p + slot * BN * Dvp, v, voff + j0 * s.sv[2], s.sv[2], n, s.Dv, Dvp, s.dt);
-          vt = vp.p + slot * BN * Dvp, ldv = Dvp;
+          if (!packed) pack_rows(vp.p + 512 + slot * vs, v, voff + j0 * s.sv[2], s.sv[2], n, s.Dv, Dvp, s.dt);
+          vt = vp.p + 512 + slot * vs, ldv = Dvp;
         }
         if (full)
           gemm(m, Dvp, n, st.p, 1, BM, vt, ldv, acc.p, Dvp);  // O += P V, P(i, j) = S^T[j][i]
