@@ -10,25 +10,12 @@ bf16 time / fp32 time (< 1: bf16 is faster) and the worker ``auto`` chose for ea
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from _interleave import best_ms
 
 import attnkit
 from attnkit import masks as M
-
-
-def _interleaved_best_ms(fns: dict, rounds: int) -> dict:
-    """The fastest of ``rounds`` calls of each, in turns (one call of each per round), after one warm-up."""
-    for f in fns.values():
-        f()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {n: t * 1e3 for n, t in best.items()}
 
 
 def main() -> None:
@@ -53,7 +40,7 @@ def main() -> None:
                 attnkit.attention(q, k, v, **kw).backward(go)
 
             fns[("fwd", dt)], fns[("fwd_bwd", dt)] = fwd, fwd_bwd
-        t = _interleaved_best_ms(fns, a.rounds)
+        t = best_ms(fns, a.rounds)
         f32, b16 = torch.float32, torch.bfloat16
         print(f"{name}, L = {L}: forward fp32 {t['fwd', f32]:.1f} ms, bf16 {t['fwd', b16]:.1f} ms (bf16 / fp32 "
               f"{t['fwd', b16] / t['fwd', f32]:.2f}); forward + backward fp32 {t['fwd_bwd', f32]:.1f} ms, bf16 "

@@ -15,25 +15,13 @@ for each. FLOPs are the same on both sides (the same visible pairs), so only the
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from _interleave import best_ms
 
 import attnkit
 from attnkit import create_block_mask, flex_attention
 from attnkit import masks as M
-
-
-def _best_ms(fns: dict, rounds: int) -> dict:
-    for f in fns.values():
-        f()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {n: t * 1e3 for n, t in best.items()}
 
 
 def _cases(L: int):
@@ -69,9 +57,9 @@ def main() -> None:
         bm = create_block_mask(mod, 1, None, L, L)
         kernels = (attnkit.dispatch(q, k, v, mask=builtin).worker, attnkit.dispatch(q, k, v, mask=bm).worker)
         with torch.no_grad():
-            fwd = _best_ms({"builtin": lambda b=builtin: attnkit.attention(q, k, v, mask=b),
+            fwd = best_ms({"builtin": lambda b=builtin: attnkit.attention(q, k, v, mask=b),
                             "flex": lambda bm=bm: flex_attention(q, k, v, block_mask=bm)}, a.rounds)
-        both = _best_ms({"builtin": lambda b=builtin: attnkit.attention(q, k, v, mask=b).backward(go),
+        both = best_ms({"builtin": lambda b=builtin: attnkit.attention(q, k, v, mask=b).backward(go),
                          "flex": lambda bm=bm: flex_attention(q, k, v, block_mask=bm).backward(go)}, a.rounds)
         for mode, t in (("fwd", fwd), ("fwd + bwd", both)):
             print(f"| {name} | {mode} | {t['builtin']:.1f} | {t['flex']:.1f} | {t['builtin'] / t['flex']:.2f} | "
