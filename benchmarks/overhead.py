@@ -3,6 +3,9 @@ run at every step, with the cost broken down (validation, dispatch, backend).
 
     python benchmarks/overhead.py [--repeats 2000]
 
+``auto`` reads this machine's calibration where there is one (``attnkit calibrate``; the first line printed says
+which table decided): at these sizes it decides between torch's kernel and attnkit's compiled kernel.
+
 Each row: which path answered (``fast``: ``attnkit._fast``, whose contract covers the call;
 ``full``: validation, dispatch, backend), median µs of torch SDPA called directly with the
 equivalent arguments, of ``attnkit.attention(..., backend="auto")``, the difference, and for
@@ -21,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
-from attnkit import _dispatch, _fast, _request, masks
+from attnkit import _calibrate, _dispatch, _fast, _request, masks
 
 CASES = [  # (name, B, H, Hkv, L, S, D, attnkit kwargs, SDPA equivalent kwargs)
     ("decode L=1 S=128 GQA causal", 1, 8, 2, 1, 128, 64, dict(causal=True), dict()),
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2000)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    print(f"auto's table: {_calibrate.crossovers().source}\n")
     print("| case | path | SDPA µs | attnkit µs | added µs | validate µs | decide µs | backend + rest µs | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, B, H, Hkv, L, S, D, kw, spec in CASES:

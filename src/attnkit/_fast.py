@@ -48,6 +48,7 @@ _REPLAY_MAX = 512
 _BY_IDENTITY: deque = deque()
 _BY_IDENTITY_MAX = 8
 _threads = torch.get_num_threads
+_grad = torch.is_grad_enabled
 
 
 def _signature(q, k, v, mask, causal, scale):
@@ -59,9 +60,15 @@ def _signature(q, k, v, mask, causal, scale):
         m = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
     else:
         m = None if mask is None else mask.cache_key()
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-            q.requires_grad, k.requires_grad, v.requires_grad, torch.is_grad_enabled(), m, causal,
+    # devices: True where all three are on the CPU (one check, no device objects built), else the three; gradients:
+    # False under no_grad (nothing the decision reads can want one: Request.requires_grad), else the three flags
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+            (q.is_cpu and k.is_cpu and v.is_cpu) or (q.device, k.device, v.device),
+            _grad() and (q.requires_grad, k.requires_grad, v.requires_grad), m, causal,
             type(scale), _threads(), tiled.NATIVE, tiled.FUSED)
+
+
+_MASK_AT = 8  # where _signature puts the mask's key
 
 
 def attention(q, k, v, mask, causal, scale):
@@ -97,7 +104,7 @@ def _learn(key, q, k, v, mask, causal, scale):
     replay = getattr(d.kernel, "replay", None)
     run = None if replay is None or req.input_rank != 4 or req.numpy_in else replay(req, mask)
     _REPLAY[key] = run
-    if isinstance(key[13], _masks.Mask):  # a mask keyed by its identity (its data is a tensor): at most a few kept
+    if isinstance(key[_MASK_AT], _masks.Mask):  # a mask keyed by identity (its data is a tensor): a few kept
         _BY_IDENTITY.append(key)
         if len(_BY_IDENTITY) > _BY_IDENTITY_MAX:
             _REPLAY.pop(_BY_IDENTITY.popleft(), None)

@@ -375,3 +375,55 @@ def test_masks_keyed_by_identity_are_few_in_the_replay_cache():
         ref, _ = golden(q, k, v, mask=m)
         assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12, step
     assert len(_fast._BY_IDENTITY) <= _fast._BY_IDENTITY_MAX
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "step2", "bshd"])
+def test_replayed_compiled_kernel_call_without_gradients_is_the_full_paths(dtype, layout, spy):
+    """Without gradients a replayed compiled-kernel call is one prepared record (``_native.forward_step``): each
+    call writes its own strides, pointers and scale into it. Bit for bit the full path's answer, whatever the
+    layout of this call (the signature does not hold strides) and the scale it passes; within budget of golden."""
+    from attnkit.backends import _native
+
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    g = torch.Generator().manual_seed(11)
+    kws = (dict(causal=True), dict(mask=masks.sliding_window(40)), dict(mask=masks.padding([300, 170])),
+           dict(mask=masks.key_padding(torch.arange(300).expand(2, 300) % 7 != 3)))  # the last: a tile map
+    with torch.no_grad():
+        for kw in kws:
+            for step, scale in enumerate((None, 0.3, None, 0.7)):
+                q, k, v = (_layout(torch.randn(2, 4, 300, 16, generator=g).to(dtype), layout if step % 2 else
+                                   "contiguous") for _ in range(3))
+                k, v = k[:, :2], v[:, :2]  # GQA 4 / 2
+                spy.clear()
+                out = attnkit.attention(q, k, v, scale=scale, **kw)
+                if step:
+                    assert spy == [True], kw
+                d = attnkit.dispatch(q, k, v, scale=scale, **kw)
+                assert (d.backend, d.worker) == ("tiled", "native"), d
+                full = _full(q, k, v, scale=scale, **kw)
+                assert out.dtype == dtype and torch.equal(out, full), (kw, step)
+                ref, _ = golden(q, k, v, scale=scale, **kw)
+                tol = 4e-2 if dtype == torch.bfloat16 else budget(dtype, 16, 300)
+                assert (out.double() - ref).abs().max().item() <= tol, (kw, step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_zero_row_check_reads_the_first_column_at_any_strides(dtype):
+    """``may_hide_nan`` (read in C where the kernel is loaded): true iff some row's first element is +0 or -0;
+    NaN and tiny numbers are not zero; any strides (SDPA hands back (B, L, H, D) memory viewed as (B, H, L, D))."""
+    from attnkit.backends import _native, sdpa
+
+    g = torch.Generator().manual_seed(12)
+    base = torch.randn(3, 70, 5, 9, generator=g).to(dtype) + 10  # no zeros
+    for out in (base, base.transpose(1, 2), base[:, ::3, 1:], base.transpose(1, 2)[..., 2:]):
+        assert sdpa.may_hide_nan(out) is False
+        for value in (0.0, -0.0, float("nan"), 1e-30, torch.finfo(dtype).tiny):  # 1e-30 is 0 in fp16
+            w = out.clone()
+            w[2, -1, 1, 0] = value
+            expect = w[2, -1, 1, 0].item() == 0.0
+            assert sdpa.may_hide_nan(w) is expect, (value, w.stride())
+            assert (not w.select(-1, 0).all().item()) is expect
+    if _native.available():
+        assert _native.zero_first_fn() is not None

@@ -103,6 +103,9 @@ def _load() -> None:
     lib.ak_forward.restype = lib.ak_backward.restype = lib.ak_decode.restype = ctypes.c_int
     lib.ak_forward.argtypes = lib.ak_backward.argtypes = lib.ak_decode.argtypes = (ctypes.POINTER(_Call),)
     lib.ak_release_scratch.restype = None
+    if hasattr(lib, "ak_zero_first"):  # (a build of this ABI from before it: the caller's torch reduction instead)
+        lib.ak_zero_first.restype = ctypes.c_int
+        lib.ak_zero_first.argtypes = (ctypes.c_void_p, ctypes.c_int, *([ctypes.c_int64] * 6))
     forced = os.environ.get("ATTNKIT_NATIVE_ISA", "").lower()
     if forced:
         if forced not in _ISA_ENV:
@@ -261,6 +264,78 @@ def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None):
     return out, lse
 
 
+def forward_step(q, k, v, lo, hi, tiles=None):
+    """The forward of one call signature prepared once, for calls without gradients (:mod:`attnkit._fast`):
+    returns ``run(q, k, v, scale) -> out`` ((B, H, L, Dv) fp32), for inputs of the shapes and dtypes of these
+    ``q, k, v`` at any strides. The call record (shapes, dtype, threads, the mask's rows ``lo`` / ``hi`` and tile
+    map, which the prepared call keeps) is built here; a call writes only the strides, pointers, outputs and
+    scale into it (one record per thread: ctypes releases the GIL during the kernel)."""
+    lib = _require()
+    q, k, v = _fit_all(q, k, v)
+    c0, keep = _call(q, k, v, lo, hi, 1.0, None, tiles)
+    # lo, hi (as the record points at them), the tile map: not the first call's q, k, v
+    return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True)
+
+
+def decode_step(q, k, v, lo, hi, chunk: int = 0):
+    """:func:`decode` for one call signature prepared once (as :func:`forward_step`): returns ``run(q, k, v,
+    scale) -> out`` ((B, H, L, Dv) fp32) for inputs of these shapes and dtypes at any strides."""
+    lib = _require()
+    key = (q.shape, q.stride(), q.dtype, k.dtype, v.dtype, k.shape[0], k.shape[1], k.shape[3], v.shape[0],
+           v.shape[1], v.shape[3], lo.shape, hi.shape, 1.0, chunk, torch.get_num_threads())
+    c0 = _decode_record(key, q, k, v, lo, hi, 1.0, chunk, keep=False)[-1]
+    if v.shape[2] != k.shape[2] or not (lo.is_contiguous() and hi.is_contiguous()):
+        raise ValueError(f"decode: k and v must hold the same S keys and lo / hi be contiguous; got k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    c0.lo, c0.hi = lo.data_ptr(), hi.data_ptr()
+    return _stepper(lib.ak_decode, c0, [lo, hi], q, k, v, need_lse=False)
+
+
+def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool):
+    """The per-call part of :func:`forward_step` / :func:`decode_step`: a copy of the record ``c0`` per thread,
+    into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs)."""
+    B, H, L, _ = q.shape
+    S, Dv = k.shape[2], v.shape[-1]
+    template = bytes(c0)
+    dt = q.dtype
+    oshape, lshape = (B, H, L, Dv), (B, H, L)
+    first = _Call.sq.offset // 8  # sq, then the step block (S .. lse): 17 slots
+    n_slots = ctypes.sizeof(_Call) // 8
+    tls = threading.local()
+    lo_p, hi_p = c0.lo, c0.hi
+
+    def record():
+        c = _Call.from_buffer_copy(template)
+        r = tls.r = ((ctypes.c_int64 * n_slots).from_buffer(c), ctypes.byref(c), c)
+        return r
+
+    def run(q, k, v, scale: float):
+        if q.dtype is not dt or k.dtype is not dt or v.dtype is not dt:  # the signature fixes them: a misuse
+            raise TypeError(f"attnkit's compiled kernel: prepared for {dt}; got {q.dtype}, {k.dtype}, {v.dtype}")
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
+        if qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
+            q, k, v = _fit(q), _fit(k), _fit(v)
+            qs, ks, vs = q.stride(), k.stride(), v.stride()
+        try:
+            slots, ref, c = tls.r
+        except AttributeError:
+            slots, ref, c = record()
+        c.scale = scale
+        out = torch.empty(oshape)
+        lse = torch.empty(lshape) if need_lse else None
+        slots[first:first + 17] = (qs[0], qs[1], qs[2], S, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], q.data_ptr(),
+                                   k.data_ptr(), v.data_ptr(), lo_p, hi_p, out.data_ptr(),
+                                   0 if lse is None else lse.data_ptr())
+        rc = entry(ref)
+        if rc:
+            raise (MemoryError if rc == 1 else RuntimeError)(f"attnkit's compiled kernel refused the call (code {rc}; "
+                                                             f"1: no memory for its scratch)")
+        return out
+
+    run.keep = keep  # type: ignore[attr-defined]  # what the record points into lives as long as the call
+    return run
+
+
 def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None, tiles=None, prog=None):
     """(dq, dk, dv, table grads) in fp32 for the forward above (``out``, ``lse`` its results); ``dlse`` a
     gradient into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ (in key-tile order:
@@ -301,7 +376,7 @@ _STEP = _Call.S.offset // 8  # the 8-byte slot where a decode step's block (S ..
 _tls = threading.local()  # per thread: prepared decode records by call signature (ctypes releases the GIL)
 
 
-def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int):
+def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int, keep: bool = True):
     """Check a new decode signature once and build its call record (all but the per-step block: S, K / V strides,
     pointers, outputs); returns (its 8-byte slots, its pointer, out shape, lse shape, D > 1, Dv > 1, the record)."""
     _require()
@@ -335,6 +410,8 @@ def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int):
     c.sq[:] = q.stride()[:3]
     slots = (ctypes.c_int64 * (ctypes.sizeof(_Call) // 8)).from_buffer(c)
     rec = (slots, ctypes.byref(c), (B, H, L, Dv), (B, H, L), D > 1, Dv > 1, c)
+    if not keep:
+        return rec
     cache = getattr(_tls, "decode", None)
     if cache is None or len(cache) > 64:  # a few signatures per model; never grows without bound
         cache = _tls.decode = {}
@@ -380,6 +457,24 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True)
     if rc:
         raise (MemoryError if rc == 1 else RuntimeError)(f"attnkit's compiled kernel: decode refused (code {rc})")
     return out, lse
+
+
+def zero_first_fn():
+    """``f(out) -> bool``: whether a CPU (B, H, L, Dv) fp32 / bf16 / fp16 tensor (any strides) has a row whose
+    first element is zero, read in C (one element per row, no tensor op: ~1 µs against a torch reduction's ~5);
+    None when the kernel is not loaded."""
+    _load()
+    f = getattr(_lib, "ak_zero_first", None)
+    if f is None:
+        return None
+    codes = _DTYPE_CODE
+
+    def zero_first(out: torch.Tensor) -> bool:
+        n0, n1, n2, _ = out.shape
+        s0, s1, s2, _ = out.stride()
+        return bool(f(out.data_ptr(), codes[out.dtype], n0, n1, n2, s0, s1, s2))
+
+    return zero_first
 
 
 def release_scratch() -> None:

@@ -182,10 +182,20 @@ class Native(Kernel):
             return None
         if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
             return None
+        default = req.scale
+        if not req.requires_grad() and _alibi(req) is None:  # the signature fixes both: no autograd, one record
+            lo, hi, tiles = _mask_of(req)
+            step = _native.forward_step(req.q, req.k, req.v, lo, hi, tiles)
+            dt = req.q.dtype
+
+            def run_step(q, k, v, mask, scale):
+                out = step(q, k, v, default if scale is None else scale)
+                return out if dt is torch.float32 else out.to(dt)
+
+            return run_step
         # the first call's request without its tensors (kept alive by nothing here): its mask, flags and memo
         nothing = torch.empty(0)
         base = dataclasses.replace(req, q=nothing, k=nothing, v=nothing)
-        default = req.scale
 
         def run(q, k, v, mask, scale):
             r = dataclasses.replace(base, q=q, k=k, v=v, scale=default if scale is None else scale)
@@ -280,11 +290,11 @@ class NativeDecode(Kernel):
         lo, hi = req.memo["row_intervals"]
         default = req.scale
         dt = req.q.dtype
+        # the record for this signature, built once: a call writes strides, pointers and scale (rows read in place)
+        step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi)
 
         def run(q, k, v, mask, scale):
-            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-                q, k, v = _rows(q), _rows(k), _rows(v)  # the kernel reads rows in place; any other stride is fine
-            out, _ = _native.decode(q, k, v, lo, hi, default if scale is None else scale, need_lse=False)
+            out = step(q, k, v, default if scale is None else scale)
             return out if dt is torch.float32 else out.to(dt)
 
         return run

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _calibrate
-from . import _decode, _flash_cpu, eager
+from . import _decode, _flash_cpu, _native, eager
 from ._base import Request
 from ._kernel import Kernel
 from ._tiles import allowed_tile, has_nan, tile_of
@@ -97,8 +97,22 @@ def _with_bias(req: Request, allowed, j0: int, j1: int):
 def may_hide_nan(out: torch.Tensor) -> bool:
     """Whether the fused output may have an all-zero row (where torch's CPU kernel may have
     hidden a NaN/inf; the caller then looks closer). Conservative and cheap: a zero row has a
-    zero first element, so only the first column is read (1/Dv of the output), in one reduction."""
+    zero first element, so only the first column is read (1/Dv of the output): in C where the
+    compiled kernel is loaded (a CPU (B, H, L, Dv) output of its dtypes), else one reduction."""
+    return _nan_check(out.device, out.dtype, out.dim())(out)
+
+
+def _reduce_check(out: torch.Tensor) -> bool:
     return not out.select(-1, 0).all()
+
+
+def _nan_check(device: torch.device, dtype: torch.dtype, dim: int):
+    """:func:`may_hide_nan` for outputs of this device, dtype and rank (chosen once per replayed signature)."""
+    if device.type == "cpu" and dim == 4 and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        f = _native.zero_first_fn()
+        if f is not None:
+            return f
+    return _reduce_check
 
 
 def backward_flaw(req: Request) -> str | None:
@@ -264,6 +278,7 @@ class Fused(Kernel):
                 or req.sinks is not None or req.weight_heads is not None):
             return None
         gqa = H != Hkv
+        hides_nan = _nan_check(req.q.device, req.q.dtype, 4)
         if type(user_mask) is torch.Tensor:  # the call's own tensor, as SDPA takes it (True = attend, or a bias)
             if req.mask is not None or user_mask.dim() < 2 or (req.dense_mask is not None and req.bias is not None):
                 return None
@@ -274,7 +289,7 @@ class Fused(Kernel):
 
             def run_tensor(q, k, v, mask, scale):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-                return None if may_hide_nan(out) else out
+                return None if hides_nan(out) else out
 
             return run_tensor
         is_causal = _is_causal_only(req)
@@ -300,7 +315,7 @@ class Fused(Kernel):
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=is_causal, scale=scale,
                                                      enable_gqa=gqa)
-            return None if may_hide_nan(out) else out
+            return None if hides_nan(out) else out
 
         return run
 

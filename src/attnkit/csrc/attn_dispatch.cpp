@@ -105,6 +105,28 @@ AK_API int ak_decode(const AkCall* c) {
   }
 }
 
+// Whether any row of a (n0, n1, n2, ·) array (element strides s0, s1, s2) has a zero first element (+0 or -0): the
+// cheap check that torch's fused CPU kernel may have hidden a NaN / inf (it writes an all-zero row there). dtype: 0
+// fp32, 1 bf16, 2 fp16 (the bits are compared: no float arithmetic, any NaN counts as nonzero). A plain loop: the
+// caller's output is small where this check costs anything (one element per row).
+AK_API int ak_zero_first(const void* p, int dtype, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
+                         int64_t s2) {
+  for (int64_t a = 0; a < n0; ++a)
+    for (int64_t b = 0; b < n1; ++b) {
+      const int64_t base = a * s0 + b * s1;
+      if (dtype == 0) {
+        const uint32_t* x = static_cast<const uint32_t*>(p) + base;
+        for (int64_t i = 0; i < n2; ++i)
+          if ((x[i * s2] & 0x7fffffffu) == 0) return 1;
+      } else {
+        const uint16_t* x = static_cast<const uint16_t*>(p) + base;
+        for (int64_t i = 0; i < n2; ++i)
+          if ((x[i * s2] & 0x7fffu) == 0) return 1;
+      }
+    }
+  return 0;
+}
+
 // Frees the scratch memory the backward and the decode keep between calls (on the calling thread; each decode
 // worker thread keeps its own small buffers, a few tens of KB).
 AK_API void ak_release_scratch() {
