@@ -9,8 +9,10 @@ install goes on, and attnkit runs torch's kernels instead, saying so once
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 SRC = "src/attnkit/csrc"
 args = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra"]
@@ -32,4 +34,29 @@ else:
         optional=True,
     )]
 
-setup(ext_modules=ext)
+
+
+class ParallelBuildExt(build_ext):
+    """build_ext compiling an extension's sources side by side, one compiler per core (at most 4: the kernel's
+    four translation units, one per instruction set and the dispatcher): on 2 cores its build takes about half
+    the wall time. ``ATTNKIT_BUILD_JOBS=1`` compiles one at a time."""
+
+    def build_extension(self, ext):
+        jobs = min(len(ext.sources), int(os.environ.get("ATTNKIT_BUILD_JOBS", "0")) or os.cpu_count() or 1, 4)
+        if jobs > 1:
+            one = self.compiler.compile
+
+            def compile_all(sources, *a, **kw):  # the objects in the sources' order, as the linker expects them
+                with ThreadPoolExecutor(jobs) as pool:
+                    parts = list(pool.map(lambda src: one([src], *a, **kw), sources))
+                return [o for part in parts for o in part]
+
+            self.compiler.compile = compile_all
+            try:
+                return super().build_extension(ext)
+            finally:
+                self.compiler.compile = one
+        return super().build_extension(ext)
+
+
+setup(ext_modules=ext, cmdclass={"build_ext": ParallelBuildExt})

@@ -4,6 +4,7 @@ string, and a group that does not finish within ``limit`` seconds is killed (nev
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import socket
@@ -34,8 +35,41 @@ def _entry(rank, W, port, target, args, q):
         q.put((rank, {"error": traceback.format_exc()}))
 
 
+# what the ranks import: torch, attnkit, and the Llama of the transformers tests (~12 s more per fresh interpreter
+# here; the server imports it once, where transformers is installed)
+_PRELOAD = ["torch", "torch.distributed", "attnkit", "attnkit.distributed"]
+if importlib.util.find_spec("transformers") is not None:
+    _PRELOAD.append("transformers.models.llama.modeling_llama")
+_started = False
+
+
+def context():
+    """The start method for rank processes: ``forkserver``, its server having imported torch and attnkit once,
+    so a rank is a fork of a process that has them loaded (a fresh interpreter pays ~5 s of CPU importing torch
+    on the 2-core CI machine, and a W = 8 group pays it 8 times); never a fork of the test process itself, whose
+    OpenMP threads a fork would copy broken. The server starts with OMP_NUM_THREADS=1 (what every rank wants; a
+    rank inherits the server's environment, not the test's at the time of the fork)."""
+    global _started
+    ctx = mp.get_context("forkserver")
+    if not _started:
+        from multiprocessing import forkserver
+
+        ctx.set_forkserver_preload(_PRELOAD)
+        old = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if old is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = old
+        _started = True
+    return ctx
+
+
 def run(W: int, target, *args, limit: float = 240) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, W, port, target, args, q), daemon=True) for r in range(W)]

@@ -401,21 +401,13 @@ def _free_port():
 
 def spawn(W, cases, faults=False, limit=120):
     """Run ``cases`` on W gloo processes; {rank: results}. Kills the group past ``limit`` seconds."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    import _cp_spawn  # tests/: the forkserver start method (torch and attnkit loaded once; see its docstring)
+    ctx = _cp_spawn.context()
     q_out = ctx.Queue()
     port = _free_port()
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
     procs = [ctx.Process(target=_worker, args=(r, W, port, cases, faults, q_out), daemon=True) for r in range(W)]
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
+    for p in procs:  # one OpenMP thread each: the forkserver's environment, and _worker sets it
+        p.start()
     out, deadline = {}, time.time() + limit
     try:
         while len(out) < W:
