@@ -9,6 +9,7 @@ STAMP_TEST := $(VENV)/.attnkit-test
 STAMP_DOCS := $(VENV)/.attnkit-docs
 STAMP_NB   := $(VENV)/.attnkit-notebook
 STAMP_NATIVE := $(VENV)/.attnkit-native
+STAMP_CAL    := $(VENV)/.attnkit-calibrated
 # attnkit's compiled CPU kernel (src/attnkit/csrc, C++17 + OpenMP; setup.py): built by every `pip install` of
 # attnkit below, rebuilt here when its sources change. Needs g++ >= 9 or clang++ >= 10; without one the install
 # still succeeds and attnkit runs torch's kernels, with one warning (attnkit.backends._native.status()).
@@ -107,8 +108,15 @@ $(STAMP_NEXT): constraints.txt constraints-transformers-next.txt tools/install-t
 
 venv: $(STAMP) $(STAMP_NATIVE)
 
-demo: $(STAMP) $(STAMP_NATIVE)
+demo: $(STAMP) $(STAMP_NATIVE) $(STAMP_CAL)
 	$(BIN)/attnkit demo
+
+# auto's crossovers measured on this machine once, at install (about 2 s: `attnkit calibrate`, stored per CPU,
+# torch version and thread count in ~/.cache/attnkit; docs/kernel.md). A failed calibration leaves the defaults.
+$(STAMP_CAL): $(STAMP_NATIVE)
+	@echo "==> attnkit calibrate: auto's crossovers on this machine"
+	-$(BIN)/attnkit calibrate
+	touch $@
 
 # Lint, type-check, the suite, then the transformers tests on the newest transformers; the first that finds
 # something stops the run.
