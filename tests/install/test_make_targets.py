@@ -42,15 +42,21 @@ def _name(req: str) -> str:
 
 
 def _installs(lines):
-    """The extras named by the `pip install -e '.[...]'` lines, and the packages installed by name."""
-    extras, named = set(), []
+    """The extras named by the `pip install -e '.[...]'` lines and by `tools/extra_requirements.py NAME > FILE`
+    (then `pip install -r FILE`), and the packages installed by name."""
+    extras, named, files = set(), [], set()
     for ln in lines:
+        m = re.search(r"tools/extra_requirements\.py (\w+) > (\S+)", ln)
+        if m:
+            extras.add(m.group(1))
+            files.add(m.group(2))
+            continue
         if " install " not in ln or "install-torch" in ln:
             continue
         m = re.search(r"-e '\.\[([^\]]*)\]'", ln)
         if m:
             extras.update(m.group(1).split(","))
-        else:
+        elif not any(f"-r {f}" in ln for f in files):
             named.append(ln)
     return extras, named
 
