@@ -119,12 +119,19 @@ def fused(on: bool):
 # The folders whose files each take a minute or more (several processes, subprocess installs, notebook and docs
 # runs, model walks) go first: `make test` hands whole files to one worker per core (pytest-xdist --dist
 # loadfile), and a long file handed out last would leave the other cores idle while it runs.
+# The longest files first, longest first (their times under `make test`, 2 workers, 2026-11-26: each 60-170 s), then
+# the rest of those folders.
+_LONGEST_FILES = ("test_docs_examples.py", "test_distributed.py", "test_wheel_install.py",
+                  "test_transformers_walk.py", "test_cp_transformers.py", "test_cp_weights.py", "test_fuzz.py",
+                  "test_cli_explain.py")
 _LONG_FIRST = ("distributed", "install", "docs", "integrations")
 
 
 def pytest_collection_modifyitems(config, items):
     def rank(item):
-        parts = Path(str(item.fspath)).parts
-        return next((i for i, d in enumerate(_LONG_FIRST) if d in parts), len(_LONG_FIRST))
+        path = Path(str(item.fspath))
+        if path.name in _LONGEST_FILES:
+            return _LONGEST_FILES.index(path.name)
+        return len(_LONGEST_FILES) + next((i for i, d in enumerate(_LONG_FIRST) if d in path.parts), len(_LONG_FIRST))
 
     items.sort(key=rank)  # stable: each file's tests keep their order
