@@ -281,9 +281,7 @@ def decode_step(q, k, v, lo, hi, chunk: int = 0):
     """:func:`decode` for one call signature prepared once (as :func:`forward_step`): returns ``run(q, k, v,
     scale) -> out`` ((B, H, L, Dv) fp32) for inputs of these shapes and dtypes at any strides."""
     lib = _require()
-    key = (q.shape, q.stride(), q.dtype, k.dtype, v.dtype, k.shape[0], k.shape[1], k.shape[3], v.shape[0],
-           v.shape[1], v.shape[3], lo.shape, hi.shape, 1.0, chunk, torch.get_num_threads())
-    c0 = _decode_record(key, q, k, v, lo, hi, 1.0, chunk, keep=False)[-1]
+    c0 = _decode_call(q, k, v, lo, hi, 1.0, chunk, torch.get_num_threads())
     if v.shape[2] != k.shape[2] or not (lo.is_contiguous() and hi.is_contiguous()):
         raise ValueError(f"decode: k and v must hold the same S keys and lo / hi be contiguous; got k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
@@ -376,9 +374,9 @@ _STEP = _Call.S.offset // 8  # the 8-byte slot where a decode step's block (S ..
 _tls = threading.local()  # per thread: prepared decode records by call signature (ctypes releases the GIL)
 
 
-def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int, keep: bool = True):
-    """Check a new decode signature once and build its call record (all but the per-step block: S, K / V strides,
-    pointers, outputs); returns (its 8-byte slots, its pointer, out shape, lse shape, D > 1, Dv > 1, the record)."""
+def _decode_call(q, k, v, lo, hi, scale: float, chunk: int, threads: int) -> _Call:
+    """Check a decode signature and build its call record (all but the per-step block: S, K / V strides, pointers,
+    outputs)."""
     _require()
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"decode: q, k, v must be 4-d (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv); got shapes "
@@ -405,13 +403,20 @@ def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int, keep: bool = 
     if chunk < 0 or chunk % TILE:
         raise ValueError(f"decode: chunk must be 0 (chosen from S) or a positive multiple of {TILE}; got {chunk}")
     c = _Call(size=ctypes.sizeof(_Call), version=_ABI_VERSION, B=B, H=H, Hkv=Hkv, L=L, D=D, Dv=Dv,
-              lob=(L if lo.shape[0] == B and B > 1 else 0), threads=key[-1], scale=float(scale),
+              lob=(L if lo.shape[0] == B and B > 1 else 0), threads=threads, scale=float(scale),
               dtype=_DTYPE_CODE[q.dtype], chunk=chunk)
     c.sq[:] = q.stride()[:3]
+    return c
+
+
+def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int):
+    """:func:`_decode_call` for a new signature of :func:`decode`, kept per thread under ``key``; returns (its 8-byte
+    slots, its pointer, out shape, lse shape, D > 1, Dv > 1, the record)."""
+    c = _decode_call(q, k, v, lo, hi, scale, chunk, key[-1])
+    B, H, L, D = q.shape
+    Dv = v.shape[3]
     slots = (ctypes.c_int64 * (ctypes.sizeof(_Call) // 8)).from_buffer(c)
     rec = (slots, ctypes.byref(c), (B, H, L, Dv), (B, H, L), D > 1, Dv > 1, c)
-    if not keep:
-        return rec
     cache = getattr(_tls, "decode", None)
     if cache is None or len(cache) > 64:  # a few signatures per model; never grows without bound
         cache = _tls.decode = {}
@@ -459,10 +464,16 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True)
     return out, lse
 
 
+_zero_first = None
+
+
 def zero_first_fn():
     """``f(out) -> bool``: whether a CPU (B, H, L, Dv) fp32 / bf16 / fp16 tensor (any strides) has a row whose
-    first element is zero, read in C (one element per row, no tensor op: ~1 µs against a torch reduction's ~5);
-    None when the kernel is not loaded."""
+    first element is zero, read in C (one element per row, no tensor op; on a 2-core AMD EPYC 3.6 µs a call
+    against 8-17 µs for ``not out.select(-1, 0).all()``: BENCHMARKS.md); None when the kernel is not loaded."""
+    global _zero_first
+    if _zero_first is not None:
+        return _zero_first
     _load()
     f = getattr(_lib, "ak_zero_first", None)
     if f is None:
@@ -474,6 +485,7 @@ def zero_first_fn():
         s0, s1, s2, _ = out.stride()
         return bool(f(out.data_ptr(), codes[out.dtype], n0, n1, n2, s0, s1, s2))
 
+    _zero_first = zero_first
     return zero_first
 
 
