@@ -58,8 +58,12 @@ def _signature(q, k, v, mask, causal, scale):
     m: object
     if type(mask) is _T:
         m = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
+    elif mask is None:
+        m = None
     else:
-        m = None if mask is None else mask.cache_key()
+        m = mask.cache_key()
+        if m is None:  # a mask with no key (a mod reading data the key cannot follow) is never replayed: its None
+            return None  # would stand for "no mask" in the signature
     # devices: True where all three are on the CPU (one check, no device objects built), else the three; gradients:
     # False under no_grad (nothing the decision reads can want one: Request.requires_grad), else the three flags
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
@@ -82,6 +86,8 @@ def attention(q, k, v, mask, causal, scale):
             return None  # the full path says what is wrong with it
         scale = float(scale)
     key = _signature(q, k, v, mask, causal, scale)
+    if key is None:
+        return None
     try:
         run = _REPLAY[key]
     except KeyError:

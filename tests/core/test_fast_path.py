@@ -427,3 +427,26 @@ def test_the_zero_row_check_reads_the_first_column_at_any_strides(dtype):
             assert (not w.select(-1, 0).all().item()) is expect
     if _native.available():
         assert _native.zero_first_fn() is not None
+
+
+def test_a_mask_without_a_key_is_never_replayed_as_no_mask(spy):
+    """A combined mask whose part has no cache key (a mask_mod reading an object's attribute, which the key cannot
+    follow) is not replayed: its missing key once stood for "no mask" in the signature, and the call after a
+    no-mask call of the same shapes returned the no-mask answer."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g, dtype=torch.float64) for _ in range(3))
+
+    class Box:
+        ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+
+    box = Box()
+    m = masks.causal() & masks.from_mod(lambda b, h, qi, kv: box.ids[qi] == box.ids[kv])
+    assert m.cache_key() is None
+    for _ in range(2):
+        attnkit.attention(q, k, v)  # learns the no-mask signature
+        spy.clear()
+        out = attnkit.attention(q, k, v, mask=m)
+        assert spy == [False]
+        ref, _ = golden(q, k, v, mask=m)
+        assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12
+        box.ids = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2])  # the data it reads changes: still its own answer
