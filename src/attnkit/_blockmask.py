@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import OrderedDict
 
 import torch
 
@@ -36,9 +37,51 @@ def is_block_mask(obj) -> bool:
     return flex is not None and isinstance(obj, flex.BlockMask)
 
 
+# content key of a BlockMask and the call's sizes -> its plan (or None): a model passes the same block mask to every
+# layer, and a script builds it again each step; reading it costs ~0.5 ms at any size (the key: ~10 us at L = 64)
+_PLANS: OrderedDict = OrderedDict()
+_PLANS_MAX = 16
+
+
+def _content_key(block_mask, B: int, H: int, L: int, S: int, device):
+    """The key of what ``block_mask`` means for a call of these sizes: its block size and lengths, the
+    *content* of its four index tensors (a digest taken now: an in-place edit gives a new key) and its mask_mod's
+    value key; None where one of them has none (a mod reading a list or an object, tensors on a GPU)."""
+    from torch.nn.attention.flex_attention import noop_mask
+
+    mod = block_mask.mask_mod
+    if mod is None or mod is noop_mask:
+        mk: object = "noop"
+    else:
+        mk = _mods.value_key(mod)
+        if mk is None:
+            return None
+    parts = []
+    for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+              block_mask.full_kv_indices):
+        c = None if t is None else _mods.content_key(t)
+        if c is None and t is not None:
+            return None
+        parts.append(c)
+    return (tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths), tuple(parts), mk, B, H, L, S, str(device))
+
+
 def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str) -> BlockPlan | None:
     """The :class:`BlockPlan` meaning what ``block_mask`` means to FlexAttention's kernels (None: every
-    position attends). ``arg`` names the argument in messages."""
+    position attends). ``arg`` names the argument in messages. Remembered under the block mask's content (a few)."""
+    key = _content_key(block_mask, B, H, L, S, device)
+    if key is not None and key in _PLANS:
+        _PLANS.move_to_end(key)
+        return _PLANS[key]
+    plan = _block_mask_plan(block_mask, B, H, L, S, device, arg)
+    if key is not None:
+        _PLANS[key] = plan
+        if len(_PLANS) > _PLANS_MAX:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str) -> BlockPlan | None:
     from torch.nn.attention.flex_attention import noop_mask
 
     bms = tuple(block_mask.BLOCK_SIZE)
@@ -108,6 +151,8 @@ class _BlockMaskMask(_masks.Mask):
     def __init__(self, kinds: torch.Tensor, block: tuple[int, int], mask_mod):
         self.kinds, self.block, self.mask_mod = kinds, block, mask_mod
         self.inner = None if mask_mod is None else _masks.from_mod(mask_mod)
+        # the kinds' content, taken once: they are this mask's own (built by block_mask_plan, never handed out)
+        self._kinds_key = _mods.content_key(kinds)
         self.batch_size = kinds.shape[0] if kinds.shape[0] > 1 else None
 
     def cache_key(self):
@@ -116,7 +161,7 @@ class _BlockMaskMask(_masks.Mask):
         # mod reads anything else (evaluated afresh each call)
         if self.inner is None:
             return None
-        inner, kinds = self.inner.cache_key(), _mods._content(self.kinds)
+        inner, kinds = self.inner.cache_key(), self._kinds_key
         return None if inner is None or kinds is None else ("block_mask", kinds, self.block, inner)
 
     def validate(self, B, H, L, S):

@@ -106,6 +106,12 @@ class BlockPlan:
         """``(nq, nk)`` kinds valid for every (batch, head) — what the tiled CPU backend runs."""
         return _tiling.collapse(self._kinds)
 
+    def cache_key(self):
+        """A key equal for plans of equal content (the mask's own key, the sizes and the tiles), or None where the
+        mask has none (its tiles were computed from data the key cannot follow)."""
+        mk = self._mask.cache_key()
+        return None if mk is None else ("plan", mk, self._sizes, self._block)
+
     def check(self, B: int, H: int, L: int, S: int) -> None:
         """Raise ``ValueError`` unless this plan fits a call with these sizes."""
         pL, pS = self._sizes[2:]
