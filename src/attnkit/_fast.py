@@ -24,22 +24,27 @@ Not replayed: NumPy inputs, score_mods, dropout, lse / weights / sinks, named ba
 from __future__ import annotations
 
 import logging
+import types
 from collections import OrderedDict, deque
 from math import isfinite as _isfinite
 
 import torch
 
-from . import _dispatch
+from . import _dispatch, _mods
 from . import masks as _masks
+from . import plans as _plans
+from . import score_mods as _score_mods
 from ._request import make_request
 from .backends import tiled
 
 _T = torch.Tensor
 _log = logging.getLogger("attnkit")
 
-# Built-in masks: immutable values (see attnkit.masks), each its own key.
+# Built-in masks: immutable values (see attnkit.masks), each its own key; and the masks a user writes (a mask_mod, the
+# combinators & | ~), replayed where they have a content key (their code and the values it reads: Mask.cache_key).
 MASKS = frozenset((_masks.Causal, _masks.SlidingWindow, _masks.Padding, _masks.KeyPadding, _masks.Chunked,
-                   _masks.Document, _masks.PrefixLM, _masks.Full))
+                   _masks.Document, _masks.PrefixLM, _masks.Full, _masks.FromMod, _masks.And, _masks.Or,
+                   _masks.Not, types.FunctionType, _plans.BlockPlan))
 
 _REPLAY: OrderedDict = OrderedDict()  # signature -> the prepared call, or None (this signature takes the full path)
 _REPLAY_MAX = 512
@@ -51,7 +56,7 @@ _threads = torch.get_num_threads
 _grad = torch.is_grad_enabled
 
 
-def _signature(q, k, v, mask, causal, scale):
+def _signature(q, k, v, mask, causal, scale, score_mod=None):
     """Everything the decision for this call reads that can change between calls (see the module docstring)."""
     # a built-in mask is an immutable value: its cache_key() (e.g. ("sliding_window", 128, align): equal for equal
     # masks built anew each call), or the mask itself, which the key keeps alive (so even its identity is safe)
@@ -60,22 +65,39 @@ def _signature(q, k, v, mask, causal, scale):
         m = (mask.shape, mask.dtype, mask.device, mask.requires_grad)
     elif mask is None:
         m = None
+    elif type(mask) is types.FunctionType:  # a mask_mod passed as it is: the key from_mod(mask) would have
+        m = _mods.value_key(mask)
+        if m is None:
+            return None
+        m = ("from_mod", m)
     else:
         m = mask.cache_key()
         if m is None:  # a mask with no key (a mod reading data the key cannot follow) is never replayed: its None
             return None  # would stand for "no mask" in the signature
+    sm: object = None
+    if score_mod is not None:  # a score_mod by its content key (code and the values it reads), as a mask_mod
+        sm = _mods.value_key(score_mod) if type(score_mod) is types.FunctionType else _score_key(score_mod)
+        if sm is None:
+            return None
     # devices: True where all three are on the CPU (one check, no device objects built), else the three; gradients:
     # False under no_grad (nothing the decision reads can want one: Request.requires_grad), else the three flags
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
             (q.is_cpu and k.is_cpu and v.is_cpu) or (q.device, k.device, v.device),
             _grad() and (q.requires_grad, k.requires_grad, v.requires_grad), m, causal,
-            type(scale), _threads(), tiled.NATIVE, tiled.FUSED)
+            type(scale), _threads(), tiled.NATIVE, tiled.FUSED, sm)
 
 
 _MASK_AT = 8  # where _signature puts the mask's key
+_SCORE_AT = 14  # and the score_mod's
 
 
-def attention(q, k, v, mask, causal, scale):
+def _score_key(score_mod):
+    """An attnkit score mod's own content key (``ScoreMod.cache_key``), or None."""
+    key = getattr(score_mod, "cache_key", None) if isinstance(score_mod, _score_mods.ScoreMod) else None
+    return None if key is None else key()
+
+
+def attention(q, k, v, mask, causal, scale, score_mod=None):
     """``out`` for a call whose signature has a replayable decision, else None (take the full path)."""
     if type(q) is not _T or type(k) is not _T or type(v) is not _T or _log.isEnabledFor(logging.DEBUG):
         return None
@@ -85,13 +107,13 @@ def attention(q, k, v, mask, causal, scale):
         if (type(scale) is not float and type(scale) is not int) or not _isfinite(scale):
             return None  # the full path says what is wrong with it
         scale = float(scale)
-    key = _signature(q, k, v, mask, causal, scale)
+    key = _signature(q, k, v, mask, causal, scale, score_mod)
     if key is None:
         return None
     try:
         run = _REPLAY[key]
     except KeyError:
-        run = _learn(key, q, k, v, mask, causal, scale)
+        run = _learn(key, q, k, v, mask, causal, scale, score_mod)
     except TypeError:  # an unhashable part (cannot happen for the types above; kept for safety)
         return None
     if run is None:
@@ -99,10 +121,10 @@ def attention(q, k, v, mask, causal, scale):
     return run(q, k, v, mask, scale)
 
 
-def _learn(key, q, k, v, mask, causal, scale):
+def _learn(key, q, k, v, mask, causal, scale, score_mod):
     """The full path's decision for this signature, and the kernel's prepared call if it replays itself."""
     try:
-        req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=None, dropout_p=0.0,
+        req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=0.0,
                            return_lse=False, backend="auto")
     except (TypeError, ValueError):
         return None  # the full path raises the error, with its message
@@ -110,13 +132,23 @@ def _learn(key, q, k, v, mask, causal, scale):
     replay = getattr(d.kernel, "replay", None)
     run = None if replay is None or req.input_rank != 4 or req.numpy_in else replay(req, mask)
     _REPLAY[key] = run
-    if isinstance(key[_MASK_AT], _masks.Mask):  # a mask keyed by identity (its data is a tensor): a few kept
+    if isinstance(key[_MASK_AT], _masks.Mask) or _holds_data(key[_MASK_AT]) or _holds_data(key[_SCORE_AT]):
+        # keyed by a tensor's identity or content (a document's ids, a mod reading the batch's lengths): a few kept
         _BY_IDENTITY.append(key)
         if len(_BY_IDENTITY) > _BY_IDENTITY_MAX:
             _REPLAY.pop(_BY_IDENTITY.popleft(), None)
     if len(_REPLAY) > _REPLAY_MAX:
         _REPLAY.popitem(last=False)
     return run
+
+
+def _holds_data(k) -> bool:
+    """Whether a mask's key holds a tensor's or an array's content (see ``attnkit._mods.value_key``)."""
+    if type(k) is not tuple:
+        return False
+    if len(k) == 4 and k[0] in ("tensor", "ndarray"):
+        return True
+    return any(_holds_data(x) for x in k)
 
 
 def clear() -> None:

@@ -10,7 +10,6 @@ from ._dispatch import Decision, decide, explain_decision
 from ._request import make_request
 from .backends import _softmax
 from .backends._tiles import weights_from_lse
-from .masks import And as _And
 
 __all__ = ["attention", "dispatch"]
 
@@ -79,10 +78,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
 
         return _op.attention(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=dropout_p,
                              return_lse=return_lse, return_weights=return_weights, sinks=sinks, backend=backend)
-    if ((mask is None or type(mask) in _fast.MASKS or type(mask) is _And or type(mask) is _Tensor)
-            and score_mod is None and type(backend) is str and backend == "auto" and return_lse is False
+    if ((mask is None or type(mask) in _fast.MASKS or type(mask) is _Tensor)
+            and type(backend) is str and backend == "auto" and return_lse is False
             and return_weights is False and sinks is None and type(dropout_p) is float and dropout_p == 0.0):
-        out = _fast.attention(q, k, v, mask, causal, scale)  # the common case, see its contract
+        out = _fast.attention(q, k, v, mask, causal, scale, score_mod)  # the common case, see its contract
         if out is not None:
             return out
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from . import _mods
+
 __all__ = ["ScoreMod", "alibi", "softcap", "relative_bias"]
 
 
@@ -42,6 +44,12 @@ class ScoreMod:
     additive = False
 
     def validate(self, B: int, H: int, L: int, S: int) -> None:
+        return None
+
+    def cache_key(self):
+        """A hashable key equal for mods that compute the same scores (their kind and the *content* of what they
+        read), or None (no key: a call with it is decided afresh every time). A tensor that requires grad gives
+        None: its gradient goes to this object."""
         return None
 
     def tensors(self) -> list[torch.Tensor]:
@@ -84,6 +92,10 @@ class Alibi(ScoreMod):
     def tensors(self):
         return [self.slopes]
 
+    def cache_key(self):
+        c = None if self.slopes.requires_grad else _mods.content_key(self.slopes)
+        return None if c is None else ("alibi", c)
+
     def additive_bias(self, h, q_idx, kv_idx, dtype, device):
         return self.slopes.to(device=device, dtype=dtype)[h] * (kv_idx - q_idx).to(dtype)
 
@@ -105,6 +117,9 @@ class Softcap(ScoreMod):
 
     def dscore(self, modified):
         return 1 - (modified / self.cap) ** 2  # d/ds cap·tanh(s/cap) = 1 - tanh²
+
+    def cache_key(self):
+        return ("softcap", self.cap)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         return self.cap * torch.tanh(score / self.cap)
@@ -136,6 +151,10 @@ class RelativeBias(ScoreMod):
 
     def tensors(self):
         return [self.table]
+
+    def cache_key(self):
+        c = None if self.table.requires_grad else _mods.content_key(self.table)
+        return None if c is None else ("relative_bias", c)
 
     def additive_bias(self, h, q_idx, kv_idx, dtype, device):
         rel = (kv_idx - q_idx).clamp(-self.R, self.R) + self.R

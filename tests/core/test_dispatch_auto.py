@@ -28,10 +28,10 @@ def ran(monkeypatch):
         monkeypatch.setattr(kern, "run", spy)
     real_fast = _fast.attention
 
-    def fast_spy(q, k, v, mask, causal, scale):  # a replayed decision (attnkit._fast): the backend auto decided
-        out = real_fast(q, k, v, mask, causal, scale)
+    def fast_spy(q, k, v, mask, causal, scale, score_mod=None):  # a replayed decision (attnkit._fast): auto's
+        out = real_fast(q, k, v, mask, causal, scale, score_mod)
         if out is not None:
-            calls.append(attnkit.dispatch(q, k, v, mask=mask, causal=causal, scale=scale).backend)
+            calls.append(attnkit.dispatch(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod).backend)
         return out
 
     monkeypatch.setattr(_fast, "attention", fast_spy)

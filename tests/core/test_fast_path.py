@@ -15,7 +15,7 @@ import torch
 from conftest import budget, golden
 
 import attnkit
-from attnkit import _fast, masks
+from attnkit import _fast, masks, positional, score_mods
 
 SPY = []
 
@@ -138,6 +138,8 @@ def test_fast_path_gradients_equal_golden(spy):
             assert (a - b).abs().max().item() <= 1e-12
 
 
+_CAPS = [1.0, 0]  # a list: a mod reading it has no key (its values may change between calls unseen)
+
 OUTSIDE = [  # calls the fast path must hand over (and what makes them so)
     ("numpy inputs", lambda q, k, v: ((q.numpy(), k.numpy(), v.numpy()), {})),
     ("3-D inputs", lambda q, k, v: ((q[0], k[0], v[0]), {})),
@@ -147,9 +149,9 @@ OUTSIDE = [  # calls the fast path must hand over (and what makes them so)
                                                  dict(mask=torch.ones(72, 8, dtype=torch.bool)))),
     ("bias with causal", lambda q, k, v: ((q, k, v), dict(mask=torch.zeros(8, 8, dtype=torch.float64), causal=True))),
     ("a row masked fully", lambda q, k, v: ((q, k, v), dict(mask=torch.arange(8)[:, None] != 2))),
-    ("score_mod", lambda q, k, v: ((q, k, v), dict(score_mod=lambda s, b, h, i, j: s))),
+    ("score_mod reading a list", lambda q, k, v: ((q, k, v), dict(score_mod=lambda s, b, h, i, j: s * _CAPS[0]))),
     ("named backend", lambda q, k, v: ((q, k, v), dict(backend="sdpa"))),
-    ("mask_mod", lambda q, k, v: ((q, k, v), dict(mask=lambda b, h, i, j: i >= j))),
+    ("mask_mod reading a list", lambda q, k, v: ((q, k, v), dict(mask=lambda b, h, i, j: i >= j - _CAPS[1]))),
     ("window at L = S > 16", lambda q, k, v: ((q.repeat(1, 1, 3, 1), k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1)),
                                               dict(mask=masks.sliding_window(3)))),
     ("document mask", lambda q, k, v: ((q, k, v), dict(mask=masks.document([0] * 4 + [1] * 4)))),
@@ -450,3 +452,196 @@ def test_a_mask_without_a_key_is_never_replayed_as_no_mask(spy):
         ref, _ = golden(q, k, v, mask=m)
         assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12
         box.ids = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2])  # the data it reads changes: still its own answer
+
+
+def _kernel_or_skip():
+    from attnkit.backends import _native
+
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+
+
+USER_MASKS = [  # (name, make(L)): masks a user writes, each with a content key
+    ("mask_mod", lambda L: masks.from_mod(lambda b, h, qi, kv: kv <= qi)),
+    ("a bare mask_mod", lambda L: (lambda b, h, qi, kv: (qi - kv).abs() <= 9)),
+    ("&", lambda L: masks.causal() & masks.from_mod(lambda b, h, qi, kv: kv % 3 != 1)),
+    ("| and ~", lambda L: ~masks.from_mod(lambda b, h, qi, kv: kv > qi) | masks.from_mod(lambda b, h, qi, kv: kv < 4)),
+    ("plan", lambda L: attnkit.plan(masks.from_mod(lambda b, h, qi, kv: qi // 16 == kv // 16), L=L)),
+]
+
+
+@pytest.mark.parametrize("name, make", USER_MASKS, ids=[m[0] for m in USER_MASKS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_users_masks_are_replayed_and_equal_the_full_path(name, make, dtype, spy):
+    """A mask the user writes (a mask_mod, bare or in & | ~, a plan of one) is replayed by its content key, built
+    anew every call as a model does: bit for bit the full path's answer at any layout, within budget of golden."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(21)
+    L = 70
+    with torch.no_grad():
+        for step in range(4):
+            q, k, v = (_layout(torch.randn(2, 4, L, 16, generator=g).to(dtype), "step2" if step % 2 else "bshd")
+                       for _ in range(3))
+            mask = make(L)
+            spy.clear()
+            out = attnkit.attention(q, k, v, mask=mask)
+            if step:
+                assert spy == [True], name
+            assert torch.equal(out, _full(q, k, v, mask=mask)), (name, step)
+            ref, _ = golden(q, k, v, mask=mask)
+            tol = 4e-2 if dtype == torch.bfloat16 else budget(dtype, 16, L)
+            assert (out.double() - ref).abs().max().item() <= tol, (name, step)
+
+
+def test_a_mask_mod_reading_a_tensor_follows_its_edits(spy):
+    """A mask_mod's key holds the content of the tensors it reads, taken at each call: ids edited in place give a
+    new key (the call is decided afresh), and a model building new ids every step keeps only a few in the cache."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
+    ids = torch.tensor([0] * 40 + [1] * 56)
+    m = masks.from_mod(lambda b, h, qi, kv: (ids[qi] == ids[kv]) & (kv <= qi))
+    with torch.no_grad():
+        for step in range(3):
+            spy.clear()
+            known = set(_fast._REPLAY)
+            out = attnkit.attention(q, k, v, mask=m)
+            assert spy == [True], step
+            assert (set(_fast._REPLAY) == known) == (step == 1), step  # step 1 replays; 2 (ids edited) learns anew
+            ref, _ = golden(q, k, v, mask=m)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 96), step
+            if step == 1:
+                ids[20:60] = 2  # in place
+        for step in range(3 * _fast._BY_IDENTITY_MAX):
+            mod = (lambda ids: lambda b, h, qi, kv: ids[qi] == ids[kv])((torch.arange(96) >= step).long())
+            out = attnkit.attention(q, k, v, mask=mod)
+            ref, _ = golden(q, k, v, mask=mod)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 96), step
+    assert len(_fast._BY_IDENTITY) <= _fast._BY_IDENTITY_MAX
+
+
+def _table_mod(t):
+    return lambda s, b, h, qi, kv: s + t[h, (qi - kv).clamp(0, t.shape[1] - 1)]
+
+
+SCORE_MODS = [  # (name, make()): score_mods with a content key
+    ("softcap written as a lambda", lambda: lambda s, b, h, qi, kv: 20.0 * torch.tanh(s / 20.0)),
+    ("score_mods.softcap", lambda: score_mods.softcap(5.0)),
+    ("score_mods.alibi", lambda: score_mods.alibi(positional.alibi_slopes(4))),
+    ("score_mods.relative_bias", lambda: score_mods.relative_bias(torch.linspace(-1, 1, 36).reshape(4, 9))),
+    ("a lambda reading a table", lambda: _table_mod(torch.linspace(-2, 2, 32).reshape(4, 8))),
+]
+
+
+@pytest.mark.parametrize("name, make", SCORE_MODS, ids=[m[0] for m in SCORE_MODS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_score_mods_are_replayed_without_gradients_and_equal_the_full_path(name, make, dtype, spy):
+    """A score_mod with a content key is replayed where no gradient is wanted (its program or ALiBi's slopes kept in
+    the call record): bit for bit the full path's answer, within budget of golden; with gradients, the full path."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(23)
+    L = 67
+    with torch.no_grad():
+        for step in range(3):
+            q, k, v = (_layout(torch.randn(2, 4, L, 16, generator=g).to(dtype), "bshd" if step == 2 else
+                               "contiguous") for _ in range(3))
+            sm = make()
+            spy.clear()
+            out = attnkit.attention(q, k, v, causal=True, score_mod=sm)
+            if step:
+                assert spy == [True], name
+            assert torch.equal(out, _full(q, k, v, causal=True, score_mod=sm)), (name, step)
+            ref, _ = golden(q, k, v, causal=True, score_mod=sm)
+            tol = 4e-2 if dtype == torch.bfloat16 else budget(dtype, 16, L, 4.0)
+            assert (out.double() - ref).abs().max().item() <= tol, (name, step)
+    q.requires_grad_(True)
+    for _ in range(2):
+        spy.clear()
+        out = attnkit.attention(q, k, v, causal=True, score_mod=sm)
+        assert spy == [False], name
+        assert out.requires_grad
+
+
+def test_a_score_mods_tensor_edited_in_place_gives_the_new_answer(spy):
+    """ALiBi's slopes and a captured table, edited in place after a replayed call: the next call's key holds the new
+    content; and a call with *another* tensor holding the old content replays the old record, which must read the
+    old values (the record keeps copies, never the first call's tensor, which was edited since)."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(24)
+    q, k, v = (torch.randn(1, 4, 40, 16, generator=g) for _ in range(3))
+    tol = budget(torch.float32, 16, 40, 4.0)
+    for make, t in ((score_mods.alibi, positional.alibi_slopes(4)),
+                    (_table_mod, torch.linspace(-2, 2, 32).reshape(4, 8))):
+        old = t.clone()
+        with torch.no_grad():
+            for _ in range(2):
+                attnkit.attention(q, k, v, causal=True, score_mod=make(t))
+            t.mul_(-3.0)  # in place
+            for src in (t, t, old.clone(), old.clone()):  # the new content; then the old one in another tensor
+                spy.clear()
+                out = attnkit.attention(q, k, v, causal=True, score_mod=make(src))
+                assert spy == [True]
+                ref, _ = golden(q, k, v, causal=True, score_mod=make(src))
+                assert (out.double() - ref).abs().max().item() <= tol
+
+
+def test_a_replayed_score_mod_reading_out_of_range_raises(spy):
+    """A captured tensor read at an index the ranges cannot bound is checked by the kernel at every visible point;
+    the replayed record's flag is cleared and read on every call: each call raises as the full path (and torch's
+    indexing) does, and an in-range mod of the same shapes is unaffected."""
+    _kernel_or_skip()
+    short, long_ = torch.linspace(0, 1, 20), torch.linspace(0, 1, 32)
+    g = torch.Generator().manual_seed(25)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=g) for _ in range(3))
+    with torch.no_grad():
+        for _ in range(3):  # learned, then replayed: raises each time
+            with pytest.raises(IndexError, match="out of range"):
+                attnkit.attention(q, k, v, causal=True, score_mod=lambda s, b, h, qi, kv: s + short[qi])
+        assert any(key[_fast._SCORE_AT] is not None and run is not None for key, run in _fast._REPLAY.items())
+        for _ in range(2):
+            out = attnkit.attention(q, k, v, causal=True, score_mod=lambda s, b, h, qi, kv: s + long_[qi])
+            ref, _ = golden(q, k, v, causal=True, score_mod=lambda s, b, h, qi, kv: s + long_[qi])
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 32, 4.0)
+
+
+def test_flex_attention_block_mask_is_read_once_per_content(spy):
+    """A BlockMask passed to flex_attention call after call is read into a plan once (by its content) and the
+    call replayed; its index tensors edited in place give a new plan, and the answer follows."""
+    _kernel_or_skip()
+    from attnkit import _blockmask
+
+    g = torch.Generator().manual_seed(26)
+    q, k, v = (torch.randn(2, 4, 128, 16, generator=g) for _ in range(3))
+    bm = attnkit.create_block_mask(lambda b, h, qi, kv: kv <= qi, None, None, 128, 128, BLOCK_SIZE=64)
+    with torch.no_grad():
+        for step in range(3):
+            spy.clear()
+            out = attnkit.flex_attention(q, k, v, block_mask=bm)
+            if step:
+                assert spy == [True]
+            ref, _ = golden(q, k, v, mask=bm)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 128), step
+        before = len(_blockmask._PLANS)
+        bm.kv_num_blocks[0, 0, 1] = 0  # in place: query block 1 loses its partial (diagonal) block
+        out = attnkit.flex_attention(q, k, v, block_mask=bm)
+        ref, _ = golden(q, k, v, mask=bm)
+        assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 128)
+        assert (out - attnkit.flex_attention(q, k, v, block_mask=bm)).abs().max() == 0  # replayed: the same
+        assert len(_blockmask._PLANS) == min(before + 1, _blockmask._PLANS_MAX)
+
+
+def test_content_key_reads_values_not_memory():
+    """A tensor's content key: equal for equal values at any layout, lazy conjugate / negative bits resolved;
+    none for a tensor not on the CPU or too large to hash on every call."""
+    from attnkit import _mods
+
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    key = _mods.content_key(a)
+    assert _mods.content_key(a.t().contiguous().t()) == key  # same values, column-major memory
+    assert _mods.content_key(a.clone()) == key
+    assert _mods.content_key(a + 1) != key
+    assert _mods.content_key(torch.empty(0)) == ("tensor", "torch.float32", (0,), _mods.content_key(torch.empty(0))[3])
+    c = torch.tensor([1 + 2j, 3 - 1j])
+    assert _mods.content_key(c.conj()) == _mods.content_key(c.conj().resolve_conj())
+    assert _mods.content_key(c.conj()) != _mods.content_key(c)
+    assert _mods.content_key(torch.zeros(1, device="meta")) is None

@@ -264,17 +264,18 @@ def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None):
     return out, lse
 
 
-def forward_step(q, k, v, lo, hi, tiles=None):
+def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None):
     """The forward of one call signature prepared once, for calls without gradients (:mod:`attnkit._fast`):
     returns ``run(q, k, v, scale) -> out`` ((B, H, L, Dv) fp32), for inputs of the shapes and dtypes of these
     ``q, k, v`` at any strides. The call record (shapes, dtype, threads, the mask's rows ``lo`` / ``hi`` and tile
-    map, which the prepared call keeps) is built here; a call writes only the strides, pointers, outputs and
-    scale into it (one record per thread: ctypes releases the GIL during the kernel)."""
+    map, ALiBi's slopes or a score_mod's program, which the prepared call keeps) is built here; a call writes only
+    the strides, pointers, outputs and scale into it (one record per thread: ctypes releases the GIL during the
+    kernel)."""
     lib = _require()
     q, k, v = _fit_all(q, k, v)
-    c0, keep = _call(q, k, v, lo, hi, 1.0, None, tiles)
-    # lo, hi (as the record points at them), the tile map: not the first call's q, k, v
-    return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True)
+    c0, keep = _call(q, k, v, lo, hi, 1.0, alibi, tiles, prog)
+    # lo, hi (as the record points at them), the slopes, tile map and program: not the first call's q, k, v
+    return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog)
 
 
 def decode_step(q, k, v, lo, hi, chunk: int = 0):
@@ -289,9 +290,11 @@ def decode_step(q, k, v, lo, hi, chunk: int = 0):
     return _stepper(lib.ak_decode, c0, [lo, hi], q, k, v, need_lse=False)
 
 
-def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool):
+def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None):
     """The per-call part of :func:`forward_step` / :func:`decode_step`: a copy of the record ``c0`` per thread,
-    into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs)."""
+    into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs).
+    With a score_mod's ``prog`` each thread's record gets its own out-of-range flag, cleared before each call and
+    read after it (an index computed from the score can leave a captured tensor on one call and not another)."""
     B, H, L, _ = q.shape
     S, Dv = k.shape[2], v.shape[-1]
     template = bytes(c0)
@@ -304,7 +307,11 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool):
 
     def record():
         c = _Call.from_buffer_copy(template)
-        r = tls.r = ((ctypes.c_int64 * n_slots).from_buffer(c), ctypes.byref(c), c)
+        err = None
+        if prog is not None:
+            err = ctypes.c_int32(0)
+            c.perr = ctypes.addressof(err)
+        r = tls.r = ((ctypes.c_int64 * n_slots).from_buffer(c), ctypes.byref(c), c, err)
         return r
 
     def run(q, k, v, scale: float):
@@ -315,19 +322,23 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool):
             q, k, v = _fit(q), _fit(k), _fit(v)
             qs, ks, vs = q.stride(), k.stride(), v.stride()
         try:
-            slots, ref, c = tls.r
+            slots, ref, c, err = tls.r
         except AttributeError:
-            slots, ref, c = record()
+            slots, ref, c, err = record()
         c.scale = scale
         out = torch.empty(oshape)
         lse = torch.empty(lshape) if need_lse else None
         slots[first:first + 17] = (qs[0], qs[1], qs[2], S, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], q.data_ptr(),
                                    k.data_ptr(), v.data_ptr(), lo_p, hi_p, out.data_ptr(),
                                    0 if lse is None else lse.data_ptr())
+        if err is not None:
+            err.value = 0
         rc = entry(ref)
         if rc:
             raise (MemoryError if rc == 1 else RuntimeError)(f"attnkit's compiled kernel refused the call (code {rc}; "
                                                              f"1: no memory for its scratch)")
+        if err is not None and err.value:
+            _check_reads(prog, [(err.value,)])
         return out
 
     run.keep = keep  # type: ignore[attr-defined]  # what the record points into lives as long as the call

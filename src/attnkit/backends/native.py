@@ -177,15 +177,20 @@ class Native(Kernel):
         """The prepared call for :mod:`attnkit._fast` (see ``sdpa.Fused.replay``): a built-in mask's row intervals
         or tile map (values of this signature) kept, the request rebuilt around each call's tensors; None for what
         the signature does not fix (a score_mod, a tensor mask, a plan) or for more than an output."""
-        if (req.need_lse or req.weight_heads is not None or req.sinks is not None or req.score_mod is not None
-                or req.plan is not None or type(user_mask) is torch.Tensor or req.grad_tensors):
+        if (req.need_lse or req.weight_heads is not None or req.sinks is not None
+                or type(user_mask) is torch.Tensor or req.grad_tensors):
             return None
         if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
             return None
         default = req.scale
-        if not req.requires_grad() and _alibi(req) is None:  # the signature fixes both: no autograd, one record
+        alibi = _alibi(req)
+        if not req.requires_grad():  # the signature fixes it: no autograd, one record
             lo, hi, tiles = _mask_of(req)
-            step = _native.forward_step(req.q, req.k, req.v, lo, hi, tiles)
+            # a score_mod's program (its tables are its own copies) or ALiBi's slopes, copied: the record outlives
+            # the call, and the signature keys the slopes by their content at this call
+            step = _native.forward_step(req.q, req.k, req.v, lo, hi, tiles,
+                                        alibi=None if alibi is None else alibi.detach().clone(),
+                                        prog=req.memo.get("score_prog"))
             dt = req.q.dtype
 
             def run_step(q, k, v, mask, scale):
@@ -193,6 +198,8 @@ class Native(Kernel):
                 return out if dt is torch.float32 else out.to(dt)
 
             return run_step
+        if req.score_mod is not None:  # with gradients: the full path (its program's tensors are this call's)
+            return None
         # the first call's request without its tensors (kept alive by nothing here): its mask, flags and memo
         nothing = torch.empty(0)
         base = dataclasses.replace(req, q=nothing, k=nothing, v=nothing)

@@ -1,0 +1,77 @@
+"""Small calls with the user's own code: a ``mask_mod``, a ``score_mod``, FlexAttention's ``BlockMask``, against
+SDPA and attnkit's built-in mask on the same call.
+
+    python benchmarks/user_mods.py [--repeats 500]
+
+Each row is one way to write the same call; a model makes it at every layer of every step, building its mask or
+mod anew each time as models do (``from_mod(lambda ...)`` inside the loop), so what a call costs around the kernel
+counts. Timed interleaved (one call of each, in turns, no gradients), medians; the ratio is SDPA's time over the
+row's (> 1: faster than SDPA). The mask rows compute causal attention, which SDPA runs as ``is_causal=True``; the
+score_mod rows add a soft cap (Gemma 2's ``20 · tanh(s / 20)``), which SDPA cannot run: its column is still SDPA's
+plain causal call, the floor a score_mod could reach. FLOPs are not the point here (at L = 64 a call is ~0.5 MFLOP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import _calibrate, masks, score_mods
+
+SHAPES = [(2, 4, 64, 16), (1, 8, 256, 64)]  # (B, H, L, D), self-attention L = S
+
+
+def _rows(q, k, v):
+    L = q.shape[2]
+    bm = attnkit.create_block_mask(lambda b, h, qi, kv: kv <= qi, None, None, L, L)
+    return {
+        "SDPA is_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "attnkit causal=True": lambda: attnkit.attention(q, k, v, causal=True),
+        "mask=from_mod(kv <= q), built each call":
+            lambda: attnkit.attention(q, k, v, mask=masks.from_mod(lambda b, h, qi, kv: kv <= qi)),
+        "mask=lambda (a bare mask_mod)": lambda: attnkit.attention(q, k, v, mask=lambda b, h, qi, kv: kv <= qi),
+        "flex_attention(block_mask=create_block_mask(...))":
+            lambda: attnkit.flex_attention(q, k, v, block_mask=bm),
+        "causal + score_mod=lambda softcap":
+            lambda: attnkit.attention(q, k, v, causal=True, score_mod=lambda s, b, h, qi, kv: 20 * torch.tanh(s / 20)),
+        "causal + score_mods.softcap(20)":
+            lambda: attnkit.attention(q, k, v, causal=True, score_mod=score_mods.softcap(20.0)),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=500)
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    print(f"auto's table: {_calibrate.crossovers().source}; {torch.get_num_threads()} threads\n")
+    for B, H, L, D in SHAPES:
+        q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+        rows = _rows(q, k, v)
+        ts: dict[str, list[float]] = {n: [] for n in rows}
+        with torch.no_grad():
+            for f in rows.values():  # warm: each signature learned once
+                f()
+            for _ in range(a.repeats):
+                for n, f in rows.items():
+                    t0 = time.perf_counter()
+                    f()
+                    ts[n].append(time.perf_counter() - t0)
+        med = {n: statistics.median(x) for n, x in ts.items()}
+        sdpa = med["SDPA is_causal"]
+        print(f"(B, H, L, D) = ({B}, {H}, {L}, {D}), causal, {a.repeats} interleaved calls each\n")
+        print("| call | µs | SDPA / this |")
+        print("|---|---|---|")
+        for n, m in med.items():
+            print(f"| {n} | {m * 1e6:.1f} | {sdpa / m:.2f} |")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
