@@ -15,6 +15,8 @@ neither imports the other for it.
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import math
 import sys
 from collections import OrderedDict
@@ -56,14 +58,22 @@ def _content_key(block_mask, B: int, H: int, L: int, S: int, device):
         mk = _mods.value_key(mod)
         if mk is None:
             return None
-    parts = []
+    h = hashlib.blake2b(digest_size=16)  # the four tensors' dtypes, shapes and bytes, in one digest
     for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
               block_mask.full_kv_indices):
-        c = None if t is None else _mods.content_key(t)
-        if c is None and t is not None:
+        if t is None:
+            h.update(b"none;")
+            continue
+        if not t.is_cpu or t.layout is not torch.strided or t.dtype.is_complex:
+            return None  # a GPU BlockMask: read afresh (its tensors are not hashed on the host every call)
+        t = t.detach() if t.is_contiguous() else t.detach().contiguous()
+        n = t.numel() * t.element_size()
+        if n > _mods.CONTENT_KEY_MAX_BYTES:
             return None
-        parts.append(c)
-    return (tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths), tuple(parts), mk, B, H, L, S, str(device))
+        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+        if n:
+            h.update(ctypes.string_at(t.data_ptr(), n))
+    return (tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths), h.digest(), mk, B, H, L, S, str(device))
 
 
 def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str) -> BlockPlan | None:

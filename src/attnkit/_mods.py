@@ -292,7 +292,7 @@ _SCALARS = (int, float, bool, str, bytes, type(None), complex)
 
 
 # Largest captured tensor / array a key is made for (its bytes are hashed on every call).
-_CONTENT_KEY_MAX_BYTES = 1 << 24
+CONTENT_KEY_MAX_BYTES = 1 << 24
 
 
 def _content(x):
@@ -303,7 +303,7 @@ def _content(x):
         if not x.is_cpu or x.layout is not torch.strided:
             return None
         n = x.numel() * x.element_size()
-        if n > _CONTENT_KEY_MAX_BYTES:
+        if n > CONTENT_KEY_MAX_BYTES:
             return None
         t = x.detach()
         if t.is_conj() or t.is_neg():  # lazy bits: the values, not the memory
@@ -316,7 +316,7 @@ def _content(x):
             return None
         return ("tensor", str(x.dtype), tuple(x.shape), hashlib.blake2b(data, digest_size=16).digest())
     if isinstance(x, np.ndarray):
-        if x.dtype == object or x.nbytes > _CONTENT_KEY_MAX_BYTES:
+        if x.dtype == object or x.nbytes > CONTENT_KEY_MAX_BYTES:
             return None
         a = np.ascontiguousarray(x).reshape(-1)
         return ("ndarray", str(x.dtype), x.shape, hashlib.blake2b(a.view(np.uint8).data, digest_size=16).digest())
