@@ -11,14 +11,17 @@ once per signature.
 The signature holds everything the table's decision reads that can change between calls
 (:func:`_signature`): the tensors' type, shapes, dtypes, devices and whether each wants a
 gradient, the grad mode, the mask (a built-in mask is an immutable value, keyed by itself; a
+user's ``mask_mod`` — bare, in ``&`` ``|`` ``~`` or in a plan — and a score_mod by their content
+key: code plus the values they read, tensors by a digest of their bytes taken on this call; a
 tensor mask by its shape, dtype, device and gradient flag — its *values* are the call's own, and
 only decisions that never read them are replayed), ``causal``, the kind of ``scale``, the thread
 count and the switches tests flip (``tiled.NATIVE`` / ``tiled.FUSED``). A replayed call returns
 ``None`` where the full path must look closer (an all-zero output row: torch's CPU kernel writes
 zeros where a row's scores hold NaN/inf) and the caller then takes the full path.
 
-Not replayed: NumPy inputs, score_mods, dropout, lse / weights / sinks, named backends, opaque
-``mask_mod`` s, the logger at DEBUG (the full path logs every decision).
+Not replayed: NumPy inputs, dropout, lse / weights / sinks, named backends, a score_mod where
+gradients are wanted, mods without a key (reading a list, a dict, an object's attribute: their
+data may change unseen), the logger at DEBUG (the full path logs every decision).
 """
 
 from __future__ import annotations
