@@ -1,7 +1,7 @@
 """Small calls with the user's own code: a ``mask_mod``, a ``score_mod``, FlexAttention's ``BlockMask``, against
 SDPA and attnkit's built-in mask on the same call.
 
-    python benchmarks/user_mods.py [--repeats 500]
+    python benchmarks/user_mods.py [--repeats 500] [--compile]
 
 Each row is one way to write the same call; a model makes it at every layer of every step, building its mask or
 mod anew each time as models do (``from_mod(lambda ...)`` inside the loop), so what a call costs around the kernel
@@ -9,6 +9,9 @@ counts. Timed interleaved (one call of each, in turns, no gradients), medians; t
 row's (> 1: faster than SDPA). The mask rows compute causal attention, which SDPA runs as ``is_causal=True``; the
 score_mod rows add a soft cap (Gemma 2's ``20 · tanh(s / 20)``), which SDPA cannot run: its column is still SDPA's
 plain causal call, the floor a score_mod could reach. FLOPs are not the point here (at L = 64 a call is ~0.5 MFLOP).
+
+``--compile`` adds the same calls inside a ``torch.compile``-d function (inductor, ``fullgraph=True``; attnkit
+runs as its torch op there, see ``attnkit._op``), SDPA compiled too; their ratios are against eager SDPA as well.
 """
 
 from __future__ import annotations
@@ -44,19 +47,53 @@ def _rows(q, k, v):
     }
 
 
+def _compiled(q, k, v):
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def causal(q, k, v):
+        return attnkit.attention(q, k, v, causal=True)
+
+    def mask_mod(q, k, v):
+        return attnkit.attention(q, k, v, mask=_causal_mod)
+
+    def score_mod(q, k, v):
+        return attnkit.attention(q, k, v, causal=True, score_mod=_softcap)
+
+    fns = {"compiled: SDPA is_causal": sdpa, "compiled: attnkit causal=True": causal,
+           "compiled: mask=mask_mod": mask_mod, "compiled: causal + score_mod softcap": score_mod}
+    out = {}
+    for n, f in fns.items():
+        cf = torch.compile(f, fullgraph=True)
+        out[n] = (lambda cf: lambda: cf(q, k, v))(cf)
+    return out
+
+
+def _causal_mod(b, h, qi, kv):
+    return kv <= qi
+
+
+def _softcap(s, b, h, qi, kv):
+    return 20.0 * torch.tanh(s / 20.0)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=500)
+    ap.add_argument("--compile", action="store_true", help="also the calls inside torch.compile (inductor)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     print(f"auto's table: {_calibrate.crossovers().source}; {torch.get_num_threads()} threads\n")
     for B, H, L, D in SHAPES:
         q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
         rows = _rows(q, k, v)
+        if a.compile:
+            rows.update(_compiled(q, k, v))
         ts: dict[str, list[float]] = {n: [] for n in rows}
         with torch.no_grad():
-            for f in rows.values():  # warm: each signature learned once
-                f()
+            for f in rows.values():  # warm: each signature learned once (and compiled)
+                for _ in range(3):
+                    f()
             for _ in range(a.repeats):
                 for n, f in rows.items():
                     t0 = time.perf_counter()

@@ -45,6 +45,10 @@ Why this keeps results exact (never stale):
   new key. A function defined inside the compiled region is made by TorchDynamo from constants it traced,
   which it guards the same way.
 * Globals a user function reads (``torch``, ``math``, helpers) are read live, inside the op, as eagerly.
+* A repeated call (every layer of every step) replays its forward where the compiled kernel runs it: the
+  prepared call record is kept under the op's spec, numbers, the *content* of every tensor it was given (a
+  digest taken on each call), shapes, dtypes, scale and thread count (``_STEPS``), and holds copies of what it
+  reads (a score_mod's program, ALiBi's slopes, the mask's rows or tile map). The backward recomputes as before.
 
 Not taken by the op (a ``TypeError`` / ``ValueError`` naming it, raised while tracing: under
 ``fullgraph=True`` the compile fails with that message; without it TorchDynamo breaks the graph there and
@@ -66,13 +70,15 @@ from __future__ import annotations
 import json
 import math
 import types
+from collections import OrderedDict
 
 import torch
 
+from . import _mods
 from . import masks as _m
 from . import score_mods as _sm
 from ._request import _check_sinks, make_request
-from .backends import _softmax, native, tiled
+from .backends import _native, _softmax, native, tiled
 from .backends._tiled_ctx import TileContext
 
 __all__ = ["attention", "registered", "OP", "BACKWARD_OP"]
@@ -488,11 +494,56 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: li
                   scale: float | None, learn: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out (B, H, L, Dv), lse (B, H, L), out_hi)``: out_hi is the fp32 output before rounding for fp16 /
     bf16 inputs (the backward's delta is taken from it), an empty tensor otherwise."""
-    return _with_autograd(_forward)(q, k, v, tensors, ints, floats, key, scale, learn)
+    sig = _step_signature(q, k, v, tensors, ints, floats, key, scale)
+    step = _STEPS.get(sig) if sig is not None else None
+    if step is not None:  # a replayed forward (below): no autograd inside it
+        return _finish_step(q, *step(q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)))
+    return _FORWARD(q, k, v, tensors, ints, floats, key, scale, learn, sig)
 
 
-def _forward(q, k, v, tensors, ints, floats, key, scale, learn):
+# A compiled model makes the same op call at every layer of every step. Where the call runs on the compiled kernel,
+# its forward is prepared once per signature (native.forward_step: the mask's rows or tile map, the score_mod's
+# program, ALiBi's slopes, each a copy) and replayed: the signature holds the spec, the numbers, the *content* of
+# every tensor the mods read (a digest taken on this call), the shapes, dtypes, scale and thread count.
+_STEPS: OrderedDict = OrderedDict()  # signature -> run(q, k, v, scale) -> (out fp32, lse), or None (not replayed)
+_STEPS_MAX = 64
+
+
+def _step_signature(q, k, v, tensors, ints, floats, key, scale):
+    """The forward's signature (see _STEPS), or None where a tensor has no content key (too large, not on the CPU)."""
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) or not tiled.NATIVE:
+        return None
+    parts = []
+    for t in tensors:
+        c = _mods.content_key(t)
+        if c is None:
+            return None
+        parts.append(c)
+    return (key, tuple(ints), tuple(floats), tuple(parts), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+            scale, torch.get_num_threads())
+
+
+def _learn_step(req, c):
+    """The prepared forward of a call the compiled kernel runs, or None."""
+    if c.worker != "native" or ("row_intervals" not in req.memo and "tile_bits" not in req.memo):
+        return None
+    with torch.no_grad():
+        alibi = native._alibi(req)
+        lo, hi, tiles = native._mask_of(req)
+        return _native.forward_step(req.q, req.k, req.v, lo, hi, tiles,
+                                    alibi=None if alibi is None else alibi.detach().clone(),
+                                    prog=req.memo.get("score_prog"), with_lse=True)
+
+
+def _forward(q, k, v, tensors, ints, floats, key, scale, learn, sig=None):
+    """The op's forward on the full path; with a signature not seen before (``sig``), its prepared step is kept."""
     req, c, _ = _prepare(q, k, v, tensors, ints, floats, key, scale, learn)
+    if sig is not None and sig not in _STEPS:
+        step = _STEPS[sig] = _learn_step(req, c)
+        if len(_STEPS) > _STEPS_MAX:
+            _STEPS.popitem(last=False)
+        if step is not None:
+            return _finish_step(q, *step(req.q, req.k, req.v, req.scale))
     ctx = _Saved()
     with torch.no_grad():
         if c.worker == "native":
@@ -502,6 +553,16 @@ def _forward(q, k, v, tensors, ints, floats, key, scale, learn):
     hi = ctx.saved_tensors[3]
     out_hi = hi.float().contiguous() if q.dtype in _HALF else q.new_empty(0)
     return out.contiguous(), lse.to(_lse_dtype(q.dtype)).contiguous(), out_hi
+
+
+_FORWARD = _with_autograd(_forward)
+
+
+def _finish_step(q, out_hi, lse):
+    """The op's three outputs from the prepared forward's fp32 ``out_hi`` and ``lse`` (as ``_forward`` below)."""
+    if q.dtype in _HALF:
+        return out_hi.to(q.dtype), lse, out_hi
+    return out_hi, lse, q.new_empty(0)
 
 
 @_attention_op.register_fake
@@ -519,8 +580,7 @@ def _attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: tor
                            scale: float | None,
                            learn: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(dq, dk, dv, [gradient of each tensor with learn set])`` for the forward above."""
-    return _with_autograd(_backward_impl)(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats, key, scale,
-                                          learn)
+    return _BACKWARD(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats, key, scale, learn)
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats, key, scale, learn):
@@ -547,6 +607,9 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats,
     dt = [(torch.zeros_like(tensors[i]) if grads[i] is None else grads[i].to(tensors[i].dtype)).contiguous()
           for i, want in enumerate(learn) if want == "1"]
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dt
+
+
+_BACKWARD = _with_autograd(_backward_impl)
 
 
 @_attention_backward_op.register_fake

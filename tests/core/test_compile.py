@@ -223,3 +223,43 @@ def test_the_op_called_directly_has_a_consistent_fake_and_autograd():
     torch.library.opcheck(torch.ops.attnkit.attention.default, (q, k, v, acc.tensors, acc.ints, acc.floats, key, None,
                                                                  "1"),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "mask_mod", "score_mod", "softcap_document"])
+def test_repeated_compiled_calls_replay_the_forward_bit_for_bit(name, monkeypatch):
+    """A compiled model makes the same op call at every layer of every step: from the second call of a signature
+    the op replays its prepared forward (attnkit._op._STEPS). Out and every gradient equal the op's full path bit
+    for bit, call after call with new inputs; with the mods' tensors edited in place the answer follows."""
+    from attnkit import _op
+    from attnkit.backends import _native
+
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    torch._dynamo.reset()  # each case compiles this lambda's code anew (grad and no-grad): keep under the limit
+    monkeypatch.setattr(_op, "_STEPS", type(_op._STEPS)())  # signatures earlier tests learned: forgotten
+    kw = CALLS[name]
+    leaves = [TABLE] if "score_mod" in name else []
+    fn = lambda q, k, v: attnkit.attention(q, k, v, **kw)  # noqa: E731
+    cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    real = _op._step_signature
+    for step in range(3):
+        q, k, v = rand_qkv(B, H, H, L, L, D, requires_grad=True)  # new values each step
+        before = set(_op._STEPS)
+        out, got = _grads(cf, q, k, v, leaves)
+        if step == 0:
+            mine = set(_op._STEPS) - before
+            assert len(mine) == 1 and _op._STEPS[mine.pop()] is not None, "not prepared for replay"
+        else:
+            assert set(_op._STEPS) == before, "a repeated call learned again"
+        monkeypatch.setattr(_op, "_step_signature", lambda *a: None)  # the op's full path
+        try:
+            fout, full = _grads(cf, q, k, v, leaves)
+        finally:
+            monkeypatch.setattr(_op, "_step_signature", real)
+        assert torch.equal(out, fout), (name, step)
+        for a, b in zip(got, full, strict=True):
+            assert torch.equal(a, b), (name, step)
+    with torch.no_grad():
+        q, k, v = rand_qkv(B, H, H, L, L, D)
+        for _ in range(2):
+            assert_close(cf(q, k, v), fn(q, k, v), budget(torch.float32, D, L), f"{name}: no grad vs eager")

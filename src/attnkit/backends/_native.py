@@ -264,18 +264,18 @@ def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None):
     return out, lse
 
 
-def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None):
+def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=False):
     """The forward of one call signature prepared once, for calls without gradients (:mod:`attnkit._fast`):
     returns ``run(q, k, v, scale) -> out`` ((B, H, L, Dv) fp32), for inputs of the shapes and dtypes of these
     ``q, k, v`` at any strides. The call record (shapes, dtype, threads, the mask's rows ``lo`` / ``hi`` and tile
     map, ALiBi's slopes or a score_mod's program, which the prepared call keeps) is built here; a call writes only
     the strides, pointers, outputs and scale into it (one record per thread: ctypes releases the GIL during the
-    kernel)."""
+    kernel). ``with_lse``: ``run`` returns ``(out, lse (B, H, L) fp32)``."""
     lib = _require()
     q, k, v = _fit_all(q, k, v)
     c0, keep = _call(q, k, v, lo, hi, 1.0, alibi, tiles, prog)
     # lo, hi (as the record points at them), the slopes, tile map and program: not the first call's q, k, v
-    return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog)
+    return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog, with_lse=with_lse)
 
 
 def decode_step(q, k, v, lo, hi, chunk: int = 0):
@@ -290,7 +290,7 @@ def decode_step(q, k, v, lo, hi, chunk: int = 0):
     return _stepper(lib.ak_decode, c0, [lo, hi], q, k, v, need_lse=False)
 
 
-def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None):
+def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False):
     """The per-call part of :func:`forward_step` / :func:`decode_step`: a copy of the record ``c0`` per thread,
     into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs).
     With a score_mod's ``prog`` each thread's record gets its own out-of-range flag, cleared before each call and
@@ -339,7 +339,7 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None):
                                                              f"1: no memory for its scratch)")
         if err is not None and err.value:
             _check_reads(prog, [(err.value,)])
-        return out
+        return (out, lse) if with_lse else out
 
     run.keep = keep  # type: ignore[attr-defined]  # what the record points into lives as long as the call
     return run
