@@ -45,24 +45,27 @@ _PLANS: OrderedDict = OrderedDict()
 _PLANS_MAX = 16
 
 
+def _noop_mask():
+    return sys.modules["torch.nn.attention.flex_attention"].noop_mask  # loaded: a BlockMask came from it
+
+
 def _content_key(block_mask, B: int, H: int, L: int, S: int, device):
     """The key of what ``block_mask`` means for a call of these sizes: its block size and lengths, the
     *content* of its four index tensors (a digest taken now: an in-place edit gives a new key) and its mask_mod's
     value key; None where one of them has none (a mod reading a list or an object, tensors on a GPU)."""
-    from torch.nn.attention.flex_attention import noop_mask
-
     mod = block_mask.mask_mod
-    if mod is None or mod is noop_mask:
+    if mod is None or mod is _noop_mask():
         mk: object = "noop"
     else:
         mk = _mods.value_key(mod)
         if mk is None:
             return None
-    h = hashlib.blake2b(digest_size=16)  # the four tensors' dtypes, shapes and bytes, in one digest
+    h = hashlib.blake2b(digest_size=16)  # the four tensors' bytes in one digest; their dtypes and shapes beside it
+    kinds = []
     for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
               block_mask.full_kv_indices):
         if t is None:
-            h.update(b"none;")
+            kinds.append(None)
             continue
         if not t.is_cpu or t.layout is not torch.strided or t.dtype.is_complex:
             return None  # a GPU BlockMask: read afresh (its tensors are not hashed on the host every call)
@@ -70,10 +73,11 @@ def _content_key(block_mask, B: int, H: int, L: int, S: int, device):
         n = t.numel() * t.element_size()
         if n > _mods.CONTENT_KEY_MAX_BYTES:
             return None
-        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+        kinds.append((t.dtype, t.shape))
         if n:
             h.update(ctypes.string_at(t.data_ptr(), n))
-    return (tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths), h.digest(), mk, B, H, L, S, str(device))
+    return (tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths), tuple(kinds), h.digest(), mk, B, H, L, S,
+            device)
 
 
 def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str) -> BlockPlan | None:
