@@ -10,6 +10,11 @@ row's (> 1: faster than SDPA). The mask rows compute causal attention, which SDP
 score_mod rows add a soft cap (Gemma 2's ``20 · tanh(s / 20)``), which SDPA cannot run: its column is still SDPA's
 plain causal call, the floor a score_mod could reach. FLOPs are not the point here (at L = 64 a call is ~0.5 MFLOP).
 
+A second table: one decode step (L = 1 over S = 2048 cached keys, GQA 8 / 2) with a mask written as a
+``mask_mod`` (a window; a window per head; holes read from a tensor of valid keys), against attnkit's built-in
+window and against SDPA given the same mask as a dense bool tensor built once, outside the timing (what a user who
+had the tensor already would call).
+
 ``--compile`` adds the same calls inside a ``torch.compile``-d function (inductor, ``fullgraph=True``; attnkit
 runs as its torch op there, see ``attnkit._op``), SDPA compiled too; their ratios are against eager SDPA as well.
 """
@@ -77,6 +82,43 @@ def _softcap(s, b, h, qi, kv):
     return 20.0 * torch.tanh(s / 20.0)
 
 
+def _decode_rows(S: int = 2048):
+    q, k, v = torch.randn(1, 8, 1, 64), torch.randn(1, 2, S, 64), torch.randn(1, 2, S, 64)
+    valid = torch.rand(S) > 0.3
+    mods = {"a window of 64 as a mask_mod": lambda b, h, qi, kv: (qi + S - 1 - kv >= 0) & (qi + S - 1 - kv < 64),
+            "a window of 64 · (h + 1) (per head)":
+                lambda b, h, qi, kv: (qi + S - 1 - kv >= 0) & (qi + S - 1 - kv < 64 * (h + 1)),
+            "holes: valid[kv] (a tensor the mod reads)": lambda b, h, qi, kv: valid[kv]}
+    rows = {"attnkit sliding_window(64), built in": lambda: attnkit.attention(q, k, v, mask=masks.sliding_window(64))}
+    for n, m in mods.items():
+        dense = masks.from_mod(m).materialize(1, 8, 1, S)
+        rows["SDPA, dense mask of " + n] = (lambda d: lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=d, enable_gqa=True))(dense)
+        rows["attnkit, " + n] = (lambda m: lambda: attnkit.attention(q, k, v, mask=m))(m)
+    return rows
+
+
+def _table(rows, repeats: int, title: str, base) -> None:
+    """Time ``rows`` interleaved; ``base(name)``: the row each row's ratio divides (its peer's time / its own)."""
+    ts: dict[str, list[float]] = {n: [] for n in rows}
+    with torch.no_grad():
+        for f in rows.values():  # warm: each signature learned once (and compiled)
+            for _ in range(3):
+                f()
+        for _ in range(repeats):
+            for n, f in rows.items():
+                t0 = time.perf_counter()
+                f()
+                ts[n].append(time.perf_counter() - t0)
+    med = {n: statistics.median(x) for n, x in ts.items()}
+    print(f"{title}, {repeats} interleaved calls each\n")
+    print("| call | µs | peer | peer / this |")
+    print("|---|---|---|---|")
+    for n, m in med.items():
+        print(f"| {n} | {m * 1e6:.1f} | {base(n)} | {med[base(n)] / m:.2f} |")
+    print()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=500)
@@ -89,24 +131,12 @@ def main(argv=None) -> int:
         rows = _rows(q, k, v)
         if a.compile:
             rows.update(_compiled(q, k, v))
-        ts: dict[str, list[float]] = {n: [] for n in rows}
-        with torch.no_grad():
-            for f in rows.values():  # warm: each signature learned once (and compiled)
-                for _ in range(3):
-                    f()
-            for _ in range(a.repeats):
-                for n, f in rows.items():
-                    t0 = time.perf_counter()
-                    f()
-                    ts[n].append(time.perf_counter() - t0)
-        med = {n: statistics.median(x) for n, x in ts.items()}
-        sdpa = med["SDPA is_causal"]
-        print(f"(B, H, L, D) = ({B}, {H}, {L}, {D}), causal, {a.repeats} interleaved calls each\n")
-        print("| call | µs | SDPA / this |")
-        print("|---|---|---|")
-        for n, m in med.items():
-            print(f"| {n} | {m * 1e6:.1f} | {sdpa / m:.2f} |")
-        print()
+        _table(rows, a.repeats, f"(B, H, L, D) = ({B}, {H}, {L}, {D}), causal", lambda n: "SDPA is_causal")
+    rows = _decode_rows()
+    _table(rows, a.repeats, "decode: L = 1 over S = 2048 keys, GQA 8 / 2, D = 64",
+           lambda n: "SDPA, dense mask of " + (n.split(", ", 1)[1] if n.startswith("attnkit, ") else
+                                               n.split(" of ", 1)[1] if n.startswith("SDPA") else
+                                               "a window of 64 as a mask_mod"))
     return 0
 
 

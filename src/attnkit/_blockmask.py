@@ -61,7 +61,7 @@ def _content_key(block_mask, B: int, H: int, L: int, S: int, device):
         if mk is None:
             return None
     h = hashlib.blake2b(digest_size=16)  # the four tensors' bytes in one digest; their dtypes and shapes beside it
-    kinds = []
+    kinds: list[tuple | None] = []
     for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
               block_mask.full_kv_indices):
         if t is None:

@@ -45,9 +45,7 @@ _log = logging.getLogger("attnkit")
 
 # Built-in masks: immutable values (see attnkit.masks), each its own key; and the masks a user writes (a mask_mod, the
 # combinators & | ~), replayed where they have a content key (their code and the values it reads: Mask.cache_key).
-MASKS = frozenset((_masks.Causal, _masks.SlidingWindow, _masks.Padding, _masks.KeyPadding, _masks.Chunked,
-                   _masks.Document, _masks.PrefixLM, _masks.Full, _masks.FromMod, _masks.And, _masks.Or,
-                   _masks.Not, types.FunctionType, _plans.BlockPlan))
+MASKS = _masks.BUILT_IN | {_masks.FromMod, _masks.And, _masks.Or, _masks.Not, types.FunctionType, _plans.BlockPlan}
 
 _REPLAY: OrderedDict = OrderedDict()  # signature -> the prepared call, or None (this signature takes the full path)
 _REPLAY_MAX = 512

@@ -863,6 +863,11 @@ class FromMod(Mask):
         return f"from_mod({getattr(self.fn, '__name__', 'mask_mod')})"
 
 
+# The built-in masks: immutable values with closed forms (row intervals, decode tiles, tile kinds); a user's
+# mask_mod (FromMod) and the combinators are evaluated instead
+BUILT_IN = frozenset((Full, Causal, SlidingWindow, Padding, KeyPadding, Chunked, Document, PrefixLM))
+
+
 class _Combined(Mask):
     def __init__(self, *parts: Mask):
         self.parts = parts

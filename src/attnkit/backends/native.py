@@ -233,6 +233,8 @@ def _keep_map_or_intervals(req: Request, tb, L: int, S: int) -> None:
         req.memo["row_intervals"] = iv
         req.memo["intervals_of_map"] = True
 
+_CLOSED_FORM = _masks.BUILT_IN  # their decode tiles and row intervals in closed form
+
 # The decode entry's query rows: one block of the kernel's (csrc/attn_decode.h takes up to 64 rows).
 DECODE_ROWS = 16
 
@@ -266,9 +268,15 @@ class NativeDecode(Kernel):
         if why:
             return why
         if "row_intervals" not in req.memo:
-            iv = _row_intervals(req.mask if req.mask is not None else _FULL, B, L, S)
+            mask = req.mask if req.mask is not None else _FULL
+            iv = _row_intervals(mask, B, L, S)
+            if iv is None and type(mask) not in _CLOSED_FORM:  # a user's mask_mod (or & | ~ of one): its rows read
+                try:  # off its tile map, cached by content (a window, causal, documents written as a mod)
+                    iv = _tilebits.row_intervals(_tilebits.tile_bits(mask, B, H, L, S), L, S)
+                except Exception:  # a mod that cannot run on stacked tiles: the other kernels evaluate it their way
+                    iv = None
             if iv is None:
-                return [f"mask {req.mask!r} is not one stretch of keys per row"]
+                return [f"mask {req.mask!r} is not one stretch of keys per row, the same for every head"]
             req.memo["row_intervals"] = iv
         if not _native.available():
             return [_native.unavailable_reason()]

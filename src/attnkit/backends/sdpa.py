@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _calibrate
+from .. import masks as _masks
 from . import _decode, _flash_cpu, _native, eager
 from ._base import Request
 from ._kernel import Kernel
@@ -58,6 +59,9 @@ def _is_causal_only(req: Request) -> bool:
 # Up to this many query rows, a structured mask is handed to SDPA as a dense (L, n) mask built
 # per call over only the keys it can reach (decoding and short chunks: see key_range).
 DECODE_MAX_L = 16
+
+
+_CLOSED_FORM = _masks.BUILT_IN  # their decode tiles and row intervals in closed form
 
 
 def key_range(req: Request) -> tuple[int, int]:
@@ -294,13 +298,24 @@ class Fused(Kernel):
             return run_tensor
         is_causal = _is_causal_only(req)
         j0, j1, allowed = 0, S, None
+        tiled_mask = True  # allowed: a decode tile (closed form, broadcast over heads), or None
         if req.mask is not None and not is_causal:
-            tile = req.mask.decode_tile(B, L, S, req.q.device) if L <= DECODE_MAX_L else None
-            if tile is None:
+            if L > DECODE_MAX_L:
                 return None
-            j0, j1, allowed = tile  # built once for this signature (a built-in mask is a value): read only
+            tile = req.mask.decode_tile(B, L, S, req.q.device)
+            if tile is not None:
+                j0, j1, allowed = tile  # built once for this signature (a built-in mask is a value): read only
+            elif req.plan is None and type(req.mask) not in _CLOSED_FORM:
+                # a user's mask (a mask_mod, bare or in & | ~), keyed by its content: the dense mask the full path
+                # builds per call (_fused), built once for this signature
+                j0, j1 = key_range(req)
+                if j1 <= j0:
+                    return None
+                allowed, tiled_mask = _attn_mask(req, j0, j1), False
+            else:
+                return None
         n = j1 - j0
-        fold = gqa and _decode.foldable(req.q, req.k[:, :, j0:j1], allowed, is_causal) is None
+        fold = gqa and tiled_mask and _decode.foldable(req.q, req.k[:, :, j0:j1], allowed, is_causal) is None
         if fold and allowed is not None and allowed.shape[-2] != 1:  # the rows of the g heads, repeated once here
             reps = [1] * allowed.dim()
             reps[-2] = H // Hkv
