@@ -244,8 +244,10 @@ class Fused(Kernel):
                         "SDPA applies it")
             return f"{kind} attention on a GPU: torch SDPA's fused kernels (flash / cuDNN / efficient)"
         if L <= DECODE_MAX_L and (req.mask is not None or req.dense_mask is not None):
+            how = ("the tensor mask over them" if req.mask is None else
+                   "a small dense mask (built once per call signature where the mask has a content key)")
             return (f"decode-sized L <= {DECODE_MAX_L}: torch's fused kernel over the keys the mask can reach, "
-                    "with a small dense mask built per call")
+                    f"with {how}")
         if req.dense_mask is not None:
             if L <= SMALL_MASK and req.k.shape[2] <= SMALL_MASK:
                 return (f"a bool mask of one {SMALL_MASK} x {SMALL_MASK} tile: torch's fused kernel applies it as "
@@ -298,7 +300,6 @@ class Fused(Kernel):
             return run_tensor
         is_causal = _is_causal_only(req)
         j0, j1, allowed = 0, S, None
-        tiled_mask = True  # allowed: a decode tile (closed form, broadcast over heads), or None
         if req.mask is not None and not is_causal:
             if L > DECODE_MAX_L:
                 return None
@@ -311,11 +312,11 @@ class Fused(Kernel):
                 j0, j1 = key_range(req)
                 if j1 <= j0:
                     return None
-                allowed, tiled_mask = _attn_mask(req, j0, j1), False
+                allowed = _attn_mask(req, j0, j1)
             else:
                 return None
         n = j1 - j0
-        fold = gqa and tiled_mask and _decode.foldable(req.q, req.k[:, :, j0:j1], allowed, is_causal) is None
+        fold = gqa and _decode.foldable(req.q, req.k[:, :, j0:j1], allowed, is_causal) is None
         if fold and allowed is not None and allowed.shape[-2] != 1:  # the rows of the g heads, repeated once here
             reps = [1] * allowed.dim()
             reps[-2] = H // Hkv
@@ -413,8 +414,10 @@ def _fused(req: Request):
             j0, j1 = 0, S
         attn_mask = _attn_mask(req, j0, j1)
     k, v = req.k[:, :, j0:j1], req.v[:, :, j0:j1]  # views: only the keys the mask can reach
-    if _folds(req, (tile is not None or (attn_mask is None and req.dense_mask is None and req.plan is None))
-              and _decode.foldable(req.q, k, attn_mask, is_causal) is None):
+    # a structured mask's own tile or dense bool mask (no tensor mask, no plan): folded where it is the same for
+    # every head (foldable reads its head dim)
+    structured = req.dense_mask is None and req.plan is None and req.bias is None
+    if _folds(req, (tile is not None or structured) and _decode.foldable(req.q, k, attn_mask, is_causal) is None):
         return _decode.sdpa_folded(req.q, k, v, attn_mask, req.scale), None, attn_mask
     if not req.need_lse:
         out = F.scaled_dot_product_attention(
