@@ -326,6 +326,9 @@ def _content(x):
 content_key = _content  # the public name: a tensor's or an array's content key (attnkit.score_mods)
 
 
+_LIBRARIES = frozenset(("torch", "math", "cmath", "numpy", "operator", "functools", "builtins", "attnkit", "einops"))
+
+
 def _const(x, depth: int):
     """A hashable stand-in for ``x`` if it is an immutable value (scalars, tuples/frozensets of
     them, modules, pure functions by their own key) or a CPU tensor / array keyed by its content
@@ -337,8 +340,9 @@ def _const(x, depth: int):
     if isinstance(x, (tuple, frozenset)):
         parts = tuple(_const(y, depth) for y in x)
         return None if any(p is None for p in parts) else (type(x).__name__, parts)
-    if isinstance(x, types.ModuleType):
-        return ("module", x.__name__)
+    if isinstance(x, types.ModuleType):  # a library's functions and constants (torch.where, math.pi) by name; any
+        # other module (a user's config module) may have its attributes reassigned between calls unseen: no key
+        return ("module", x.__name__) if x.__name__.partition(".")[0] in _LIBRARIES else None
     if isinstance(x, types.BuiltinFunctionType):
         return ("builtin", getattr(x, "__module__", None), x.__qualname__)
     if isinstance(x, types.FunctionType) and depth < 3:
@@ -351,7 +355,8 @@ def value_key(fn, depth: int = 0):
 
     ``fn``'s code plus the *values* of its closure cells, defaults and the globals its code
     names — accepted only when each is an immutable value (ints, floats, strings, tuples of
-    them, modules, other functions with a key of their own) or a CPU tensor / NumPy array,
+    them, a library's modules such as ``torch`` or ``math``, other functions with a key of their
+    own) or a CPU tensor / NumPy array,
     which enters by its content (a digest of its bytes, taken on every call: an in-place edit
     gives a new key). A mod that reads a list, a dict, a GPU tensor or any other object gets
     None: its data may change between calls unseen, so nothing derived from it may be cached.

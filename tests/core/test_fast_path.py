@@ -680,3 +680,33 @@ def test_decode_with_a_users_mask_mod_is_replayed_and_exact(name, mod, kernel, L
             ref, _ = golden(q, k, v, mask=mod)
             tol = 4e-2 if dtype == torch.bfloat16 else budget(dtype, 16, 300)
             assert (out.double() - ref).abs().max().item() <= tol, (name, step)
+
+
+def test_a_mod_reading_a_user_modules_attribute_follows_its_changes(spy):
+    """A mask_mod reading ``cfg.W`` of a user's module: the module's attribute can be reassigned between calls, so
+    the mod has no key (a library's module, ``torch`` or ``math``, keeps one) and every call sees the new value.
+    Before, the module entered the key by its name and the call after ``cfg.W = 2`` replayed the tiles of W = 8."""
+    import sys
+    import types
+
+    cfg = types.ModuleType("attnkit_test_cfg")
+    cfg.W = 8  # type: ignore[attr-defined]
+    sys.modules[cfg.__name__] = cfg
+    try:
+        exec("import attnkit_test_cfg as C\ndef mod(b, h, qi, kv):\n    return (qi - kv >= 0) & (qi - kv < C.W)\n",
+             ns := {})
+        mod = ns["mod"]
+        from attnkit import _mods
+
+        assert _mods.value_key(mod) is None
+        assert _mods.value_key(lambda b, h, qi, kv: torch.where(qi >= kv, True, False)) is not None
+        g = torch.Generator().manual_seed(28)
+        q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+        with torch.no_grad():
+            for w in (8, 8, 2, 5):
+                cfg.W = w  # type: ignore[attr-defined]
+                out = attnkit.attention(q, k, v, mask=mod)
+                ref, _ = golden(q, k, v, mask=mod)
+                assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 40), w
+    finally:
+        del sys.modules[cfg.__name__]
