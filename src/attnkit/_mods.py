@@ -344,7 +344,11 @@ def _const(x, depth: int):
         # other module (a user's config module) may have its attributes reassigned between calls unseen: no key
         return ("module", x.__name__) if x.__name__.partition(".")[0] in _LIBRARIES else None
     if isinstance(x, types.BuiltinFunctionType):
-        return ("builtin", getattr(x, "__module__", None), x.__qualname__)
+        owner = getattr(x, "__self__", None)  # a bound method reads its object: keyed by it, or not at all
+        if owner is None or isinstance(owner, (types.ModuleType, type)):
+            return ("builtin", getattr(x, "__module__", None), x.__qualname__)
+        o = _const(owner, depth)
+        return None if o is None else ("bound builtin", x.__qualname__, o)
     if isinstance(x, types.FunctionType) and depth < 3:
         return value_key(x, depth + 1)
     return None

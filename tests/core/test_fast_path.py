@@ -710,3 +710,21 @@ def test_a_mod_reading_a_user_modules_attribute_follows_its_changes(spy):
                 assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 40), w
     finally:
         del sys.modules[cfg.__name__]
+
+
+def test_a_mod_reading_a_bound_method_is_keyed_by_its_object():
+    """A builtin method bound to an object (``lst.__getitem__``, ``t.clamp``) reads that object: the key holds the
+    object's own key (a tensor's content) or there is none (a list), never the method's name alone."""
+    from attnkit import _mods
+
+    lst = [0, 1]
+    t = torch.arange(4)
+    assert _mods.value_key(lambda b, h, qi, kv: lst.__getitem__(0) + qi) is None  # reads a list: no key
+    get = lst.__getitem__
+    assert _mods.value_key(lambda b, h, qi, kv: get(0) + qi) is None
+    clamp = t.clamp
+    before = _mods.value_key(lambda b, h, qi, kv: clamp(0, 2)[qi] > kv)
+    assert before is not None
+    t[0] = 7  # in place: the bound method's object changed, so does the key
+    assert _mods.value_key(lambda b, h, qi, kv: clamp(0, 2)[qi] > kv) != before
+    assert _mods.value_key(lambda b, h, qi, kv: torch.where(qi > kv, True, False)) is not None  # a library's
