@@ -198,8 +198,10 @@ class Native(Kernel):
                 return out if dt is torch.float32 else out.to(dt)
 
             return run_step
-        if req.score_mod is not None:  # with gradients: the full path (its program's tensors are this call's)
-            return None
+        if req.score_mod is not None:  # with gradients: replayed only for a program reading no tensor (a soft cap):
+            prog = req.memo.get("score_prog")  # its code and numbers are the signature's; a table or ALiBi's slopes
+            if prog is None or prog.tables:  # are the first call's objects (the backward's exact-rows fix reads them)
+                return None
         # the first call's request without its tensors (kept alive by nothing here): its mask, flags and memo
         nothing = torch.empty(0)
         base = dataclasses.replace(req, q=nothing, k=nothing, v=nothing)
