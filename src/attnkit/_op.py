@@ -510,7 +510,8 @@ _STEPS_MAX = 64
 
 
 def _step_signature(q, k, v, tensors, ints, floats, key, scale):
-    """The forward's signature (see _STEPS), or None where a tensor has no content key (too large, not on the CPU)."""
+    """The forward's signature (see _STEPS), or None where a tensor has no content key (too large, not on the CPU)
+    or a user function reads something live that has none (a list, a user module's attribute)."""
     if not (q.is_cpu and k.is_cpu and v.is_cpu) or not tiled.NATIVE:
         return None
     parts = []
@@ -519,8 +520,68 @@ def _step_signature(q, k, v, tensors, ints, floats, key, scale):
         if c is None:
             return None
         parts.append(c)
-    return (key, tuple(ints), tuple(floats), tuple(parts), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-            scale, torch.get_num_threads())
+    live = _live_key(key)
+    if live is None:
+        return None
+    return (key, tuple(ints), tuple(floats), tuple(parts), live, q.shape, k.shape, v.shape, q.dtype, k.dtype,
+            v.dtype, scale, torch.get_num_threads())
+
+
+_FN_NUMS: dict[str, tuple[int, ...]] = {}  # key -> the user functions (registry numbers) its mask and score name
+
+
+def _fns_of(key: str) -> tuple[int, ...]:
+    got = _FN_NUMS.get(key)
+    if got is None:
+        doc, nums = _spec(key), []
+
+        def walk(m):
+            if m[0] in ("and", "or"):
+                for p in m[1]:
+                    walk(p)
+            elif m[0] == "not":
+                walk(m[1])
+            elif m[0] == "mod":
+                nums.append(m[1])
+
+        if doc["mask"] is not None:
+            walk(doc["mask"])
+        if doc["score"] is not None and doc["score"][0] == "fn":
+            nums.append(doc["score"][1])
+        got = _FN_NUMS[key] = tuple(nums)
+    return got
+
+
+def _live_key(key: str):
+    """What the key's user functions read live, by value: the globals their code names, and the functions and
+    modules their closures hold (attnkit._mods content keys); None where one has no such key. The key itself
+    holds only the functions' code and constants: what they read at run time is read inside the op, and a
+    replayed forward must not outlive a change of it."""
+    parts: list = []
+
+    def held(p) -> bool:  # a closure / default part ("c", x) or ("tuple", parts); tensors and numbers are inputs
+        if p[0] == "tuple":
+            return all(held(y) for y in p[1])
+        if p[0] == "c" and isinstance(p[1], (types.FunctionType, types.ModuleType)):
+            c = _mods.value_key(p[1]) if isinstance(p[1], types.FunctionType) else _mods._const(p[1], 0)
+            if c is None:
+                return False
+            parts.append(c)
+        return True
+
+    for n in _fns_of(key):
+        if n >= len(_FNS):  # not registered in this process: the full path says so
+            return None
+        code, g, _, cells, defaults, _ = _FNS[n]
+        for name in code.co_names:
+            if name in g:
+                c = _mods._const(g[name], 0)
+                if c is None:
+                    return None
+                parts.append((name, c))
+        if not all(held(p) for p in tuple(cells) + tuple(defaults)):
+            return None
+    return tuple(parts)
 
 
 def _learn_step(req, c):

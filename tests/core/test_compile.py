@@ -263,3 +263,33 @@ def test_repeated_compiled_calls_replay_the_forward_bit_for_bit(name, monkeypatc
         q, k, v = rand_qkv(B, H, H, L, L, D)
         for _ in range(2):
             assert_close(cf(q, k, v), fn(q, k, v), budget(torch.float32, D, L), f"{name}: no grad vs eager")
+
+
+CAP = 20.0
+WIDTH = 16
+
+
+def _capped(score, b, h, q_idx, kv_idx):  # reads the global CAP live, inside the op
+    return CAP * torch.tanh(score / CAP)
+
+
+def _banded(b, h, q_idx, kv_idx):  # reads the global WIDTH live
+    return (q_idx - kv_idx).abs() <= WIDTH
+
+
+def test_a_replayed_compiled_call_follows_the_globals_its_mods_read(monkeypatch):
+    """What a user function reads live (a global number, here) is not in the op's key and is not guarded by
+    TorchDynamo: the op reads it inside, at run time. A replayed forward keys it by value, so changing it gives
+    the new answer, as eagerly."""
+    from attnkit import _op
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(_op, "_STEPS", type(_op._STEPS)())
+    fn = lambda q, k, v: attnkit.attention(q, k, v, mask=_banded, score_mod=_capped)  # noqa: E731
+    cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    q, k, v = rand_qkv(1, H, H, L, L, D)
+    with torch.no_grad():
+        for cap, width in ((20.0, 16), (20.0, 16), (0.5, 16), (0.5, 3), (20.0, 16)):
+            monkeypatch.setattr(__import__(__name__), "CAP", cap)
+            monkeypatch.setattr(__import__(__name__), "WIDTH", width)
+            assert_close(cf(q, k, v), fn(q, k, v), budget(torch.float32, D, L), f"cap {cap}, width {width}")
