@@ -86,7 +86,13 @@ def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str
     key = _content_key(block_mask, B, H, L, S, device)
     if key is not None and key in _PLANS:
         _PLANS.move_to_end(key)
-        return _PLANS[key]
+        plan = _PLANS[key]
+        if plan is None or plan.mask.mask_mod is None:
+            return plan
+        # the same tiles, around THIS block mask's mask_mod: the kept plan's is an earlier call's function, which
+        # may read a tensor edited since (its key then was another content)
+        m = _BlockMaskMask(plan.mask.kinds, plan.block, block_mask.mask_mod, plan.mask._kinds_key)
+        return BlockPlan(m, B, H, L, S, plan.block, plan._kinds)
     plan = _block_mask_plan(block_mask, B, H, L, S, device, arg)
     if key is not None:
         _PLANS[key] = plan
@@ -162,11 +168,11 @@ class _BlockMaskMask(_masks.Mask):
     ``kinds`` int8 ``(Bb, Hb, nq, nk)`` on the BlockMask's device (Bb, Hb ∈ {1, B}, {1, H}).
     """
 
-    def __init__(self, kinds: torch.Tensor, block: tuple[int, int], mask_mod):
+    def __init__(self, kinds: torch.Tensor, block: tuple[int, int], mask_mod, kinds_key=None):
         self.kinds, self.block, self.mask_mod = kinds, block, mask_mod
         self.inner = None if mask_mod is None else _masks.from_mod(mask_mod)
         # the kinds' content, taken once: they are this mask's own (built by block_mask_plan, never handed out)
-        self._kinds_key = _mods.content_key(kinds)
+        self._kinds_key = _mods.content_key(kinds) if kinds_key is None else kinds_key
         self.batch_size = kinds.shape[0] if kinds.shape[0] > 1 else None
 
     def cache_key(self):

@@ -92,10 +92,13 @@ _MASK_AT = 8  # where _signature puts the mask's key
 _SCORE_AT = 14  # and the score_mod's
 
 
+_SCORE_MODS = frozenset((_score_mods.Softcap, _score_mods.Alibi, _score_mods.RelativeBias))
+
+
 def _score_key(score_mod):
-    """An attnkit score mod's own content key (``ScoreMod.cache_key``), or None."""
-    key = getattr(score_mod, "cache_key", None) if isinstance(score_mod, _score_mods.ScoreMod) else None
-    return None if key is None else key()
+    """An attnkit score mod's own content key (``ScoreMod.cache_key``), or None; a subclass (its ``__call__`` may
+    compute something else under the same key) has none."""
+    return score_mod.cache_key() if type(score_mod) in _SCORE_MODS else None
 
 
 def attention(q, k, v, mask, causal, scale, score_mod=None):

@@ -333,6 +333,8 @@ def _const(x, depth: int):
     """A hashable stand-in for ``x`` if it is an immutable value (scalars, tuples/frozensets of
     them, modules, pure functions by their own key) or a CPU tensor / array keyed by its content
     (:func:`_content`); None if it may change under us."""
+    if isinstance(x, float):  # by its bits: 0.0 and -0.0 are equal as numbers but not as values (1 / x, copysign)
+        return ("float", float.hex(x))
     if isinstance(x, _SCALARS):
         return (type(x).__name__, x)
     if isinstance(x, (torch.Tensor, np.ndarray)):
@@ -382,7 +384,7 @@ def value_key(fn, depth: int = 0):
     kwdefaults = _const(tuple(sorted((fn.__kwdefaults__ or {}).items())), depth)
     g = fn.__globals__
     names = []
-    for n in code.co_names:
+    for n in _global_names(code):
         if n in g:
             k = _const(g[n], depth)
             if k is None:
@@ -390,4 +392,17 @@ def value_key(fn, depth: int = 0):
             names.append((n, k))
     if defaults is None or kwdefaults is None:
         return None
-    return (code, tuple(cells), defaults, kwdefaults, tuple(names))
+    attrs = _const(tuple(sorted(fn.__dict__.items())), depth) if fn.__dict__ else ()  # a function used as a
+    if attrs is None:  # settings holder (fn.W = 4): its attributes are read like globals
+        return None
+    return (code, tuple(cells), defaults, kwdefaults, tuple(names), attrs)
+
+
+def _global_names(code) -> tuple:
+    """The names ``code`` and the functions nested in it (lambdas, comprehensions: code objects among its
+    constants) may read as globals or attributes."""
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names.extend(_global_names(c))
+    return tuple(dict.fromkeys(names))

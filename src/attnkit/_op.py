@@ -523,8 +523,9 @@ def _step_signature(q, k, v, tensors, ints, floats, key, scale):
     live = _live_key(key)
     if live is None:
         return None
-    return (key, tuple(ints), tuple(floats), tuple(parts), live, q.shape, k.shape, v.shape, q.dtype, k.dtype,
-            v.dtype, scale, torch.get_num_threads())
+    # floats by their bits: 0.0 and -0.0 are equal numbers but not equal values (copysign, 1 / x)
+    return (key, tuple(ints), tuple(float.hex(float(f)) for f in floats), tuple(parts), live, q.shape, k.shape,
+            v.shape, q.dtype, k.dtype, v.dtype, scale, torch.get_num_threads())
 
 
 _FN_NUMS: dict[str, tuple[int, ...]] = {}  # key -> the user functions (registry numbers) its mask and score name
@@ -573,7 +574,7 @@ def _live_key(key: str):
         if n >= len(_FNS):  # not registered in this process: the full path says so
             return None
         code, g, _, cells, defaults, _ = _FNS[n]
-        for name in code.co_names:
+        for name in _mods._global_names(code):  # nested lambdas and comprehensions included
             if name in g:
                 c = _mods._const(g[name], 0)
                 if c is None:

@@ -76,6 +76,10 @@ def _check_int(name: str, value, minimum: int) -> int:
     return value
 
 
+def _no_key(self):
+    return None
+
+
 class Mask:
     """Base class of attnkit masks. Subclasses define ``bind(L, S)``.
 
@@ -92,8 +96,15 @@ class Mask:
         Built-in masks are immutable values (they copy their data at construction), so the
         object itself is the key. An opaque ``mask_mod`` has a key only when everything it
         reads besides its indices is an immutable value (see ``attnkit._mods.value_key``).
+        A subclass written outside attnkit has none unless it defines its own: its state, and
+        what it overrides, are its own (an inherited key would name another mask's tiles).
         """
         return self
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls.__module__.startswith("attnkit.") and "cache_key" not in cls.__dict__:
+            cls.cache_key = _no_key  # type: ignore[method-assign]
 
     def bind(self, L: int, S: int) -> MaskMod:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -734,3 +734,77 @@ def test_a_mod_reading_a_bound_method_is_keyed_by_its_object():
     t[0] = 7  # in place: the bound method's object changed, so does the key
     assert _mods.value_key(lambda b, h, qi, kv: clamp(0, 2)[qi] > kv) != before
     assert _mods.value_key(lambda b, h, qi, kv: torch.where(qi > kv, True, False)) is not None  # a library's
+
+
+_W = 4
+
+
+def test_what_a_mod_reads_anywhere_is_in_its_key(spy):
+    """Found in review, each a stale replay before the fix: a global read only inside a nested lambda or a
+    comprehension; a function used as a settings holder (``cfg.W``); 0.0 against -0.0 in a closure (equal numbers,
+    different values: ``copysign``); a subclass of a built-in score mod or mask inheriting its key."""
+    global _W
+    import math
+
+    g = torch.Generator().manual_seed(29)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    tol = budget(torch.float32, 16, 40, 4.0)
+
+    def check(**kw):
+        with torch.no_grad():
+            for _ in range(2):
+                out = attnkit.attention(q, k, v, **kw)
+                ref, _ = golden(q, k, v, **kw)
+                assert (out.double() - ref).abs().max().item() <= tol, kw
+
+    def nested(b, h, qi, kv):
+        inner = lambda d: d <= _W  # noqa: E731  # _W read only by the inner lambda
+        return inner((qi - kv).abs())
+
+    def cfg():
+        pass
+
+    old = _W
+    try:
+        for w in (4, 30):
+            _W = w
+            check(mask=nested)
+            cfg.W = w  # type: ignore[attr-defined]
+            check(mask=lambda b, h, qi, kv: (qi - kv).abs() <= cfg.W)
+    finally:
+        _W = old
+    for zero in (0.0, -0.0):
+        check(mask=(lambda z: lambda b, h, qi, kv: (qi - kv) * math.copysign(1.0, z) >= 0)(zero))
+        check(causal=True, score_mod=(lambda z: lambda s, b, h, qi, kv: s * math.copysign(1.0, z))(zero))
+
+    class Flip(score_mods.Softcap):
+        def __call__(self, s, b, h, q_idx, kv_idx):
+            return -self.cap * torch.tanh(s / self.cap)
+
+    class Shifted(masks.Causal):
+        def bind(self, L, S):
+            return lambda b, h, qi, kv: kv <= qi - 2
+
+    check(causal=True, score_mod=score_mods.softcap(2.0))
+    check(causal=True, score_mod=Flip(2.0))
+    assert Flip(2.0).cache_key() is None and Shifted().cache_key() is None
+    assert score_mods.softcap(0.0 + 2.0).cache_key() is not None
+
+
+def test_a_block_masks_plan_reads_this_calls_mask_mod():
+    """A BlockMask's plan is kept under its content; a later BlockMask of the same content gets a plan around *its*
+    mask_mod, not the first one's (which read a tensor edited in place since: a stale answer before the fix)."""
+    g = torch.Generator().manual_seed(30)
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=g) for _ in range(3))
+    doc1 = torch.tensor([0] * 50 + [1] * 78)
+    bm1 = attnkit.create_block_mask(lambda b, h, qi, kv: doc1[qi] == doc1[kv], None, None, 128, 128, BLOCK_SIZE=64)
+    with torch.no_grad():
+        attnkit.flex_attention(q, k, v, block_mask=bm1)
+        doc2 = doc1.clone()
+        doc1[:] = torch.tensor([0] * 100 + [1] * 28)  # the first mod now reads other ids
+        bm2 = attnkit.create_block_mask(lambda b, h, qi, kv: doc2[qi] == doc2[kv], None, None, 128, 128,
+                                        BLOCK_SIZE=64)
+        for _ in range(2):
+            out = attnkit.flex_attention(q, k, v, block_mask=bm2)
+            ref, _ = golden(q, k, v, mask=bm2)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 128)
