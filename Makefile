@@ -21,9 +21,11 @@ LINTED  := src tests benchmarks examples tools
 
 # The transformers tests run twice in `make test`: in .venv on the pinned transformers (constraints.txt), and in
 # a second small venv on the newest release (constraints-transformers-next.txt: those pins replace
-# constraints.txt's, the rest is shared): torch from the same source (tools/install-torch.sh), transformers,
-# pytest and the bundled model; attnkit itself from src/ (its compiled kernel too: same Python, no rebuild).
-# Inside .venv, so `make clean` removes it and git ignores it.
+# constraints.txt's, the rest is shared): its own transformers (and any dependency whose pin differs), everything
+# else (torch, the bundled model, pytest) read from .venv's site-packages, named by a .pth file after its own
+# (a path, not a site dir: .venv's own .pth files, attnkit's editable install among them, are not run); attnkit
+# itself from src/ (its compiled kernel too: same Python, no rebuild). Inside .venv, so `make clean` removes it
+# and git ignores it.
 VENV_NEXT  ?= $(VENV)/tf-next
 BIN_NEXT   := $(VENV_NEXT)/bin
 STAMP_NEXT := $(VENV_NEXT)/.attnkit-tf-next
@@ -96,9 +98,11 @@ $(STAMP_NATIVE): $(STAMP) $(NATIVE_SRC)
 	touch $@
 
 # constraints.txt with the lines of the packages constraints-transformers-next.txt pins dropped, then those pins
-$(STAMP_NEXT): constraints.txt constraints-transformers-next.txt tools/install-torch.sh Makefile
+$(STAMP_NEXT): $(STAMP) constraints.txt constraints-transformers-next.txt tools/install-torch.sh Makefile
 	@echo "==> the newest transformers: $(VENV_NEXT) ($$(grep -i '^transformers==' constraints-transformers-next.txt))"
 	test -x $(BIN_NEXT)/python || $(PY) -m venv $(VENV_NEXT)
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	  "$$($(BIN_NEXT)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/attnkit-shared-venv.pth"
 	sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' constraints-transformers-next.txt > $(CONS_NEXT).names
 	{ grep -v -i -f $(CONS_NEXT).names constraints.txt; cat constraints-transformers-next.txt; } > $(CONS_NEXT)
 	CONSTRAINTS=$(CONS_NEXT) bash tools/install-torch.sh $(BIN_NEXT)/python

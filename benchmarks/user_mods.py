@@ -1,7 +1,7 @@
 """Small calls with the user's own code: a ``mask_mod``, a ``score_mod``, FlexAttention's ``BlockMask``, against
 SDPA and attnkit's built-in mask on the same call.
 
-    python benchmarks/user_mods.py [--repeats 500] [--compile]
+    python benchmarks/user_mods.py [--repeats 500] [--compile] [--train]
 
 Each row is one way to write the same call; a model makes it at every layer of every step, building its mask or
 mod anew each time as models do (``from_mod(lambda ...)`` inside the loop), so what a call costs around the kernel
@@ -14,6 +14,9 @@ A second table: one decode step (L = 1 over S = 2048 cached keys, GQA 8 / 2) wit
 ``mask_mod`` (a window; a window per head; holes read from a tensor of valid keys), against attnkit's built-in
 window and against SDPA given the same mask as a dense bool tensor built once, outside the timing (what a user who
 had the tensor already would call).
+
+``--train`` adds a table of forward + backward steps (``out.sum().backward()``, inputs that require grad) at
+(2, 4, 64, 16): the same rows, SDPA's autograd as the peer.
 
 ``--compile`` adds the same calls inside a ``torch.compile``-d function (inductor, ``fullgraph=True``; attnkit
 runs as its torch op there, see ``attnkit._op``), SDPA compiled too; their ratios are against eager SDPA as well.
@@ -98,10 +101,26 @@ def _decode_rows(S: int = 2048):
     return rows
 
 
-def _table(rows, repeats: int, title: str, base) -> None:
+def _train_rows():
+    q, k, v = (torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
+
+    def step(f):
+        return lambda: f().sum().backward()
+
+    return {
+        "SDPA is_causal": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "attnkit causal=True": step(lambda: attnkit.attention(q, k, v, causal=True)),
+        "mask=lambda (a bare mask_mod)": step(lambda: attnkit.attention(q, k, v, mask=_causal_mod)),
+        "causal + score_mod=lambda softcap": step(lambda: attnkit.attention(q, k, v, causal=True, score_mod=_softcap)),
+        "causal + score_mods.softcap(20)":
+            step(lambda: attnkit.attention(q, k, v, causal=True, score_mod=score_mods.softcap(20.0))),
+    }
+
+
+def _table(rows, repeats: int, title: str, base, grad: bool = False) -> None:
     """Time ``rows`` interleaved; ``base(name)``: the row each row's ratio divides (its peer's time / its own)."""
     ts: dict[str, list[float]] = {n: [] for n in rows}
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for f in rows.values():  # warm: each signature learned once (and compiled)
             for _ in range(3):
                 f()
@@ -123,6 +142,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=500)
     ap.add_argument("--compile", action="store_true", help="also the calls inside torch.compile (inductor)")
+    ap.add_argument("--train", action="store_true", help="also forward + backward steps at L = 64")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     print(f"auto's table: {_calibrate.crossovers().source}; {torch.get_num_threads()} threads\n")
@@ -132,6 +152,9 @@ def main(argv=None) -> int:
         if a.compile:
             rows.update(_compiled(q, k, v))
         _table(rows, a.repeats, f"(B, H, L, D) = ({B}, {H}, {L}, {D}), causal", lambda n: "SDPA is_causal")
+    if a.train:
+        _table(_train_rows(), a.repeats, "forward + backward, (B, H, L, D) = (2, 4, 64, 16), causal",
+               lambda n: "SDPA is_causal", grad=True)
     rows = _decode_rows()
     _table(rows, a.repeats, "decode: L = 1 over S = 2048 keys, GQA 8 / 2, D = 64",
            lambda n: "SDPA, dense mask of " + (n.split(", ", 1)[1] if n.startswith("attnkit, ") else
