@@ -136,7 +136,7 @@ def _learn(key, q, k, v, mask, causal, scale, score_mod):
     replay = getattr(d.kernel, "replay", None)
     run = None if replay is None or req.input_rank != 4 or req.numpy_in else replay(req, mask)
     _REPLAY[key] = run
-    if isinstance(key[_MASK_AT], _masks.Mask) or _holds_data(key[_MASK_AT]) or _holds_data(key[_SCORE_AT]):
+    if isinstance(key[_MASK_AT], _masks.Mask) or _mods.holds_data(key[_MASK_AT]) or _mods.holds_data(key[_SCORE_AT]):
         # keyed by a tensor's identity or content (a document's ids, a mod reading the batch's lengths): a few kept
         _BY_IDENTITY.append(key)
         if len(_BY_IDENTITY) > _BY_IDENTITY_MAX:
@@ -144,15 +144,6 @@ def _learn(key, q, k, v, mask, causal, scale, score_mod):
     if len(_REPLAY) > _REPLAY_MAX:
         _REPLAY.popitem(last=False)
     return run
-
-
-def _holds_data(k) -> bool:
-    """Whether a mask's key holds a tensor's or an array's content (see ``attnkit._mods.value_key``)."""
-    if type(k) is not tuple:
-        return False
-    if len(k) == 4 and k[0] in ("tensor", "ndarray"):
-        return True
-    return any(_holds_data(x) for x in k)
 
 
 def clear() -> None:

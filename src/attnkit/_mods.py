@@ -384,7 +384,10 @@ def value_key(fn, depth: int = 0):
     kwdefaults = _const(tuple(sorted((fn.__kwdefaults__ or {}).items())), depth)
     g = fn.__globals__
     names = []
-    for n in _global_names(code):
+    every = _global_names(code)
+    if _RANDOM.intersection(every):  # it draws random numbers: no two calls are the same mask or score
+        return None
+    for n in every:
         if n in g:
             k = _const(g[n], depth)
             if k is None:
@@ -396,6 +399,22 @@ def value_key(fn, depth: int = 0):
     if attrs is None:  # settings holder (fn.W = 4): its attributes are read like globals
         return None
     return (code, tuple(cells), defaults, kwdefaults, tuple(names), attrs)
+
+
+# names whose call draws random numbers (torch.rand, np.random.uniform, random.random, t.normal_, dropout, ...)
+_RANDOM = frozenset(("rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+                     "multinomial", "normal", "poisson", "random", "uniform", "uniform_", "normal_", "random_",
+                     "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_", "dropout", "choice",
+                     "shuffle", "permutation", "randrange", "gauss"))
+
+
+def holds_data(key) -> bool:
+    """Whether a content key holds a tensor's or an array's content (its data, not only code and numbers)."""
+    if type(key) is not tuple:
+        return False
+    if len(key) == 4 and key[0] in ("tensor", "ndarray"):
+        return True
+    return any(holds_data(x) for x in key)
 
 
 def _global_names(code) -> tuple:

@@ -808,3 +808,28 @@ def test_a_block_masks_plan_reads_this_calls_mask_mod():
             out = attnkit.flex_attention(q, k, v, block_mask=bm2)
             ref, _ = golden(q, k, v, mask=bm2)
             assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 128)
+
+
+def test_random_mods_have_no_key_and_tensor_reading_masks_are_not_replayed_with_gradients(spy):
+    """A mod drawing random numbers is no value (each call another mask): it has no key. With gradients the replay
+    keeps the first call's request, whose mask object the backward's exact-rows fix reads: a mask reading a tensor
+    (which may be edited in place between calls) is not replayed then; without gradients it is (its tiles are
+    copies keyed by content)."""
+    from attnkit import _mods
+
+    assert _mods.value_key(lambda b, h, qi, kv: torch.rand(()) > 0.5) is None
+    assert _mods.value_key(lambda s, b, h, qi, kv: s + torch.randn_like(s)) is None
+    assert _mods.value_key(lambda b, h, qi, kv: torch.randint(0, 2, ()) > 0) is None
+    _kernel_or_skip()
+    ids = torch.tensor([0] * 30 + [1] * 40)
+    mod = masks.from_mod(lambda b, h, qi, kv: (ids[qi] == ids[kv]) & (kv <= qi))
+    g = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(1, 2, 70, 16, generator=g, requires_grad=True) for _ in range(3))
+    for grad, want in ((True, False), (False, True)):
+        with torch.set_grad_enabled(grad):
+            for step in range(2):
+                spy.clear()
+                out = attnkit.attention(q, k, v, mask=mod)
+                assert spy == [want], (grad, step)
+                ref, _ = golden(q, k, v, mask=mod)
+                assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 70)

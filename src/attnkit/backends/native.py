@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-from .. import _calibrate, _scoreprog
+from .. import _calibrate, _mods, _scoreprog
 from .. import masks as _masks
 from .. import score_mods as _score_mods
 from . import _native, _softmax, _tilebits, _tiles, tiled
@@ -198,6 +198,9 @@ class Native(Kernel):
                 return out if dt is torch.float32 else out.to(dt)
 
             return run_step
+        if req.mask is not None and type(req.mask) not in _CLOSED_FORM and _mods.holds_data(req.mask.cache_key()):
+            return None  # with gradients the first call's request is kept, and its backward's exact-rows fix reads
+            # the mask object: one reading a tensor (edited since, its content now another key's) is not kept
         if req.score_mod is not None:  # with gradients: replayed only for a program reading no tensor (a soft cap):
             prog = req.memo.get("score_prog")  # its code and numbers are the signature's; a table or ALiBi's slopes
             if prog is None or prog.tables:  # are the first call's objects (the backward's exact-rows fix reads them)
