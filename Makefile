@@ -16,6 +16,13 @@ STAMP_CAL    := $(VENV)/.attnkit-calibrated
 NATIVE_SRC := setup.py $(wildcard src/attnkit/csrc/*.h src/attnkit/csrc/*.cpp)
 # --no-compile: no bytecode for every installed module up front; Python writes it on first import, for the modules
 # that run (a smaller venv and a shorter install; transformers alone ships thousands of modules the demo never uses)
+# -- into one tree inside the venv (PYTHONPYCACHEPREFIX; the checkout gets no __pycache__ folders), and even where the
+# environment sets PYTHONDONTWRITEBYTECODE: without bytecode every process compiles what it imports again (torch,
+# transformers: ~12 s a process here), and `make test` starts dozens of processes (CLI, docs, notebook, ranks).
+# A prefix of your own is kept.
+PYTHONPYCACHEPREFIX ?= $(abspath $(VENV))/pycache
+export PYTHONPYCACHEPREFIX
+unexport PYTHONDONTWRITEBYTECODE
 PIP     := $(BIN)/pip install --disable-pip-version-check --progress-bar on --no-compile -c constraints.txt
 LINTED  := src tests benchmarks examples tools
 

@@ -65,8 +65,6 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.guard import ContextParallelError
-from .transformers._hf import import_transformers
-from .transformers._refusals import UnsupportedModelError, check_uses_attention_interface
 
 __all__ = ["NAME", "prepare", "sync_state", "shard_batch", "causal_lm_loss", "sync_gradients"]
 
@@ -95,6 +93,10 @@ def prepare(model, cp, *, sync: str = "broadcast"):
     Under a data × context mesh only ``cp``'s group is synchronised (DDP broadcasts over the
     data-parallel group). Then registers ``attn_implementation="attnkit_cp"`` (attention and mask
     hook) and switches the model to it."""
+    # transformers (and attnkit's integration of it) only here: a model of your own (attnkit.nn) never imports it
+    from .transformers._hf import import_transformers
+    from .transformers._refusals import UnsupportedModelError, check_uses_attention_interface
+
     transformers, masking_utils = import_transformers()
     cfg = model.config
     name = type(model).__name__
@@ -323,6 +325,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if cp is None:
         raise RuntimeError(f"{where}: attn_implementation={NAME!r} needs the model wired to a ContextParallel: "
                            "call attnkit.integrations.context_parallel.prepare(model, cp) first.")
+    from .transformers._refusals import UnsupportedModelError  # loaded by prepare(): a dictionary lookup
+
     if kwargs.get("sliding_window") is not None:
         raise UnsupportedModelError(f"{where}: a sliding-window layer (window {kwargs['sliding_window']}); the "
                                     "ContextParallel's mask is fixed at construction. Use a model without sliding "
