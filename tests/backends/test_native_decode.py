@@ -13,6 +13,7 @@ fp32 budget ``16 eps (sqrt(D) + sqrt(S))`` against float64 math on the same (rou
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -90,6 +91,40 @@ def test_decode_matches_float64(L, S, H, Hkv):
     for kind in ("causal", "window_padding", "dead_rows"):
         lo, hi = _intervals(kind, B, L, S)
         _check(q, k, v, lo, hi, f"{kind} L={L} S={S} H={H} Hkv={Hkv}")
+
+
+@contextlib.contextmanager
+def _order(order):
+    """The decode's read order forced (-1 per call, 0 register-blocked, 1 memory order), restored after."""
+    lib = _native._require()
+    assert lib.ak_set_decode_order(order) == order
+    try:
+        yield
+    finally:
+        lib.ak_set_decode_order(-1)
+
+
+@pytest.mark.parametrize("rows", range(1, 10))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_both_read_orders_give_the_same_bits_at_every_unit_size(rows, dtype):
+    """Calls of K + V >= 8 MiB in units of 1..8 rows read K and V in memory order (dots_keys / pv_keys), the rest
+    register-blocked: the same sums in the same order, so the same bits, at every unit size (9 rows: the
+    register-blocked order either way), a head dim off the vector width (a summed tail), a value dim widened per
+    tile, a strided cache; and within the budget of float64."""
+    H, L = (rows, 1) if rows % 2 else (rows // 2, 2)
+    for D, Dv in ((33, 17), (64, 64)):
+        q, k, v = _qkv(2, H, 1, L, 300, D, Dv)
+        big_k = torch.zeros(2, 1, 400, D + 3)
+        big_k[:, :, :300, :D] = k
+        k = big_k[:, :, :300, :D]  # a view into a bigger cache (row stride D + 3)
+        if dtype is not torch.float32:
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        lo, hi = _intervals("window_padding", 2, L, 300)
+        with _order(0):
+            blocked = _native.decode(q, k, v, lo, hi, D ** -0.5)
+        with _order(1):
+            streamed = _check(q, k, v, lo, hi, f"rows={rows} D={D} Dv={Dv} {dtype}")
+        assert torch.equal(blocked[0], streamed[0]) and torch.equal(blocked[1], streamed[1]), (rows, D, dtype)
 
 
 @pytest.mark.parametrize("D,Dv", [(8, 8), (33, 17), (64, 64), (80, 96), (128, 128)])
@@ -191,7 +226,9 @@ def test_every_instruction_set(isa):
             for (H, Hkv, L, S, D) in ((4, 4, 1, 1000, 24), (8, 2, 3, 700, 40), (8, 1, 16, 65, 33)):
                 q, k, v = _qkv(2, H, Hkv, L, S, D, dtype=dtype)
                 lo, hi = _intervals("window_padding", 2, L, S)
-                _check(q, k, v, lo, hi, f"{isa} {dtype} H={H} Hkv={Hkv} L={L} S={S} D={D}")
+                for order in (0, 1):  # register-blocked, memory order (units of <= 8 rows)
+                    with _order(order):
+                        _check(q, k, v, lo, hi, f"{isa} {dtype} H={H} Hkv={Hkv} L={L} S={S} D={D} order={order}")
 
 
 def test_same_bits_at_one_and_two_threads_and_on_every_call():

@@ -28,6 +28,10 @@
 
 enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
 
+// The decode's read order (attn_decode.h): -1 chosen per call (the default), 0 register-blocked, 1 memory order
+// (units of up to 8 rows). Set by ak_set_decode_order (tests: both orders give the same bits).
+extern int ak_decode_order;
+
 // Element type of q, k, v (AkCall::dtype): fp32, bf16 or fp16 (the last two widened to fp32 in registers).
 enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
 

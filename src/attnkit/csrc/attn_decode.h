@@ -13,9 +13,13 @@
 //
 // Per item, key tiles of 64: scores q . k by dot products (VW keys at a time, the VW partial sums reduced in
 // registers), scaled, masked to each row's interval, online softmax per row, then acc += P V with V rows
-// broadcast-free (P broadcast, V rows read in place). K and V are read in place at any batch / head / row
-// strides (last dim contiguous); bf16 and fp16 caches are widened to fp32 per vector in registers (bf16:
-// shift left 16; fp16: F16C in the AVX2 / AVX-512 builds, a portable bit conversion in the base build).
+// broadcast-free (P broadcast, V rows read in place). In a call of at least STREAM_BYTES, a unit of up to FEW_ROWS
+// rows reads each key's and value's row through in turn (memory order: the hardware prefetcher follows the
+// stream, so reading overlaps the arithmetic; the register-blocked column order leaves it a stride it does not
+// follow): the same sums in the same order either way, so the same bits. K and V are read in place at any
+// batch / head / row strides (last dim contiguous); bf16 and fp16 caches are widened to fp32 per vector in
+// registers (bf16: shift left 16; fp16: F16C in the AVX2 / AVX-512 builds, a portable bit conversion in the base
+// build).
 // A row that sees no key: out 0, lse -inf. NaN in a row's scores gives NaN there (as in the forward).
 #include "attn_common.h"
 
@@ -48,6 +52,17 @@ static inline vf reduce_lanes(const vf* a) {
 #endif
 }
 
+// A call whose K and V hold at least STREAM_BYTES, in units of at most FEW_ROWS rows (one query row of MHA, a GQA
+// group of up to 8 heads), reads K and V in memory order (dots_keys, pv_keys); smaller calls and more rows use the
+// register-blocked dots_block / pv_block (fewer loads and stores per multiply-add: faster where K and V sit in
+// cache, slower where they stream from memory). On a 2-core AMD EPYC (Zen 3), MHA decode over 65 536 keys: 1.44-1.53
+// -> 1.16-1.27x the time of reading K and V once (GQA 32 / 8: 1.73-2.02 -> 1.48-1.85x); the two orders cross at
+// K + V = 16 MiB of a call repeated on the same cache (below it the cache still holds them), and a model's decode
+// step reads each layer's cache after every other layer's, from memory: 8 MiB. The same sums in the same order
+// either way: the same bits.
+constexpr long FEW_ROWS = 8;
+constexpr long STREAM_BYTES = 8L << 20;
+
 struct Dec {
   long B, H, Hkv, L, S, D, Dv, g;
   long sq[3], sk[3], sv[3];
@@ -58,6 +73,7 @@ struct Dec {
   int threads;
   long chunk;     // keys per chunk (a multiple of BN)
   long rb, nrb;   // rows per unit (<= BM) and units per (batch, kv head)
+  bool stream;    // K and V read in memory order (units of <= FEW_ROWS rows of a call of >= STREAM_BYTES)
   long Dp, Dvp;   // D, Dv rounded up to VW
   const void *q, *k, *v;
 };
@@ -112,14 +128,61 @@ static inline void dots_block(long rows, long D, const float* qb, long ldq, cons
   }
 }
 
+// The VW keys at kr + off[c] against R <= 8 rows, each key's row read through once in turn (memory order: the
+// hardware prefetcher follows it, and the next tile's rows stream in while this one is scored); per (row, key)
+// the same sum in the same order as dots_block (lanes over d, then reduce_lanes)
+template <int R, int DT>
+static inline void dots_keys(long D, const float* qb, long ldq, const void* kr, const long* off, float* sc) {
+  constexpr long esz = DT == AK_F32 ? 4 : 2;
+  const long Df = D / VW * VW;
+  vf part[R][VW];
+#pragma GCC unroll 16
+  for (int c = 0; c < VW; c++) {
+    const char* kc = (const char*)kr + off[c] * esz;
+    vf a[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) a[r] = splat(0.f);
+    for (long d = 0; d < Df; d += VW) {
+      const vf kv = ld<DT>(kc, d);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; r++) a[r] += load(qb + r * ldq + d) * kv;
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) part[r][c] = a[r];
+  }
+  for (int r = 0; r < R; r++) {
+    vf s = reduce_lanes(part[r]);
+    for (long d = Df; d < D; d++)
+      for (int c = 0; c < VW; c++) s[c] += qb[r * ldq + d] * ld1<DT>(kr, off[c] + d);
+    store(sc + r * BN, s);
+  }
+}
+
+template <int DT>
+static inline bool dots_few(long rows, long D, const float* qb, long ldq, const void* kr, const long* off,
+                            float* sc) {
+  switch (rows) {
+    case 1: dots_keys<1, DT>(D, qb, ldq, kr, off, sc); return true;
+    case 2: dots_keys<2, DT>(D, qb, ldq, kr, off, sc); return true;
+    case 3: dots_keys<3, DT>(D, qb, ldq, kr, off, sc); return true;
+    case 4: dots_keys<4, DT>(D, qb, ldq, kr, off, sc); return true;
+    case 5: dots_keys<5, DT>(D, qb, ldq, kr, off, sc); return true;
+    case 6: dots_keys<6, DT>(D, qb, ldq, kr, off, sc); return true;
+    case 7: dots_keys<7, DT>(D, qb, ldq, kr, off, sc); return true;
+    case 8: dots_keys<8, DT>(D, qb, ldq, kr, off, sc); return true;
+    default: return false;
+  }
+}
+
 // kbuf: VW x Dp floats, for widening a bf16 / fp16 key block once when several rows read it
 template <int DT>
-static void dots(long rows, long n, long D, const float* qb, long ldq, const void* kr, long ldk, float* sc,
-                 const Ahead& ahead, float* kbuf, long Dp) {
+static void dots(bool stream, long rows, long n, long D, const float* qb, long ldq, const void* kr, long ldk,
+                 float* sc, const Ahead& ahead, float* kbuf, long Dp) {
   for (long j0 = 0; j0 < n; j0 += VW) {
     prefetch_rows(ahead, j0);
     long off[VW];
     for (int c = 0; c < VW; c++) off[c] = mn<long>(j0 + c, n - 1) * ldk;
+    if (stream && dots_few<DT>(rows, D, qb, ldq, kr, off, sc + j0)) continue;
     if (DT != AK_F32 && rows > 1) {  // widen the VW keys once, then every row reads fp32
       const long Df = D / VW * VW;
       long boff[VW];
@@ -178,9 +241,58 @@ static inline void pv_rows(long n, long N, const float* P, const void* vr, long 
 
 // acc (rows x N, N a multiple of VW) += P (rows x n) . V (n x N); `ahead`: the next tile's V rows to prefetch
 // (by the first group of rows only), or null
+// acc (RR rows, stride lda; N a multiple of VW) += P (RR rows, stride BN; n keys) . V, KJ keys at a time, V's
+// rows read in memory order; per (row, column) the same sums in the same order as pv_block (acc += p_j v_j, j
+// ascending). `ahead`: the next tile's V rows prefetched, KJ rows per KJ keys
+template <int RR, int DT>
+static void pv_keys(long n, long N, const float* P, const void* vr, long ldv, float* acc, long lda,
+                    const Ahead* ahead) {
+  constexpr int KJ = RR >= 4 ? 2 : 4;
+  const long np = ahead ? mn<long>(n, ahead->nk) : 0;
+  long j = 0;
+  for (; j + KJ <= n; j += KJ) {
+    for (long jj = j; jj < mn<long>(j + KJ, np); jj++)
+      for (long x = 0; x < ahead->vbytes; x += 64) __builtin_prefetch(ahead->pv + jj * ahead->ldv + x, 0, 2);
+    vf p[RR][KJ];
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; r++)
+#pragma GCC unroll 4
+      for (int t = 0; t < KJ; t++) p[r][t] = splat(P[r * BN + j + t]);
+    const long o = j * ldv;
+    for (long c = 0; c < N; c += VW) {
+      vf v[KJ];
+#pragma GCC unroll 4
+      for (int t = 0; t < KJ; t++) v[t] = ld<DT>(vr, o + t * ldv + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < RR; r++) {
+        vf a = load(acc + r * lda + c);
+#pragma GCC unroll 4
+        for (int t = 0; t < KJ; t++) a += p[r][t] * v[t];
+        store(acc + r * lda + c, a);
+      }
+    }
+  }
+  for (; j < n; j++) {
+    if (j < np)
+      for (long x = 0; x < ahead->vbytes; x += 64) __builtin_prefetch(ahead->pv + j * ahead->ldv + x, 0, 2);
+    for (long c = 0; c < N; c += VW) {
+      const vf v = ld<DT>(vr, j * ldv + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < RR; r++) store(acc + r * lda + c, load(acc + r * lda + c) + splat(P[r * BN + j]) * v);
+    }
+  }
+}
+
 template <int DT>
-static void pv(long rows, long n, long N, const float* P, const void* vr, long ldv, float* acc, long lda,
-               const Ahead* ahead) {
+static void pv(bool stream, long rows, long n, long N, const float* P, const void* vr, long ldv, float* acc,
+               long lda, const Ahead* ahead) {
+  if (stream) {
+    long r = 0;
+    for (; r + 4 <= rows; r += 4) pv_keys<4, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
+    for (; r + 2 <= rows; r += 2) pv_keys<2, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
+    for (; r < rows; r++) pv_keys<1, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
+    return;
+  }
   long r = 0;
   for (; r + 4 <= rows; r += 4) pv_rows<4, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
   for (; r + 2 <= rows; r += 2) pv_rows<2, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
@@ -240,7 +352,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const long nn = mn<long>(BN, kb - j0 - BN);  // keys of the next tile of this chunk
     const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
                       s.sv[2] * esz, s.D * esz, s.Dv * esz};
-    dots<DT>(rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp);
+    dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp);
     for (long r = 0; r < rows; r++) {
       float* srow = w.sc + r * BN;
       const int32_t a = (int32_t)mx2<long>(w.lo[r], t0), e = (int32_t)mn<long>(w.hi[r], j0 + n);
@@ -282,7 +394,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     }
     const char* vr = vbase + j0 * s.sv[2] * esz;
     if (v_in_place) {
-      pv<DT>(rows, n, s.Dvp, w.sc, vr, s.sv[2], acc, s.Dvp, &ahead);
+      pv<DT>(s.stream, rows, n, s.Dvp, w.sc, vr, s.sv[2], acc, s.Dvp, &ahead);
     } else {  // Dv not a multiple of VW: this tile's V rows widened into a zero-padded buffer
       for (long j = 0; j < n; j++) {
         float* dst = w.vt + j * s.Dvp;
@@ -291,7 +403,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
       }
       for (long j = 0; j < ahead.nk; j++)  // the next tile's V rows (read by this widening, not by pv)
         for (long x = 0; x < ahead.vbytes; x += 64) __builtin_prefetch(ahead.pv + j * ahead.ldv + x, 0, 2);
-      pv<AK_F32>(rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp, nullptr);
+      pv<AK_F32>(s.stream, rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp, nullptr);
     }
   }
 }
@@ -409,6 +521,9 @@ int run_decode(const AkCall* c) {
   s.rb = mn<long>(s.g * s.L, BM);
   s.nrb = (s.g * s.L + s.rb - 1) / s.rb;
   s.Dp = round_up(s.D, VW), s.Dvp = round_up(s.Dv, VW);
+  const long esz = c->dtype == AK_F32 ? 4 : 2;
+  s.stream = s.rb <= FEW_ROWS && (ak_decode_order < 0 ? s.B * s.Hkv * s.S * (s.D + s.Dv) * esz >= STREAM_BYTES
+                                                      : ak_decode_order == 1);
   s.q = c->q, s.k = c->k, s.v = c->v;
   switch (c->dtype) {
     case AK_BF16: return decode_t<AK_BF16>(s, c->out, c->lse);

@@ -31,6 +31,7 @@ static int best_isa() {
 }
 
 static int isa_in_use = -1;
+int ak_decode_order = -1;
 
 #define AK_API __attribute__((visibility("default")))
 
@@ -48,6 +49,12 @@ AK_API int ak_set_isa(int isa) {
 AK_API int ak_isa() {
   if (isa_in_use < 0) isa_in_use = best_isa();
   return isa_in_use;
+}
+
+// The decode's read order: -1 per call (the default), 0 register-blocked, 1 memory order; returns the new setting
+AK_API int ak_set_decode_order(int order) {
+  ak_decode_order = order < -1 || order > 1 ? -1 : order;
+  return ak_decode_order;
 }
 
 AK_API int ak_openmp() {
