@@ -360,6 +360,27 @@ def test_a_real_calibration_keeps_its_budget(cache):
     assert not list(cache.iterdir())
 
 
+@pytest.mark.skipif(not _native.available(), reason="the compiled kernel is not built here: nothing to measure")
+@pytest.mark.parametrize("backward", [False, True])
+def test_the_sdpa_side_is_timed_with_the_check_attnkit_runs_after_it(monkeypatch, backward):
+    """attnkit's SDPA path reads the first column of every output (a zero row may hide a NaN); the kernel path does
+    not: each SDPA round of the measurement runs the same check on SDPA's output, and no kernel round does."""
+    real = _native.zero_first_fn()
+    seen: list[tuple] = []
+
+    def counting(out):
+        seen.append(tuple(out.shape))
+        return real(out)
+
+    monkeypatch.setattr(_native, "zero_first_fn", lambda: counting)
+    clock = iter(float(i) * 1e-3 for i in range(10_000))
+    got = C._measure_point("causal", "float32", 64, backward, deadline=1e9, clock=lambda: next(clock))
+    assert got is not None
+    rounds = got[2]
+    assert seen and all(s == (1, C.H, 64, C.D) for s in seen)
+    assert len(seen) == rounds + 1  # the warm-up and every SDPA round, once each
+
+
 # --- attnkit calibrate --------------------------------------------------------------------------------------
 
 def _cli(capsys, *argv):
