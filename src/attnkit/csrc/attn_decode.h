@@ -55,8 +55,9 @@ static inline vf reduce_lanes(const vf* a) {
 // A call whose K and V hold at least STREAM_BYTES, in units of at most FEW_ROWS rows (one query row of MHA, a GQA
 // group of up to 8 heads), reads K and V in memory order (dots_keys, pv_keys); smaller calls and more rows use the
 // register-blocked dots_block / pv_block (fewer loads and stores per multiply-add: faster where K and V sit in
-// cache, slower where they stream from memory). On a 2-core AMD EPYC (Zen 3), MHA decode over 65 536 keys: 1.44-1.53
-// -> 1.16-1.27x the time of reading K and V once (GQA 32 / 8: 1.73-2.02 -> 1.48-1.85x); the two orders cross at
+// cache, slower where they stream from memory). On a 2-core AMD EPYC (Zen 3), one query over 65 536 keys, MHA:
+// 1.57-1.61 -> 1.22-1.28x the time of reading K and V once in fp32, 1.71-1.72 -> 1.26x in bf16; GQA 32 / 8 fp32 stays
+// 1.85x, its arithmetic not overlapping the reading (benchmarks/decode_splitk.py, BENCHMARKS.md); the orders cross at
 // K + V = 16 MiB of a call repeated on the same cache (below it the cache still holds them), and a model's decode
 // step reads each layer's cache after every other layer's, from memory: 8 MiB. The same sums in the same order
 // either way: the same bits.
@@ -104,6 +105,12 @@ struct Ahead {
 static inline void prefetch_rows(const Ahead& a, long j0) {
   for (long j = j0; j < mn<long>(j0 + VW, a.nk); j++)
     for (long x = 0; x < a.kbytes; x += 64) __builtin_prefetch(a.pk + j * a.ldk + x, 0, 2);
+}
+
+// the next tile's V rows [j0, j1) (those it has), whole
+static inline void prefetch_v(const Ahead& a, long j0, long j1) {
+  for (long j = j0; j < mn<long>(j1, a.nk); j++)
+    for (long x = 0; x < a.vbytes; x += 64) __builtin_prefetch(a.pv + j * a.ldv + x, 0, 2);
 }
 
 // the dot products of rows r < rows with the VW keys at kr + off[c] (lane c of the result)
@@ -239,8 +246,6 @@ static inline void pv_rows(long n, long N, const float* P, const void* vr, long 
   for (; col < N; col += VW) pv_block<RR, 1, DT>(n, P, vr, ldv, col, acc, lda, ahead);
 }
 
-// acc (rows x N, N a multiple of VW) += P (rows x n) . V (n x N); `ahead`: the next tile's V rows to prefetch
-// (by the first group of rows only), or null
 // acc (RR rows, stride lda; N a multiple of VW) += P (RR rows, stride BN; n keys) . V, KJ keys at a time, V's
 // rows read in memory order; per (row, column) the same sums in the same order as pv_block (acc += p_j v_j, j
 // ascending). `ahead`: the next tile's V rows prefetched, KJ rows per KJ keys
@@ -248,11 +253,9 @@ template <int RR, int DT>
 static void pv_keys(long n, long N, const float* P, const void* vr, long ldv, float* acc, long lda,
                     const Ahead* ahead) {
   constexpr int KJ = RR >= 4 ? 2 : 4;
-  const long np = ahead ? mn<long>(n, ahead->nk) : 0;
   long j = 0;
   for (; j + KJ <= n; j += KJ) {
-    for (long jj = j; jj < mn<long>(j + KJ, np); jj++)
-      for (long x = 0; x < ahead->vbytes; x += 64) __builtin_prefetch(ahead->pv + jj * ahead->ldv + x, 0, 2);
+    if (ahead) prefetch_v(*ahead, j, j + KJ);
     vf p[RR][KJ];
 #pragma GCC unroll 4
     for (int r = 0; r < RR; r++)
@@ -273,8 +276,7 @@ static void pv_keys(long n, long N, const float* P, const void* vr, long ldv, fl
     }
   }
   for (; j < n; j++) {
-    if (j < np)
-      for (long x = 0; x < ahead->vbytes; x += 64) __builtin_prefetch(ahead->pv + j * ahead->ldv + x, 0, 2);
+    if (ahead) prefetch_v(*ahead, j, j + 1);
     for (long c = 0; c < N; c += VW) {
       const vf v = ld<DT>(vr, j * ldv + c);
 #pragma GCC unroll 4
@@ -283,20 +285,25 @@ static void pv_keys(long n, long N, const float* P, const void* vr, long ldv, fl
   }
 }
 
+// RR rows of pv: in memory order (pv_keys) or register-blocked (pv_rows)
+template <int RR, int DT>
+static inline void pv_group(bool stream, long n, long N, const float* P, const void* vr, long ldv, float* acc,
+                            long lda, const Ahead* ahead) {
+  if (stream) pv_keys<RR, DT>(n, N, P, vr, ldv, acc, lda, ahead);
+  else pv_rows<RR, DT>(n, N, P, vr, ldv, acc, lda, ahead);
+}
+
+// acc (rows x N, N a multiple of VW) += P (rows x n) . V (n x N), in groups of 4, 2, 1 rows; `ahead`: the next
+// tile's V rows to prefetch (by the first group of rows only), or null
 template <int DT>
 static void pv(bool stream, long rows, long n, long N, const float* P, const void* vr, long ldv, float* acc,
                long lda, const Ahead* ahead) {
-  if (stream) {
-    long r = 0;
-    for (; r + 4 <= rows; r += 4) pv_keys<4, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
-    for (; r + 2 <= rows; r += 2) pv_keys<2, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
-    for (; r < rows; r++) pv_keys<1, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
-    return;
-  }
   long r = 0;
-  for (; r + 4 <= rows; r += 4) pv_rows<4, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
-  for (; r + 2 <= rows; r += 2) pv_rows<2, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
-  for (; r < rows; r++) pv_rows<1, DT>(n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
+  for (; r + 4 <= rows; r += 4)
+    pv_group<4, DT>(stream, n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
+  for (; r + 2 <= rows; r += 2)
+    pv_group<2, DT>(stream, n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
+  for (; r < rows; r++) pv_group<1, DT>(stream, n, N, P + r * BN, vr, ldv, acc + r * lda, lda, r ? nullptr : ahead);
 }
 
 // One thread's buffers: q rows (fp32), scores / probabilities, a converted V tile (only when V cannot be
@@ -401,8 +408,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
         for (long d = 0; d < s.Dv; d++) dst[d] = ld1<DT>(vr, j * s.sv[2] + d);
         fill(dst + s.Dv, dst + s.Dvp, 0.f);
       }
-      for (long j = 0; j < ahead.nk; j++)  // the next tile's V rows (read by this widening, not by pv)
-        for (long x = 0; x < ahead.vbytes; x += 64) __builtin_prefetch(ahead.pv + j * ahead.ldv + x, 0, 2);
+      prefetch_v(ahead, 0, ahead.nk);  // the next tile's V rows (read by this widening, not by pv)
       pv<AK_F32>(s.stream, rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp, nullptr);
     }
   }
