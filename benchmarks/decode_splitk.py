@@ -11,6 +11,10 @@ bf16 caches. Three calls, timed interleaved (one of each in turn), medians:
 * read: ``k.sum()`` then ``v.sum()`` — reading K and V once, the floor of a memory-bound decode step.
 
 "kernel / read" is the goal's ratio (<= 1.25); GB/s is K and V's bytes over each call's time.
+
+``--user``: a second table, MHA fp32, the same step through ``attnkit.attention`` as a user writes it: the
+built-in ``masks.causal()``, the same mask as a ``mask_mod`` (``kv <= q + S - 1``: the query is the last
+position), and a soft-cap ``score_mod`` (the decode entry has none: the forward kernel runs it), each / the read.
 """
 
 from __future__ import annotations
@@ -67,10 +71,34 @@ def _case(name, H, Hkv, S, D, dtype, repeats, g) -> str:
             f"{nbytes / t_ours / 1e9:.1f} | {nbytes / t_read / 1e9:.1f} |")
 
 
+def _user_rows(S: int, D: int, repeats: int, g) -> None:
+    import attnkit
+    from attnkit import masks, score_mods
+
+    H = 8
+    q = torch.randn(1, H, 1, D, generator=g)
+    k = torch.randn(1, H, S, D, generator=g)
+    v = torch.randn(1, H, S, D, generator=g)
+    last = S - 1
+    calls = {
+        "built-in `masks.causal()`": lambda: attnkit.attention(q, k, v, mask=masks.causal()),
+        "`mask_mod`: `kv <= q + S - 1`": lambda: attnkit.attention(q, k, v, mask=lambda b, h, i, j: j <= i + last),
+        "`masks.causal()` + `score_mods.softcap(30)`":
+            lambda: attnkit.attention(q, k, v, mask=masks.causal(), score_mod=score_mods.softcap(30.0)),
+    }
+    times = _bench([*calls.values(), lambda: (k.sum(), v.sum())], repeats)
+    print("\n| MHA 8/8 fp32, through `attnkit.attention` | ms | / read |\n|---|---|---|")
+    for name, t in zip(calls, times[:-1], strict=True):
+        print(f"| {name} | {t * 1e3:.2f} | {t / times[-1]:.2f} |")
+    print(f"| read K+V | {times[-1] * 1e3:.2f} | 1.00 |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--S", type=int, default=65536)
+    ap.add_argument("--user", action="store_true", help="also the step through attnkit.attention: a built-in mask, "
+                    "the same as a mask_mod, a soft-cap score_mod")
     a = ap.parse_args(argv)
     threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
     torch.set_num_threads(threads)
@@ -84,6 +112,8 @@ def main(argv=None) -> int:
     for name, H, Hkv in (("MHA 8/8", 8, 8), ("GQA 32/8", 32, 8)):
         for dtype in (torch.float32, torch.bfloat16):
             print(_case(name, H, Hkv, S, D, dtype, a.repeats, g), flush=True)
+    if a.user:
+        _user_rows(S, D, a.repeats, g)
     return 0
 
 
