@@ -14,7 +14,8 @@ bf16 caches. Three calls, timed interleaved (one of each in turn), medians:
 
 ``--user``: a second table, MHA fp32, the same step through ``attnkit.attention`` as a user writes it: the
 built-in ``masks.causal()``, the same mask as a ``mask_mod`` (``kv <= q + S - 1``: the query is the last
-position), and a soft-cap ``score_mod`` (the decode entry has none: the forward kernel runs it), each / the read.
+position), a soft-cap ``score_mod`` (built-in, and as a user's lambda: a traced program) and ALiBi (its slopes), all
+on the decode entry, and SDPA's plain step for scale (it runs neither score_mod), each / the read.
 """
 
 from __future__ import annotations
@@ -80,11 +81,17 @@ def _user_rows(S: int, D: int, repeats: int, g) -> None:
     k = torch.randn(1, H, S, D, generator=g)
     v = torch.randn(1, H, S, D, generator=g)
     last = S - 1
+    alibi = score_mods.alibi(attnkit.positional.alibi_slopes(H))
     calls = {
         "built-in `masks.causal()`": lambda: attnkit.attention(q, k, v, mask=masks.causal()),
         "`mask_mod`: `kv <= q + S - 1`": lambda: attnkit.attention(q, k, v, mask=lambda b, h, i, j: j <= i + last),
         "`masks.causal()` + `score_mods.softcap(30)`":
             lambda: attnkit.attention(q, k, v, mask=masks.causal(), score_mod=score_mods.softcap(30.0)),
+        "`masks.causal()` + a soft cap as a lambda": lambda: attnkit.attention(
+            q, k, v, mask=masks.causal(), score_mod=lambda s, b, h, i, j: 30.0 * torch.tanh(s / 30.0)),
+        "`masks.causal()` + `score_mods.alibi(slopes)`":
+            lambda: attnkit.attention(q, k, v, mask=masks.causal(), score_mod=alibi),
+        "SDPA, `is_causal=False` (its plain step)": lambda: F.scaled_dot_product_attention(q, k, v),
     }
     times = _bench([*calls.values(), lambda: (k.sum(), v.sum())], repeats)
     print("\n| MHA 8/8 fp32, through `attnkit.attention` | ms | / read |\n|---|---|---|")
@@ -98,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--S", type=int, default=65536)
     ap.add_argument("--user", action="store_true", help="also the step through attnkit.attention: a built-in mask, "
-                    "the same as a mask_mod, a soft-cap score_mod")
+                    "the same as a mask_mod, score_mods (soft cap, ALiBi)")
     a = ap.parse_args(argv)
     threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
     torch.set_num_threads(threads)

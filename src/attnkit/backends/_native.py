@@ -199,13 +199,12 @@ def _call(q, k, v, lo, hi, scale: float, alibi, tiles, prog=None) -> tuple[_Call
     B, H, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     lo, hi, lob = _edges(lo, hi, B, L)
-    ab = _slopes(alibi, H)
     c = _Call(size=ctypes.sizeof(_Call), version=_ABI_VERSION, B=B, H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv,
               lob=lob, threads=torch.get_num_threads(), scale=float(scale), dtype=_DTYPE_CODE[q.dtype])
     c.sq[:], c.sk[:], c.sv[:] = q.stride()[:3], k.stride()[:3], v.stride()[:3]
-    c.q, c.k, c.v, c.alibi = q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(ab)
+    c.q, c.k, c.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     c.lo, c.hi = lo.data_ptr(), hi.data_ptr()
-    keep = [q, k, v, lo, hi, ab]
+    keep = [q, k, v, lo, hi]
     if tiles is not None:
         kinds, idx, bits = tiles.kinds, tiles.index, tiles.bits
         assert kinds.dtype == torch.int8 and idx.dtype == torch.int32 and bits.dtype == torch.int32
@@ -215,6 +214,15 @@ def _call(q, k, v, lo, hi, scale: float, alibi, tiles, prog=None) -> tuple[_Call
         c.tkb, c.tkh = (TH * nq * nk if TB > 1 else 0), (nq * nk if TH > 1 else 0)
         c.tkind, c.tidx, c.tbits = kinds.data_ptr(), idx.data_ptr(), bits.data_ptr()
         keep += [kinds, idx, bits]
+    return c, keep + _score_parts(c, H, alibi, prog)
+
+
+def _score_parts(c: _Call, H: int, alibi, prog) -> list:
+    """Point the record ``c`` at ALiBi's (H,) slopes or a score_mod's program (its code, constants, tables and an
+    out-of-range flag, last in the returned list: :func:`_check_reads` reads it); returns what it points into."""
+    ab = _slopes(alibi, H)
+    c.alibi = _ptr(ab)
+    keep: list = [ab]
     if prog is not None:  # a traced score_mod (attnkit._scoreprog.Program)
         assert alibi is None
         code = prog.code.contiguous()
@@ -226,7 +234,7 @@ def _call(q, k, v, lo, hi, scale: float, alibi, tiles, prog=None) -> tuple[_Call
         c.pconsts, c.ptables, c.ptshape = prog.consts.data_ptr(), ctypes.addressof(ptrs), shape.data_ptr()
         c.perr, c.pntables = err.data_ptr(), len(prog.tables)
         keep += [code, ptrs, shape, prog, err]
-    return c, keep
+    return keep
 
 
 def _check_reads(prog, keep) -> None:
@@ -278,16 +286,18 @@ def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=Fa
     return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog, with_lse=with_lse)
 
 
-def decode_step(q, k, v, lo, hi, chunk: int = 0):
+def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse: bool = False):
     """:func:`decode` for one call signature prepared once (as :func:`forward_step`): returns ``run(q, k, v,
-    scale) -> out`` ((B, H, L, Dv) fp32) for inputs of these shapes and dtypes at any strides."""
+    scale) -> out`` ((B, H, L, Dv) fp32) for inputs of these shapes and dtypes at any strides. ``alibi`` /
+    ``prog``: as :func:`decode` (kept by the prepared call). ``with_lse``: ``run`` returns ``(out, lse)``."""
     lib = _require()
     c0 = _decode_call(q, k, v, lo, hi, 1.0, chunk, torch.get_num_threads())
     if v.shape[2] != k.shape[2] or not (lo.is_contiguous() and hi.is_contiguous()):
         raise ValueError(f"decode: k and v must hold the same S keys and lo / hi be contiguous; got k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     c0.lo, c0.hi = lo.data_ptr(), hi.data_ptr()
-    return _stepper(lib.ak_decode, c0, [lo, hi], q, k, v, need_lse=False)
+    keep = [lo, hi, *_score_parts(c0, q.shape[1], alibi, prog)]
+    return _stepper(lib.ak_decode, c0, keep, q, k, v, need_lse=with_lse, prog=prog, with_lse=with_lse)
 
 
 def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False):
@@ -435,7 +445,7 @@ def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int):
     return rec
 
 
-def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True):
+def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True, alibi=None, prog=None):
     """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32, or None when not ``need_lse``) of attention for a few query
     rows over a key/value cache, on the compiled kernel's decode entry (csrc/attn_decode.h): the g = H / Hkv
     query heads of a kv head read its K and V once, and long caches are split over the threads (split-K, exact
@@ -446,11 +456,17 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True)
     bigger preallocated cache is read in place); 1 <= L <= 64; H a multiple of Hkv. lo, hi: int32 contiguous
     (1 or B, L): query row i sees keys lo <= j < hi (bottom-right causal, windows, padding: the masks'
     ``row_intervals``). A row that sees no key: out 0, lse -inf. ``chunk``: keys per split-K chunk (a multiple
-    of 64), 0 to let the kernel choose from S. No autograd, no score_mod / ALiBi / tile map (the forward has them).
+    of 64), 0 to let the kernel choose from S. ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)``, or
+    ``prog``: a traced score_mod (:class:`attnkit._scoreprog.Program`, query index ``0 … L-1``) run on the scaled
+    scores before the mask, as in :func:`forward`. No autograd, no tile map (the forward has them).
 
     Per call only S, K / V strides, the pointers and the outputs are written (one block of the record), into a
     record prepared once per signature (q's shape and strides, dtypes, B / Hkv / D / Dv, lo / hi shapes, scale,
     chunk, threads) and kept per thread."""
+    if alibi is not None or prog is not None:  # the record points at them: prepared for this call only
+        if not need_lse:
+            return decode_step(q, k, v, lo, hi, chunk, alibi, prog)(q, k, v, scale), None
+        return decode_step(q, k, v, lo, hi, chunk, alibi, prog, with_lse=True)(q, k, v, scale)
     ksh, vsh = k.shape, v.shape
     key = (q.shape, q.stride(), q.dtype, k.dtype, v.dtype, ksh[0], ksh[1], ksh[3], vsh[0], vsh[1], vsh[3],
            lo.shape, hi.shape, scale, chunk, torch.get_num_threads())

@@ -76,6 +76,24 @@ def _alibi(req: Request):
     return None
 
 
+def _score_program(req: Request) -> str | None:
+    """Leave a score_mod's traced program in ``req.memo["score_prog"]`` (none for ALiBi with fixed slopes: the
+    kernel adds its bias); the reason when the kernel's programs cannot run it, else None."""
+    if req.score_mod is None or _alibi(req) is not None or "score_prog" in req.memo:
+        return None
+    B, H, L, S, *_ = req.shape
+    try:
+        prog = _scoreprog.compile_score_mod(req.score_mod, B, H, L, S)
+    except _scoreprog.Refused as e:
+        return f"a score_mod the kernel's programs do not cover: {e}"
+    learned = {id(t) for t in prog.grad_of if t is not None}
+    if any(id(t) not in learned for t in req.grad_tensors):
+        return ("a score_mod tensor that requires grad but is not read as a table (e.g. a copy made inside "
+                "the score_mod): the kernel could not return its gradient")
+    req.memo["score_prog"] = prog
+    return None
+
+
 def _kernel_off(req: Request, dtype_why: str) -> list[str]:
     """What keeps both of the compiled kernel's entries off a call: the switch, the device, the dtype."""
     why: list[str] = []
@@ -121,16 +139,9 @@ class Native(Kernel):
         if why:
             return why
         B, H, L, S, *_ = req.shape
-        if req.score_mod is not None and _alibi(req) is None and "score_prog" not in req.memo:
-            try:
-                prog = _scoreprog.compile_score_mod(req.score_mod, B, H, L, S)
-            except _scoreprog.Refused as e:
-                return [f"a score_mod the kernel's programs do not cover: {e}"]
-            learned = {id(t) for t in prog.grad_of if t is not None}
-            if any(id(t) not in learned for t in req.grad_tensors):
-                return ["a score_mod tensor that requires grad but is not read as a table (e.g. a copy made inside "
-                        "the score_mod): the kernel could not return its gradient"]
-            req.memo["score_prog"] = prog
+        refused = _score_program(req)
+        if refused:
+            return [refused]
         if req.plan is not None and "tile_bits" not in req.memo and "row_intervals" not in req.memo:
             try:  # its tiles as given (a BlockMask's), the mask evaluated in the partial ones
                 tb = _tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S)
@@ -248,7 +259,8 @@ class NativeDecode(Kernel):
     """The compiled kernel's decode entry (:func:`attnkit.backends._native.decode`): a few query rows over a
     key/value cache, the g query heads of a kv head packed as rows that read its K and V once, long caches
     split over the threads (split-K, exact lse merge), strided / bf16 / fp16 caches read in place. Inference
-    only (no autograd), built-in masks given as row intervals."""
+    only (no autograd); a mask as row intervals (a built-in's, or read off a ``mask_mod``'s tile map), a
+    score_mod as its traced program or ALiBi's slopes (as the forward)."""
 
     name = "native-decode"
     backend = "tiled"
@@ -266,12 +278,15 @@ class NativeDecode(Kernel):
             why.append(f"L = {L} > {DECODE_ROWS} query rows (not a decode step: the forward's tiles)")
         if req.requires_grad():
             why.append("a gradient is wanted (the decode entry is inference only)")
-        if req.score_mod is not None or req.bias is not None or req.dense_mask is not None or req.plan is not None:
-            why.append("a score_mod, tensor mask or plan (the decode entry takes a mask as row intervals)")
+        if req.bias is not None or req.dense_mask is not None or req.plan is not None:
+            why.append("a tensor mask or plan (the decode entry takes a mask as row intervals)")
         if req.dropout_p > 0:
             why.append("dropout (the compiled kernel has none)")
         if why:
             return why
+        refused = _score_program(req)  # a score_mod: its program (or ALiBi's slopes), as the forward
+        if refused:
+            return [refused]
         if "row_intervals" not in req.memo:
             mask = req.mask if req.mask is not None else _FULL
             iv = _row_intervals(mask, B, L, S)
@@ -294,12 +309,16 @@ class NativeDecode(Kernel):
 
     def why(self, req: Request) -> str:
         B, H, L, S, D, Dv, Hkv = req.shape
+        prog = req.memo.get("score_prog")
+        mod = (f", the score_mod run as a {len(prog.ops)}-instruction program" if prog is not None
+               else ", ALiBi's bias added" if _alibi(req) is not None else "")
         return (f"attnkit's compiled kernel, decode entry ({_native.isa()}): {H // Hkv * L} rows per kv head "
-                "against its K/V read once, split-K over the threads with an exact lse merge")
+                f"against its K/V read once, split-K over the threads with an exact lse merge{mod}")
 
     def run(self, req: Request):
         lo, hi = req.memo["row_intervals"]
-        out, lse = _native.decode(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi, req.scale, need_lse=req.need_lse)
+        out, lse = _native.decode(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi, req.scale, need_lse=req.need_lse,
+                                  alibi=_alibi(req), prog=req.memo.get("score_prog"))
         return out.to(req.q.dtype), lse
 
     def replay(self, req: Request, user_mask):
@@ -310,8 +329,12 @@ class NativeDecode(Kernel):
         lo, hi = req.memo["row_intervals"]
         default = req.scale
         dt = req.q.dtype
-        # the record for this signature, built once: a call writes strides, pointers and scale (rows read in place)
-        step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi)
+        # the record for this signature, built once: a call writes strides, pointers and scale (rows read in place);
+        # a score_mod's program (its tables its own copies) or ALiBi's slopes, copied: the record outlives the call
+        alibi = _alibi(req)
+        step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi,
+                                   alibi=None if alibi is None else alibi.detach().clone(),
+                                   prog=req.memo.get("score_prog"))
 
         def run(q, k, v, mask, scale):
             out = step(q, k, v, default if scale is None else scale)

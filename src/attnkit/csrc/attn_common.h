@@ -43,7 +43,8 @@ enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
 // query row of a tile, keys 0-31 in plane 0 and 32-63 in plane 1, bit set = attend. With a tile map the
 // intervals only bound the keys (the caller passes [0, S)).
 // Decode (ak_decode): the same record, with dtype (q, k, v's element type: AK_F32 / AK_BF16 / AK_F16) and chunk
-// (keys per split-K chunk, a multiple of 64; 0: chosen from S); no tile map, ALiBi or program; writes out, lse.
+// (keys per split-K chunk, a multiple of 64; 0: chosen from S); no tile map; ALiBi's slopes or a score_mod
+// program as in the forward (no table gradients); writes out, lse.
 // The forward and the backward take the same three dtypes (q, k, v and dout alike; widened per tile) and write
 // fp32 (out, lse, dq, dk, dv); fwd_out, fwd_lse and dlse are fp32.
 struct AkCall {

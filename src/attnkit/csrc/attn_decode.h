@@ -12,7 +12,7 @@
 // depends on S only (never on the thread count), so the result is the same bits at any thread count.
 //
 // Per item, key tiles of 64: scores q . k by dot products (VW keys at a time, the VW partial sums reduced in
-// registers), scaled, masked to each row's interval, online softmax per row, then acc += P V with V rows
+// registers), scaled (then ALiBi's bias or a score_mod's program, as the forward), masked to each row's interval, online softmax per row, then acc += P V with V rows
 // broadcast-free (P broadcast, V rows read in place). In a call of at least STREAM_BYTES, a unit of up to FEW_ROWS
 // rows reads each key's and value's row through in turn (memory order: the hardware prefetcher follows the
 // stream, so reading overlaps the arithmetic; the register-blocked column order leaves it a stride it does not
@@ -75,6 +75,8 @@ struct Dec {
   long chunk;     // keys per chunk (a multiple of BN)
   long rb, nrb;   // rows per unit (<= BM) and units per (batch, kv head)
   bool stream;    // K and V read in memory order (units of <= FEW_ROWS rows of a call of >= STREAM_BYTES)
+  const float* alibi;  // (H,) ALiBi slopes: score + slope[h] * (kv - q), or null
+  const Prog* prog;    // a score_mod program run on the scaled scores (before the mask, as the forward), or null
   long Dp, Dvp;   // D, Dv rounded up to VW
   const void *q, *k, *v;
 };
@@ -311,16 +313,37 @@ static void pv(bool stream, long rows, long n, long N, const float* P, const voi
 // intervals. Kept between calls (thread_local arena).
 struct DecBufs {
   float *qb, *sc, *vt, *kb;
-  int32_t *lo, *hi;
+  int32_t *lo, *hi, *regs;  // regs: the score_mod program's registers (regs x SL words), or none
 };
 
 static bool dec_bufs(const Dec& s, DecBufs& w) {
   const long nf = s.rb * s.Dp + s.rb * BN + BN * s.Dvp + VW * s.Dp;
-  float* p = scratch<float>(5, nf + 2 * s.rb);
+  const long nr = s.prog ? s.prog->regs * SL : 0;
+  float* p = scratch<float>(5, nf + 2 * s.rb + nr);
   if (!p) return false;
   w.qb = p, w.sc = p + s.rb * s.Dp, w.vt = w.sc + s.rb * BN, w.kb = w.vt + BN * s.Dvp;
-  w.lo = (int32_t*)(w.kb + VW * s.Dp), w.hi = w.lo + s.rb;
+  w.lo = (int32_t*)(w.kb + VW * s.Dp), w.hi = w.lo + s.rb, w.regs = w.hi + s.rb;
   return true;
+}
+
+// A row's scores of keys [j0, j0 + n) made final in place, before its mask: scaled, then ALiBi's bias or the
+// score_mod's program (query index i of L, key indices j0 + lane; the same order of operations as the forward's
+// tiles). The program runs on all BN lanes: those past n first take key n - 1's score (its kv index clamped to
+// S - 1 by prog_run), so no lane holds a stale value from another tile
+static inline void modded(const Dec& s, float* srow, long n, long b, long h, long i, long j0, int32_t* regs) {
+  const vf scv = splat(s.scale);
+  const long nv = round_up(n, VW);
+  if (s.prog) {
+    for (long j = 0; j < nv; j += VW) store(srow + j, load(srow + j) * scv);
+    for (long j = n; j < BN; j++) srow[j] = srow[n - 1];
+    std::memcpy(srow, prog_run(*s.prog, regs, srow, b, h, i, 0, s.L - 1, j0, 1, s.S - 1), BN * 4);
+    return;
+  }
+  const vf sl = splat(s.alibi[h]);
+  for (long j = 0; j < nv; j += VW) {  // the offset kv - q in integers first, as the forward and the reference
+    const vi kq = splati((int32_t)(j0 + j - i)) + iota();
+    store(srow + j, load(srow + j) * scv + sl * __builtin_convertvector(kq, vf));
+  }
 }
 
 // One item: chunk c of unit u; leaves m, l (rows) and acc (rows x Dvp) at part.
@@ -350,6 +373,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
   const char* vbase = (const char*)s.v + (b * s.sv[0] + hk * s.sv[1]) * esz;
   const bool v_in_place = s.Dvp == s.Dv;
   const vf scv = splat(s.scale), l2e = splat(LOG2E);
+  const bool mod = s.prog || s.alibi;
   for (long j0 = ka / BN * BN; j0 < kb; j0 += BN) {
     const long n = mn<long>(BN, kb - j0);  // keys [j0, j0 + n); kb <= S
     const long t0 = mx2<long>(j0, ka);      // the first chunk's tile may start before ka
@@ -367,12 +391,13 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
         fill(srow, srow + n, 0.f);
         continue;
       }
+      if (mod) modded(s, srow, n, b, hk * s.g + (r0 + r) / s.L, (r0 + r) % s.L, j0, w.regs);
       const bool full = a == j0 && e == j0 + n;
       const vi av = splati(a), ev = splati(e);
       const long nv = round_up(n, VW);
       vf mxv = splat(NEG_INF);
       for (long j = 0; j < nv; j += VW) {
-        vf x = load(srow + j) * scv;
+        vf x = mod ? load(srow + j) : load(srow + j) * scv;
         if (!full || j + VW > n) {
           const vi jj = splati((int32_t)(j0 + j)) + iota();
           x = ((jj >= av) & (jj < ev)) ? x : splat(NEG_INF);
@@ -531,6 +556,14 @@ int run_decode(const AkCall* c) {
   s.stream = s.rb <= FEW_ROWS && (ak_decode_order < 0 ? s.B * s.Hkv * s.S * (s.D + s.Dv) * esz >= STREAM_BYTES
                                                       : ak_decode_order == 1);
   s.q = c->q, s.k = c->k, s.v = c->v;
+  s.alibi = c->pcode ? nullptr : c->alibi;
+  Prog prog;
+  s.prog = nullptr;
+  if (c->pcode) {
+    prog = Prog{c->pcode,   (long)c->pn, (long)c->pregs, (long)c->pout,    c->pconsts,
+                c->ptables, c->ptshape,  c->perr,        nullptr, (long)c->pntables};
+    s.prog = &prog;
+  }
   switch (c->dtype) {
     case AK_BF16: return decode_t<AK_BF16>(s, c->out, c->lse);
     case AK_F16: return decode_t<AK_F16>(s, c->out, c->lse);
