@@ -53,6 +53,11 @@ _REPLAY_MAX = 512
 # last: a model that builds a new such mask every step must not fill the cache with masks it never uses again
 _BY_IDENTITY: deque = deque()
 _BY_IDENTITY_MAX = 8
+# A decode loop brings one key more every step: a new signature each time. A kernel whose decision does not read S
+# (the decode entry: ``replay_family``) prepares one call for every S, kept under the signature without S (its
+# "family"): a step of a new length runs it (it re-derives what does depend on S, or returns None: the full path).
+_FAMILY: OrderedDict = OrderedDict()
+_FAMILY_MAX = 64
 _threads = torch.get_num_threads
 _grad = torch.is_grad_enabled
 
@@ -92,13 +97,7 @@ _MASK_AT = 8  # where _signature puts the mask's key
 _SCORE_AT = 14  # and the score_mod's
 
 
-_SCORE_MODS = frozenset((_score_mods.Softcap, _score_mods.Alibi, _score_mods.RelativeBias))
-
-
-def _score_key(score_mod):
-    """An attnkit score mod's own content key (``ScoreMod.cache_key``), or None; a subclass (its ``__call__`` may
-    compute something else under the same key) has none."""
-    return score_mod.cache_key() if type(score_mod) in _SCORE_MODS else None
+_score_key = _score_mods.builtin_key  # an attnkit score mod's own content key, or None (a subclass has none)
 
 
 def attention(q, k, v, mask, causal, scale, score_mod=None):
@@ -117,12 +116,25 @@ def attention(q, k, v, mask, causal, scale, score_mod=None):
     try:
         run = _REPLAY[key]
     except KeyError:
+        fam = _FAMILY.get(_family(key))
+        if fam is not None:
+            out = fam(q, k, v, mask, scale)
+            if out is not None:
+                return out
         run = _learn(key, q, k, v, mask, causal, scale, score_mod)
     except TypeError:  # an unhashable part (cannot happen for the types above; kept for safety)
         return None
     if run is None:
         return None
     return run(q, k, v, mask, scale)
+
+
+def _family(key):
+    """The signature without the key count S (k's and v's third dim), for 4-d inputs; None otherwise."""
+    ks, vs = key[1], key[2]
+    if len(ks) != 4 or len(vs) != 4:
+        return None
+    return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:])
 
 
 def _learn(key, q, k, v, mask, causal, scale, score_mod):
@@ -136,6 +148,14 @@ def _learn(key, q, k, v, mask, causal, scale, score_mod):
     replay = getattr(d.kernel, "replay", None)
     run = None if replay is None or req.input_rank != 4 or req.numpy_in else replay(req, mask)
     _REPLAY[key] = run
+    family = getattr(d.kernel, "replay_family", None)
+    if run is not None and family is not None:
+        fam = family(req, mask, causal)
+        if fam is not None:
+            _FAMILY[_family(key)] = fam
+            _FAMILY.move_to_end(_family(key))
+            if len(_FAMILY) > _FAMILY_MAX:
+                _FAMILY.popitem(last=False)
     if isinstance(key[_MASK_AT], _masks.Mask) or _mods.holds_data(key[_MASK_AT]) or _mods.holds_data(key[_SCORE_AT]):
         # keyed by a tensor's identity or content (a document's ids, a mod reading the batch's lengths): a few kept
         _BY_IDENTITY.append(key)
@@ -150,3 +170,4 @@ def clear() -> None:
     """Forget every remembered decision (tests; a change the signature cannot see, e.g. calibration)."""
     _REPLAY.clear()
     _BY_IDENTITY.clear()
+    _FAMILY.clear()

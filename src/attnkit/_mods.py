@@ -49,6 +49,14 @@ def positional_arity(fn) -> int | None:
         if code.co_flags & inspect.CO_VARARGS:
             return None
         return code.co_argcount - len(fn.__defaults__ or ())
+    call = next((c.__dict__["__call__"] for c in type(fn).__mro__ if "__call__" in c.__dict__), None)
+    if (type(call) is types.FunctionType and not isinstance(fn, type) and "__wrapped__" not in call.__dict__
+            and "__signature__" not in call.__dict__ and getattr(fn, "__signature__", None) is None
+            and getattr(fn, "__wrapped__", None) is None):
+        code = call.__code__  # an instance of a class with a plain __call__ (attnkit's score mods): self not counted
+        if code.co_flags & inspect.CO_VARARGS:
+            return None
+        return code.co_argcount - 1 - len(call.__defaults__ or ())
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):

@@ -74,6 +74,7 @@ class Program:
     out: int
     # per table, the captured tensor whose gradient the kernel accumulates (one that requires grad), else None
     grad_of: tuple = ()
+    max_s: int = 0  # the key count it was traced for: it runs any call of at most this many keys exactly
 
     @property
     def wants_grads(self) -> bool:
@@ -582,8 +583,26 @@ def compile_score_mod(fn, B: int, H: int, L: int, S: int) -> Program:
     """The program of ``fn`` for a call of these sizes, or :class:`Refused` naming what it does not cover.
 
     Cached under the function's value key (code + the content of what it captures) and the sizes; a
-    function whose key cannot be made (it reads a list, an object's attribute) is traced on every call."""
-    vk = _mods.value_key(fn)
+    function whose key cannot be made (it reads a list, an object's attribute) is traced on every call.
+
+    S only bounds the key index's range (what the tracer proves about integers: int32, a divisor's sign): a
+    program traced for any S' >= S runs a call of S keys exactly (the kernel clamps and checks every index at
+    run time). So a decode loop, one key more every step, is traced for S rounded up to a power of two (once
+    per doubling, not once per token); where that wider range is refused (an integer that would leave int32 only
+    past S), the exact S is traced instead."""
+    wide = max(64, 1 << (S - 1).bit_length()) if S > 0 else S
+    if wide != S:
+        try:
+            return _compile(fn, B, H, L, wide)
+        except Refused:
+            pass
+    return _compile(fn, B, H, L, S)
+
+
+def _compile(fn, B: int, H: int, L: int, S: int) -> Program:
+    from . import score_mods  # (it imports nothing of this module; imported here to keep the import order flat)
+
+    vk = score_mods.builtin_key(fn) if type(fn) in score_mods.BUILT_IN else _mods.value_key(fn)
     key = None if vk is None else (vk, B, H, L, S)
     if key is not None and key in _CACHE:
         _CACHE.move_to_end(key)
@@ -652,4 +671,4 @@ def _trace(fn, B, H, L, S) -> Program:
     if len(grad_of) > _MAX_TABLES:
         raise Refused(f"reads of {len(grad_of)} captured tensors (the kernel takes {_MAX_TABLES})")
     return Program(code, torch.tensor(bld.consts or [0.0], dtype=torch.float32), tuple(bld.tables), bld.n, out.reg,
-                   grad_of)
+                   grad_of, S)

@@ -168,6 +168,16 @@ class RelativeBias(ScoreMod):
         return f"relative_bias(<table {tuple(self.table.shape)}>)"
 
 
+# attnkit's own score mods: immutable values whose ``cache_key()`` fixes what they compute (a subclass, whose
+# ``__call__`` may compute something else under the same key, is not one of them)
+BUILT_IN = frozenset((Alibi, Softcap, RelativeBias))
+
+
+def builtin_key(score_mod):
+    """A built-in score mod's content key (``ScoreMod.cache_key``), or None for anything else."""
+    return ("score_mod", type(score_mod).__name__, score_mod.cache_key()) if type(score_mod) in BUILT_IN else None
+
+
 def alibi(slopes) -> ScoreMod:
     """ALiBi (Press et al., 2022): ``score + slopes[h] * (kv_idx - q_idx)``.
 

@@ -833,3 +833,91 @@ def test_random_mods_have_no_key_and_tensor_reading_masks_are_not_replayed_with_
                 assert spy == [want], (grad, step)
                 ref, _ = golden(q, k, v, mask=mod)
                 assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 70)
+
+
+# ---- a decode loop: one key more every step (the family of a signature, without S) ---------------------------
+
+GROWING = {
+    "no mask": lambda: {},
+    "causal": lambda: {"mask": masks.causal()},
+    "causal=True": lambda: {"causal": True},
+    "window 40": lambda: {"mask": masks.sliding_window(40)},
+    "chunked 64": lambda: {"mask": masks.chunked(64)},
+    "prefix_lm 30": lambda: {"mask": masks.prefix_lm(30)},
+    "padding": lambda: {"mask": masks.padding([45, 30])},
+    "window 60 (as wide as the first caches: plain causal there)": lambda: {"mask": masks.sliding_window(60)},
+    "causal=True & window 70": lambda: {"causal": True, "mask": masks.sliding_window(70)},
+    "causal + softcap": lambda: {"mask": masks.causal(), "score_mod": score_mods.softcap(5.0)},
+    "causal + alibi": lambda: {"mask": masks.causal(), "score_mod": score_mods.alibi(positional.alibi_slopes(8))},
+    "window + a lambda reading a table": lambda: {"mask": masks.sliding_window(50),
+                                                  "score_mod": lambda s, b, h, q, kv: s + BIAS[kv % 97]},
+}
+BIAS = torch.randn(97)
+
+
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("name", sorted(GROWING))
+def test_a_decode_loop_of_growing_caches_is_replayed_for_every_length_and_exact(name, L, spy):
+    """A cache one key longer every step (S = 50 .. 140, across the score program's powers of two 64 and 128): the
+    first step takes the full path, the later ones run the decode entry's call prepared for the signature without
+    S (one learned signature per program bound, not one per step), each step equal to the float64 golden."""
+    _fast.clear()
+    kw = GROWING[name]()
+    g = torch.Generator().manual_seed(L)
+    cache_k, cache_v = torch.randn(2, 2, 200, 32, generator=g), torch.randn(2, 2, 200, 32, generator=g)
+    q = torch.randn(2, 8, L, 32, generator=g)
+    learned = []
+    for S in range(50, 141):
+        k, v = cache_k[:, :, :S], cache_v[:, :, :S]  # views into a preallocated cache, as a KV cache holds them
+        before = len(_fast._REPLAY)
+        out = attnkit.attention(q, k, v, **kw)
+        learned.append(len(_fast._REPLAY) - before)
+        ref, _ = golden(q, k, v, **kw)
+        tol = budget(torch.float32, 32, S) + 8 * torch.finfo(torch.float32).eps * S * 0.25
+        assert (out.double() - ref).abs().max().item() <= tol, (name, S)
+    assert all(spy), f"{name}: every step answered by the fast path"
+    assert sum(learned) <= 4, f"{name}: {sum(learned)} signatures learned over 91 steps (the family serves the rest)"
+
+
+def test_a_family_follows_a_captured_tensor_edited_between_steps(spy):
+    """The family is keyed by the score_mod's content (its tensors' digest): an edit between steps is seen."""
+    _fast.clear()
+    bias = torch.zeros(300)
+    mod = lambda s, b, h, q, kv: s + bias[kv]  # noqa: E731
+    cache_k, cache_v = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    q = torch.randn(1, 4, 1, 16)
+    for S in range(100, 140):
+        k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+        out = attnkit.attention(q, k, v, mask=masks.causal(), score_mod=mod)
+        ref, _ = golden(q, k, v, mask=masks.causal(), score_mod=mod)
+        assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), S
+        bias[S % 300] += 5.0
+
+
+def test_closed_form_row_intervals_are_the_masks_own():
+    """Full, causal, window, chunked, prefix-LM compute their row intervals in NumPy (a decode loop asks at every
+    step): int32, contiguous, clamped to [0, S], equal to the mask's dense form at every alignment and L > S."""
+    for m in (masks.full(), masks.causal(), masks.causal("top_left"), masks.sliding_window(5),
+              masks.sliding_window(3, "top_left"), masks.chunked(4), masks.prefix_lm(6)):
+        for L, S in ((1, 1), (1, 13), (5, 13), (13, 13), (20, 7)):
+            if isinstance(m, masks.PrefixLM) and m.prefix_length > S:
+                continue  # (refused by its validate)
+            lo, hi = m.row_intervals(1, L, S)
+            assert lo.dtype == hi.dtype == torch.int32 and lo.is_contiguous() and hi.is_contiguous()
+            j = torch.arange(S)
+            mine = (j >= lo[0, :, None]) & (j < hi[0, :, None])
+            assert torch.equal(mine, m.materialize(1, 1, L, S).reshape(L, S)), (m, L, S)
+            assert int(lo.min()) >= 0 and int(hi.max()) <= S
+
+
+def test_a_family_checks_each_length_as_the_full_path_does(spy):
+    """A padding mask's lengths must fit the cache: learned at S = 60, a later step with S = 40 raises the full
+    path's ValueError (never a silent clamp); a prefix-LM prefix longer than S likewise."""
+    _fast.clear()
+    cache_k, cache_v = torch.randn(2, 2, 100, 16), torch.randn(2, 2, 100, 16)
+    q = torch.randn(2, 4, 1, 16)
+    for mask, bad_s in ((masks.padding([50, 45]), 40), (masks.prefix_lm(55), 50)):
+        for S in (60, 61, 62):
+            attnkit.attention(q, cache_k[:, :, :S], cache_v[:, :, :S], mask=mask)
+        with pytest.raises(ValueError, match=f"S={bad_s}"):
+            attnkit.attention(q, cache_k[:, :, :bad_s], cache_v[:, :, :bad_s], mask=mask)

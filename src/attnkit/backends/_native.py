@@ -289,7 +289,9 @@ def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=Fa
 def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse: bool = False):
     """:func:`decode` for one call signature prepared once (as :func:`forward_step`): returns ``run(q, k, v,
     scale) -> out`` ((B, H, L, Dv) fp32) for inputs of these shapes and dtypes at any strides. ``alibi`` /
-    ``prog``: as :func:`decode` (kept by the prepared call). ``with_lse``: ``run`` returns ``(out, lse)``."""
+    ``prog``: as :func:`decode` (kept by the prepared call). ``with_lse``: ``run`` returns ``(out, lse)``.
+    ``run(q, k, v, scale, lo, hi)`` takes a cache of any length S with that call's row intervals (of the shapes of
+    these ``lo`` / ``hi``; a program's ``max_s`` bounds S: the caller checks it)."""
     lib = _require()
     c0 = _decode_call(q, k, v, lo, hi, 1.0, chunk, torch.get_num_threads())
     if v.shape[2] != k.shape[2] or not (lo.is_contiguous() and hi.is_contiguous()):
@@ -297,14 +299,16 @@ def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     c0.lo, c0.hi = lo.data_ptr(), hi.data_ptr()
     keep = [lo, hi, *_score_parts(c0, q.shape[1], alibi, prog)]
-    return _stepper(lib.ak_decode, c0, keep, q, k, v, need_lse=with_lse, prog=prog, with_lse=with_lse)
+    return _stepper(lib.ak_decode, c0, keep, q, k, v, need_lse=with_lse, prog=prog, with_lse=with_lse, any_s=True)
 
 
-def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False):
+def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False,
+             any_s: bool = False):
     """The per-call part of :func:`forward_step` / :func:`decode_step`: a copy of the record ``c0`` per thread,
     into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs).
     With a score_mod's ``prog`` each thread's record gets its own out-of-range flag, cleared before each call and
-    read after it (an index computed from the score can leave a captured tensor on one call and not another)."""
+    read after it (an index computed from the score can leave a captured tensor on one call and not another).
+    ``any_s`` (the decode entry): a call may bring any number of keys S (with its own ``lo`` / ``hi``)."""
     B, H, L, _ = q.shape
     S, Dv = k.shape[2], v.shape[-1]
     template = bytes(c0)
@@ -324,9 +328,14 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
         r = tls.r = ((ctypes.c_int64 * n_slots).from_buffer(c), ctypes.byref(c), c, err)
         return r
 
-    def run(q, k, v, scale: float):
+    def run(q, k, v, scale: float, lo=None, hi=None):
+        """``lo`` / ``hi``: this call's row intervals (the shapes of the prepared ones, contiguous), or the
+        prepared ones."""
         if q.dtype is not dt or k.dtype is not dt or v.dtype is not dt:  # the signature fixes them: a misuse
             raise TypeError(f"attnkit's compiled kernel: prepared for {dt}; got {q.dtype}, {k.dtype}, {v.dtype}")
+        if (k.shape[2] != S and not any_s) or v.shape[2] != k.shape[2]:  # the forward's tile map is for S keys
+            raise ValueError(f"attnkit's compiled kernel: prepared for S = {S} keys (k and v alike); got k "
+                             f"{tuple(k.shape)}, v {tuple(v.shape)}")
         qs, ks, vs = q.stride(), k.stride(), v.stride()
         if qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
             q, k, v = _fit(q), _fit(k), _fit(v)
@@ -338,9 +347,10 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
         c.scale = scale
         out = torch.empty(oshape)
         lse = torch.empty(lshape) if need_lse else None
-        slots[first:first + 17] = (qs[0], qs[1], qs[2], S, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], q.data_ptr(),
-                                   k.data_ptr(), v.data_ptr(), lo_p, hi_p, out.data_ptr(),
-                                   0 if lse is None else lse.data_ptr())
+        slots[first:first + 17] = (qs[0], qs[1], qs[2], k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                                   q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                   lo_p if lo is None else lo.data_ptr(), hi_p if hi is None else hi.data_ptr(),
+                                   out.data_ptr(), 0 if lse is None else lse.data_ptr())
         if err is not None:
             err.value = 0
         rc = entry(ref)

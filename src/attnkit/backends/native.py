@@ -342,6 +342,63 @@ class NativeDecode(Kernel):
 
         return run
 
+    def replay_family(self, req: Request, user_mask, causal: bool):
+        """The prepared call for every cache length S of this signature (:mod:`attnkit._fast`: a decode loop
+        brings one key more every step, a new signature each time). Nothing this row's decision reads depends on
+        S but the mask's row intervals and a score_mod's program; per new S the call re-derives what does, from
+        the *user's* mask and ``causal`` (the request's mask was simplified for its own S: a window as wide as
+        the cache is plain causal, causal over one query row no mask), as ``make_request`` would: the mask and
+        score_mod validated at S (an invalid call returns None: the full path raises its error), the row
+        intervals at S (a built-in mask's, cached; not one stretch per row: None), the program traced for up to
+        ``max_s`` keys (beyond: None). None here for what only the exact signature fixes (a ``mask_mod``'s rows
+        read off its tile map, a plan, a tensor mask)."""
+        if req.need_lse or req.weight_heads is not None or req.sinks is not None:
+            return None
+        parts = [_masks.causal()] if causal else []
+        if user_mask is not None:
+            if type(user_mask) not in _CLOSED_FORM:
+                return None
+            parts.append(user_mask)
+        mask = parts[0] if len(parts) == 1 else _masks.And(*parts) if parts else _FULL
+        prog = req.memo.get("score_prog")
+        alibi = _alibi(req)
+        if req.score_mod is not None and prog is None and alibi is None:
+            return None
+        B, H, L, *_ = req.shape
+        lo0, hi0 = req.memo["row_intervals"]
+        max_s = prog.max_s if prog is not None else None
+        default, dt, shape, sm = req.scale, req.q.dtype, lo0.shape, req.score_mod
+        checks = [c.validate for c in (mask, sm) if isinstance(c, (_masks.Mask, _score_mods.ScoreMod))]
+        # the whole cache at every S (no mask; causal over one query row): key intervals [0, huge), which the kernel
+        # clamps to [0, S), fixed for every step (no intervals computed per S)
+        whole = all(type(p) is _masks.Full or (type(p) is _masks.Causal and p.align == "bottom_right" and L == 1)
+                    for p in parts)
+        if whole:
+            lo0 = torch.zeros(1, L, dtype=torch.int32)
+            hi0 = torch.full((1, L), torch.iinfo(torch.int32).max, dtype=torch.int32)
+        step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
+                                   alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
+
+        def run(q, k, v, user, scale):
+            S = k.shape[2]
+            if (max_s is not None and S > max_s) or v.shape[2] != S or S == 0:
+                return None
+            try:
+                for check in checks:
+                    check(B, H, L, S)
+            except (ValueError, TypeError):
+                return None
+            if whole:
+                out = step(q, k, v, default if scale is None else scale)
+            else:
+                iv = _row_intervals(mask, B, L, S)
+                if iv is None or iv[0].shape != shape:
+                    return None
+                out = step(q, k, v, default if scale is None else scale, iv[0], iv[1])
+            return out if dt is torch.float32 else out.to(dt)
+
+        return run
+
 
 NATIVE_DECODE = NativeDecode()
 

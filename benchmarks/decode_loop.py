@@ -1,0 +1,98 @@
+"""A decode loop as a KV cache runs it: one key more at every step, against torch SDPA called directly.
+
+    OMP_NUM_THREADS=2 python benchmarks/decode_loop.py [--steps 300] [--start 1000] [--rounds 3]
+
+One query row per step (B = 1, H = 8 query heads over Hkv = 2 kv heads, D = 64) over a preallocated cache of
+which step t reads the first ``start + t`` keys (views, as a KV cache hands them over). Every step is a new call
+signature (S changed): a replay keyed by the exact shapes learns again at every step. Callables, timed
+interleaved (at each step one call of each, in turns), total time of the loop / steps:
+
+* SDPA: ``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` (no mask: a single query row of a causal
+  decoder sees the whole cache);
+* attnkit, ``mask=masks.causal()``; ``masks.sliding_window(256)``;
+* attnkit, ``masks.causal()`` + ``score_mods.softcap(30)`` (Gemma 2) and + a soft cap written as a lambda (a
+  traced program); SDPA runs neither, so their ratio is to SDPA's plain step (what the step costs with the cap);
+* attnkit at a fixed S (the first step's, repeated): the same call without a new signature per step.
+
+``ratio`` = SDPA's time / attnkit's (> 1: attnkit faster). Run it with each source tree on ``PYTHONPATH`` for a
+before / after; only the ratios of one run count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import _calibrate, _fast, masks, score_mods
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--start", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args(argv)
+    B, H, Hkv, D = 1, 8, 2, 64
+    g = torch.Generator().manual_seed(0)
+    cache_k = torch.randn(B, Hkv, a.start + a.steps, D, generator=g)
+    cache_v = torch.randn(B, Hkv, a.start + a.steps, D, generator=g)
+    q = torch.randn(B, H, 1, D, generator=g)
+    causal, window, cap = masks.causal(), masks.sliding_window(256), score_mods.softcap(30.0)
+
+    def lam(s, b, h, i, j):
+        return 30.0 * torch.tanh(s / 30.0)
+
+    calls = {
+        "SDPA (enable_gqa)": lambda k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "attnkit, `masks.causal()`": lambda k, v: attnkit.attention(q, k, v, mask=causal),
+        "attnkit, `masks.sliding_window(256)`": lambda k, v: attnkit.attention(q, k, v, mask=window),
+        "attnkit, causal + `score_mods.softcap(30)`": lambda k, v: attnkit.attention(q, k, v, mask=causal,
+                                                                                     score_mod=cap),
+        "attnkit, causal + a soft cap as a lambda": lambda k, v: attnkit.attention(q, k, v, mask=causal,
+                                                                                   score_mod=lam),
+    }
+    fixed_k, fixed_v = cache_k[:, :, :a.start], cache_v[:, :, :a.start]
+    fixed = {"attnkit, `masks.causal()`, fixed S (no new signature)":
+             lambda k, v: attnkit.attention(q, fixed_k, fixed_v, mask=causal)}
+    names = [*calls, *fixed]
+    fns = [*calls.values(), *fixed.values()]
+    best = [float("inf")] * len(fns)
+    for _ in range(a.rounds):
+        _fast.clear()  # every round walks the same lengths: forget what the previous round learned
+        tot = [0.0] * len(fns)
+        for t in range(a.steps):
+            S = a.start + t
+            k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+            for i, f in enumerate(fns):
+                t0 = time.perf_counter()
+                f(k, v)
+                tot[i] += time.perf_counter() - t0
+        best = [min(b, x / a.steps) for b, x in zip(best, tot, strict=True)]
+    print(f"{_cpu()}, {torch.get_num_threads()} threads, torch {torch.__version__}; auto's table: "
+          f"{_calibrate.crossovers().source}")
+    print(f"B = {B}, H = {H}, Hkv = {Hkv}, D = {D}, L = 1, S = {a.start} .. {a.start + a.steps - 1} (one key more per "
+          f"step), {a.rounds} rounds, the best round's mean per step\n")
+    print("| call | µs per step | ratio (SDPA / this) |\n|---|---|---|")
+    for n, t in zip(names, best, strict=True):
+        print(f"| {n} | {t * 1e6:.1f} | {best[0] / t:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
