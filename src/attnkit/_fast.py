@@ -116,8 +116,10 @@ def attention(q, k, v, mask, causal, scale, score_mod=None):
     try:
         run = _REPLAY[key]
     except KeyError:
-        fam = _FAMILY.get(_family(key))
+        fkey = _family(key)
+        fam = _FAMILY.get(fkey)
         if fam is not None:
+            _FAMILY.move_to_end(fkey)
             out = fam(q, k, v, mask, scale)
             if out is not None:
                 return out

@@ -77,6 +77,9 @@ def _check_int(name: str, value, minimum: int) -> int:
     return value
 
 
+_MAX_SIZE = 1 << 62  # a chunk's size: every cache fits, and int64 arithmetic on it cannot overflow
+
+
 def _no_key(self):
     return None
 
@@ -509,7 +512,8 @@ class SlidingWindow(Mask):
 
     def row_intervals(self, B, L, S):
         p = _positions(L, _offset(self.align, L, S))
-        return _intervals(p - self.size + 1, p + 1, S)
+        size = min(self.size, S + L + 1)  # wider than every position: the same rows (and int64 holds it)
+        return _intervals(p - size + 1, p + 1, S)
 
     def __repr__(self):
         return f"sliding_window({self.size}, align={self.align!r})"
@@ -674,6 +678,9 @@ class Chunked(Mask):
 
     def __init__(self, size: int, align: str = "bottom_right"):
         self.size = _check_int("size", size, 1)
+        if self.size > _MAX_SIZE:  # torch's int64 division of the mask's own mod would overflow
+            raise ValueError(f"size: expected an int <= 2**62, got {size}. A chunk longer than any sequence is "
+                             "plain causal: pass masks.causal().")
         self.align = _check_align(align)
 
     def bind(self, L, S):
@@ -707,7 +714,8 @@ class Chunked(Mask):
 
     def row_intervals(self, B, L, S):
         p = _positions(L, _offset(self.align, L, S))
-        return _intervals(p // self.size * self.size, p + 1, S)
+        size = min(self.size, S + L + 1)  # longer than every position: the same rows (and int64 holds it)
+        return _intervals(p // size * size, p + 1, S)
 
     def __repr__(self):
         return f"chunked({self.size}, align={self.align!r})"

@@ -174,8 +174,12 @@ BUILT_IN = frozenset((Alibi, Softcap, RelativeBias))
 
 
 def builtin_key(score_mod):
-    """A built-in score mod's content key (``ScoreMod.cache_key``), or None for anything else."""
-    return ("score_mod", type(score_mod).__name__, score_mod.cache_key()) if type(score_mod) in BUILT_IN else None
+    """A built-in score mod's content key (``ScoreMod.cache_key``), or None for anything else and for one that has
+    none (learned slopes or table: a tensor that requires grad, whose values change under an optimizer)."""
+    if type(score_mod) not in BUILT_IN:
+        return None
+    key = score_mod.cache_key()
+    return None if key is None else ("score_mod", type(score_mod).__name__, key)
 
 
 def alibi(slopes) -> ScoreMod:

@@ -921,3 +921,67 @@ def test_a_family_checks_each_length_as_the_full_path_does(spy):
             attnkit.attention(q, cache_k[:, :, :S], cache_v[:, :, :S], mask=mask)
         with pytest.raises(ValueError, match=f"S={bad_s}"):
             attnkit.attention(q, cache_k[:, :, :bad_s], cache_v[:, :, :bad_s], mask=mask)
+
+
+def test_learned_score_mods_are_never_replayed_or_cached_by_a_shared_key():
+    """A built-in score mod without a content key (learned ALiBi slopes, a learned or huge relative-bias table) has
+    no key at all: before, its key was ("score_mod", type, None), the same for every such mod, so a call under
+    no_grad replayed the first call's copy of the slopes after an optimizer's in-place step (error 2.4), and a
+    second table ran the first one's program (error 2.35-3.48), on the decode entry and the forward alike."""
+    _fast.clear()
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+
+    def check(q, backend="auto", **kw):
+        out = attnkit.attention(q, k, v, backend=backend, **kw)
+        ref, _ = golden(q, k, v, **kw)
+        assert (out.double() - ref).abs().max().item() <= 2e-5, kw
+
+    slopes = torch.rand(8).requires_grad_()
+    q1 = torch.randn(1, 8, 1, 16)
+    with torch.no_grad():
+        check(q1, causal=True, score_mod=score_mods.alibi(slopes))
+        slopes.mul_(5.0)  # an optimizer step between two generations
+        check(q1, causal=True, score_mod=score_mods.alibi(slopes))
+        check(q1, causal=True, score_mod=score_mods.alibi(torch.rand(8).mul(4).requires_grad_()))
+    t1, t2 = torch.randn(8, 41).requires_grad_(), (torch.randn(8, 41) * 5).requires_grad_()
+    for L in (1, 40):
+        q = torch.randn(1, 8, L, 16)
+        for t in (t1, t2):
+            with torch.no_grad():
+                check(q, score_mod=score_mods.relative_bias(t), backend="tiled")
+    assert score_mods.builtin_key(score_mods.relative_bias(t1)) is None
+    # grad mode after a no_grad call: the program with the table's gradient, on the compiled kernel
+    q = torch.randn(1, 8, 40, 16)
+    d = attnkit.dispatch(q, k, v, score_mod=score_mods.relative_bias(t1))
+    assert d.worker == "native", d
+
+
+def test_a_subclass_of_alibi_runs_its_own_call():
+    """A subclass of score_mods.Alibi may compute something else: it runs as its traced program, not as ALiBi's
+    slopes (before: plain ALiBi, error 1.4-2.4, on the decode entry and the forward)."""
+    class Symmetric(score_mods.Alibi):
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return score - self.slopes[h] * (kv_idx - q_idx).abs().to(score.dtype)
+
+    mod = Symmetric(positional.alibi_slopes(8))
+    k, v = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+    for L in (1, 4, 40):
+        q = torch.randn(1, 8, L, 16)
+        out = attnkit.attention(q, k, v, score_mod=mod)
+        ref, _ = golden(q, k, v, score_mod=mod)
+        assert (out.double() - ref).abs().max().item() <= 2e-5, L
+
+
+def test_huge_window_and_chunk_sizes():
+    """A window wider than int64's range is the whole prefix at every step of a loop (its row intervals clamp the
+    size first); a chunk size past 2**62 is refused by name (torch's int64 division would overflow)."""
+    _fast.clear()
+    ck, cv, q = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 8, 1, 16)
+    for m in (masks.sliding_window(2 ** 70), masks.sliding_window(2 ** 63, "top_left"), masks.chunked(2 ** 62)):
+        for S in (30, 31, 32):
+            out = attnkit.attention(q, ck[:, :, :S], cv[:, :, :S], mask=m)
+            ref, _ = golden(q, ck[:, :, :S], cv[:, :, :S], mask=m)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), (m, S)
+    with pytest.raises(ValueError, match=r"size: expected an int <= 2\*\*62"):
+        masks.chunked(2 ** 63)

@@ -71,7 +71,8 @@ def _alibi(req: Request):
     sm = req.score_mod
     if "score_prog" in req.memo:
         return None
-    if isinstance(sm, _score_mods.Alibi) and not (sm.slopes.requires_grad and torch.is_grad_enabled()):
+    # attnkit's own ALiBi only: a subclass may compute something else in its __call__ (it runs as a program)
+    if type(sm) is _score_mods.Alibi and not (sm.slopes.requires_grad and torch.is_grad_enabled()):
         return sm.slopes
     return None
 
