@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import time
 
 
@@ -17,3 +18,15 @@ def best_ms(fns: dict, rounds: int) -> dict:
             f()
             best[name] = min(best[name], time.perf_counter() - t0)
     return {n: t * 1e3 for n, t in best.items()}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), for the first line of a benchmark's output."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

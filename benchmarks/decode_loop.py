@@ -21,25 +21,14 @@ before / after; only the ratios of one run count.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
+from _interleave import cpu_name
 
 import attnkit
 from attnkit import _calibrate, _fast, masks, score_mods
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv=None) -> int:
@@ -84,7 +73,7 @@ def main(argv=None) -> int:
                 f(k, v)
                 tot[i] += time.perf_counter() - t0
         best = [min(b, x / a.steps) for b, x in zip(best, tot, strict=True)]
-    print(f"{_cpu()}, {torch.get_num_threads()} threads, torch {torch.__version__}; auto's table: "
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; auto's table: "
           f"{_calibrate.crossovers().source}")
     print(f"B = {B}, H = {H}, Hkv = {Hkv}, D = {D}, L = 1, S = {a.start} .. {a.start + a.steps - 1} (one key more per "
           f"step), {a.rounds} rounds, the best round's mean per step\n")

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from _interleave import cpu_name
 
 from attnkit.backends import _native
 
@@ -42,17 +42,6 @@ def _bench(fns, repeats):
             f()
             ts[i].append(time.perf_counter() - t)
     return [statistics.median(x) for x in ts]
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _case(name, H, Hkv, S, D, dtype, repeats, g) -> str:
@@ -110,7 +99,7 @@ def main(argv=None) -> int:
     threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
     torch.set_num_threads(threads)
     S, D = a.S, 128
-    print(f"{_cpu()}, {_native.status()}, {threads} threads, B = 1, L = 1, D = {D}, S = {S}, "
+    print(f"{cpu_name()}, {_native.status()}, {threads} threads, B = 1, L = 1, D = {D}, S = {S}, "
           f"{a.repeats} interleaved repeats, medians\n")
     print("| case | dtype | kernel ms | SDPA ms | read K+V ms | kernel / read | SDPA / read | kernel GB/s | "
           "read GB/s |")

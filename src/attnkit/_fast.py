@@ -19,6 +19,11 @@ count and the switches tests flip (``tiled.NATIVE`` / ``tiled.FUSED``). A replay
 ``None`` where the full path must look closer (an all-zero output row: torch's CPU kernel writes
 zeros where a row's scores hold NaN/inf) and the caller then takes the full path.
 
+A decode loop makes every step a new signature (the cache is one key longer): where the chosen kernel's decision
+does not read the key count S (the decode entry's ``replay_family``), one prepared call serves the signature
+without S, re-deriving per step what depends on S (the user's mask and score_mod validated at S, the row
+intervals, the score program's bound) and handing the call to the full path where anything differs.
+
 Not replayed: NumPy inputs, dropout, lse / weights / sinks, named backends, a score_mod where
 gradients are wanted, mods without a key (reading a list, a dict, an object's attribute: their
 data may change unseen), the logger at DEBUG (the full path logs every decision).
