@@ -256,9 +256,16 @@ def _clip32(x: np.ndarray, S: int) -> torch.Tensor:
     return torch.from_numpy(y.astype(np.int32))  # a C-contiguous copy
 
 
-def _positions(L: int, off: int) -> np.ndarray:
-    """(1, L) int64: the key position ``i + off`` of each query row ``i``."""
-    return np.arange(off, off + L, dtype=np.int64).reshape(1, L)
+def _positions(L: int, off) -> np.ndarray:
+    """(1, L) int64: the key position ``i + off`` of each query row ``i`` (``off`` an int, or an (n, 1) int64
+    array of offsets, one per key count S: then (n, L))."""
+    return np.arange(L, dtype=np.int64).reshape(1, L) + off
+
+
+def _cap(size: int, L: int, S) -> int:
+    """``size`` capped to S + L + 1 (the largest S of an array): wider than every position, so the same rows, and a
+    Python int NumPy's int64 holds (a window of 2**70 keys is legal)."""
+    return min(size, int(np.max(S)) + L + 1)
 
 
 def _band_kinds(off: int, w: int | None, L: int, S: int, bm: int, bn: int) -> torch.Tensor:
@@ -437,7 +444,11 @@ class Full(Mask):
         return torch.full((1, 1, -(-L // bm), -(-S // bn)), FULL, dtype=torch.int8)
 
     def row_intervals(self, B, L, S):
-        return _intervals(np.zeros((1, L), np.int64), np.full((1, L), S, np.int64), S)
+        return _intervals(*self._row_edges(L, S), S)
+
+    def _row_edges(self, L: int, S) -> tuple[np.ndarray, np.ndarray]:
+        """(lo, hi) int64 edges before the clamp to [0, S]; ``S`` an int or an (n, 1) array (see ``_positions``)."""
+        return np.zeros((1, L), np.int64), np.zeros((1, L), np.int64) + S
 
     def cache_key(self):
         return ("full",)  # a value: every full() has the same tiles
@@ -473,8 +484,10 @@ class Causal(Mask):
         return 0, j1, torch.ones(L, j1, dtype=torch.bool, device=device).tril_(off)
 
     def row_intervals(self, B, L, S):
-        p = _positions(L, _offset(self.align, L, S))
-        return _intervals(np.zeros((1, L), np.int64), p + 1, S)
+        return _intervals(*self._row_edges(L, S), S)
+
+    def _row_edges(self, L: int, S) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((1, L), np.int64), _positions(L, _offset(self.align, L, S)) + 1
 
     def __repr__(self):
         return f"causal(align={self.align!r})"
@@ -511,9 +524,11 @@ class SlidingWindow(Mask):
         return j0, j1, t.tril_(off - j0).triu_(off - j0 - w + 1)
 
     def row_intervals(self, B, L, S):
+        return _intervals(*self._row_edges(L, S), S)
+
+    def _row_edges(self, L: int, S) -> tuple[np.ndarray, np.ndarray]:
         p = _positions(L, _offset(self.align, L, S))
-        size = min(self.size, S + L + 1)  # wider than every position: the same rows (and int64 holds it)
-        return _intervals(p - size + 1, p + 1, S)
+        return p - _cap(self.size, L, S) + 1, p + 1
 
     def __repr__(self):
         return f"sliding_window({self.size}, align={self.align!r})"
@@ -713,9 +728,12 @@ class Chunked(Mask):
         return j0, j1, (j <= p) & (torch.div(j, c, rounding_mode="floor") == torch.div(p, c, rounding_mode="floor"))
 
     def row_intervals(self, B, L, S):
+        return _intervals(*self._row_edges(L, S), S)
+
+    def _row_edges(self, L: int, S) -> tuple[np.ndarray, np.ndarray]:
         p = _positions(L, _offset(self.align, L, S))
-        size = min(self.size, S + L + 1)  # longer than every position: the same rows (and int64 holds it)
-        return _intervals(p // size * size, p + 1, S)
+        size = _cap(self.size, L, S)
+        return p // size * size, p + 1
 
     def __repr__(self):
         return f"chunked({self.size}, align={self.align!r})"
@@ -812,8 +830,10 @@ class PrefixLM(Mask):
         return torch.maximum(prefix, _band_kinds(S - L, None, L, S, bm, bn))
 
     def row_intervals(self, B, L, S):
-        p = _positions(L, S - L)
-        return _intervals(np.zeros((1, L), np.int64), np.maximum(p + 1, self.prefix_length), S)
+        return _intervals(*self._row_edges(L, S), S)
+
+    def _row_edges(self, L: int, S) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((1, L), np.int64), np.maximum(_positions(L, S - L) + 1, self.prefix_length)
 
     def __repr__(self):
         return f"prefix_lm({self.prefix_length})"

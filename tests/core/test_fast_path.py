@@ -985,3 +985,27 @@ def test_huge_window_and_chunk_sizes():
             assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), (m, S)
     with pytest.raises(ValueError, match=r"size: expected an int <= 2\*\*62"):
         masks.chunked(2 ** 63)
+
+
+def test_a_familys_block_of_rows_equals_the_masks_row_intervals_at_each_length():
+    """The decode family evaluates a closed-form mask's rows for 64 key counts at once (``_edges_block``): each row
+    equals ``row_intervals`` of the parts' ``&`` at its S, for every closed-form mask and alignment, alone and with
+    causal on top, at L above and below S, and windows / chunks wider than int64."""
+    from attnkit.backends.native import _BLOCK, _edges_block
+
+    singles = [masks.full(), masks.causal(), masks.causal("top_left"), masks.sliding_window(5),
+               masks.sliding_window(3, "top_left"), masks.sliding_window(2 ** 70), masks.chunked(4),
+               masks.chunked(7, "top_left"), masks.chunked(2 ** 62), masks.prefix_lm(6)]
+    for m in singles:
+        for parts in ([m], [masks.causal(), m]):
+            for L in (1, 3, 16):
+                for S0 in (1, 5, 60):
+                    lo, hi = _edges_block(parts, L, S0)
+                    assert lo.shape == hi.shape == (_BLOCK, L) and lo.flags.c_contiguous
+                    for i in range(0, _BLOCK, 7):
+                        S = S0 + i
+                        if isinstance(m, masks.PrefixLM) and m.prefix_length > S:
+                            continue
+                        ref = (parts[0] if len(parts) == 1 else masks.And(*parts)).row_intervals(1, L, S)
+                        assert torch.equal(torch.from_numpy(lo[i:i + 1]), ref[0].expand(1, L)), (parts, L, S)
+                        assert torch.equal(torch.from_numpy(hi[i:i + 1]), ref[1].expand(1, L)), (parts, L, S)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from .. import _calibrate, _mods, _scoreprog
@@ -379,6 +380,17 @@ class NativeDecode(Kernel):
             hi0 = torch.full((1, L), torch.iinfo(torch.int32).max, dtype=torch.int32)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
                                    alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
+        # a closed-form mask's rows for a block of BLOCK key counts at once (one NumPy evaluation per BLOCK steps, not
+        # ~15 µs of small array ops per step); the block is this family's own (a loop brings S, S + 1, ...)
+        batched = bool(parts) and all(hasattr(p, "_row_edges") for p in parts)
+        block: list = [None]
+
+        def rows_at(S: int):
+            b = block[0]
+            if b is None or not b[0] <= S < b[0] + _BLOCK:
+                b = block[0] = (S, *_edges_block(parts, L, S))
+            i = S - b[0]
+            return torch.from_numpy(b[1][i:i + 1]), torch.from_numpy(b[2][i:i + 1])
 
         def run(q, k, v, user, scale):
             S = k.shape[2]
@@ -391,6 +403,8 @@ class NativeDecode(Kernel):
                 return None
             if whole:
                 out = step(q, k, v, default if scale is None else scale)
+            elif batched:
+                out = step(q, k, v, default if scale is None else scale, *rows_at(S))
             else:
                 iv = _row_intervals(mask, B, L, S)
                 if iv is None or iv[0].shape != shape:
@@ -402,6 +416,21 @@ class NativeDecode(Kernel):
 
 
 NATIVE_DECODE = NativeDecode()
+
+_BLOCK = 64  # key counts per evaluation of a decode family's closed-form rows
+
+
+def _edges_block(parts, L: int, S0: int):
+    """The row intervals of the intersection of ``parts`` (closed-form masks: ``_row_edges``) at each key count
+    S0 … S0 + _BLOCK - 1: (lo, hi), int32 C-contiguous (_BLOCK, L), row i for S0 + i — what ``row_intervals`` of
+    their ``&`` gives at that S (the intersection of clamped edges is the clamp of the intersection)."""
+    Ss = np.arange(S0, S0 + _BLOCK, dtype=np.int64).reshape(-1, 1)
+    lo, hi = parts[0]._row_edges(L, Ss)
+    for p in parts[1:]:
+        a, b = p._row_edges(L, Ss)
+        lo, hi = np.maximum(lo, a), np.minimum(hi, b)
+    lo, hi = np.broadcast_arrays(lo, hi)
+    return (np.clip(lo, 0, Ss).astype(np.int32), np.clip(hi, 0, Ss).astype(np.int32))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
