@@ -31,6 +31,7 @@ data may change unseen), the logger at DEBUG (the full path logs every decision)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 from collections import OrderedDict, deque
@@ -124,7 +125,8 @@ def attention(q, k, v, mask, causal, scale, score_mod=None):
         fkey = _family(key)
         fam = _FAMILY.get(fkey)
         if fam is not None:
-            _FAMILY.move_to_end(fkey)
+            with contextlib.suppress(KeyError):  # evicted by another thread meanwhile: this call still runs it
+                _FAMILY.move_to_end(fkey)
             out = fam(q, k, v, mask, scale)
             if out is not None:
                 return out
@@ -159,10 +161,14 @@ def _learn(key, q, k, v, mask, causal, scale, score_mod):
     if run is not None and family is not None:
         fam = family(req, mask, causal)
         if fam is not None:
-            _FAMILY[_family(key)] = fam
-            _FAMILY.move_to_end(_family(key))
-            if len(_FAMILY) > _FAMILY_MAX:
-                _FAMILY.popitem(last=False)
+            fkey = _family(key)
+            _FAMILY.pop(fkey, None)  # (re)inserted last: the newest
+            _FAMILY[fkey] = fam
+            while len(_FAMILY) > _FAMILY_MAX:
+                try:
+                    _FAMILY.popitem(last=False)
+                except KeyError:  # emptied by another thread meanwhile
+                    break
     if isinstance(key[_MASK_AT], _masks.Mask) or _mods.holds_data(key[_MASK_AT]) or _mods.holds_data(key[_SCORE_AT]):
         # keyed by a tensor's identity or content (a document's ids, a mod reading the batch's lengths): a few kept
         _BY_IDENTITY.append(key)

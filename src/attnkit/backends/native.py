@@ -42,13 +42,19 @@ def _row_intervals(mask, B: int, L: int, S: int):
     if key is None:
         return mask.row_intervals(B, L, S)
     key = (key, B, L, S)
-    if key in _IV_CACHE:
+    try:  # (threads share the cache: another may evict the entry between two steps, hence no `in` check first)
+        iv = _IV_CACHE[key]
         _IV_CACHE.move_to_end(key)
-        return _IV_CACHE[key]
+        return iv
+    except KeyError:
+        pass
     iv = mask.row_intervals(B, L, S)
     _IV_CACHE[key] = iv
-    if len(_IV_CACHE) > _IV_CACHE_MAX:
-        _IV_CACHE.popitem(last=False)
+    while len(_IV_CACHE) > _IV_CACHE_MAX:
+        try:
+            _IV_CACHE.popitem(last=False)
+        except KeyError:  # emptied by another thread meanwhile
+            break
     return iv
 
 
