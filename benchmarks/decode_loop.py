@@ -12,6 +12,7 @@ interleaved (at each step one call of each, in turns), total time of the loop / 
 * attnkit, ``mask=masks.causal()``; ``masks.sliding_window(256)``;
 * attnkit, ``masks.causal()`` + ``score_mods.softcap(30)`` (Gemma 2) and + a soft cap written as a lambda (a
   traced program); SDPA runs neither, so their ratio is to SDPA's plain step (what the step costs with the cap);
+* attnkit with causal written as a user's ``mask_mod`` capturing the step's offset (a new mod every step);
 * attnkit at a fixed S (the first step's, repeated): the same call without a new signature per step.
 
 ``ratio`` = SDPA's time / attnkit's (> 1: attnkit faster). Run it with each source tree on ``PYTHONPATH`` for a
@@ -29,6 +30,13 @@ from _interleave import cpu_name
 
 import attnkit
 from attnkit import _calibrate, _fast, masks, score_mods
+
+
+def _causal_mod(S: int):
+    """Causal for one query row over S keys, as a user writes it in a decode loop: the offset captured per step (so
+    its content key, and the call's signature, change every step: the decode family does not serve it)."""
+    off = S - 1
+    return lambda b, h, q, kv: kv <= q + off
 
 
 def main(argv=None) -> int:
@@ -55,6 +63,8 @@ def main(argv=None) -> int:
                                                                                      score_mod=cap),
         "attnkit, causal + a soft cap as a lambda": lambda k, v: attnkit.attention(q, k, v, mask=causal,
                                                                                    score_mod=lam),
+        "attnkit, causal as a user's `mask_mod` (`kv <= q + S - 1`)": lambda k, v: attnkit.attention(
+            q, k, v, mask=_causal_mod(k.shape[2])),
     }
     fixed_k, fixed_v = cache_k[:, :, :a.start], cache_v[:, :, :a.start]
     fixed = {"attnkit, `masks.causal()`, fixed S (no new signature)":
