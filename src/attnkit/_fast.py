@@ -139,10 +139,16 @@ def attention(q, k, v, mask, causal, scale, score_mod=None):
 
 
 def _family(key):
-    """The signature without the key count S (k's and v's third dim), for 4-d inputs; None otherwise."""
+    """The signature without the key count S (k's and v's third dim), for 4-d inputs, and with a user's
+    ``mask_mod`` by its code alone (the values it captures left out: a decode loop's mod captures the step's offset,
+    a new value every step; the family's call evaluates the call's own mod at every step); None otherwise."""
     ks, vs = key[1], key[2]
     if len(ks) != 4 or len(vs) != 4:
         return None
+    m = key[_MASK_AT]
+    if type(m) is tuple and _mods.has_code(m):
+        return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:_MASK_AT], _mods.code_only(m),
+                *key[_MASK_AT + 1:])
     return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:])
 
 

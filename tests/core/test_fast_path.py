@@ -1009,3 +1009,120 @@ def test_a_familys_block_of_rows_equals_the_masks_row_intervals_at_each_length()
                         ref = (parts[0] if len(parts) == 1 else masks.And(*parts)).row_intervals(1, L, S)
                         assert torch.equal(torch.from_numpy(lo[i:i + 1]), ref[0].expand(1, L)), (parts, L, S)
                         assert torch.equal(torch.from_numpy(hi[i:i + 1]), ref[1].expand(1, L)), (parts, L, S)
+
+
+# ---- a decode loop whose mask_mod is new at every step (the step's offset captured) -------------------------------
+
+_DOC = torch.repeat_interleave(torch.arange(40), 7)  # 280 keys: documents of 7 tokens
+
+
+def _stepping_mods(S: int, L: int) -> dict:
+    """mask_mods as a FlexAttention decode loop writes them: built at each step with the query's offset ``S - L``."""
+    off = S - L
+    lens = torch.tensor([S - 3, S - 11])
+    return {  # name -> (mask keyword, whether every row is one stretch of keys, the same for every head)
+        "causal as a mod": (lambda b, h, q, kv: kv <= q + off, True),
+        "window 40 as a mod": (lambda b, h, q, kv: (kv <= q + off) & (kv > q + off - 40), True),
+        "padding lengths per batch row": (lambda b, h, q, kv: (kv < lens[b]) & (kv <= q + off), True),
+        "documents read from a tensor": (lambda b, h, q, kv: (_DOC[kv] == _DOC[q + off]) & (kv <= q + off), True),
+        "the same window at every head": (lambda b, h, q, kv: (kv <= q + off + 0 * h) & (kv > q + off - 25), True),
+        "from_mod(...) & a built-in": (masks.from_mod(lambda b, h, q, kv: kv <= q + off) & masks.sliding_window(33),
+                                       True),
+        "nothing seen (dead rows)": (lambda b, h, q, kv: kv > q + off + 5, True),
+        "a window per head": (lambda b, h, q, kv: (kv <= q + off) & (kv > q + off - 10 * (h + 1)), False),
+        "a sink and a window (two stretches)": (lambda b, h, q, kv: ((kv <= q + off) & (kv > q + off - 20)) | (kv < 4),
+                                                False),
+    }
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("name", sorted(_stepping_mods(100, 1)))
+def test_a_decode_loop_with_a_new_mask_mod_every_step_is_served_and_exact(name, L, causal, spy):
+    """S = 50 .. 130, a new mod object each step: every step equals the float64 golden (dead rows 0); a mod whose
+    rows are one stretch each is served by the family of its code (a few signatures learned, not one per step);
+    the others take the full path, exact too."""
+    _kernel_or_skip()
+    _fast.clear()
+    g = torch.Generator().manual_seed(L)
+    cache_k, cache_v = torch.randn(2, 2, 200, 16, generator=g), torch.randn(2, 2, 200, 16, generator=g)
+    q = torch.randn(2, 8, L, 16, generator=g)
+    learned = 0
+    with torch.no_grad():
+        for S in range(50, 131):
+            mod, one_stretch = _stepping_mods(S, L)[name]
+            k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+            before = len(_fast._REPLAY)
+            out = attnkit.attention(q, k, v, mask=mod, causal=causal)
+            learned += len(_fast._REPLAY) - before
+            ref, _ = golden(q, k, v, mask=mod, causal=causal)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), (name, S)
+    if one_stretch:
+        assert learned <= 3, f"{name}: {learned} signatures learned over 81 steps (its family serves the rest)"
+
+
+def test_a_mod_that_edits_its_index_tensors_in_place_shifts_no_later_call(spy):
+    """The decode family evaluates mods on shared index tensors: a mod that writes them in place (``kv.add_``) is
+    detected (their version counter), its call goes to the full path, and the next call's indices are intact."""
+    _kernel_or_skip()
+    _fast.clear()
+    cache_k, cache_v = torch.randn(1, 2, 120, 16), torch.randn(1, 2, 120, 16)
+    q = torch.randn(1, 4, 1, 16)
+    with torch.no_grad():
+        for S in range(60, 80):
+            off = S - 1
+            good = lambda b, h, qi, kv, off=off: kv <= qi + off - 7  # noqa: E731
+            bad = lambda b, h, qi, kv, off=off: (kv.add_(3) - 3) <= qi + off - 5  # noqa: E731
+            for mod in (good, bad, good):
+                k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+                out = attnkit.attention(q, k, v, mask=mod)
+                ref, _ = golden(q, k, v, mask=lambda b, h, qi, kv, d=(7 if mod is good else 5), off=off:
+                                kv <= qi + off - d)
+                assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), S
+
+
+def test_a_family_of_mods_refuses_what_the_full_path_refuses(spy):
+    """A mod of the family's code that returns no bool at a later step raises the full path's TypeError."""
+    _fast.clear()
+    cache_k, cache_v = torch.randn(1, 2, 120, 16), torch.randn(1, 2, 120, 16)
+    q = torch.randn(1, 4, 1, 16)
+
+    def mod_at(S, as_int):
+        return lambda b, h, qi, kv: (kv <= qi + S - 1).int() if as_int else kv <= qi + S - 1
+
+    with torch.no_grad():
+        for S in range(60, 70):
+            attnkit.attention(q, cache_k[:, :, :S], cache_v[:, :, :S], mask=mod_at(S, False))
+        with pytest.raises(TypeError, match="bool"):
+            attnkit.attention(q, cache_k[:, :, :70], cache_v[:, :, :70], mask=mod_at(70, True))
+
+
+@pytest.mark.parametrize("L", [1, 3, 16])
+@pytest.mark.parametrize("S", [1, 63, 64, 65, 300])
+def test_dense_row_intervals_equal_the_tile_maps(L, S):
+    """The decode entry's rows of a mod evaluated at every point equal those read off its tile map (or both None)."""
+    from attnkit.backends import _tilebits, native
+
+    ids = torch.arange(S) // 5
+    mods = [lambda b, h, q, kv: kv <= q + S - L, lambda b, h, q, kv: (kv <= q + S - L) & (kv > q + S - L - 9),
+            lambda b, h, q, kv: ids[kv] == ids[(q + S - L).clamp(min=0)], lambda b, h, q, kv: kv < 0,
+            lambda b, h, q, kv: (kv % 2 == 0), lambda b, h, q, kv: kv < 3 + b, lambda b, h, q, kv: kv <= h + q,
+            lambda b, h, q, kv: (q >= 0) & (kv >= 0)]
+    j = torch.arange(S)
+    for i, fn in enumerate(mods):
+        m = masks.from_mod(fn)
+        dense = native._dense_row_intervals(m, 2, 4, L, S)
+        tiles = _tilebits.row_intervals(_tilebits.tile_bits(m, 2, 4, L, S), L, S)
+        points = m.materialize(2, 4, L, S)  # (2, 4, L, S)
+        stretches = [(r.nonzero().flatten().tolist()) for r in points.reshape(-1, S)]
+        one = all(not x or x[-1] - x[0] + 1 == len(x) for x in stretches) and bool((points == points[:, :1]).all())
+        assert (dense is not None) == one, (i, L, S)
+        if dense is not None:
+            lo, hi = (t.expand(2, L) for t in dense)
+            mine = (j >= lo[:, None, :, None]) & (j < hi[:, None, :, None])
+            assert torch.equal(mine.expand(2, 4, L, S), points), (i, L, S)
+            assert lo.dtype == hi.dtype == torch.int32
+        if tiles is not None:  # where the tile map gives rows too (it refuses any mod reading h), the same
+            assert dense is not None
+            assert torch.equal(tiles[0].expand(2, L), dense[0].expand(2, L)), (i, L, S)
+            assert torch.equal(tiles[1].expand(2, L), dense[1].expand(2, L)), (i, L, S)

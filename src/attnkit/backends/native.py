@@ -15,6 +15,7 @@ its slopes. Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv); out (B,
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections import OrderedDict
 
 import numpy as np
@@ -259,6 +260,95 @@ def _keep_map_or_intervals(req: Request, tb, L: int, S: int) -> None:
 
 _CLOSED_FORM = _masks.BUILT_IN  # their decode tiles and row intervals in closed form
 
+# A decode step's mask evaluated at every point, up to this many (b, h, query, key) points at once (a bool each);
+# a bigger call reads the rows off the mask's tile map instead
+_DENSE_POINTS = 1 << 23
+
+
+def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
+    """``(lo, hi)`` int32 ``(TB, L)`` as :func:`_tilebits.row_intervals` gives, for a call of a few query rows (a
+    decode step), from the mask evaluated at each of its points in one call — no tile kinds, no range analysis, no
+    cache: what a user's ``mask_mod`` that is new at every step of a decode loop (``kv <= q + offset``, its offset
+    captured per step) costs per step. None: a row is not one stretch of keys, heads differ, or the call is too
+    big to evaluate whole (``_DENSE_POINTS``; the caller then reads the tile map). Raises what the mod raises, and
+    TypeError for a result that is not bool. ``fn``: the mod to evaluate on the index tensors (default
+    ``mask.bind(L, S)``)::
+
+        L = 2, S = 6   allowed          lo  hi
+                   q0  # # # . . .       0   3
+                   q1  . # # # # .       1   5      q2 = # . # . . .  -> None (two stretches)
+    """
+    if B * H * L * S > _DENSE_POINTS or S == 0:
+        return None
+    if fn is None:
+        fn = mask.bind(L, S)
+    idx = _index(B, 0), _index(H, 1), _index(L, 2), _index(S, 3)
+    version = idx[0]._version
+    a = fn(*idx)
+    if not _indices_intact(version):
+        raise ValueError(f"mask {mask!r} wrote its index tensors in place")
+    if type(a) is not torch.Tensor or a.dtype is not torch.bool:
+        _masks._check_bool(a, fn)
+    sh = a.shape
+    if not (len(sh) == 4 and sh[3] in (1, S) and sh[2] in (1, L) and sh[1] in (1, H) and sh[0] in (1, B)) and (
+            len(sh) > 4 or any(n not in (1, w) for n, w in zip(sh[::-1], (S, L, H, B), strict=False))):
+        raise ValueError(f"mask {mask!r} gave shape {tuple(a.shape)} on the grid (B, H, L, S) = {(B, H, L, S)}")
+    x = a.numpy()
+    if x.ndim < 4:
+        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    if x.shape[1] > 1 and not (x == x[:, :1]).all():  # the decode entry's intervals hold for every head alike
+        return None
+    x = x[:, 0]  # (TB, 1 or L, 1 or S) bool
+    TB, Lx = x.shape[0], x.shape[1]
+    lo = np.zeros((TB, Lx), np.int32)
+    hi = np.zeros((TB, Lx), np.int32)
+    for b in range(TB):  # a few rows (a decode step's): each one scan of its keys
+        for i in range(Lx):
+            row = x[b, i]
+            if row.shape[0] == 1:  # the same at every key: all or nothing
+                if row[0]:
+                    hi[b, i] = S
+                continue
+            nz = np.flatnonzero(row)
+            n = nz.shape[0]
+            if n:
+                first = nz[0]
+                if nz[-1] + 1 - first != n:
+                    return None
+                lo[b, i], hi[b, i] = first, first + n
+    if Lx != L:
+        lo, hi = np.repeat(lo, L, axis=1), np.repeat(hi, L, axis=1)
+    return torch.from_numpy(lo), torch.from_numpy(hi)
+
+
+_INDEX: list = []  # arange(n) viewed along each dim of a 4-d grid: [b, h, q, kv]
+
+
+def _index(n: int, dim: int) -> torch.Tensor:
+    """``arange(n)`` as an index tensor along ``dim`` of a 4-d grid: a view of one shared arange (its version
+    counter tells whether a mod wrote it in place: :func:`_indices_intact`)."""
+    if not _INDEX or n > _INDEX[0].shape[0]:
+        base = torch.arange(max(n, 1 << 16))
+        _INDEX[:] = [base.view(-1, 1, 1, 1), base.view(1, -1, 1, 1), base.view(1, 1, -1, 1), base.view(1, 1, 1, -1),
+                     {}]
+    if n > 64:
+        return _INDEX[dim].narrow(dim, 0, n)
+    small = _INDEX[4]  # the batch, head and query indices of a decode step: the same few views every step
+    t = small.get((n, dim))
+    if t is None:
+        t = small[n, dim] = _INDEX[dim].narrow(dim, 0, n)
+    return t
+
+
+def _indices_intact(version: int) -> bool:
+    """Whether the shared index arange is as it was at ``version``; if not, it is dropped (the next call builds
+    it anew) — a mod that edits its index tensors in place (``q += 1``) must not shift every later call's points."""
+    if _INDEX[0]._version == version:
+        return True
+    _INDEX.clear()
+    return False
+
+
 # The decode entry's query rows: one block of the kernel's (csrc/attn_decode.h takes up to 64 rows).
 DECODE_ROWS = 16
 
@@ -298,10 +388,12 @@ class NativeDecode(Kernel):
         if "row_intervals" not in req.memo:
             mask = req.mask if req.mask is not None else _FULL
             iv = _row_intervals(mask, B, L, S)
-            if iv is None and type(mask) not in _CLOSED_FORM:  # a user's mask_mod (or & | ~ of one): its rows read
-                try:  # off its tile map, cached by content (a window, causal, documents written as a mod)
-                    iv = _tilebits.row_intervals(_tilebits.tile_bits(mask, B, H, L, S), L, S)
-                except Exception:  # a mod that cannot run on stacked tiles: the other kernels evaluate it their way
+            if iv is None and type(mask) not in _CLOSED_FORM:  # a user's mask_mod (or & | ~ of one): its rows
+                try:  # evaluated at every point (a few rows), or read off its tile map, cached by content
+                    dense = B * H * L * S <= _DENSE_POINTS
+                    iv = (_dense_row_intervals(mask, B, H, L, S) if dense
+                          else _tilebits.row_intervals(_tilebits.tile_bits(mask, B, H, L, S), L, S))
+                except Exception:  # a mod that cannot run so: the other kernels evaluate it their way
                     iv = None
             if iv is None:
                 return [f"mask {req.mask!r} is not one stretch of keys per row, the same for every head"]
@@ -363,9 +455,9 @@ class NativeDecode(Kernel):
         if req.need_lse or req.weight_heads is not None or req.sinks is not None:
             return None
         parts = [_masks.causal()] if causal else []
+        if user_mask is not None and type(user_mask) not in _CLOSED_FORM:
+            return self._replay_mod_family(req, user_mask, causal)
         if user_mask is not None:
-            if type(user_mask) not in _CLOSED_FORM:
-                return None
             parts.append(user_mask)
         mask = parts[0] if len(parts) == 1 else _masks.And(*parts) if parts else _FULL
         prog = req.memo.get("score_prog")
@@ -416,6 +508,53 @@ class NativeDecode(Kernel):
                 if iv is None or iv[0].shape != shape:
                     return None
                 out = step(q, k, v, default if scale is None else scale, iv[0], iv[1])
+            return out if dt is torch.float32 else out.to(dt)
+
+        return run
+
+
+    def _replay_mod_family(self, req: Request, user_mask, causal: bool):
+        """:meth:`replay_family` for a user's ``mask_mod`` (bare, or in ``&`` ``|`` ``~``), whose family is its code
+        whatever values it captures (:func:`attnkit._fast._family`): each call's *own* mod is evaluated at every
+        point of the call (:func:`_dense_row_intervals`), so nothing learned from an earlier step's mod is reused
+        but the decision. A mod with no key never gets here (:func:`attnkit._fast._signature`)."""
+        if isinstance(user_mask, _masks.Mask) and not _mods.has_code(user_mask.cache_key()):
+            return None  # a plan, a built-in subclass: only the exact signature fixes them
+        if not isinstance(user_mask, (_masks.Mask, types.FunctionType)):
+            return None
+        B, H, L, *_ = req.shape
+        lo0, hi0 = req.memo["row_intervals"]
+        prog = req.memo.get("score_prog")
+        alibi = _alibi(req)
+        if req.score_mod is not None and prog is None and alibi is None:
+            return None
+        max_s = prog.max_s if prog is not None else None
+        default, dt, shape, sm = req.scale, req.q.dtype, lo0.shape, req.score_mod
+        check = sm.validate if isinstance(sm, _score_mods.ScoreMod) else None
+        step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
+                                   alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
+        causal_mask = _masks.causal() if causal and L > 1 else None  # (over one query row causal is no mask)
+
+        def run(q, k, v, user, scale):
+            S = k.shape[2]
+            if (max_s is not None and S > max_s) or v.shape[2] != S or S == 0:
+                return None
+            try:
+                if check is not None:
+                    check(B, H, L, S)
+                if causal_mask is None and type(user) is types.FunctionType and _mods.broadcast_safe(
+                        user, False, B, H, L, S):  # (known per code: one lookup) the mod itself, on the indices
+                    iv = _dense_row_intervals(user, B, H, L, S, fn=user)
+                else:
+                    m = user if isinstance(user, _masks.Mask) else _masks.FromMod(user)
+                    if causal_mask is not None:
+                        m = _masks.And(causal_mask, m)
+                    iv = _dense_row_intervals(m, B, H, L, S)
+            except Exception:  # whatever the mod raises: the full path raises it, with its context
+                return None
+            if iv is None or iv[0].shape != shape:
+                return None
+            out = step(q, k, v, default if scale is None else scale, iv[0], iv[1])
             return out if dt is torch.float32 else out.to(dt)
 
         return run
