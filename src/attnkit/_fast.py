@@ -146,6 +146,14 @@ def _family(key):
     if len(ks) != 4 or len(vs) != 4:
         return None
     m = key[_MASK_AT]
+    if type(m) is tuple and len(m) == 4 and m[0] == "plan":  # a plan (a BlockMask) for this S: its kinds and sizes
+        inner = m[1]  # are this S's; its mod's values this step's. The family's call evaluates each call's own plan
+        if type(inner) is tuple and len(inner) == 4 and inner[0] == "block_mask":
+            inner = ("block_mask", inner[2], _mods.code_only(inner[3]))  # (its block size and the mod's code)
+        else:
+            inner = _mods.code_only(inner)
+        return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:_MASK_AT], ("plan", inner, m[2][:3], m[3]),
+                *key[_MASK_AT + 1:])
     if type(m) is tuple and _mods.has_code(m):
         return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:_MASK_AT], _mods.code_only(m),
                 *key[_MASK_AT + 1:])

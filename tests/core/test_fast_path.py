@@ -1126,3 +1126,89 @@ def test_dense_row_intervals_equal_the_tile_maps(L, S):
             assert dense is not None
             assert torch.equal(tiles[0].expand(2, L), dense[0].expand(2, L)), (i, L, S)
             assert torch.equal(tiles[1].expand(2, L), dense[1].expand(2, L)), (i, L, S)
+
+
+# ---- FlexAttention's decode loop: a new BlockMask every step ------------------------------------------------------
+
+def _flex_golden(q, k, v, mod):
+    """float64 golden of FlexAttention's meaning of a block mask ``create_block_mask`` built: ``mod`` at every point."""
+    return golden(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // k.shape[1], 1),
+                  mask=mod)[0]
+
+
+@pytest.mark.parametrize("block", [128, 64])
+@pytest.mark.parametrize("L", [1, 3])
+def test_flex_attention_decode_loop_with_a_new_block_mask_each_step(L, block, spy):
+    """``create_block_mask`` for this step's (L, S) and ``flex_attention``, one key more each step: the decode entry
+    runs it (the BlockMask's rows as intervals), the family of its code serves the later steps, each step exact."""
+    _kernel_or_skip()
+    _fast.clear()
+    g = torch.Generator().manual_seed(L + block)
+    cache_k, cache_v = torch.randn(2, 2, 300, 16, generator=g), torch.randn(2, 2, 300, 16, generator=g)
+    q = torch.randn(2, 8, L, 16, generator=g)
+    learned = 0
+    with torch.no_grad():
+        for S in range(100, 200):
+            off = S - L
+            mod = lambda b, h, qi, kv, off=off: (kv <= qi + off) & (kv > qi + off - 70)  # noqa: E731
+            bm = attnkit.create_block_mask(mod, 2, None, L, S, BLOCK_SIZE=block)
+            k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+            if S == 100:
+                assert attnkit.dispatch(q, k, v, mask=attnkit._blockmask.block_mask_plan(
+                    bm, 2, 8, L, S, q.device, "block_mask")).kernel.name == "native-decode"
+            before = len(_fast._REPLAY)
+            out = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+            learned += len(_fast._REPLAY) - before
+            ref = _flex_golden(q, k, v, mod)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), S
+    assert learned <= 3, f"{learned} signatures learned over 100 steps (the family serves the rest)"
+
+
+def test_flex_attention_decode_over_a_static_cache_with_a_sliced_block_mask(spy):
+    """gpt-fast's loop: one BlockMask for the whole cache built once, its query block sliced each step, the mod
+    shifted by the position (a tensor), S fixed: exact at every step (the slice's meaning: its blocks, then the mod)."""
+    _kernel_or_skip()
+    _fast.clear()
+    MAX = 260
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, MAX, 16, generator=g), torch.randn(1, 2, MAX, 16, generator=g)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    causal = lambda b, h, qi, kv: qi >= kv  # noqa: E731
+    whole = attnkit.create_block_mask(causal, 1, 1, MAX, MAX, BLOCK_SIZE=64)
+    with torch.no_grad():
+        for pos in range(100, 200, 3):
+            m = whole[:, :, pos // 64]
+            offset = torch.tensor(pos)
+            m.mask_mod = lambda b, h, qi, kv, offset=offset: causal(b, h, qi + offset, kv)
+            m.seq_lengths = (1, MAX)
+            out = attnkit.flex_attention(q, k, v, block_mask=m, enable_gqa=True)
+            ref = _flex_golden(q, k, v, lambda b, h, qi, kv, pos=pos: kv <= qi + pos)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, MAX), pos
+
+
+def test_a_block_mask_the_decode_entry_cannot_take_runs_elsewhere_exactly(spy):
+    """Blocks of 32 (not the kernel's 64 multiples), rows of two stretches (a sink and a window): not the decode
+    entry; blocks listed with no mod (``from_kv_blocks``, never replayed: no content key): the decode entry (its one
+    block is one stretch of keys). Exact all of them."""
+    _kernel_or_skip()
+    from torch.nn.attention.flex_attention import BlockMask
+
+    g = torch.Generator().manual_seed(9)
+    S = 200
+    k, v = torch.randn(1, 2, S, 16, generator=g), torch.randn(1, 2, S, 16, generator=g)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    window = lambda b, h, qi, kv: kv > qi + S - 1 - 50  # noqa: E731
+    sink = lambda b, h, qi, kv: (kv > qi + S - 1 - 50) | (kv < 4)  # noqa: E731
+    blocks = BlockMask.from_kv_blocks(torch.tensor([[[1]]], dtype=torch.int32), torch.tensor([[[[1, 0]]]],
+                                      dtype=torch.int32), BLOCK_SIZE=128, seq_lengths=(1, S))
+    cases = [(attnkit.create_block_mask(window, 1, None, 1, S, BLOCK_SIZE=32), window, False),
+             (attnkit.create_block_mask(sink, 1, None, 1, S), sink, False),
+             (blocks, lambda b, h, qi, kv: (kv >= 128) & (kv < 256), True)]  # (its one block: one stretch)
+    with torch.no_grad():
+        for bm, meaning, decode in cases:
+            plan = attnkit._blockmask.block_mask_plan(bm, 1, 4, 1, S, q.device, "block_mask")
+            assert (attnkit.dispatch(q, k, v, mask=plan).kernel.name == "native-decode") == decode
+            for _ in range(2):
+                out = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+                ref = _flex_golden(q, k, v, meaning)
+                assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S)

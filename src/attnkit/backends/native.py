@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .. import _calibrate, _mods, _scoreprog
+from .. import plans as _plans
 from .. import masks as _masks
 from .. import score_mods as _score_mods
 from . import _native, _softmax, _tilebits, _tiles, tiled
@@ -321,6 +322,12 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
     return torch.from_numpy(lo), torch.from_numpy(hi)
 
 
+def _plan_mask(plan, extra):
+    """The mask a plan's tiles stand for, as points (a BlockMask's: its full blocks, its mod inside the partial
+    ones; an ``attnkit.plan``'s: its mask), with ``extra`` (``causal=True``) on top."""
+    return plan.mask if extra is None else _masks.And(extra, plan.mask)
+
+
 _INDEX: list = []  # arange(n) viewed along each dim of a 4-d grid: [b, h, q, kv]
 
 
@@ -376,8 +383,10 @@ class NativeDecode(Kernel):
             why.append(f"L = {L} > {DECODE_ROWS} query rows (not a decode step: the forward's tiles)")
         if req.requires_grad():
             why.append("a gradient is wanted (the decode entry is inference only)")
-        if req.bias is not None or req.dense_mask is not None or req.plan is not None:
-            why.append("a tensor mask or plan (the decode entry takes a mask as row intervals)")
+        if req.bias is not None or req.dense_mask is not None:
+            why.append("a tensor mask (the decode entry takes a mask as row intervals)")
+        if req.plan is not None and (req.plan.block[0] % _tilebits.TILE or req.plan.block[1] % _tilebits.TILE):
+            why.append(f"an explicit plan of {req.plan.block[0]} x {req.plan.block[1]} tiles (the kernel's are 64 x 64)")
         if req.dropout_p > 0:
             why.append("dropout (the compiled kernel has none)")
         if why:
@@ -385,6 +394,17 @@ class NativeDecode(Kernel):
         refused = _score_program(req)  # a score_mod: its program (or ALiBi's slopes), as the forward
         if refused:
             return [refused]
+        if req.plan is not None and "row_intervals" not in req.memo:  # a BlockMask's tiles, its mod in the partial
+            try:  # ones (FlexAttention's meaning): each row's one stretch of keys, read off its points or its tile map
+                if B * H * L * S <= _DENSE_POINTS:
+                    iv = _dense_row_intervals(_plan_mask(req.plan, req.plan_extra), B, H, L, S)
+                else:
+                    iv = _tilebits.row_intervals(_tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S), L, S)
+            except Exception:
+                iv = None
+            if iv is None:
+                return ["a plan whose rows are not one stretch of keys each, the same for every head"]
+            req.memo["row_intervals"] = iv
         if "row_intervals" not in req.memo:
             mask = req.mask if req.mask is not None else _FULL
             iv = _row_intervals(mask, B, L, S)
@@ -518,9 +538,10 @@ class NativeDecode(Kernel):
         whatever values it captures (:func:`attnkit._fast._family`): each call's *own* mod is evaluated at every
         point of the call (:func:`_dense_row_intervals`), so nothing learned from an earlier step's mod is reused
         but the decision. A mod with no key never gets here (:func:`attnkit._fast._signature`)."""
+        is_plan = isinstance(user_mask, _plans.BlockPlan)
         if isinstance(user_mask, _masks.Mask) and not _mods.has_code(user_mask.cache_key()):
-            return None  # a plan, a built-in subclass: only the exact signature fixes them
-        if not isinstance(user_mask, (_masks.Mask, types.FunctionType)):
+            return None  # a built-in's subclass: only the exact signature fixes it
+        if not (is_plan or isinstance(user_mask, (_masks.Mask, types.FunctionType))):
             return None
         B, H, L, *_ = req.shape
         lo0, hi0 = req.memo["row_intervals"]
@@ -542,7 +563,10 @@ class NativeDecode(Kernel):
             try:
                 if check is not None:
                     check(B, H, L, S)
-                if causal_mask is None and type(user) is types.FunctionType and _mods.broadcast_safe(
+                if is_plan:  # a new BlockMask every step (FlexAttention's decode loop): its own blocks and mod
+                    user.check(B, H, L, S)
+                    iv = _dense_row_intervals(_plan_mask(user, _masks.causal() if causal else None), B, H, L, S)
+                elif causal_mask is None and type(user) is types.FunctionType and _mods.broadcast_safe(
                         user, False, B, H, L, S):  # (known per code: one lookup) the mod itself, on the indices
                     iv = _dense_row_intervals(user, B, H, L, S, fn=user)
                 else:
