@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from .. import _calibrate, _mods, _scoreprog
-from .. import plans as _plans
 from .. import masks as _masks
+from .. import plans as _plans
 from .. import score_mods as _score_mods
 from . import _native, _softmax, _tilebits, _tiles, tiled
 from ._base import Request
@@ -386,7 +386,8 @@ class NativeDecode(Kernel):
         if req.bias is not None or req.dense_mask is not None:
             why.append("a tensor mask (the decode entry takes a mask as row intervals)")
         if req.plan is not None and (req.plan.block[0] % _tilebits.TILE or req.plan.block[1] % _tilebits.TILE):
-            why.append(f"an explicit plan of {req.plan.block[0]} x {req.plan.block[1]} tiles (the kernel's are 64 x 64)")
+            why.append(f"an explicit plan of {req.plan.block[0]} x {req.plan.block[1]} tiles "
+                       "(the kernel's are 64 x 64)")
         if req.dropout_p > 0:
             why.append("dropout (the compiled kernel has none)")
         if why:
