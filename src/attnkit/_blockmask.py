@@ -21,6 +21,7 @@ import math
 import sys
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from . import _mods
@@ -150,9 +151,19 @@ def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: st
     return BlockPlan(m, B, H, L, S, (bm, bn), kinds.cpu())
 
 
+_SMALL_BLOCKS = 1 << 12  # block index entries read with NumPy
+
+
 def _dense(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
     """bool ``(Bb, Hb, nq, nk)`` of the blocks listed by ``num (Bb, Hb, ≥nq)``, ``idx (Bb, Hb, ≥nq, K)``
     (FlexAttention's layout: per query block, the first ``num`` entries of ``idx`` are its blocks)."""
+    if idx.is_cpu and idx.numel() <= _SMALL_BLOCKS:  # a decode step's few blocks: NumPy (µs, not torch's op costs)
+        n, ix = num[..., :nq].numpy(), idx[..., :nq, :].numpy()
+        ok = (np.arange(ix.shape[-1]) < n[..., None]) & (ix >= 0) & (ix < nk)  # (indices past nk: none of ours)
+        dense = np.zeros((*ix.shape[:-1], nk), dtype=bool)
+        at = ok.nonzero()
+        dense[(*at[:-1], ix[ok])] = True
+        return torch.from_numpy(dense)
     num, idx = num[..., :nq].long(), idx[..., :nq, :].long()
     listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
     width = max(nk, int(idx.max()) + 1 if idx.numel() else 0)

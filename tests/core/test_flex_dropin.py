@@ -489,3 +489,20 @@ def test_flex_training_script_runs_on_cpu_by_changing_one_import():
     assert all(map(math.isfinite, losses))
     assert losses[-1] < 0.5 * losses[0], losses  # it learned: the previous token is found through attention
     assert ns["bias"].grad is not None and ns["bias"].grad.abs().sum() > 0  # the score_mod's table trained too
+
+
+def test_a_block_masks_blocks_read_with_numpy_equal_the_torch_reading(monkeypatch):
+    """Small block lists are read with NumPy, large ones with torch: the same dense map, for counts past the list,
+    indices past the key blocks, negative (unused) entries, int32 and int64."""
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.int32, torch.int64):
+        for Bb, Hb, nq, nk, K in ((1, 1, 1, 10, 10), (2, 3, 4, 7, 9), (1, 2, 5, 5, 3)):
+            num = torch.randint(0, K + 2, (Bb, Hb, nq + 1), generator=g).to(dtype)
+            idx = torch.randint(-1, nk + 3, (Bb, Hb, nq + 1, K), generator=g).to(dtype)
+            small = _blockmask._dense(num, idx, nq, nk)
+            monkeypatch.setattr(_blockmask, "_SMALL_BLOCKS", -1)
+            large = _blockmask._dense(num, idx, nq, nk)
+            monkeypatch.undo()
+            assert small.dtype == torch.bool and small.shape == large.shape == (Bb, Hb, nq, nk)
+            assert torch.equal(small, large), (dtype, Bb, Hb, nq, nk, K)
