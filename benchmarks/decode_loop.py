@@ -13,6 +13,9 @@ interleaved (at each step one call of each, in turns), total time of the loop / 
 * attnkit, ``masks.causal()`` + ``score_mods.softcap(30)`` (Gemma 2) and + a soft cap written as a lambda (a
   traced program); SDPA runs neither, so their ratio is to SDPA's plain step (what the step costs with the cap);
 * attnkit with causal written as a user's ``mask_mod`` capturing the step's offset (a new mod every step);
+* FlexAttention's loop on attnkit (``from attnkit import create_block_mask, flex_attention``): a ``BlockMask`` of
+  that mod built for each step's (1, S), then ``flex_attention`` — timed with the ``create_block_mask`` call, and
+  ``flex_attention`` alone on BlockMasks built before the loop (a new one every step all the same);
 * attnkit at a fixed S (the first step's, repeated): the same call without a new signature per step.
 
 ``ratio`` = SDPA's time / attnkit's (> 1: attnkit faster). Run it with each source tree on ``PYTHONPATH`` for a
@@ -66,6 +69,16 @@ def main(argv=None) -> int:
         "attnkit, causal as a user's `mask_mod` (`kv <= q + S - 1`)": lambda k, v: attnkit.attention(
             q, k, v, mask=_causal_mod(k.shape[2])),
     }
+    def flex_step(k, v):
+        bm = attnkit.create_block_mask(_causal_mod(k.shape[2]), 1, None, 1, k.shape[2])
+        return attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+
+    # one BlockMask per step, built before the timed loop (each round uses the same ones: _fast.clear() below)
+    premade = {a.start + t: attnkit.create_block_mask(_causal_mod(a.start + t), 1, None, 1, a.start + t)
+               for t in range(a.steps)}
+    calls["FlexAttention on attnkit: `create_block_mask` + `flex_attention` per step"] = flex_step
+    calls["FlexAttention on attnkit: `flex_attention` alone (a new BlockMask every step, built untimed)"] = (
+        lambda k, v: attnkit.flex_attention(q, k, v, block_mask=premade[k.shape[2]], enable_gqa=True))
     fixed_k, fixed_v = cache_k[:, :, :a.start], cache_v[:, :, :a.start]
     fixed = {"attnkit, `masks.causal()`, fixed S (no new signature)":
              lambda k, v: attnkit.attention(q, fixed_k, fixed_v, mask=causal)}

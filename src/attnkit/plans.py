@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import _tiling
@@ -202,6 +203,9 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
                                         seq_lengths=(L, S))
 
 
+_SMALL_MAP = 1 << 14  # block maps ordered with NumPy (torch's per-op cost dominates a few hundred blocks)
+
+
 def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(num, indices)`` int32 of a bool map ``(..., n)``: per row, how many blocks are wanted and
     all n block indices with the wanted ones first, each part ascending — the order of
@@ -214,6 +218,11 @@ def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     n = wanted.shape[-1]
     lead = wanted.shape[:-1]
+    if wanted.numel() <= _SMALL_MAP:  # a decode step's few blocks: NumPy's stable sort of "not wanted" is this order
+        w = wanted.numpy()
+        num = np.count_nonzero(w, axis=-1).astype(np.int32)
+        idx = np.argsort(~w, axis=-1, kind="stable").astype(np.int32)
+        return torch.from_numpy(num), torch.from_numpy(idx)
     w = wanted.reshape(-1, n)  # (R, n): rows in chunks that stay in cache (1M: 8192 × 8192 blocks)
     R = w.shape[0]
     num = torch.zeros(R, dtype=torch.int32)

@@ -506,3 +506,22 @@ def test_a_block_masks_blocks_read_with_numpy_equal_the_torch_reading(monkeypatc
             monkeypatch.undo()
             assert small.dtype == torch.bool and small.shape == large.shape == (Bb, Hb, nq, nk)
             assert torch.equal(small, large), (dtype, Bb, Hb, nq, nk, K)
+
+
+def test_block_orders_with_numpy_equal_the_torch_ordering(monkeypatch):
+    """create_block_mask orders small block maps with NumPy's stable sort, large ones by counting in torch: the same
+    (num, indices), int32, for random maps, all-wanted and none-wanted rows, transposed (non-contiguous) views."""
+    from attnkit import plans
+
+    g = torch.Generator().manual_seed(4)
+    for shape in ((1, 1, 1, 10), (2, 3, 5, 7), (1, 2, 9, 1)):
+        w = torch.rand(shape, generator=g) < 0.4
+        if w.numel():
+            w[..., 0, :] = True
+        for m in (w, w.transpose(-2, -1)):
+            small = plans._ordered(m)
+            monkeypatch.setattr(plans, "_SMALL_MAP", -1)
+            large = plans._ordered(m)
+            monkeypatch.undo()
+            for a, b in zip(small, large, strict=True):
+                assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), shape
