@@ -162,7 +162,8 @@ def _dense(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> torch.Tens
         ok = (np.arange(ix.shape[-1]) < n[..., None]) & (ix >= 0) & (ix < nk)  # (indices past nk: none of ours)
         dense = np.zeros((*ix.shape[:-1], nk), dtype=bool)
         at = ok.nonzero()
-        dense[(*at[:-1], ix[ok])] = True
+        where = (*at[:-1], ix[ok])  # (the blocks' lead indices, then their key block)
+        dense[where] = True
         return torch.from_numpy(dense)
     num, idx = num[..., :nq].long(), idx[..., :nq, :].long()
     listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)

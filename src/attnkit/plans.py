@@ -219,10 +219,9 @@ def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = wanted.shape[-1]
     lead = wanted.shape[:-1]
     if wanted.numel() <= _SMALL_MAP:  # a decode step's few blocks: NumPy's stable sort of "not wanted" is this order
-        w = wanted.numpy()
-        num = np.count_nonzero(w, axis=-1).astype(np.int32)
-        idx = np.argsort(~w, axis=-1, kind="stable").astype(np.int32)
-        return torch.from_numpy(num), torch.from_numpy(idx)
+        wn = wanted.numpy()
+        return (torch.from_numpy(np.count_nonzero(wn, axis=-1).astype(np.int32)),
+                torch.from_numpy(np.argsort(~wn, axis=-1, kind="stable").astype(np.int32)))
     w = wanted.reshape(-1, n)  # (R, n): rows in chunks that stay in cache (1M: 8192 × 8192 blocks)
     R = w.shape[0]
     num = torch.zeros(R, dtype=torch.int32)
