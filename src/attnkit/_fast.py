@@ -22,7 +22,11 @@ zeros where a row's scores hold NaN/inf) and the caller then takes the full path
 A decode loop makes every step a new signature (the cache is one key longer): where the chosen kernel's decision
 does not read the key count S (the decode entry's ``replay_family``), one prepared call serves the signature
 without S, re-deriving per step what depends on S (the user's mask and score_mod validated at S, the row
-intervals, the score program's bound) and handing the call to the full path where anything differs.
+intervals, the score program's bound) and handing the call to the full path where anything differs. A user's
+``mask_mod`` and a plan (a ``BlockMask``) enter the family by their code alone: a decode loop builds a new mod (or
+BlockMask) at every step, capturing the step's offset, and the family's call evaluates each call's *own* mod at
+every point of its few rows (``native._dense_row_intervals``): nothing learned from an earlier step's mod is used
+but the decision.
 
 Not replayed: NumPy inputs, dropout, lse / weights / sinks, named backends, a score_mod where
 gradients are wanted, mods without a key (reading a list, a dict, an object's attribute: their
