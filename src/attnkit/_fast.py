@@ -142,6 +142,9 @@ def attention(q, k, v, mask, causal, scale, score_mod=None):
     return run(q, k, v, mask, scale)
 
 
+_USERS = frozenset(("from_mod", "plan", "And", "Or", "Not"))  # mask keys that may hold a user's mod
+
+
 def _family(key):
     """The signature without the key count S (k's and v's third dim), for 4-d inputs, and with a user's
     ``mask_mod`` by its code alone (the values it captures left out: a decode loop's mod captures the step's offset,
@@ -150,7 +153,9 @@ def _family(key):
     if len(ks) != 4 or len(vs) != 4:
         return None
     m = key[_MASK_AT]
-    if type(m) is tuple and len(m) == 4 and m[0] == "plan":  # a plan (a BlockMask) for this S: its kinds and sizes
+    if type(m) is not tuple or m[0] not in _USERS:  # no mask, a tensor mask's shape, a built-in's key: as it is
+        return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:])
+    if len(m) == 4 and m[0] == "plan":  # a plan (a BlockMask) for this S: its kinds and sizes
         inner = m[1]  # are this S's; its mod's values this step's. The family's call evaluates each call's own plan
         if type(inner) is tuple and len(inner) == 4 and inner[0] == "block_mask":
             inner = ("block_mask", inner[2], _mods.code_only(inner[3]))  # (its block size and the mod's code)
