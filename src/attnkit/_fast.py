@@ -131,9 +131,16 @@ def attention(q, k, v, mask, causal, scale, score_mod=None):
         if fam is not None:
             with contextlib.suppress(KeyError):  # evicted by another thread meanwhile: this call still runs it
                 _FAMILY.move_to_end(fkey)
-            out = fam(q, k, v, mask, scale)
-            if out is not None:
-                return out
+            exact = getattr(fam, "exact", None)
+            if exact is not None:  # a user's mod, new this step: its prepared call kept for this exact signature
+                run = exact(q, k, v, mask)  # (the same mod at the model's other layers replays it)
+                if run is not None:
+                    _keep(key, run)
+                    return run(q, k, v, mask, scale)
+            else:
+                out = fam(q, k, v, mask, scale)
+                if out is not None:
+                    return out
         run = _learn(key, q, k, v, mask, causal, scale, score_mod)
     except TypeError:  # an unhashable part (cannot happen for the types above; kept for safety)
         return None
@@ -179,7 +186,6 @@ def _learn(key, q, k, v, mask, causal, scale, score_mod):
     d = _dispatch.decide(req, "auto")
     replay = getattr(d.kernel, "replay", None)
     run = None if replay is None or req.input_rank != 4 or req.numpy_in else replay(req, mask)
-    _REPLAY[key] = run
     family = getattr(d.kernel, "replay_family", None)
     if run is not None and family is not None:
         fam = family(req, mask, causal)
@@ -192,14 +198,23 @@ def _learn(key, q, k, v, mask, causal, scale, score_mod):
                     _FAMILY.popitem(last=False)
                 except KeyError:  # emptied by another thread meanwhile
                     break
+    _keep(key, run)
+    return run
+
+
+def _keep(key, run) -> None:
+    """``run`` (or None: the full path) remembered for the signature ``key``."""
+    _REPLAY[key] = run
     if isinstance(key[_MASK_AT], _masks.Mask) or _mods.holds_data(key[_MASK_AT]) or _mods.holds_data(key[_SCORE_AT]):
         # keyed by a tensor's identity or content (a document's ids, a mod reading the batch's lengths): a few kept
         _BY_IDENTITY.append(key)
         if len(_BY_IDENTITY) > _BY_IDENTITY_MAX:
             _REPLAY.pop(_BY_IDENTITY.popleft(), None)
-    if len(_REPLAY) > _REPLAY_MAX:
-        _REPLAY.popitem(last=False)
-    return run
+    while len(_REPLAY) > _REPLAY_MAX:
+        try:
+            _REPLAY.popitem(last=False)
+        except KeyError:  # emptied by another thread meanwhile
+            break
 
 
 def clear() -> None:

@@ -557,7 +557,8 @@ class NativeDecode(Kernel):
                                    alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
         causal_mask = _masks.causal() if causal and L > 1 else None  # (over one query row causal is no mask)
 
-        def run(q, k, v, user, scale):
+        def rows(k, v, user):
+            """This call's row intervals, from its own mod (or plan), or None (the full path decides)."""
             S = k.shape[2]
             if (max_s is not None and S > max_s) or v.shape[2] != S or S == 0:
                 return None
@@ -579,9 +580,30 @@ class NativeDecode(Kernel):
                 return None
             if iv is None or iv[0].shape != shape:
                 return None
+            return iv
+
+        def run(q, k, v, user, scale):
+            iv = rows(k, v, user)
+            if iv is None:
+                return None
             out = step(q, k, v, default if scale is None else scale, iv[0], iv[1])
             return out if dt is torch.float32 else out.to(dt)
 
+        def exact(q, k, v, user):
+            """The prepared call for this call's exact signature (its mod's content and S fixed: the rows too), for
+            the next calls with the same mod — a model's other layers in this step — or None."""
+            iv = rows(k, v, user)
+            if iv is None:
+                return None
+            lo, hi = iv
+
+            def run_exact(q, k, v, mask, scale):
+                out = step(q, k, v, default if scale is None else scale, lo, hi)
+                return out if dt is torch.float32 else out.to(dt)
+
+            return run_exact
+
+        run.exact = exact  # type: ignore[attr-defined]
         return run
 
 
