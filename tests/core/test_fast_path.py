@@ -1068,7 +1068,7 @@ def test_a_decode_loop_with_a_new_mask_mod_every_step_is_served_and_exact(name, 
             ref, _ = golden(q, k, v, mask=mod, causal=causal)
             assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), (name, S)
     if one_stretch:
-        assert len(learned) <= 3, f"{name}: {len(learned)} signatures learned over 81 steps (its family serves the rest)"
+        assert len(learned) <= 3, f"{name}: {len(learned)} learned over 81 steps (the family serves the rest)"
 
 
 def test_the_same_new_mod_at_every_layer_of_a_step_is_evaluated_once(spy, monkeypatch):
