@@ -16,10 +16,12 @@ interleaved (at each step one call of each, in turns), total time of the loop / 
 * FlexAttention's loop on attnkit (``from attnkit import create_block_mask, flex_attention``): a ``BlockMask`` of
   that mod built for each step's (1, S), then ``flex_attention`` — timed with the ``create_block_mask`` call, and
   ``flex_attention`` alone on BlockMasks built before the loop (a new one every step all the same);
-* attnkit at a fixed S (the first step's, repeated): the same call without a new signature per step.
+* attnkit at a fixed S (the first step's, repeated): the same call without a new signature per step;
+* a step of a model of ``--layers`` layers (each its own cache): SDPA, ``masks.causal()``, the user's mod and
+  FlexAttention's BlockMask built once per step and passed to every layer (how a model passes its mask).
 
-``ratio`` = SDPA's time / attnkit's (> 1: attnkit faster). Run it with each source tree on ``PYTHONPATH`` for a
-before / after; only the ratios of one run count.
+``ratio`` = SDPA's time / attnkit's (> 1: attnkit faster; a model step's row: SDPA's model step / it). Run it
+with each source tree on ``PYTHONPATH`` for a before / after; only the ratios of one run count.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--start", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4, help="layers of the model-step rows (0: none)")
     a = ap.parse_args(argv)
     B, H, Hkv, D = 1, 8, 2, 64
     g = torch.Generator().manual_seed(0)
@@ -82,6 +85,34 @@ def main(argv=None) -> int:
     fixed_k, fixed_v = cache_k[:, :, :a.start], cache_v[:, :, :a.start]
     fixed = {"attnkit, `masks.causal()`, fixed S (no new signature)":
              lambda k, v: attnkit.attention(q, fixed_k, fixed_v, mask=causal)}
+    # a model's step: each layer its own cache (the layer's k / v: the timed step's S keys of it), one mask per step
+    layers = [(torch.randn(cache_k.shape, generator=g), torch.randn(cache_v.shape, generator=g))
+              for _ in range(a.layers)]
+
+    def model(attend):
+        def step(k, v):
+            S = k.shape[2]
+            m = attend(S)
+            for lk, lv in layers:
+                m(lk[:, :, :S], lv[:, :, :S])
+        return step
+
+    def with_mod(S):
+        mod = _causal_mod(S)
+        return lambda k, v: attnkit.attention(q, k, v, mask=mod)
+
+    def with_block_mask(S):
+        bm = attnkit.create_block_mask(_causal_mod(S), 1, None, 1, S)
+        return lambda k, v: attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+
+    if a.layers:
+        n = a.layers
+        fixed[f"{n} layers: SDPA (enable_gqa)"] = model(
+            lambda S: lambda k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        fixed[f"{n} layers: attnkit, `masks.causal()`"] = model(
+            lambda S: lambda k, v: attnkit.attention(q, k, v, mask=causal))
+        fixed[f"{n} layers: attnkit, a user's `mask_mod` built once per step"] = model(with_mod)
+        fixed[f"{n} layers: FlexAttention on attnkit, `create_block_mask` once per step"] = model(with_block_mask)
     names = [*calls, *fixed]
     fns = [*calls.values(), *fixed.values()]
     best = [float("inf")] * len(fns)
@@ -101,8 +132,10 @@ def main(argv=None) -> int:
     print(f"B = {B}, H = {H}, Hkv = {Hkv}, D = {D}, L = 1, S = {a.start} .. {a.start + a.steps - 1} (one key more per "
           f"step), {a.rounds} rounds, the best round's mean per step\n")
     print("| call | µs per step | ratio (SDPA / this) |\n|---|---|---|")
+    sdpa_model = next((t for n, t in zip(names, best, strict=True) if n.endswith("layers: SDPA (enable_gqa)")), None)
     for n, t in zip(names, best, strict=True):
-        print(f"| {n} | {t * 1e6:.1f} | {best[0] / t:.2f} |")
+        base = sdpa_model if "layers:" in n else best[0]  # a model's step against SDPA's model step
+        print(f"| {n} | {t * 1e6:.1f} | {base / t:.2f} |")
     return 0
 
 
