@@ -220,7 +220,7 @@ def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lead = wanted.shape[:-1]
     if wanted.numel() <= _SMALL_MAP:  # a decode step's few blocks: NumPy's stable sort of "not wanted" is this order
         wn = wanted.numpy()
-        return (torch.from_numpy(np.count_nonzero(wn, axis=-1).astype(np.int32)),
+        return (torch.from_numpy(np.asarray(np.count_nonzero(wn, axis=-1), dtype=np.int32)),
                 torch.from_numpy(np.argsort(~wn, axis=-1, kind="stable").astype(np.int32)))
     w = wanted.reshape(-1, n)  # (R, n): rows in chunks that stay in cache (1M: 8192 × 8192 blocks)
     R = w.shape[0]

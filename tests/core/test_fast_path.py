@@ -1122,6 +1122,61 @@ def test_a_mod_that_edits_its_index_tensors_in_place_shifts_no_later_call(spy):
                 assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), S
 
 
+@pytest.mark.parametrize("how", ["add_", "data", "numpy"])
+def test_a_mod_writing_its_indices_unseen_by_the_version_counter_shifts_no_later_call(how, spy):
+    """Writes through ``.data`` or a NumPy view bump no version counter: the index arange is compared by content
+    after each evaluation, so a later, plain mod still sees 0 .. S - 1 (a float64-exact answer)."""
+    _kernel_or_skip()
+    _fast.clear()
+    g = torch.Generator().manual_seed(11)
+    q, k, v = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 100, 16, generator=g), torch.randn(
+        1, 2, 100, 16, generator=g)
+
+    def bad(b, h, qi, kv):
+        if how == "add_":
+            kv.add_(7)
+        elif how == "data":
+            kv.data.add_(7)
+        else:
+            kv.numpy()[...] += 7
+        return kv <= qi + 50
+
+    def plain(b, h, qi, kv):
+        return kv < 30
+
+    with torch.no_grad():
+        attnkit.attention(q, k, v, mask=bad)
+        for _ in range(2):
+            out = attnkit.attention(q, k, v, mask=plain)
+            ref, _ = golden(q, k, v, mask=plain)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, 100), how
+
+
+def test_a_mod_first_evaluated_under_inference_mode_keeps_the_decode_entry():
+    """The index arange is a normal tensor even when a thread first builds it under ``torch.inference_mode()``: the
+    decode entry serves user mods there and afterwards (an inference tensor's version counter cannot be read)."""
+    _kernel_or_skip()
+    import threading
+
+    got = []
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 4, 100, 16), torch.randn(1, 4, 100, 16)
+    mod = lambda b, h, qi, kv: kv <= qi + 50  # noqa: E731
+
+    def work():  # a fresh thread: its index arange is built inside inference_mode
+        with torch.inference_mode():
+            got.append(attnkit.dispatch(q, k, v, mask=mod).kernel.name)
+            out = attnkit.attention(q, k, v, mask=mod)
+        got.append(attnkit.dispatch(q, k, v, mask=mod).kernel.name)
+        ref, _ = golden(q, k, v, mask=mod)
+        got.append((out.double() - ref).abs().max().item())
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert got[:2] == ["native-decode", "native-decode"]
+    assert got[2] <= budget(torch.float32, 16, 100)
+
+
 def test_a_family_of_mods_refuses_what_the_full_path_refuses(spy):
     """A mod of the family's code that returns no bool at a later step raises the full path's TypeError."""
     _fast.clear()

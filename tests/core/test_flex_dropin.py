@@ -514,11 +514,11 @@ def test_block_orders_with_numpy_equal_the_torch_ordering(monkeypatch):
     from attnkit import plans
 
     g = torch.Generator().manual_seed(4)
-    for shape in ((1, 1, 1, 10), (2, 3, 5, 7), (1, 2, 9, 1)):
+    for shape in ((10,), (3, 10), (1, 1, 1, 10), (2, 3, 5, 7), (1, 2, 9, 1)):
         w = torch.rand(shape, generator=g) < 0.4
-        if w.numel():
+        if w.dim() > 1:
             w[..., 0, :] = True
-        for m in (w, w.transpose(-2, -1)):
+        for m in (w,) if w.dim() < 2 else (w, w.transpose(-2, -1)):
             small = plans._ordered(m)
             monkeypatch.setattr(plans, "_SMALL_MAP", -1)
             large = plans._ordered(m)

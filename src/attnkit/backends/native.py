@@ -15,6 +15,7 @@ its slopes. Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv); out (B,
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 from collections import OrderedDict
 
@@ -283,10 +284,8 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
         return None
     if fn is None:
         fn = mask.bind(L, S)
-    idx = _index(B, 0), _index(H, 1), _index(L, 2), _index(S, 3)
-    version = idx[0]._version
-    a = fn(*idx)
-    if not _indices_intact(version):
+    a = fn(_index(B, 0), _index(H, 1), _index(L, 2), _index(S, 3))
+    if not _indices_intact(max(B, H, L, S)):
         raise ValueError(f"mask {mask!r} wrote its index tensors in place")
     if type(a) is not torch.Tensor or a.dtype is not torch.bool:
         _masks._check_bool(a, fn)
@@ -328,31 +327,38 @@ def _plan_mask(plan, extra):
     return plan.mask if extra is None else _masks.And(extra, plan.mask)
 
 
-_INDEX: list = []  # arange(n) viewed along each dim of a 4-d grid: [b, h, q, kv]
+# Per thread, the index tensors a mod is evaluated on: (size, [b, h, q, kv] views of one arange(size), {small views},
+# that arange as NumPy, a pristine copy never handed out). A thread's own: a mod in one thread never shifts another's.
+_LOCAL = threading.local()
 
 
 def _index(n: int, dim: int) -> torch.Tensor:
-    """``arange(n)`` as an index tensor along ``dim`` of a 4-d grid: a view of one shared arange (its version
-    counter tells whether a mod wrote it in place: :func:`_indices_intact`)."""
-    if not _INDEX or n > _INDEX[0].shape[0]:
-        base = torch.arange(max(n, 1 << 16))
-        _INDEX[:] = [base.view(-1, 1, 1, 1), base.view(1, -1, 1, 1), base.view(1, 1, -1, 1), base.view(1, 1, 1, -1),
-                     {}]
+    """``arange(n)`` as an index tensor along ``dim`` of a 4-d grid: a view of this thread's arange (checked against
+    its pristine copy after each evaluation: :func:`_indices_intact`)."""
+    st = _LOCAL.__dict__.get("st")
+    if st is None or n > st[0]:
+        size = max(n, 1 << 16)
+        with torch.inference_mode(False):  # a normal tensor, whatever mode the first call runs in
+            base = torch.arange(size)
+            views = [base.view(-1, 1, 1, 1), base.view(1, -1, 1, 1), base.view(1, 1, -1, 1), base.view(1, 1, 1, -1)]
+        st = _LOCAL.st = (size, views, {}, base.numpy(), np.arange(size))
     if n > 64:
-        return _INDEX[dim].narrow(dim, 0, n)
-    small = _INDEX[4]  # the batch, head and query indices of a decode step: the same few views every step
+        return st[1][dim].narrow(dim, 0, n)
+    small: dict = st[2]  # the batch, head and query indices of a decode step: the same few views every step
     t = small.get((n, dim))
     if t is None:
-        t = small[n, dim] = _INDEX[dim].narrow(dim, 0, n)
+        t = small[n, dim] = st[1][dim].narrow(dim, 0, n)
     return t
 
 
-def _indices_intact(version: int) -> bool:
-    """Whether the shared index arange is as it was at ``version``; if not, it is dropped (the next call builds
-    it anew) — a mod that edits its index tensors in place (``q += 1``) must not shift every later call's points."""
-    if _INDEX[0]._version == version:
+def _indices_intact(n: int) -> bool:
+    """Whether the first ``n`` of this thread's index arange are still ``0 .. n - 1`` (its content, compared with a
+    copy no mod sees: an in-place write is caught however it was made — ``q += 1``, ``kv.data``, a NumPy view); if
+    not, the arange is dropped (the next call builds another): no later call's points are shifted."""
+    st = _LOCAL.__dict__.get("st")
+    if st is not None and np.array_equal(st[3][:n], st[4][:n]):
         return True
-    _INDEX.clear()
+    _LOCAL.__dict__.pop("st", None)
     return False
 
 
