@@ -1306,3 +1306,16 @@ def test_a_block_mask_the_decode_entry_cannot_take_runs_elsewhere_exactly(spy):
                 out = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
                 ref = _flex_golden(q, k, v, meaning)
                 assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S)
+
+
+def test_the_index_check_compares_bytes_with_and_without_the_c_librarys_memcmp(monkeypatch):
+    from attnkit.backends import native
+
+    a, b = np.arange(100, dtype=np.int64), np.arange(100, dtype=np.int64)
+    for memcmp in (native._MEMCMP, None):
+        monkeypatch.setattr(native, "_MEMCMP", memcmp)
+        b[:] = a
+        assert native._same_bytes(a.ctypes.data, b.ctypes.data, 800)
+        b[99] += 1
+        assert not native._same_bytes(a.ctypes.data, b.ctypes.data, 800)
+        assert native._same_bytes(a.ctypes.data, b.ctypes.data, 792)  # (only the first 99 compared)
