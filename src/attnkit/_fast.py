@@ -35,7 +35,6 @@ data may change unseen), the logger at DEBUG (the full path logs every decision)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import types
 from collections import OrderedDict, deque
@@ -43,7 +42,7 @@ from math import isfinite as _isfinite
 
 import torch
 
-from . import _dispatch, _mods
+from . import _dispatch, _lru, _mods
 from . import masks as _masks
 from . import plans as _plans
 from . import score_mods as _score_mods
@@ -126,11 +125,8 @@ def attention(q, k, v, mask, causal, scale, score_mod=None):
     try:
         run = _REPLAY[key]
     except KeyError:
-        fkey = _family(key)
-        fam = _FAMILY.get(fkey)
+        fam = _lru.get(_FAMILY, _family(key), None)
         if fam is not None:
-            with contextlib.suppress(KeyError):  # evicted by another thread meanwhile: this call still runs it
-                _FAMILY.move_to_end(fkey)
             exact = getattr(fam, "exact", None)
             if exact is not None:  # a user's mod, new this step: its prepared call kept for this exact signature
                 run = exact(q, k, v, mask)  # (the same mod at the model's other layers replays it)
@@ -160,20 +156,20 @@ def _family(key):
     if len(ks) != 4 or len(vs) != 4:
         return None
     m = key[_MASK_AT]
-    if type(m) is not tuple or m[0] not in _USERS:  # no mask, a tensor mask's shape, a built-in's key: as it is
-        return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:])
-    if len(m) == 4 and m[0] == "plan":  # a plan (a BlockMask) for this S: its kinds and sizes
-        inner = m[1]  # are this S's; its mod's values this step's. The family's call evaluates each call's own plan
-        if type(inner) is tuple and len(inner) == 4 and inner[0] == "block_mask":
-            inner = ("block_mask", inner[2], _mods.code_only(inner[3]))  # (its block size and the mod's code)
-        else:
-            inner = _mods.code_only(inner)
-        return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:_MASK_AT], ("plan", inner, m[2][:3], m[3]),
-                *key[_MASK_AT + 1:])
-    if type(m) is tuple and _mods.has_code(m):
-        return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:_MASK_AT], _mods.code_only(m),
-                *key[_MASK_AT + 1:])
-    return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:])
+    if type(m) is tuple and m[0] in _USERS:
+        m = _plan_family(m) if m[0] == "plan" and len(m) == 4 else _mods.code_only(m)
+    return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:_MASK_AT], m, *key[_MASK_AT + 1:])
+
+
+def _plan_family(m):
+    """A plan's key (``("plan", mask key, (B, H, L, S), block)``) without what is this S's (its sizes' S; a
+    BlockMask's kinds) or this step's (its mod's captured values): its block size and its mod's code."""
+    inner = m[1]
+    if type(inner) is tuple and len(inner) == 4 and inner[0] == "block_mask":
+        inner = ("block_mask", inner[2], _mods.code_only(inner[3]))
+    else:
+        inner = _mods.code_only(inner)
+    return ("plan", inner, m[2][:3], m[3])
 
 
 def _learn(key, q, k, v, mask, causal, scale, score_mod):
@@ -190,31 +186,19 @@ def _learn(key, q, k, v, mask, causal, scale, score_mod):
     if run is not None and family is not None:
         fam = family(req, mask, causal)
         if fam is not None:
-            fkey = _family(key)
-            _FAMILY.pop(fkey, None)  # (re)inserted last: the newest
-            _FAMILY[fkey] = fam
-            while len(_FAMILY) > _FAMILY_MAX:
-                try:
-                    _FAMILY.popitem(last=False)
-                except KeyError:  # emptied by another thread meanwhile
-                    break
+            _lru.put(_FAMILY, _family(key), fam, _FAMILY_MAX)
     _keep(key, run)
     return run
 
 
 def _keep(key, run) -> None:
     """``run`` (or None: the full path) remembered for the signature ``key``."""
-    _REPLAY[key] = run
+    _lru.put(_REPLAY, key, run, _REPLAY_MAX)
     if isinstance(key[_MASK_AT], _masks.Mask) or _mods.holds_data(key[_MASK_AT]) or _mods.holds_data(key[_SCORE_AT]):
         # keyed by a tensor's identity or content (a document's ids, a mod reading the batch's lengths): a few kept
         _BY_IDENTITY.append(key)
         if len(_BY_IDENTITY) > _BY_IDENTITY_MAX:
             _REPLAY.pop(_BY_IDENTITY.popleft(), None)
-    while len(_REPLAY) > _REPLAY_MAX:
-        try:
-            _REPLAY.popitem(last=False)
-        except KeyError:  # emptied by another thread meanwhile
-            break
 
 
 def clear() -> None:

@@ -420,8 +420,6 @@ def has_code(key) -> bool:
     """Whether a content key holds a function's key (:func:`value_key`: its code and the values it reads)."""
     if type(key) is not tuple:
         return False
-    if len(key) == 2 and key[0] == "from_mod":  # a mask_mod as it is (the usual case): its value_key
-        return True
     if len(key) == 6 and type(key[0]) is types.CodeType:
         return True
     return any(has_code(x) for x in key)
@@ -432,8 +430,6 @@ def code_only(key):
     it reads (for what is derived afresh from the mod itself at every call, never from the key)."""
     if type(key) is not tuple:
         return key
-    if len(key) == 2 and key[0] == "from_mod":
-        return ("from_mod", ("code", key[1][0]))
     if len(key) == 6 and type(key[0]) is types.CodeType:
         return ("code", key[0])
     return tuple(code_only(x) for x in key)

@@ -23,7 +23,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .. import _calibrate, _mods, _scoreprog
+from .. import _calibrate, _lru, _mods, _scoreprog
 from .. import masks as _masks
 from .. import plans as _plans
 from .. import score_mods as _score_mods
@@ -46,19 +46,10 @@ def _row_intervals(mask, B: int, L: int, S: int):
     if key is None:
         return mask.row_intervals(B, L, S)
     key = (key, B, L, S)
-    try:  # (threads share the cache: another may evict the entry between two steps, hence no `in` check first)
-        iv = _IV_CACHE[key]
-        _IV_CACHE.move_to_end(key)
-        return iv
-    except KeyError:
-        pass
-    iv = mask.row_intervals(B, L, S)
-    _IV_CACHE[key] = iv
-    while len(_IV_CACHE) > _IV_CACHE_MAX:
-        try:
-            _IV_CACHE.popitem(last=False)
-        except KeyError:  # emptied by another thread meanwhile
-            break
+    iv = _lru.get(_IV_CACHE, key)
+    if iv is _lru.MISSING:
+        iv = mask.row_intervals(B, L, S)
+        _lru.put(_IV_CACHE, key, iv, _IV_CACHE_MAX)
     return iv
 
 
@@ -299,24 +290,29 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
         x = x.reshape((1,) * (4 - x.ndim) + x.shape)
     if x.shape[1] > 1 and not (x == x[:, :1]).all():  # the decode entry's intervals hold for every head alike
         return None
-    x = x[:, 0]  # (TB, 1 or L, 1 or S) bool
+    x = np.broadcast_to(x[:, 0], (x.shape[0], x.shape[2], S))  # (TB, 1 or L, S) bool
     TB, Lx = x.shape[0], x.shape[1]
-    lo = np.zeros((TB, Lx), np.int32)
-    hi = np.zeros((TB, Lx), np.int32)
-    for b in range(TB):  # a few rows (a decode step's): each one scan of its keys
-        for i in range(Lx):
-            row = x[b, i]
-            if row.shape[0] == 1:  # the same at every key: all or nothing
-                if row[0]:
-                    hi[b, i] = S
-                continue
-            nz = np.flatnonzero(row)
-            n = nz.shape[0]
-            if n:
-                first = nz[0]
-                if nz[-1] + 1 - first != n:
-                    return None
-                lo[b, i], hi[b, i] = first, first + n
+    if TB * Lx <= 4:  # a decode step's one or few rows: a scan each (~2 µs, the vector form's ~10)
+        lo = np.zeros((TB, Lx), np.int32)
+        hi = np.zeros((TB, Lx), np.int32)
+        for b in range(TB):
+            for i in range(Lx):
+                nz = np.flatnonzero(x[b, i])
+                n = nz.shape[0]
+                if n:
+                    first = nz[0]
+                    if nz[-1] + 1 - first != n:
+                        return None
+                    lo[b, i], hi[b, i] = first, first + n
+    else:  # many rows (a batch whose rows differ): the count, first and last key of every row at once
+        cnt = np.count_nonzero(x, axis=-1)
+        first = x.argmax(-1)
+        end = S - x[..., ::-1].argmax(-1)
+        dead = cnt == 0
+        if not ((end - first == cnt) | dead).all():
+            return None
+        lo = np.where(dead, 0, first).astype(np.int32)
+        hi = np.where(dead, 0, end).astype(np.int32)
     if Lx != L:
         lo, hi = np.repeat(lo, L, axis=1), np.repeat(hi, L, axis=1)
     return torch.from_numpy(lo), torch.from_numpy(hi)
@@ -600,7 +596,7 @@ class NativeDecode(Kernel):
                     check(B, H, L, S)
                 if is_plan:  # a new BlockMask every step (FlexAttention's decode loop): its own blocks and mod
                     user.check(B, H, L, S)
-                    iv = _dense_row_intervals(_plan_mask(user, _masks.causal() if causal else None), B, H, L, S)
+                    iv = _dense_row_intervals(_plan_mask(user, causal_mask), B, H, L, S)
                 elif causal_mask is None and type(user) is types.FunctionType and _mods.broadcast_safe(
                         user, False, B, H, L, S):  # (known per code: one lookup) the mod itself, on the indices
                     iv = _dense_row_intervals(user, B, H, L, S, fn=user)
