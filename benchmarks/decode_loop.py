@@ -12,7 +12,8 @@ interleaved (at each step one call of each, in turns), total time of the loop / 
 * attnkit, ``mask=masks.causal()``; ``masks.sliding_window(256)``;
 * attnkit, ``masks.causal()`` + ``score_mods.softcap(30)`` (Gemma 2) and + a soft cap written as a lambda (a
   traced program); SDPA runs neither, so their ratio is to SDPA's plain step (what the step costs with the cap);
-* attnkit with causal written as a user's ``mask_mod`` capturing the step's offset (a new mod every step);
+* attnkit with causal written as a user's ``mask_mod`` capturing the step's offset (a new mod every step), alone
+  and with the soft cap as a lambda;
 * FlexAttention's loop on attnkit (``from attnkit import create_block_mask, flex_attention``): a ``BlockMask`` of
   that mod built for each step's (1, S), then ``flex_attention`` — timed with the ``create_block_mask`` call, and
   ``flex_attention`` alone on BlockMasks built before the loop (a new one every step all the same);
@@ -43,7 +44,7 @@ def _causal_mod(S: int, row: int = 0):
     row replays what another row's call of the same step left for its exact signature."""
     off = S - 1
     return (lambda b, h, q, kv: kv <= q + off, lambda b, h, q, kv: kv <= off + q, lambda b, h, q, kv: q + off >= kv,
-            lambda b, h, q, kv: off + q >= kv)[row]
+            lambda b, h, q, kv: off + q >= kv, lambda b, h, q, kv: kv - off <= q)[row]
 
 
 def main(argv=None) -> int:
@@ -73,6 +74,8 @@ def main(argv=None) -> int:
                                                                                    score_mod=lam),
         "attnkit, causal as a user's `mask_mod` (`kv <= q + S - 1`)": lambda k, v: attnkit.attention(
             q, k, v, mask=_causal_mod(k.shape[2])),
+        "attnkit, that `mask_mod` + a soft cap as a lambda": lambda k, v: attnkit.attention(
+            q, k, v, mask=_causal_mod(k.shape[2], 4), score_mod=lam),
     }
     def flex_step(k, v):
         bm = attnkit.create_block_mask(_causal_mod(k.shape[2]), 1, None, 1, k.shape[2])
