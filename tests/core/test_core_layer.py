@@ -178,8 +178,8 @@ def test_return_weights_on_every_backend():
 # modules; ``attnkit`` alone is the package's own face (attnkit/__init__.py). Every module of
 # src/attnkit must stand in a layer, so a new one is placed here on purpose.
 LAYERS = [
-    ("leaves: index and number helpers, the display registry",
-     {"attnkit._tiling", "attnkit._mods", "attnkit._ranges", "attnkit._format", "attnkit._display",
+    ("leaves: index and number helpers, bounded caches, the display registry",
+     {"attnkit._tiling", "attnkit._mods", "attnkit._ranges", "attnkit._format", "attnkit._display", "attnkit._lru",
       "attnkit.score_mods", "attnkit.positional"}),
     ("masks and the score-mod compiler", {"attnkit.masks", "attnkit._scoreprog"}),
     ("plans (and a FlexAttention BlockMask read as one)", {"attnkit.plans", "attnkit._blockmask"}),
