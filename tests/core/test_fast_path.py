@@ -1203,7 +1203,11 @@ def test_dense_row_intervals_equal_the_tile_maps(L, S):
     mods = [lambda b, h, q, kv: kv <= q + S - L, lambda b, h, q, kv: (kv <= q + S - L) & (kv > q + S - L - 9),
             lambda b, h, q, kv: ids[kv] == ids[(q + S - L).clamp(min=0)], lambda b, h, q, kv: kv < 0,
             lambda b, h, q, kv: (kv % 2 == 0), lambda b, h, q, kv: kv < 3 + b, lambda b, h, q, kv: kv <= h + q,
-            lambda b, h, q, kv: (q >= 0) & (kv >= 0), lambda b, h, q, kv: q >= 1]  # (the last: no key dim, dead row 0)
+            lambda b, h, q, kv: (q >= 0) & (kv >= 0),
+            # one row for every query (read off its bytes): one key, every key, the last few, a hole
+            lambda b, h, q, kv: kv == S // 2, lambda b, h, q, kv: kv >= 0, lambda b, h, q, kv: kv >= S - 4,
+            lambda b, h, q, kv: (kv < 2) | (kv > 4),
+            lambda b, h, q, kv: q >= 1]  # (the last: no key dim, dead row 0)
     j = torch.arange(S)
     for i, fn in enumerate(mods):
         m = masks.from_mod(fn)

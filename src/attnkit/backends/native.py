@@ -286,6 +286,8 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
             len(sh) > 4 or any(n not in (1, w) for n, w in zip(sh[::-1], (S, L, H, B), strict=False))):
         raise ValueError(f"mask {mask!r} gave shape {tuple(a.shape)} on the grid (B, H, L, S) = {(B, H, L, S)}")
     x = a.numpy()
+    if x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step's mask)
+        return _one_row(x, L)
     if x.ndim < 4:
         x = x.reshape((1,) * (4 - x.ndim) + x.shape)
     if x.shape[1] > 1 and not (x == x[:, :1]).all():  # the decode entry's intervals hold for every head alike
@@ -318,6 +320,25 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
     return torch.from_numpy(lo), torch.from_numpy(hi)
 
 
+def _one_row(x: np.ndarray, L: int):
+    """:func:`_dense_row_intervals` of a mask whose points are one row of keys ``x`` (bool, S of them, any
+    leading dims of size 1) shared by every batch row, head and query: its first and last allowed key and their
+    count read off its bytes (``bytes.find`` / ``rfind`` / ``count``: ~1 µs at S = 1200, the general scan's ~10);
+    None where the row is not one stretch."""
+    row = x.tobytes()  # one byte per key, 1 where allowed (NumPy's bool)
+    first = row.find(1)
+    lo = hi = 0  # no key: a dead row (out 0)
+    if first >= 0:
+        hi = row.rfind(1) + 1
+        if hi - first != row.count(1):
+            return None
+        lo = first
+    iv = np.empty((2, 1, L), np.int32)
+    iv[0], iv[1] = lo, hi
+    t = torch.from_numpy(iv)
+    return t[0], t[1]
+
+
 def _plan_mask(plan, extra):
     """The mask a plan's tiles stand for, as points (a BlockMask's: its full blocks, its mod inside the partial
     ones; an ``attnkit.plan``'s: its mask), with ``extra`` (``causal=True``) on top."""
@@ -325,7 +346,8 @@ def _plan_mask(plan, extra):
 
 
 # Per thread, the index tensors a mod is evaluated on: (size, [b, h, q, kv] views of one arange(size), {small views},
-# that arange as NumPy, a pristine copy never handed out). A thread's own: a mod in one thread never shifts another's.
+# that arange as NumPy, a pristine copy never handed out, the two's addresses, the arange). A thread's own: a mod in
+# one thread never shifts another's.
 _LOCAL = threading.local()
 
 
@@ -351,6 +373,9 @@ def _same_bytes(a: int, b: int, n: int) -> bool:
     return bool(np.array_equal(x, np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(b))))
 
 
+_SHAPES = ((lambda n: (n, 1, 1, 1)), (lambda n: (1, n, 1, 1)), (lambda n: (1, 1, n, 1)), (lambda n: (1, 1, 1, n)))
+
+
 def _index(n: int, dim: int) -> torch.Tensor:
     """``arange(n)`` as an index tensor along ``dim`` of a 4-d grid: a view of this thread's arange (checked against
     its pristine copy after each evaluation: :func:`_indices_intact`)."""
@@ -364,9 +389,9 @@ def _index(n: int, dim: int) -> torch.Tensor:
         arr = base.numpy()
         assert arr.dtype == np.int64 and arr.flags.c_contiguous
         # the two arrays' addresses, kept with them (the state holds both): memcmp of the used prefix per evaluation
-        st = _LOCAL.st = (size, views, {}, arr, pristine, arr.ctypes.data, pristine.ctypes.data)
-    if n > 64:
-        return st[1][dim].narrow(dim, 0, n)
+        st = _LOCAL.st = (size, views, {}, arr, pristine, arr.ctypes.data, pristine.ctypes.data, base)
+    if n > 64:  # (as_strided: ~2 µs, narrow's ~4)
+        return st[7].as_strided(_SHAPES[dim](n), (1, 1, 1, 1))
     small: dict = st[2]  # the batch, head and query indices of a decode step: the same few views every step
     t = small.get((n, dim))
     if t is None:
