@@ -131,40 +131,68 @@ def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: st
     if num.shape[-1] < nq:
         raise ValueError(f"{arg}: its kv_num_blocks has {num.shape[-1]} query blocks, but L={L} with "
                          f"BLOCK_SIZE={bms} needs {nq}. Build the block mask again for these sizes.")
-    partial = _dense(num, block_mask.kv_indices, nq, nk)
-    if block_mask.full_kv_num_blocks is not None:
-        full = _dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nq, nk)
-        if bool((partial & full).any()):
-            raise ValueError(f"{arg}: some blocks are listed both in kv_indices (partial) and full_kv_indices "
-                             "(full), which FlexAttention's kernels would count twice. List each block once.")
-    else:
-        full = torch.zeros_like(partial)
     noop = mod is None or mod is noop_mask
-    if noop:  # a partial block with no mask_mod is attended in full
-        full, partial = full | partial, torch.zeros_like(partial)
-        if bool(full.all()):
-            return None
-    kinds = torch.full(partial.shape, EMPTY, dtype=torch.int8, device=partial.device)
-    kinds[partial] = PARTIAL
-    kinds[full] = FULL
+    fnum, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    if num.is_cpu and _small(block_mask.kv_indices) and (fnum is None or (fnum.is_cpu and _small(fidx))):  # few
+        partial = _dense_np(num, block_mask.kv_indices, nq, nk)
+        full = np.zeros_like(partial) if fnum is None else _dense_np(fnum, fidx, nq, nk)
+        if (partial & full).any():
+            raise ValueError(_TWICE.format(arg=arg))
+        if noop:  # a partial block with no mask_mod is attended in full
+            full, partial = full | partial, np.zeros_like(partial)
+            if full.all():
+                return None
+        kn = np.full(partial.shape, EMPTY, np.int8)
+        kn[partial] = PARTIAL
+        kn[full] = FULL
+        kinds = torch.from_numpy(kn)
+    else:
+        tp = _dense(num, block_mask.kv_indices, nq, nk)
+        if fnum is not None:
+            tf = _dense(fnum, fidx, nq, nk)
+            if bool((tp & tf).any()):
+                raise ValueError(_TWICE.format(arg=arg))
+        else:
+            tf = torch.zeros_like(tp)
+        if noop:
+            tf, tp = tf | tp, torch.zeros_like(tp)
+            if bool(tf.all()):
+                return None
+        kinds = torch.full(tp.shape, EMPTY, dtype=torch.int8, device=tp.device)
+        kinds[tp] = PARTIAL
+        kinds[tf] = FULL
     m = _BlockMaskMask(kinds, (bm, bn), None if noop else mod)
     return BlockPlan(m, B, H, L, S, (bm, bn), kinds.cpu())
 
 
 _SMALL_BLOCKS = 1 << 12  # block index entries read with NumPy
+_SMALL_KINDS = 1 << 16  # block kinds looked up with NumPy, at up to this many points (a decode step's)
+_SMALL_POINTS = 1 << 18
+_TWICE = ("{arg}: some blocks are listed both in kv_indices (partial) and full_kv_indices (full), which "
+          "FlexAttention's kernels would count twice. List each block once.")
+
+
+def _small(idx: torch.Tensor) -> bool:
+    """Whether a block index tensor is read with NumPy (a CPU tensor of a few entries: a decode step's)."""
+    return idx.is_cpu and idx.numel() <= _SMALL_BLOCKS
+
+
+def _dense_np(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> np.ndarray:
+    """:func:`_dense` of a small CPU block list, in NumPy (µs, not torch's per-op costs)."""
+    n, ix = num.numpy()[..., :nq], idx.numpy()[..., :nq, :]
+    ok = (np.arange(ix.shape[-1]) < n[..., None]) & (ix >= 0) & (ix < nk)  # (indices past nk: none of ours)
+    dense = np.zeros((*ix.shape[:-1], nk), dtype=bool)
+    at = ok.nonzero()
+    where = (*at[:-1], ix[ok])  # (the blocks' lead indices, then their key block)
+    dense[where] = True
+    return dense
 
 
 def _dense(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
     """bool ``(Bb, Hb, nq, nk)`` of the blocks listed by ``num (Bb, Hb, ≥nq)``, ``idx (Bb, Hb, ≥nq, K)``
     (FlexAttention's layout: per query block, the first ``num`` entries of ``idx`` are its blocks)."""
-    if idx.is_cpu and idx.numel() <= _SMALL_BLOCKS:  # a decode step's few blocks: NumPy (µs, not torch's op costs)
-        n, ix = num[..., :nq].numpy(), idx[..., :nq, :].numpy()
-        ok = (np.arange(ix.shape[-1]) < n[..., None]) & (ix >= 0) & (ix < nk)  # (indices past nk: none of ours)
-        dense = np.zeros((*ix.shape[:-1], nk), dtype=bool)
-        at = ok.nonzero()
-        where = (*at[:-1], ix[ok])  # (the blocks' lead indices, then their key block)
-        dense[where] = True
-        return torch.from_numpy(dense)
+    if num.is_cpu and _small(idx):  # a decode step's few blocks
+        return torch.from_numpy(_dense_np(num, idx, nq, nk))
     num, idx = num[..., :nq].long(), idx[..., :nq, :].long()
     listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
     width = max(nk, int(idx.max()) + 1 if idx.numel() else 0)
@@ -186,6 +214,8 @@ class _BlockMaskMask(_masks.Mask):
         # the kinds' content, taken once: they are this mask's own (built by block_mask_plan, never handed out)
         self._kinds_key = _mods.content_key(kinds) if kinds_key is None else kinds_key
         self.batch_size = kinds.shape[0] if kinds.shape[0] > 1 else None
+        # the kinds as NumPy, for looking a few points up (a decode step's row: µs, not torch's per-op costs)
+        self._kinds_np = kinds.numpy() if kinds.is_cpu and kinds.numel() <= _SMALL_KINDS else None
 
     def cache_key(self):
         # by content: the block kinds' digest and the mod's own key (its code and what it captures, numbers by
@@ -213,16 +243,47 @@ class _BlockMaskMask(_masks.Mask):
         index = [*lead, (q // bm).to(d), (kv // bn).to(d)]
         return k[tuple(index)]
 
-    def bind(self, L, S):
-        inner = None if self.inner is None else self.inner.bind(L, S)
+    def _lookup_np(self, b, h, q, kv) -> np.ndarray | None:
+        """:meth:`_lookup` in NumPy where the kinds are small and the indices plain CPU tensors; else None."""
+        k = self._kinds_np
+        if k is None or not all(type(x) is torch.Tensor and x.is_cpu for x in (b, h, q, kv)) or \
+                b.numel() * h.numel() * q.numel() * kv.numel() > _SMALL_POINTS:  # (more: torch's threads)
+            return None
+        try:
+            bi, hi, qi, ki = b.numpy(), h.numpy(), q.numpy(), kv.numpy()
+        except (RuntimeError, TypeError):  # a tensor NumPy cannot read (a functorch transform's): torch's lookup
+            return None
+        bm, bn = self.block
+        lead = [bi % k.shape[0]] if k.shape[0] > 1 else []
+        k = k if k.shape[0] > 1 else k[0]
+        lead += [hi % k.shape[-3]] if k.shape[-3] > 1 else []
+        k = k if k.shape[-3] > 1 else k[..., 0, :, :]
+        at = (*lead, qi // bm, ki // bn)
+        return k[at]
 
+    def _points(self, inner):
+        """The mask's points on index tensors: a kind looked up per point, ``inner`` (the mod, or None) inside the
+        partial blocks."""
         def mod(b, h, q, kv):
-            kind = self._lookup(b, h, q, kv).to(q.device)
-            if inner is None:
-                return kind != EMPTY
-            return (kind == FULL) | ((kind == PARTIAL) & inner(b, h, q, kv))
+            kn = self._lookup_np(b, h, q, kv)
+            if kn is not None:
+                if inner is None:
+                    return torch.from_numpy(np.asarray(kn != EMPTY))
+                r = inner(b, h, q, kv)
+                if type(r) is torch.Tensor and r.dtype is torch.bool and r.is_cpu:
+                    return torch.from_numpy(np.asarray((kn == FULL) | ((kn == PARTIAL) & r.numpy())))
+                kind = torch.from_numpy(kn)
+            else:
+                kind = self._lookup(b, h, q, kv).to(q.device)
+                if inner is None:
+                    return kind != EMPTY
+                r = inner(b, h, q, kv)
+            return (kind == FULL) | ((kind == PARTIAL) & r)
 
         return mod
+
+    def bind(self, L, S):
+        return self._points(None if self.inner is None else self.inner.bind(L, S))
 
     def within_partial(self) -> _masks.Mask | None:
         """The mask that decides the points of this BlockMask's partial blocks (its ``mask_mod``), or None
@@ -233,16 +294,7 @@ class _BlockMaskMask(_masks.Mask):
     def points_mod(self, B, H, L, S):
         # the inner mod's own points form (any arrangement of index tensors: the compiled kernel's tile map
         # evaluates partial tiles stacked on the batch dim), not bind's, which assumes the (b, h, q, kv) grid
-        inner = None if self.inner is None else self.inner.points_mod(B, H, L, S)
-        lookup = self._lookup
-
-        def mod(b, h, q, kv):
-            kind = lookup(b, h, q, kv).to(q.device)
-            if inner is None:
-                return kind != EMPTY
-            return (kind == FULL) | ((kind == PARTIAL) & inner(b, h, q, kv))
-
-        return mod
+        return self._points(None if self.inner is None else self.inner.points_mod(B, H, L, S))
 
     def flex_mask_mod(self, L, S):
         fn, lookup = self.mask_mod, self._lookup

@@ -525,3 +525,28 @@ def test_block_orders_with_numpy_equal_the_torch_ordering(monkeypatch):
             monkeypatch.undo()
             for a, b in zip(small, large, strict=True):
                 assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), shape
+
+
+def test_a_block_masks_points_looked_up_with_numpy_equal_the_torch_lookup():
+    """A BlockMask's points at a decode step's few rows (its kinds looked up with NumPy) equal torch's lookup, for
+    kinds per batch row and head, blocks 64 / 128, with a mod, without one, and a mod reading ``b`` and ``h``; a mod
+    whose result is not bool gives the same result either way (checked later by the caller, as before)."""
+    from attnkit.backends import native
+
+    g = torch.Generator().manual_seed(5)
+    mods = [None, lambda b, h, q, kv: kv <= q + 150, lambda b, h, q, kv: (kv + b + h) % 3 != 0,
+            lambda b, h, q, kv: (kv % 2).to(torch.int32)]
+    for Bb, Hb in ((1, 1), (2, 1), (1, 4), (2, 4)):
+        for bs in (64, 128):
+            for L, S in ((1, 300), (3, 257), (16, 64)):
+                nq, nk = math.ceil(L / bs), math.ceil(S / bs)
+                kinds = torch.randint(0, 3, (Bb, Hb, nq, nk), generator=g).to(torch.int8)
+                for fn in mods:
+                    m = _blockmask._BlockMaskMask(kinds, (bs, bs), fn)
+                    assert m._kinds_np is not None
+                    idx = (native._index(2, 0), native._index(4, 1), native._index(L, 2), native._index(S, 3))
+                    fast = m.bind(L, S)(*idx)
+                    m._kinds_np = None  # torch's lookup
+                    slow = m.bind(L, S)(*idx)
+                    assert fast.dtype == slow.dtype and torch.equal(fast.expand(slow.shape), slow), (Bb, Hb, bs, L, S)
+                    assert native._indices_intact(max(L, S, 4))
