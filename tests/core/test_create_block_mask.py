@@ -43,7 +43,9 @@ def _assert_same(ours, theirs):
 
 
 @pytest.mark.parametrize("name", list(_mods()))
-@pytest.mark.parametrize("L, S, block", [(600, 600, 128), (257, 600, 64), (600, 333, (32, 128)), (1, 45, 16)])
+@pytest.mark.parametrize("L, S, block", [(600, 600, 128), (257, 600, 64), (600, 333, (32, 128)), (1, 45, 16),
+                                         # decode steps (a small grid: every point evaluated, tiles counted in NumPy)
+                                         (1, 600, 128), (16, 600, 128), (3, 257, 64)])
 def test_equal_to_torch_create_block_mask(name, L, S, block):
     mod = _mods()[name]
     B, H = (2, 3) if name in ("per-batch lengths", "per-head") else (None, None)
@@ -68,3 +70,22 @@ def test_bad_arguments_raise_with_the_fix():
         attnkit.create_block_mask(mod, 1, 1, 0, 64)
     with pytest.raises(TypeError, match="mask_mod"):
         attnkit.create_block_mask("causal", 1, 1, 64, 64)
+
+
+@pytest.mark.parametrize("name", list(_mods()))
+@pytest.mark.parametrize("B, H, L, S, block", [(1, 1, 1, 600, (128, 128)), (2, 3, 5, 300, (64, 64)),
+                                               (1, 2, 130, 100, (64, 32)), (2, 1, 16, 257, (16, 128))])
+def test_a_small_grids_kinds_equal_the_evaluated_kinds(name, B, H, L, S, block):
+    """A decode step's small grid, counted tile by tile in NumPy (off a row's bytes where the row is shared), gives
+    the kinds of evaluating the mod chunk by chunk in torch, ragged edge tiles (full on their real points) too."""
+    from attnkit import masks
+
+    m = masks.from_mod(_mods()[name])
+    fast = masks._small_grid_kinds(m.bind(L, S), B, H, L, S, *block)
+    slow = masks._evaluated_kinds(m.bind(L, S), B, H, L, S, *block)
+    assert fast.dtype == slow.dtype == torch.int8 and torch.equal(fast, slow)
+
+
+def test_a_small_grids_mod_returning_int_raises_as_before():
+    with pytest.raises(TypeError, match="bool"):
+        attnkit.create_block_mask(lambda b, h, q, kv: (kv <= q).int(), None, None, 1, 300)
