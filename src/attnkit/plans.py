@@ -179,18 +179,30 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    k = kinds.clone()
     bm, bn = block
-    if L % bm:
-        k[..., -1, :] = torch.where(k[..., -1, :] == FULL, PARTIAL, k[..., -1, :])
-    if S % bn:
-        k[..., :, -1] = torch.where(k[..., :, -1] == FULL, PARTIAL, k[..., :, -1])
-    partial, full = k == PARTIAL, k == FULL
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
-    # the q_* fields (each key block's query blocks) are the same ordering of the transposed map
-    q_num, q_idx = _ordered(partial.transpose(-2, -1))
-    fq_num, fq_idx = _ordered(full.transpose(-2, -1))
+    if kinds.is_cpu and kinds.numel() <= _SMALL_MAP:  # a decode step's few blocks: NumPy (torch's per-op costs)
+        kn = np.array(kinds.numpy())  # (a copy: kinds may be an expanded view)
+        if L % bm:
+            kn[..., -1, :][kn[..., -1, :] == FULL] = PARTIAL
+        if S % bn:
+            kn[..., :, -1][kn[..., :, -1] == FULL] = PARTIAL
+        pn, fn = kn == PARTIAL, kn == FULL
+        kv_num, kv_idx = _ordered_np(pn)
+        full_num, full_idx = _ordered_np(fn)
+        q_num, q_idx = _ordered_np(pn.swapaxes(-2, -1))
+        fq_num, fq_idx = _ordered_np(fn.swapaxes(-2, -1))
+    else:
+        k = kinds.clone()
+        if L % bm:
+            k[..., -1, :] = torch.where(k[..., -1, :] == FULL, PARTIAL, k[..., -1, :])
+        if S % bn:
+            k[..., :, -1] = torch.where(k[..., :, -1] == FULL, PARTIAL, k[..., :, -1])
+        partial, full = k == PARTIAL, k == FULL
+        kv_num, kv_idx = _ordered(partial)
+        full_num, full_idx = _ordered(full)
+        # the q_* fields (each key block's query blocks) are the same ordering of the transposed map
+        q_num, q_idx = _ordered(partial.transpose(-2, -1))
+        fq_num, fq_idx = _ordered(full.transpose(-2, -1))
     if device is not None:
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx = (
             t.to(device) for t in (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx))
@@ -218,10 +230,8 @@ def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     n = wanted.shape[-1]
     lead = wanted.shape[:-1]
-    if wanted.numel() <= _SMALL_MAP:  # a decode step's few blocks: NumPy's stable sort of "not wanted" is this order
-        wn = wanted.numpy()
-        return (torch.from_numpy(np.asarray(np.count_nonzero(wn, axis=-1), dtype=np.int32)),
-                torch.from_numpy(np.argsort(~wn, axis=-1, kind="stable").astype(np.int32)))
+    if wanted.numel() <= _SMALL_MAP:  # a decode step's few blocks
+        return _ordered_np(wanted.numpy())
     w = wanted.reshape(-1, n)  # (R, n): rows in chunks that stay in cache (1M: 8192 × 8192 blocks)
     R = w.shape[0]
     num = torch.zeros(R, dtype=torch.int32)
@@ -236,6 +246,13 @@ def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slot = torch.where(c, cw - 1, cnum.unsqueeze(-1) + ar - cw)
         idx[r0:r0 + step].scatter_(-1, slot.long(), ar.expand(c.shape[0], n))
     return num.view(lead), idx.view(*lead, n)
+
+
+def _ordered_np(wanted: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_ordered` of a small bool map in NumPy: its stable sort of "not wanted" is that order."""
+    num = np.asarray(wanted.sum(axis=-1, dtype=np.int32))  # (a 1-d map: a 0-d count, as torch's)
+    idx = np.argsort(~wanted, axis=-1, kind="stable").astype(np.int32, order="C")
+    return torch.from_numpy(num.copy(order="C")), torch.from_numpy(idx)
 
 
 def _check_block(block) -> tuple[int, int]:
