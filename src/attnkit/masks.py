@@ -310,9 +310,10 @@ def _evaluated_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     return out
 
 
-# A mask_mod's grid of at most this many points (a decode step's: one query row over a few thousand keys) is
-# evaluated whole and its tiles counted with NumPy: ~30 µs, where range analysis costs ~200 (torch's per-op costs)
-_SMALL_GRID = 1 << 15
+# A mask_mod's grid of a decode step (at most this many query rows and points: one query row over a few thousand
+# keys) is evaluated whole and its tiles counted with NumPy: ~90 µs at (1, 1200), where range analysis costs ~200
+# (torch's per-op costs); more rows keep the range analysis (its tiles decided without their points)
+_SMALL_GRID, _SMALL_GRID_ROWS = 1 << 15, 16
 
 
 def _small_grid_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
@@ -940,7 +941,7 @@ class FromMod(Mask):
         """Range evaluation first (one call over every tile; points only where undecided), for a
         mod evaluated by broadcasting; every point otherwise (a vmap-only mod, or one doing
         something intervals do not follow: Python ``if`` on an index, ``.item()``, ...)."""
-        if B * H * L * S <= _SMALL_GRID:  # a decode step's few points: all of them, at once
+        if L <= _SMALL_GRID_ROWS and B * H * L * S <= _SMALL_GRID:  # a decode step's few points: all, at once
             kinds = _small_grid_kinds(self.bind(L, S), B, H, L, S, bm, bn)
             return kinds, kinds.numel()
         if _mods.broadcast_safe(self.fn, False, B, H, L, S):
