@@ -65,7 +65,8 @@ def _one_warning(caught):
 
 def test_defaults_are_todays_table_and_say_so(cache):
     c = C.crossovers()
-    assert (c.native_causal_min, c.native_dense_min_ls, c.bf16, c.fp16) == (256, 1024 * 1024, None, None)
+    assert (c.native_causal_min, c.native_dense_min_ls, c.bf16, c.fp16) == (C.DEFAULT_NATIVE_CAUSAL_MIN, 1024 * 1024,
+                                                                             None, None)
     assert not c.calibrated and c.source.startswith("defaults (no calibration for this CPU")
     assert "attnkit calibrate" in c.source and f"{torch.get_num_threads()} thread" in c.source
     assert C.crossovers() is c  # memoised: a dict lookup on dispatch's hot path
@@ -125,7 +126,8 @@ def test_a_corrupt_or_foreign_file_gives_the_defaults_and_is_rewritten(cache, mo
     path = C.cache_path()
     path.write_text(content)
     c = C.crossovers()
-    assert not c.calibrated and (c.native_causal_min, c.native_dense_min_ls) == (256, 1024 * 1024)
+    assert not c.calibrated and (c.native_causal_min, c.native_dense_min_ls) == (C.DEFAULT_NATIVE_CAUSAL_MIN,
+                                                                             1024 * 1024)
     assert c.source.startswith("defaults (") and says in c.source and "will be rewritten" in c.source
     Fake(monkeypatch)
     assert C.calibrate().calibrated
@@ -182,7 +184,7 @@ def test_a_failed_or_interrupted_calibration_gives_the_defaults_with_one_warning
     msg = _one_warning(caught)
     assert says in msg and "default crossovers" in msg and "nothing was written" in msg
     assert not c.calibrated and c.failure is not None and says in c.source
-    assert (c.native_causal_min, c.native_dense_min_ls, c.bf16) == (256, 1024 * 1024, None)
+    assert (c.native_causal_min, c.native_dense_min_ls, c.bf16) == (C.DEFAULT_NATIVE_CAUSAL_MIN, 1024 * 1024, None)
     assert not list(cache.iterdir())  # nothing written, no temporary file left
     # attention keeps working, on the defaults
     assert not C.crossovers().calibrated
@@ -402,7 +404,8 @@ def test_cli_measures_prints_the_table_and_stores_it(cache, monkeypatch, capsys)
     assert out.startswith(f"attnkit calibrate: {C.machine_key()['cpu']}, torch {torch.__version__}")
     assert "causal  float32        64 x 64      fwd" in out and "SDPA/kernel" in out
     assert "crossover" in out and "default" in out and "measured" in out
-    assert "kernel from min(L, S) >=  256" in out and "1024²" in out and "torch's kernel" in out
+    assert f"kernel from min(L, S) >=  {C.DEFAULT_NATIVE_CAUSAL_MIN}" in out and "1024²" in out  # (the default)
+    assert "torch's kernel" in out
     assert f"stored in {C._home(path)}" in out
     assert "took " in out
 

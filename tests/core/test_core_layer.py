@@ -59,17 +59,21 @@ def test_dispatch_reports_backend_worker_and_why():
     assert (d.backend, d.worker) == ("tiled", "native" if built else "plain") and "score_mod" in d.worker_reason
     d = attnkit.dispatch(q, k, v, mask=M.sliding_window(16), score_mod=lambda s, b, h, i, j: s * torch.sin(s))
     assert (d.backend, d.worker) == ("tiled", "plain") and "score_mod" in d.worker_reason
-    d = attnkit.dispatch(q, k, v, causal=True)
+    d = attnkit.dispatch(q, k, v, causal=True)  # causal from L = 64 on the kernel (the defaults' crossover)
+    assert (d.backend, d.worker) == (("tiled", "native") if built else ("sdpa", "fused"))
+    d = attnkit.dispatch(q[:, :, :32], k[:, :, :32], v[:, :, :32], causal=True)  # below it: torch's kernel
     assert (d.backend, d.worker) == ("sdpa", "fused")
     qn = q.clone()
     qn[0, 0, 3, 0] = float("nan")
     rand = torch.rand(128, 128, generator=torch.Generator().manual_seed(0)) > 0.5
     rand[5] = False  # a fully masked row: output 0 there, told apart from a hidden NaN by the mask
-    for kw in (dict(mask=rand), dict(causal=True)):  # the NaN check comes after the kernel
-        d = attnkit.dispatch(qn, k, v, **kw)
+    # the NaN check comes after the kernel (causal below the defaults' crossover, where SDPA runs it)
+    short = (qn[:, :, :32], k[:, :, :32], v[:, :, :32])
+    for (a, b, c), kw in (((qn, k, v), dict(mask=rand)), (short, dict(causal=True))):
+        d = attnkit.dispatch(a, b, c, **kw)
         assert (d.backend, d.worker) == ("sdpa", "fused") and "re-checked for NaN" in d.worker_reason
-        out = attnkit.attention(qn, k, v, **kw)
-        ref = attnkit.attention(qn, k, v, backend="eager", **kw)
+        out = attnkit.attention(a, b, c, **kw)
+        ref = attnkit.attention(a, b, c, backend="eager", **kw)
         assert out[0, 0, 3].isnan().all() and torch.equal(out.isnan(), ref.isnan())
         assert (out.nan_to_num() - ref.nan_to_num()).abs().max().item() <= 1e-5
     worker = "[native:" if _native.available() else "[fused:"

@@ -11,7 +11,7 @@ import attnkit
 from attnkit import _fast
 from attnkit import masks as M
 from attnkit import score_mods as SM
-from attnkit.backends import _table
+from attnkit.backends import _native, _table
 
 
 @pytest.fixture
@@ -43,8 +43,9 @@ WINDOW_DENSE = M.sliding_window(16).materialize(1, 1, L, L)
 
 CASES = [
     ("dense", {}, "sdpa"),
-    ("causal L==S", {"causal": True}, "sdpa"),
-    ("causal top-left", {"mask": M.causal("top_left")}, "sdpa"),
+    # causal at L = 128: past the defaults' crossover (64), on the compiled kernel where it is built
+    ("causal L==S", {"causal": True}, "tiled" if _native.available() else "sdpa"),
+    ("causal top-left", {"mask": M.causal("top_left")}, "tiled" if _native.available() else "sdpa"),
     ("float bias only", {"mask": torch.randn(1, 1, L, L)}, "sdpa"),
     ("random bool mask: every tile partial", {"mask": torch.rand(1, 1, L, L) > 0.5}, "sdpa"),
     ("banded bool mask: tiles to skip", {"mask": WINDOW_DENSE}, "tiled"),
@@ -67,6 +68,17 @@ def test_auto_choice(ran, name, kw, want):
     assert d.reason
     attnkit.attention(q, k, v, **kw)
     assert ran == [want]
+
+
+@pytest.mark.parametrize("L", [17, 63])  # (16 rows and fewer: a decode step, the decode entry)
+def test_causal_below_the_defaults_crossover_stays_on_sdpa(ran, L):
+    """Without a calibration (the suite's ATTNKIT_CALIBRATION=off) causal runs on torch's kernel below
+    min(L, S) = 64, where its lower per-call cost wins, and on the compiled kernel from there (CASES above)."""
+    q, k, v = rand_qkv(1, 4, 4, L, L, 16)
+    d = attnkit.dispatch(q, k, v, causal=True)
+    assert d.backend == "sdpa" and "table: defaults" in d.reason, d
+    attnkit.attention(q, k, v, causal=True)
+    assert ran == ["sdpa"]
 
 
 def test_decode_sized_structured_mask_goes_to_the_decode_entry_or_sdpa_over_reachable_keys(ran):

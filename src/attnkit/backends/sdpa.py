@@ -141,8 +141,8 @@ def backward_flaw(req: Request) -> str | None:
 
 # Where attnkit's compiled kernel beats torch SDPA on SDPA's own ground: this machine's measurement
 # (`attnkit calibrate`, attnkit._calibrate.crossovers()), else these defaults (benchmarks/auto_grid.py, 2 threads,
-# fp32, D = 64: causal from L = 256, 1.17-1.41x forward and forward+backward, at L = 64 SDPA's lower per-call
-# cost wins; no mask from L·S = 1024², forward 1.03-1.04x, forward+backward 1.12x).
+# fp32, D = 64: causal from L = 64 (L = 128: 1.41x forward, 1.21x forward+backward; L = 64: 1.28x forward, even
+# forward+backward); no mask from L·S = 1024², forward 1.03-1.04x, forward+backward 1.12x).
 NATIVE_CAUSAL_MIN = _calibrate.DEFAULT_NATIVE_CAUSAL_MIN
 NATIVE_DENSE_MIN_LS = _calibrate.DEFAULT_NATIVE_DENSE_MIN_LS
 # Above this fraction of partial tiles a user bool mask stays with SDPA (tiled ≈ 0.96× there: nothing to skip).
