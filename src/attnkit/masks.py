@@ -319,7 +319,7 @@ _SMALL_GRID, _SMALL_GRID_ROWS = 1 << 15, 16
 def _small_grid_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     """:func:`_evaluated_kinds` of a small grid (``B·H·L·S <= _SMALL_GRID``): one evaluation of every point, the
     tiles' counts in NumPy; the same kinds (a ragged edge tile is full when all its real points are)."""
-    idx = [torch.from_numpy(np.arange(n).reshape(shape)) for n, shape in  # (fresh: a mod may write its indices)
+    idx = [torch.from_numpy(np.arange(n, dtype=np.int64).reshape(shape)) for n, shape in  # fresh: a mod may write
            ((B, (B, 1, 1, 1)), (H, (1, H, 1, 1)), (L, (1, 1, L, 1)), (S, (1, 1, 1, S)))]
     allowed = mod(*idx)
     _check_bool(allowed, mod)
@@ -329,8 +329,8 @@ def _small_grid_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     nq, nk = -(-L // bm), -(-S // bn)
     r0, c0 = np.arange(nq) * bm, np.arange(nk) * bn  # each tile's first row and key
     area = np.minimum(bm, L - r0)[:, None] * np.minimum(bn, S - c0)[None, :]
-    if x.shape[:3] == (1, 1, 1):  # one row of keys for every query (a decode step's): counted off its bytes
-        row = np.broadcast_to(x, (1, 1, 1, S)).tobytes()
+    row = np.broadcast_to(x, (1, 1, 1, S)).tobytes() if x.shape[:3] == (1, 1, 1) else b""
+    if row and row.count(0) + row.count(1) == S:  # one row of keys for every query (a decode step's): its bytes
         per_key_block = np.array([row.count(1, j, j + bn) for j in c0.tolist()], dtype=np.int64)
         count = (np.minimum(bm, L - r0)[:, None] * per_key_block[None, :]).reshape(1, 1, nq, nk)
     else:

@@ -1323,3 +1323,29 @@ def test_the_index_check_compares_bytes_with_and_without_the_c_librarys_memcmp(m
         b[99] += 1
         assert not native._same_bytes(a.ctypes.data, b.ctypes.data, 800)
         assert native._same_bytes(a.ctypes.data, b.ctypes.data, 792)  # (only the first 99 compared)
+
+
+def test_a_bool_row_holding_other_bytes_than_0_and_1_is_read_as_torch_reads_it():
+    """A mod's bool result made by viewing uint8 data as bool (bytes of 2: True to torch and NumPy) gives the rows
+    torch's own reading gives, on the decode entry's byte reading (which falls back to the general scan) and in
+    create_block_mask's small-grid kinds."""
+    from attnkit import masks as _m
+    from attnkit.backends import native
+
+    S = 300
+    raw = torch.zeros(S, dtype=torch.uint8)
+    raw[40:200] = 2
+    raw[100] = 1
+
+    def odd(b, h, q, kv):  # the key row as it is (indexing would copy it as 0 / 1)
+        return raw.view(torch.bool)
+
+    assert odd(0, 0, 0, 0).numpy().view(np.uint8).max() == 2  # the bytes the readers see
+    lo, hi = native._dense_row_intervals(masks.from_mod(odd), 1, 2, 1, S)
+    assert (lo.tolist(), hi.tolist()) == ([[40]], [[200]])
+    raw[120] = 0  # a hole: two stretches
+    assert native._dense_row_intervals(masks.from_mod(odd), 1, 2, 1, S) is None
+    m = masks.from_mod(odd)
+    for L, bm, bn in ((1, 128, 128), (3, 64, 32)):
+        fast = _m._small_grid_kinds(m.bind(L, S), 1, 1, L, S, bm, bn)
+        assert torch.equal(fast, _m._evaluated_kinds(m.bind(L, S), 1, 1, L, S, bm, bn))

@@ -287,7 +287,9 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
         raise ValueError(f"mask {mask!r} gave shape {tuple(a.shape)} on the grid (B, H, L, S) = {(B, H, L, S)}")
     x = a.numpy()
     if x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step's mask)
-        return _one_row(x, L)
+        iv = _one_row(x, L)
+        if iv is not _SCAN:
+            return iv
     if x.ndim < 4:
         x = x.reshape((1,) * (4 - x.ndim) + x.shape)
     if x.shape[1] > 1 and not (x == x[:, :1]).all():  # the decode entry's intervals hold for every head alike
@@ -320,17 +322,23 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
     return torch.from_numpy(lo), torch.from_numpy(hi)
 
 
+_SCAN = object()  # _one_row's "read this row the general way"
+
+
 def _one_row(x: np.ndarray, L: int):
     """:func:`_dense_row_intervals` of a mask whose points are one row of keys ``x`` (bool, S of them, any
     leading dims of size 1) shared by every batch row, head and query: its first and last allowed key and their
     count read off its bytes (``bytes.find`` / ``rfind`` / ``count``: ~1 µs at S = 1200, the general scan's ~10);
-    None where the row is not one stretch."""
+    None where the row is not one stretch; ``_SCAN`` where its bytes are not all 0 / 1."""
     row = x.tobytes()  # one byte per key, 1 where allowed (NumPy's bool)
+    ones = row.count(1)
+    if ones + row.count(0) != len(row):  # a bool tensor holding other bytes (a uint8 buffer viewed as bool)
+        return _SCAN
     first = row.find(1)
     lo = hi = 0  # no key: a dead row (out 0)
     if first >= 0:
         hi = row.rfind(1) + 1
-        if hi - first != row.count(1):
+        if hi - first != ones:
             return None
         lo = first
     iv = np.empty((2, 1, L), np.int32)
