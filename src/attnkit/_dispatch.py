@@ -13,7 +13,7 @@ request                                               kernel    why
 ====================================================  ========  ==========================================
 dropout_p > 0                                         eager     the only path with dropout under auto
 no mask; causal top-left or L == S; no score_mod      sdpa      torch's fused kernel: no plan, no mask
-same, at L·S >= 1024² (none) or L >= 256 (causal)    native    attnkit's compiled kernel is faster there
+same, at L·S >= 1024² (none) or L >= 64 (causal)     native    attnkit's compiled kernel is faster there
 float bias only (no bool mask)                        sdpa      nothing to skip: one fused pass
 float bias, or fp16 on the CPU, gradients wanted     tiled     SDPA's backward is inexact there (issue 18)
 user bool mask, L and S <= 64 (one tile)            sdpa      no tile to skip

@@ -5,7 +5,7 @@ Every way attnkit can compute attention is one :class:`Kernel` in the module tha
 device (:mod:`attnkit.backends._table`). ``attnkit.dispatch`` walks that table and nothing else::
 
     row          not_supported(req)            declines(req) (auto only)        verdict
-    sdpa         []                            "causal at L >= 256: native …"  passed over
+    sdpa         []                            "causal at L >= 64: native …"   passed over
     native       []                            None                             runs  <- chosen
     flash-runs   (not asked)
 
