@@ -1349,3 +1349,27 @@ def test_a_bool_row_holding_other_bytes_than_0_and_1_is_read_as_torch_reads_it()
     for L, bm, bn in ((1, 128, 128), (3, 64, 32)):
         fast = _m._small_grid_kinds(m.bind(L, S), 1, 1, L, S, bm, bn)
         assert torch.equal(fast, _m._evaluated_kinds(m.bind(L, S), 1, 1, L, S, bm, bn))
+
+
+@pytest.mark.parametrize("S", [1, 7, 300])
+@pytest.mark.parametrize("L", [1, 3])
+def test_a_decode_mods_0d_or_1d_result_runs_exactly(L, S):
+    """A mod returning a 0-d bool (S = 1: ``torch.tensor(True)``, ``(kv < 5).all()``) or an ``(S,)`` row with holes
+    (``row[kv.reshape(-1)]``) runs at decode sizes and equals the float64 golden: the decode entry's byte reader
+    skips a 0-d result (it had raised IndexError, and SDPA then failed on the 0-d mask), and SDPA's dense mask of a
+    mod's (S,) or 0-d result is made 4-d."""
+    g = torch.Generator().manual_seed(L * 100 + S)
+    q = torch.randn(2, 4, L, 16, generator=g)
+    k, v = torch.randn(2, 2, S, 16, generator=g), torch.randn(2, 2, S, 16, generator=g)
+    row = torch.rand(S, generator=g) < 0.5
+    row[0] = True  # (no dead row: the golden's convention for one is tested elsewhere)
+    mods = [lambda b, h, i, kv: row[kv.reshape(-1)], lambda b, h, i, kv: (kv >= 0).all()]
+    if S == 1:
+        mods.append(lambda b, h, i, kv: torch.tensor(True))
+    for mod in mods:
+        out = attnkit.attention(q, k, v, mask=mod)
+        allowed = masks.from_mod(mod).materialize(2, 4, L, S)
+        kk, vv = (t.double().repeat_interleave(2, dim=1) for t in (k, v))
+        s = (q.double() @ kk.transpose(-2, -1)) / 4.0
+        gold = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vv
+        assert (out.double() - gold).abs().max().item() <= 16 * 2.0 ** -23 * (4 + S ** 0.5)

@@ -286,7 +286,7 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
             len(sh) > 4 or any(n not in (1, w) for n, w in zip(sh[::-1], (S, L, H, B), strict=False))):
         raise ValueError(f"mask {mask!r} gave shape {tuple(a.shape)} on the grid (B, H, L, S) = {(B, H, L, S)}")
     x = a.numpy()
-    if x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step's mask)
+    if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
         iv = _one_row(x, L)
         if iv is not _SCAN:
             return iv
