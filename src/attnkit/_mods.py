@@ -169,7 +169,9 @@ def _check_shape(what: str, fn, out, shape):
 
 
 def eval_mask_mod(fn, b, h, q, kv, sizes: tuple[int, int, int, int]) -> torch.Tensor:
-    """``fn(b, h, q, kv)`` on broadcasting index tensors; a bool tensor broadcastable to the grid.
+    """``fn(b, h, q, kv)`` on broadcasting index tensors; a bool tensor broadcastable to the grid, 4-d (a mod's
+    ``(S,)`` row or 0-d answer gets leading dims of 1: every reader of a mask tile takes its last two dims as rows
+    and keys).
 
     ``sizes = (B, H, L, S)`` of the whole call, for the one-time probe.
     """
@@ -178,6 +180,8 @@ def eval_mask_mod(fn, b, h, q, kv, sizes: tuple[int, int, int, int]) -> torch.Te
     if broadcast_safe(fn, False, B, H, L, S):
         out = fn(b, h, q, kv)
         _check_shape("mask_mod", fn, out, shape)
+        if isinstance(out, torch.Tensor) and out.dim() < 4:
+            out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
         return out
     return _vmapped(fn, False)(*_flat(b, h, q, kv))
 

@@ -93,8 +93,6 @@ def allowed_tile(req: Request, i0: int, l: int, j0: int, s: int, heads=None, bat
         if batch is not None:
             b = b[batch]
         allowed = req.mask.bind(L, S)(b, h, q, kv)
-        if isinstance(allowed, torch.Tensor) and allowed.dim() < 4:  # a mod's (S,) or 0-d result: 4-d, as SDPA
-            allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))  # reads the last two dims
     if req.dense_mask is not None:
         dm = _tensor_tile(req.dense_mask, i0, l, j0, s, heads, batch)
         allowed = dm if allowed is None else allowed & dm
