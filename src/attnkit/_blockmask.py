@@ -133,34 +133,19 @@ def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: st
                          f"BLOCK_SIZE={bms} needs {nq}. Build the block mask again for these sizes.")
     noop = mod is None or mod is noop_mask
     fnum, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
-    if num.is_cpu and _small(block_mask.kv_indices) and (fnum is None or (fnum.is_cpu and _small(fidx))):  # few
-        partial = _dense_np(num, block_mask.kv_indices, nq, nk)
-        full = np.zeros_like(partial) if fnum is None else _dense_np(fnum, fidx, nq, nk)
-        if (partial & full).any():
-            raise ValueError(_TWICE.format(arg=arg))
-        if noop:  # a partial block with no mask_mod is attended in full
-            full, partial = full | partial, np.zeros_like(partial)
-            if full.all():
-                return None
-        kn = np.full(partial.shape, EMPTY, np.int8)
-        kn[partial] = PARTIAL
-        kn[full] = FULL
-        kinds = torch.from_numpy(kn)
-    else:
-        tp = _dense(num, block_mask.kv_indices, nq, nk)
-        if fnum is not None:
-            tf = _dense(fnum, fidx, nq, nk)
-            if bool((tp & tf).any()):
-                raise ValueError(_TWICE.format(arg=arg))
-        else:
-            tf = torch.zeros_like(tp)
-        if noop:
-            tf, tp = tf | tp, torch.zeros_like(tp)
-            if bool(tf.all()):
-                return None
-        kinds = torch.full(tp.shape, EMPTY, dtype=torch.int8, device=tp.device)
-        kinds[tp] = PARTIAL
-        kinds[tf] = FULL
+    # a decode step's few blocks in NumPy (µs, not torch's per-op costs); the same steps either way
+    small = num.is_cpu and _small(block_mask.kv_indices) and (fnum is None or (fnum.is_cpu and _small(fidx)))
+    dense = _dense_np if small else _dense
+    partial = dense(num, block_mask.kv_indices, nq, nk)
+    full = partial & False if fnum is None else dense(fnum, fidx, nq, nk)
+    if bool((partial & full).any()):
+        raise ValueError(f"{arg}: some blocks are listed both in kv_indices (partial) and full_kv_indices (full), "
+                         "which FlexAttention's kernels would count twice. List each block once.")
+    if noop:  # a partial block with no mask_mod is attended in full
+        full, partial = full | partial, partial & False
+        if bool(full.all()):
+            return None
+    kinds = torch.as_tensor(partial * PARTIAL + full * FULL + EMPTY).to(torch.int8)  # (the two are disjoint)
     m = _BlockMaskMask(kinds, (bm, bn), None if noop else mod)
     return BlockPlan(m, B, H, L, S, (bm, bn), kinds.cpu())
 
@@ -168,8 +153,6 @@ def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: st
 _SMALL_BLOCKS = 1 << 12  # block index entries read with NumPy
 _SMALL_KINDS = 1 << 16  # block kinds looked up with NumPy, at up to this many points (a decode step's)
 _SMALL_POINTS = 1 << 18
-_TWICE = ("{arg}: some blocks are listed both in kv_indices (partial) and full_kv_indices (full), which "
-          "FlexAttention's kernels would count twice. List each block once.")
 
 
 def _small(idx: torch.Tensor) -> bool:
@@ -202,6 +185,19 @@ def _dense(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> torch.Tens
     return out[..., :nk]
 
 
+def _kind_at(k, block: tuple[int, int], b, h, q, kv):
+    """The kind of each point's block in kinds ``k (Bb, Hb, nq, nk)`` (a torch tensor or a NumPy array, the index
+    tensors of the same library): a batch row / head index only where the kinds depend on it, so the result has
+    no dim the mask does not depend on (the engines read a mask tile's leading dims as its batch rows / heads)."""
+    bm, bn = block
+    lead = [b % k.shape[0]] if k.shape[0] > 1 else []
+    k = k if k.shape[0] > 1 else k[0]
+    lead += [h % k.shape[-3]] if k.shape[-3] > 1 else []
+    k = k if k.shape[-3] > 1 else k[..., 0, :, :]
+    at = (*lead, q // bm, kv // bn)
+    return k[at]
+
+
 class _BlockMaskMask(_masks.Mask):
     """A BlockMask's meaning as an attnkit mask: its full blocks, and ``mask_mod`` inside its partial ones.
 
@@ -232,53 +228,32 @@ class _BlockMaskMask(_masks.Mask):
             self.inner.validate(B, H, L, S)  # a mask_mod that does not return bool fails here
 
     def _lookup(self, b, h, q, kv):
-        # a batch row / head index only where the kinds depend on it, so the result has no dim the mask
-        # does not depend on (the engines read a mask tile's leading dims as its batch rows / heads)
-        k, (bm, bn) = self.kinds, self.block
-        d = k.device
-        lead = [(b % k.shape[0]).to(d)] if k.shape[0] > 1 else []
-        k = k if k.shape[0] > 1 else k[0]
-        lead += [(h % k.shape[-3]).to(d)] if k.shape[-3] > 1 else []
-        k = k if k.shape[-3] > 1 else k.select(-3, 0)
-        index = [*lead, (q // bm).to(d), (kv // bn).to(d)]
-        return k[tuple(index)]
+        d = self.kinds.device
+        return _kind_at(self.kinds, self.block, b.to(d), h.to(d), q.to(d), kv.to(d))
 
     def _lookup_np(self, b, h, q, kv) -> np.ndarray | None:
-        """:meth:`_lookup` in NumPy where the kinds are small and the indices plain CPU tensors; else None."""
+        """:meth:`_lookup` in NumPy where the kinds are small and the indices plain CPU tensors at a decode step's
+        few points (µs, not torch's per-op costs); else None."""
         k = self._kinds_np
         if k is None or not all(type(x) is torch.Tensor and x.is_cpu for x in (b, h, q, kv)) or \
                 b.numel() * h.numel() * q.numel() * kv.numel() > _SMALL_POINTS:  # (more: torch's threads)
             return None
         try:
-            bi, hi, qi, ki = b.numpy(), h.numpy(), q.numpy(), kv.numpy()
+            return _kind_at(k, self.block, b.numpy(), h.numpy(), q.numpy(), kv.numpy())
         except (RuntimeError, TypeError):  # a tensor NumPy cannot read (a functorch transform's): torch's lookup
             return None
-        bm, bn = self.block
-        lead = [bi % k.shape[0]] if k.shape[0] > 1 else []
-        k = k if k.shape[0] > 1 else k[0]
-        lead += [hi % k.shape[-3]] if k.shape[-3] > 1 else []
-        k = k if k.shape[-3] > 1 else k[..., 0, :, :]
-        at = (*lead, qi // bm, ki // bn)
-        return k[at]
 
     def _points(self, inner):
         """The mask's points on index tensors: a kind looked up per point, ``inner`` (the mod, or None) inside the
-        partial blocks."""
+        partial blocks; in NumPy where the lookup is and the mod's answer a CPU bool tensor."""
         def mod(b, h, q, kv):
             kn = self._lookup_np(b, h, q, kv)
-            if kn is not None:
-                if inner is None:
-                    return torch.from_numpy(np.asarray(kn != EMPTY))
-                r = inner(b, h, q, kv)
-                if type(r) is torch.Tensor and r.dtype is torch.bool and r.is_cpu:
-                    return torch.from_numpy(np.asarray((kn == FULL) | ((kn == PARTIAL) & r.numpy())))
-                kind = torch.from_numpy(kn)
-            else:
-                kind = self._lookup(b, h, q, kv).to(q.device)
-                if inner is None:
-                    return kind != EMPTY
-                r = inner(b, h, q, kv)
-            return (kind == FULL) | ((kind == PARTIAL) & r)
+            r = None if inner is None else inner(b, h, q, kv)
+            if kn is not None and (r is None or (type(r) is torch.Tensor and r.dtype is torch.bool and r.is_cpu)):
+                return torch.from_numpy(np.asarray(kn != EMPTY if r is None else
+                                                   (kn == FULL) | ((kn == PARTIAL) & r.numpy())))
+            kind = torch.from_numpy(kn) if kn is not None else self._lookup(b, h, q, kv).to(q.device)
+            return kind != EMPTY if r is None else (kind == FULL) | ((kind == PARTIAL) & r)
 
         return mod
 

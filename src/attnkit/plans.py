@@ -180,29 +180,20 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
     from torch.nn.attention.flex_attention import BlockMask
 
     bm, bn = block
-    if kinds.is_cpu and kinds.numel() <= _SMALL_MAP:  # a decode step's few blocks: NumPy (torch's per-op costs)
-        kn = np.array(kinds.numpy())  # (a copy: kinds may be an expanded view)
-        if L % bm:
-            kn[..., -1, :][kn[..., -1, :] == FULL] = PARTIAL
-        if S % bn:
-            kn[..., :, -1][kn[..., :, -1] == FULL] = PARTIAL
-        pn, fn = kn == PARTIAL, kn == FULL
-        kv_num, kv_idx = _ordered_np(pn)
-        full_num, full_idx = _ordered_np(fn)
-        q_num, q_idx = _ordered_np(pn.swapaxes(-2, -1))
-        fq_num, fq_idx = _ordered_np(fn.swapaxes(-2, -1))
-    else:
-        k = kinds.clone()
-        if L % bm:
-            k[..., -1, :] = torch.where(k[..., -1, :] == FULL, PARTIAL, k[..., -1, :])
-        if S % bn:
-            k[..., :, -1] = torch.where(k[..., :, -1] == FULL, PARTIAL, k[..., :, -1])
-        partial, full = k == PARTIAL, k == FULL
-        kv_num, kv_idx = _ordered(partial)
-        full_num, full_idx = _ordered(full)
-        # the q_* fields (each key block's query blocks) are the same ordering of the transposed map
-        q_num, q_idx = _ordered(partial.transpose(-2, -1))
-        fq_num, fq_idx = _ordered(full.transpose(-2, -1))
+    small = kinds.is_cpu and kinds.numel() <= _SMALL_MAP  # a decode step's few blocks: NumPy (torch's per-op costs)
+    k = np.array(kinds.numpy()) if small else kinds.clone()  # (a copy: kinds may be an expanded view)
+    if L % bm:  # (views of k: written in place)
+        last = k[..., -1, :]
+        last[last == FULL] = PARTIAL
+    if S % bn:
+        last = k[..., :, -1]
+        last[last == FULL] = PARTIAL
+    partial, full = k == PARTIAL, k == FULL
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    # the q_* fields (each key block's query blocks) are the same ordering of the transposed map
+    q_num, q_idx = _ordered(partial.swapaxes(-2, -1))
+    fq_num, fq_idx = _ordered(full.swapaxes(-2, -1))
     if device is not None:
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx = (
             t.to(device) for t in (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx))
@@ -218,7 +209,7 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
 _SMALL_MAP = 1 << 14  # block maps ordered with NumPy (torch's per-op cost dominates a few hundred blocks)
 
 
-def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ordered(wanted: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """``(num, indices)`` int32 of a bool map ``(..., n)``: per row, how many blocks are wanted and
     all n block indices with the wanted ones first, each part ascending — the order of
     ``create_block_mask``'s stable descending argsort, found in O(n) by counting::
@@ -228,6 +219,8 @@ def _ordered(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slot of another block j:    num + (j + 1 - cw[j]) - 1 -> blocks 0, 3 to slots 3, 4
         indices = [1, 2, 4, 0, 3]
     """
+    if isinstance(wanted, np.ndarray):  # (a small map, read in NumPy by the caller)
+        return _ordered_np(wanted)
     n = wanted.shape[-1]
     lead = wanted.shape[:-1]
     if wanted.numel() <= _SMALL_MAP:  # a decode step's few blocks

@@ -89,3 +89,25 @@ def test_a_small_grids_kinds_equal_the_evaluated_kinds(name, B, H, L, S, block):
 def test_a_small_grids_mod_returning_int_raises_as_before():
     with pytest.raises(TypeError, match="bool"):
         attnkit.create_block_mask(lambda b, h, q, kv: (kv <= q).int(), None, None, 1, 300)
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "per-head"])
+@pytest.mark.parametrize("L, S, block", [(257, 600, 64), (1, 600, 128), (16, 600, (32, 128))])
+def test_large_map_path_gives_the_same_block_mask(monkeypatch, name, L, S, block):
+    """The BlockMask built with torch ops (a large block map) equals the one built with NumPy (a small one) and
+    torch's own, padding rule included; and reading it back (flex_attention's plan) gives the same kinds."""
+    from attnkit import _blockmask, plans
+
+    mod = _mods()[name]
+    B, H = (2, 3) if name == "per-head" else (None, None)
+    small = attnkit.create_block_mask(mod, B, H, L, S, BLOCK_SIZE=block)
+    monkeypatch.setattr(plans, "_SMALL_MAP", -1)
+    monkeypatch.setattr(_blockmask, "_SMALL_BLOCKS", -1)
+    large = attnkit.create_block_mask(mod, B, H, L, S, BLOCK_SIZE=block)
+    _assert_same(large, small)
+    _assert_same(large, torch_create_block_mask(mod, B, H, L, S, device="cpu", BLOCK_SIZE=block))
+    Bq, Hq = B or 1, H or 1
+    read_large = _blockmask._block_mask_plan(large, Bq, Hq, L, S, torch.device("cpu"), "bm")
+    monkeypatch.undo()
+    read_small = _blockmask._block_mask_plan(large, Bq, Hq, L, S, torch.device("cpu"), "bm")
+    assert torch.equal(read_large.mask.kinds, read_small.mask.kinds)
