@@ -329,8 +329,8 @@ def _small_grid_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     nq, nk = -(-L // bm), -(-S // bn)
     r0, c0 = np.arange(nq) * bm, np.arange(nk) * bn  # each tile's first row and key
     area = np.minimum(bm, L - r0)[:, None] * np.minimum(bn, S - c0)[None, :]
-    row = np.broadcast_to(x, (1, 1, 1, S)).tobytes() if x.shape[:3] == (1, 1, 1) else b""
-    if row and row.count(0) + row.count(1) == S:  # one row of keys for every query (a decode step's): its bytes
+    row = _tiling.row_bytes(np.broadcast_to(x, (1, 1, 1, S))) if x.shape[:3] == (1, 1, 1) else None
+    if row is not None:  # one row of keys for every query (a decode step's): counted off its bytes
         per_key_block = np.array([row.count(1, j, j + bn) for j in c0.tolist()], dtype=np.int64)
         count = (np.minimum(bm, L - r0)[:, None] * per_key_block[None, :]).reshape(1, 1, nq, nk)
     else:

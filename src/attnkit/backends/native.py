@@ -23,7 +23,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .. import _calibrate, _lru, _mods, _scoreprog
+from .. import _calibrate, _lru, _mods, _scoreprog, _tiling
 from .. import masks as _masks
 from .. import plans as _plans
 from .. import score_mods as _score_mods
@@ -287,9 +287,9 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
         raise ValueError(f"mask {mask!r} gave shape {tuple(a.shape)} on the grid (B, H, L, S) = {(B, H, L, S)}")
     x = a.numpy()
     if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
-        iv = _one_row(x, L)
-        if iv is not _SCAN:
-            return iv
+        row = _tiling.row_bytes(x)
+        if row is not None:
+            return _one_row(row, L)
     if x.ndim < 4:
         x = x.reshape((1,) * (4 - x.ndim) + x.shape)
     if x.shape[1] > 1 and not (x == x[:, :1]).all():  # the decode entry's intervals hold for every head alike
@@ -322,23 +322,15 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
     return torch.from_numpy(lo), torch.from_numpy(hi)
 
 
-_SCAN = object()  # _one_row's "read this row the general way"
-
-
-def _one_row(x: np.ndarray, L: int):
-    """:func:`_dense_row_intervals` of a mask whose points are one row of keys ``x`` (bool, S of them, any
-    leading dims of size 1) shared by every batch row, head and query: its first and last allowed key and their
-    count read off its bytes (``bytes.find`` / ``rfind`` / ``count``: ~1 µs at S = 1200, the general scan's ~10);
-    None where the row is not one stretch; ``_SCAN`` where its bytes are not all 0 / 1."""
-    row = x.tobytes()  # one byte per key, 1 where allowed (NumPy's bool)
-    ones = row.count(1)
-    if ones + row.count(0) != len(row):  # a bool tensor holding other bytes (a uint8 buffer viewed as bool)
-        return _SCAN
+def _one_row(row: bytes, L: int):
+    """:func:`_dense_row_intervals` of a mask whose points are one row of keys (its bytes: :func:`row_bytes`)
+    shared by every batch row, head and query: its first and last allowed key and their count off its bytes (~1 µs
+    at S = 1200, the general scan's ~10); None where the row is not one stretch."""
     first = row.find(1)
     lo = hi = 0  # no key: a dead row (out 0)
     if first >= 0:
         hi = row.rfind(1) + 1
-        if hi - first != ones:
+        if hi - first != row.count(1):
             return None
         lo = first
     iv = np.empty((2, 1, L), np.int32)
@@ -353,9 +345,25 @@ def _plan_mask(plan, extra):
     return plan.mask if extra is None else _masks.And(extra, plan.mask)
 
 
-# Per thread, the index tensors a mod is evaluated on: (size, [b, h, q, kv] views of one arange(size), {small views},
-# that arange as NumPy, a pristine copy never handed out, the two's addresses, the arange). A thread's own: a mod in
-# one thread never shifts another's.
+class _Indices:
+    """One thread's index tensors a mod is evaluated on: ``base = arange(size)``, its views along each dim of a 4-d
+    grid, the small views a decode step reuses, and a pristine copy of it no mod sees (their addresses, for the
+    content check after each evaluation). A thread's own: a mod in one thread never shifts another's."""
+
+    __slots__ = ("addr", "arr", "base", "pristine", "pristine_addr", "size", "small", "views")
+
+    def __init__(self, size: int):
+        with torch.inference_mode(False):  # a normal tensor, whatever mode the first call runs in
+            self.base = torch.arange(size)
+            self.views = [self.base.view(-1, 1, 1, 1), self.base.view(1, -1, 1, 1), self.base.view(1, 1, -1, 1),
+                          self.base.view(1, 1, 1, -1)]
+        self.size = size
+        self.small: dict[tuple[int, int], torch.Tensor] = {}
+        self.arr, self.pristine = self.base.numpy(), np.arange(size, dtype=np.int64)
+        assert self.arr.dtype == np.int64 and self.arr.flags.c_contiguous
+        self.addr, self.pristine_addr = self.arr.ctypes.data, self.pristine.ctypes.data
+
+
 _LOCAL = threading.local()
 
 
@@ -381,29 +389,19 @@ def _same_bytes(a: int, b: int, n: int) -> bool:
     return bool(np.array_equal(x, np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(b))))
 
 
-_SHAPES = ((lambda n: (n, 1, 1, 1)), (lambda n: (1, n, 1, 1)), (lambda n: (1, 1, n, 1)), (lambda n: (1, 1, 1, n)))
-
-
 def _index(n: int, dim: int) -> torch.Tensor:
     """``arange(n)`` as an index tensor along ``dim`` of a 4-d grid: a view of this thread's arange (checked against
     its pristine copy after each evaluation: :func:`_indices_intact`)."""
     st = _LOCAL.__dict__.get("st")
-    if st is None or n > st[0]:
-        size = max(n, 1 << 16)
-        with torch.inference_mode(False):  # a normal tensor, whatever mode the first call runs in
-            base = torch.arange(size)
-            views = [base.view(-1, 1, 1, 1), base.view(1, -1, 1, 1), base.view(1, 1, -1, 1), base.view(1, 1, 1, -1)]
-        pristine = np.arange(size, dtype=np.int64)
-        arr = base.numpy()
-        assert arr.dtype == np.int64 and arr.flags.c_contiguous
-        # the two arrays' addresses, kept with them (the state holds both): memcmp of the used prefix per evaluation
-        st = _LOCAL.st = (size, views, {}, arr, pristine, arr.ctypes.data, pristine.ctypes.data, base)
-    if n > 64:  # (as_strided: ~2 µs, narrow's ~4)
-        return st[7].as_strided(_SHAPES[dim](n), (1, 1, 1, 1))
-    small: dict = st[2]  # the batch, head and query indices of a decode step: the same few views every step
-    t = small.get((n, dim))
+    if st is None or n > st.size:
+        st = _LOCAL.st = _Indices(max(n, 1 << 16))
+    if n > 64:  # a key index, new every decode step (as_strided: ~2 µs, narrow's ~4)
+        shape = [1, 1, 1, 1]
+        shape[dim] = n
+        return st.base.as_strided(shape, (1, 1, 1, 1))
+    t = st.small.get((n, dim))  # the batch, head and query indices of a decode step: the same few views every step
     if t is None:
-        t = small[n, dim] = st[1][dim].narrow(dim, 0, n)
+        t = st.small[n, dim] = st.views[dim].narrow(dim, 0, n)
     return t
 
 
@@ -412,7 +410,7 @@ def _indices_intact(n: int) -> bool:
     copy no mod sees: an in-place write is caught however it was made — ``q += 1``, ``kv.data``, a NumPy view); if
     not, the arange is dropped (the next call builds another): no later call's points are shifted."""
     st = _LOCAL.__dict__.get("st")
-    if st is not None and n <= st[0] and _same_bytes(st[5], st[6], n * 8):
+    if st is not None and n <= st.size and _same_bytes(st.addr, st.pristine_addr, n * 8):
         return True
     _LOCAL.__dict__.pop("st", None)
     return False
