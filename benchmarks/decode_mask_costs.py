@@ -11,7 +11,9 @@ callable below is timed in turns with the others (``_interleave.best_ms``: the b
   every call, so no cache helps either;
 * the check that a mod left its index tensors intact: the C library's ``memcmp`` of the used prefix against NumPy's
   compare;
-* ``attnkit.create_block_mask`` for (1, S) against torch's (``--torch``; it runs its own evaluation per call).
+* ``attnkit.create_block_mask`` for (1, S) against torch's (``--torch``; it runs its own evaluation per call);
+* reading a new ``BlockMask`` of that mod into a plan (what ``flex_attention`` does first, its content key
+  included: a new BlockMask every step, so the key never hits) and the plan's row intervals at the row's points.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from _interleave import best_ms, cpu_name
 
 import attnkit
-from attnkit import masks
+from attnkit import _blockmask, masks
 from attnkit.backends import _tilebits, native
 
 
@@ -58,6 +60,16 @@ def main(argv=None) -> int:
                "index check: memcmp": lambda px=px, py=py, S=S: native._same_bytes(px, py, 8 * S),
                "index check: NumPy compare": lambda x=x, y=y: np.array_equal(x, y),
                "attnkit.create_block_mask (1, S)": lambda S=S: attnkit.create_block_mask(_mod(S), 1, None, 1, S)}
+        bm = attnkit.create_block_mask(_mod(S), 1, None, 1, S)
+
+        def read_block_mask(S=S, bm=bm):
+            _blockmask._PLANS.clear()  # a new BlockMask every step: its content key never hits
+            return _blockmask.block_mask_plan(bm, B, H, L, S, torch.device("cpu"), "block_mask")
+
+        plan = read_block_mask()
+        fns["a BlockMask read into a plan (flex_attention's first step)"] = read_block_mask
+        fns["its row intervals at the row's points"] = lambda S=S, plan=plan: native._dense_row_intervals(
+            plan.mask, B, H, L, S)
         if a.torch:
             from torch.nn.attention.flex_attention import create_block_mask
 
