@@ -307,3 +307,47 @@ def test_bad_arguments_are_refused_with_the_reason():
         _native.decode(q, k, v, lo, hi, 1.0, chunk=100)
     with pytest.raises(ValueError, match="CPU tensors"):
         _native.decode(q, k.to("meta"), v, lo, hi, 1.0)
+
+
+@pytest.mark.parametrize("entry", ["forward", "decode"])
+def test_a_prepared_call_gives_the_same_bits_through_the_vectorcall_and_ctypes(entry, monkeypatch):
+    """A replayed call's hot path: the extension's ``step`` (one vectorcall writes the record's per-call slots and
+    runs the entry) and the ctypes fallback (a build without it) give the same bits, the golden's within budget,
+    on calls of other strides and scales than the prepared one."""
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    assert _native._ext is not None  # this build has the vectorcalls
+    B, H, Hkv, L, S, D = 2, 4, 2, 3, 200, 16
+    q, k, v = _qkv(B, H, Hkv, L, S, D)
+    lo = torch.zeros(1, L, dtype=torch.int32)
+    hi = torch.arange(S - L + 1, S + 1, dtype=torch.int32)[None]  # bottom-right causal
+    make = _native.forward_step if entry == "forward" else _native.decode_step
+    with_ext = make(q, k, v, lo, hi)
+    monkeypatch.setattr(_native, "_ext", None)
+    with_ctypes = make(q, k, v, lo, hi)
+    ref, _ = _golden(q.double(), k.double(), v.double(), lo, hi)
+    for scale, kt in ((D ** -0.5, k), (0.3, k.transpose(1, 2).contiguous().transpose(1, 2))):
+        a = with_ext(q, kt, v, scale)
+        b = with_ctypes(q, kt, v, scale)
+        assert torch.equal(a, b), (entry, scale)
+        if scale == D ** -0.5:
+            assert_close(a, ref, budget(torch.float32, D, S), entry)
+
+
+def test_the_vectorcalls_refuse_a_bad_record_or_entry():
+    """``step`` is internal, but a wrong argument is a Python error naming what it expected, never a crash."""
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    ext = _native._ext
+    with pytest.raises(ValueError, match="null record"):
+        ext.step(0, 0, 0)
+    with pytest.raises(ValueError, match="entry other than 0 / 2"):
+        ext.step(1, 8, 0)
+    with pytest.raises(ValueError, match="slots outside it"):
+        ext.step(0, 8, 10_000, 1)
+    with pytest.raises(TypeError, match="3 to 35 ints"):
+        ext.step(0)
+    with pytest.raises(TypeError, match="8 ints"):
+        ext.zero_first(0, 0)
+    with pytest.raises(TypeError):
+        ext.zero_first(*([None] * 8))

@@ -1373,3 +1373,23 @@ def test_a_decode_mods_0d_or_1d_result_runs_exactly(L, S):
         s = (q.double() @ kk.transpose(-2, -1)) / 4.0
         gold = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vv
         assert (out.double() - gold).abs().max().item() <= 16 * 2.0 ** -23 * (4 + S ** 0.5)
+
+
+def test_the_zero_row_check_through_ctypes_as_through_the_vectorcall(monkeypatch):
+    """A build without the extension's ``zero_first`` vectorcall checks through ctypes' ``ak_zero_first``: the
+    same answers."""
+    from attnkit.backends import _native
+
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    out = torch.randn(2, 3, 40, 8) + 10
+    fast = _native.zero_first_fn()
+    monkeypatch.setattr(_native, "_zero_first", None)
+    monkeypatch.setattr(_native, "_ext", None)
+    slow = _native.zero_first_fn()
+    assert slow is not fast
+    for w in (out, out.transpose(1, 2)):
+        assert fast(w) is slow(w) is False
+        z = w.clone()
+        z[1, 2, 2, 0] = -0.0
+        assert fast(z) is slow(z) is True

@@ -49,6 +49,10 @@ _ISA_ENV = {"base": 0, "portable": 0, "avx2": 1, "avx512": 2}
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _loaded = False
+# the same .so imported as a Python module: its vectorcalls `step` and `zero_first` (a replayed call's hot path,
+# without ctypes' per-argument conversion), or None (a build from before them: the ctypes entries instead)
+_ext = None
+_ENTRY = {"ak_forward": 0, "ak_decode": 2}
 _warned = False
 
 
@@ -106,6 +110,12 @@ def _load() -> None:
     if hasattr(lib, "ak_zero_first"):  # (a build of this ABI from before it: the caller's torch reduction instead)
         lib.ak_zero_first.restype = ctypes.c_int
         lib.ak_zero_first.argtypes = (ctypes.c_void_p, ctypes.c_int, *([ctypes.c_int64] * 6))
+    global _ext
+    try:
+        mod = importlib.import_module("attnkit._native")
+    except ImportError:  # (loaded above by ctypes: a failure here is not expected; the ctypes entries serve)
+        mod = None
+    _ext = mod if hasattr(mod, "step") and hasattr(mod, "zero_first") else None
     forced = os.environ.get("ATTNKIT_NATIVE_ISA", "").lower()
     if forced:
         if forced not in _ISA_ENV:
@@ -283,7 +293,8 @@ def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=Fa
     q, k, v = _fit_all(q, k, v)
     c0, keep = _call(q, k, v, lo, hi, 1.0, alibi, tiles, prog)
     # lo, hi (as the record points at them), the slopes, tile map and program: not the first call's q, k, v
-    return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog, with_lse=with_lse)
+    return _stepper(lib.ak_forward, "ak_forward", c0, keep[3:], q, k, v, need_lse=True, prog=prog,
+                    with_lse=with_lse)
 
 
 def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse: bool = False):
@@ -299,13 +310,16 @@ def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     c0.lo, c0.hi = lo.data_ptr(), hi.data_ptr()
     keep = [lo, hi, *_score_parts(c0, q.shape[1], alibi, prog)]
-    return _stepper(lib.ak_decode, c0, keep, q, k, v, need_lse=with_lse, prog=prog, with_lse=with_lse, any_s=True)
+    return _stepper(lib.ak_decode, "ak_decode", c0, keep, q, k, v, need_lse=with_lse, prog=prog,
+                    with_lse=with_lse, any_s=True)
 
 
-def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False,
+def _stepper(entry, name: str, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False,
              any_s: bool = False):
     """The per-call part of :func:`forward_step` / :func:`decode_step`: a copy of the record ``c0`` per thread,
-    into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs).
+    into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs):
+    with the extension's ``step`` (one vectorcall writes the slots and runs the entry ``name``, the GIL released),
+    else through ctypes (the slots, then ``entry``).
     With a score_mod's ``prog`` each thread's record gets its own out-of-range flag, cleared before each call and
     read after it (an index computed from the score can leave a captured tensor on one call and not another).
     ``any_s`` (the decode entry): a call may bring any number of keys S (with its own ``lo`` / ``hi``)."""
@@ -325,8 +339,11 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
         if prog is not None:
             err = ctypes.c_int32(0)
             c.perr = ctypes.addressof(err)
-        r = tls.r = ((ctypes.c_int64 * n_slots).from_buffer(c), ctypes.byref(c), c, err)
+        r = tls.r = ((ctypes.c_int64 * n_slots).from_buffer(c), ctypes.byref(c), c, err, ctypes.addressof(c))
         return r
+
+    step = _ext.step if _ext is not None else None
+    code = _ENTRY[name]
 
     def run(q, k, v, scale: float, lo=None, hi=None):
         """``lo`` / ``hi``: this call's row intervals (the shapes of the prepared ones, contiguous), or the
@@ -341,19 +358,24 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
             q, k, v = _fit(q), _fit(k), _fit(v)
             qs, ks, vs = q.stride(), k.stride(), v.stride()
         try:
-            slots, ref, c, err = tls.r
+            slots, ref, c, err, addr = tls.r
         except AttributeError:
-            slots, ref, c, err = record()
+            slots, ref, c, err, addr = record()
         c.scale = scale
         out = torch.empty(oshape)
         lse = torch.empty(lshape) if need_lse else None
-        slots[first:first + 17] = (qs[0], qs[1], qs[2], k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-                                   q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                   lo_p if lo is None else lo.data_ptr(), hi_p if hi is None else hi.data_ptr(),
-                                   out.data_ptr(), 0 if lse is None else lse.data_ptr())
         if err is not None:
             err.value = 0
-        rc = entry(ref)
+        if step is not None:
+            rc = step(code, addr, first, qs[0], qs[1], qs[2], k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                      q.data_ptr(), k.data_ptr(), v.data_ptr(), lo_p if lo is None else lo.data_ptr(),
+                      hi_p if hi is None else hi.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+        else:
+            slots[first:first + 17] = (qs[0], qs[1], qs[2], k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                                       q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                       lo_p if lo is None else lo.data_ptr(), hi_p if hi is None else hi.data_ptr(),
+                                       out.data_ptr(), 0 if lse is None else lse.data_ptr())
+            rc = entry(ref)
         if rc:
             raise (MemoryError if rc == 1 else RuntimeError)(f"attnkit's compiled kernel refused the call (code {rc}; "
                                                              f"1: no memory for its scratch)")
@@ -507,12 +529,13 @@ _zero_first = None
 def zero_first_fn():
     """``f(out) -> bool``: whether a CPU (B, H, L, Dv) fp32 / bf16 / fp16 tensor (any strides) has a row whose
     first element is zero, read in C (one element per row, no tensor op; on a 2-core AMD EPYC 3.6 µs a call
-    against 8-17 µs for ``not out.select(-1, 0).all()``: BENCHMARKS.md); None when the kernel is not loaded."""
+    against 8-17 µs for ``not out.select(-1, 0).all()``: BENCHMARKS.md; through the extension's vectorcall
+    instead of ctypes 5.1 -> 2.0 µs, ninth session); None when the kernel is not loaded."""
     global _zero_first
     if _zero_first is not None:
         return _zero_first
     _load()
-    f = getattr(_lib, "ak_zero_first", None)
+    f = _ext.zero_first if _ext is not None else getattr(_lib, "ak_zero_first", None)
     if f is None:
         return None
     codes = _DTYPE_CODE

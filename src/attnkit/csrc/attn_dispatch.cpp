@@ -1,6 +1,8 @@
 // The C ABI of attnkit's CPU kernel (loaded with ctypes by attnkit/backends/_native.py) and the
-// run-time choice of instruction set. Also a (method-less) Python extension module, so that
-// setuptools builds and installs it like any other.
+// run-time choice of instruction set. Also a Python extension module (setuptools builds and installs it like any
+// other) whose two functions are the per-call hot path of a replayed call: `step` (write a call record's per-call
+// slots and run an entry, the GIL released) and `zero_first`, each a vectorcall taking Python ints, a fraction of
+// a ctypes call's argument conversion (about 0.2 µs an argument).
 #include <Python.h>
 
 #include "attn_common.h"
@@ -146,8 +148,61 @@ AK_API void ak_release_scratch() {
 
 }  // extern "C"
 
+// the Python ints args[0 .. n) as int64 (false: a Python error is set)
+static bool int64s(PyObject* const* args, Py_ssize_t n, int64_t* v) {
+  for (Py_ssize_t i = 0; i < n; i++) {
+    v[i] = PyLong_AsLongLong(args[i]);
+    if (v[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// step(entry, record, first, v0, ..., v_{n-1}) -> int: writes v0.. into the int64 slots first.. of the call record
+// at address `record` (an AkCall, ctypes-owned), then runs entry 0 (ak_forward) or 2 (ak_decode) on it with the
+// GIL released; returns the entry's code. Internal: the caller owns the record and vouches for every pointer in it.
+static PyObject* py_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t head[3], vals[32];
+  if (nargs < 3 || nargs - 3 > 32) {
+    PyErr_SetString(PyExc_TypeError, "step(entry, record, first, *values): 3 to 35 ints");
+    return nullptr;
+  }
+  if (!int64s(args, 3, head) || !int64s(args + 3, nargs - 3, vals)) return nullptr;
+  const int64_t n = nargs - 3;
+  if (head[1] == 0 || head[2] < 0 || head[2] + n > (int64_t)(sizeof(AkCall) / 8) || (head[0] != 0 && head[0] != 2)) {
+    PyErr_SetString(PyExc_ValueError, "step: a null record, slots outside it, or an entry other than 0 / 2");
+    return nullptr;
+  }
+  AkCall* c = reinterpret_cast<AkCall*>((intptr_t)head[1]);
+  std::memcpy(reinterpret_cast<int64_t*>(c) + head[2], vals, n * 8);
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = head[0] == 0 ? ak_forward(c) : ak_decode(c);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(rc);
+}
+
+// zero_first(ptr, dtype, n0, n1, n2, s0, s1, s2) -> bool: ak_zero_first
+static PyObject* py_zero_first(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[8];
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "zero_first(ptr, dtype, n0, n1, n2, s0, s1, s2): 8 ints");
+    return nullptr;
+  }
+  if (!int64s(args, 8, v)) return nullptr;
+  return PyBool_FromLong(ak_zero_first(reinterpret_cast<const void*>((intptr_t)v[0]), (int)v[1], v[2], v[3], v[4],
+                                       v[5], v[6], v[7]));
+}
+
+static PyMethodDef methods[] = {
+    {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_step)), METH_FASTCALL,
+     "step(entry, record, first, *values) -> int: fill a call record's per-call slots and run entry 0 (forward) or "
+     "2 (decode), the GIL released. Internal (attnkit.backends._native)."},
+    {"zero_first", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_zero_first)), METH_FASTCALL,
+     "zero_first(ptr, dtype, n0, n1, n2, s0, s1, s2) -> bool: ak_zero_first. Internal."},
+    {nullptr, nullptr, 0, nullptr}};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
-                                    "attnkit's CPU attention kernel (C ABI, loaded with ctypes).", -1, nullptr,
-                                    nullptr, nullptr, nullptr, nullptr};
+                                    "attnkit's CPU attention kernel (C ABI, loaded with ctypes; the per-call hot path "
+                                    "as two vectorcalls).", -1, methods, nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
