@@ -14,6 +14,8 @@ interleaved (at each step one call of each, in turns), total time of the loop / 
   traced program); SDPA runs neither, so their ratio is to SDPA's plain step (what the step costs with the cap);
 * attnkit with causal written as a user's ``mask_mod`` capturing the step's offset (a new mod every step), alone
   and with the soft cap as a lambda;
+* the step's own bool mask tensor (the last 256 keys, ``(1, 1, 1, S)``, built each step as a user builds it), on
+  SDPA (``attn_mask``) and on attnkit (``mask=``);
 * FlexAttention's loop on attnkit (``from attnkit import create_block_mask, flex_attention``): a ``BlockMask`` of
   that mod built for each step's (1, S), then ``flex_attention`` — timed with the ``create_block_mask`` call, and
   ``flex_attention`` alone on BlockMasks built before the loop (a new one every step all the same);
@@ -77,6 +79,16 @@ def main(argv=None) -> int:
         "attnkit, that `mask_mod` + a soft cap as a lambda": lambda k, v: attnkit.attention(
             q, k, v, mask=_causal_mod(k.shape[2], 4), score_mod=lam),
     }
+    keys = torch.arange(a.start + a.steps)
+
+    def window_row(S):  # the step's own bool mask, built as a user builds it: the last 256 keys, (1, 1, 1, S)
+        return (keys[:S] >= S - 256).view(1, 1, 1, S)
+
+    calls["SDPA with the step's own bool mask (a window of 256 as a tensor, built each step)"] = (
+        lambda k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=window_row(k.shape[2]), enable_gqa=True))
+    calls["attnkit, the step's own bool mask (the same tensor, built each step)"] = (
+        lambda k, v: attnkit.attention(q, k, v, mask=window_row(k.shape[2])))
+
     def flex_step(k, v):
         bm = attnkit.create_block_mask(_causal_mod(k.shape[2]), 1, None, 1, k.shape[2])
         return attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)

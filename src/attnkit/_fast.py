@@ -149,14 +149,17 @@ _USERS = frozenset(("from_mod", "plan", "And", "Or", "Not"))  # mask keys that m
 
 
 def _family(key):
-    """The signature without the key count S (k's and v's third dim), for 4-d inputs, and with a user's
-    ``mask_mod`` by its code alone (the values it captures left out: a decode loop's mod captures the step's offset,
-    a new value every step; the family's call evaluates the call's own mod at every step); None otherwise."""
+    """The signature without the key count S (k's and v's third dim; a tensor mask's last), for 4-d inputs, and with
+    a user's ``mask_mod`` by its code alone (the values it captures left out: a decode loop's mod captures the
+    step's offset, a new value every step; the family's call evaluates the call's own mod at every step); None
+    otherwise."""
     ks, vs = key[1], key[2]
     if len(ks) != 4 or len(vs) != 4:
         return None
     m = key[_MASK_AT]
-    if type(m) is tuple and m[0] in _USERS:
+    if type(m) is tuple and type(m[0]) is torch.Size:  # a tensor mask: its shape without the key count S
+        m = (m[0][:-1] if len(m[0]) and m[0][-1] == ks[2] else m[0], *m[1:])
+    elif type(m) is tuple and m[0] in _USERS:
         m = _plan_family(m) if m[0] == "plan" and len(m) == 4 else _mods.code_only(m)
     return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:_MASK_AT], m, *key[_MASK_AT + 1:])
 

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import budget, golden
+from conftest import assert_close, budget, golden
 
 import attnkit
 from attnkit import _fast, masks, positional, score_mods
@@ -1393,3 +1393,87 @@ def test_the_zero_row_check_through_ctypes_as_through_the_vectorcall(monkeypatch
         z = w.clone()
         z[1, 2, 2, 0] = -0.0
         assert fast(z) is slow(z) is True
+
+
+def _bool_rows(B, L, S, lo, hi, shape):
+    """A bool mask of rows [lo[b, i], hi[b, i]) of keys, viewed with ``shape``'s leading dims."""
+    j = torch.arange(S)
+    m = (j >= torch.as_tensor(lo)[..., None]) & (j < torch.as_tensor(hi)[..., None])  # (B', L, S)
+    return m.reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_with_its_own_bool_mask_runs_on_the_decode_entry(dtype, spy):
+    """A decode step's bool tensor mask whose rows are each one stretch of keys, the same for every head (key
+    padding per batch row, a window, a dead row): attnkit's decode entry, its rows read off *this call's* mask —
+    a loop with a new mask (and one key more) every step, and a mask edited in place between two calls of the same
+    shape, each equal to the float64 golden within budget and to the full path bit for bit. Rows that are two
+    stretches, or heads that differ, go to torch's kernel: the same answers."""
+    from attnkit.backends import _native
+
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    g = torch.Generator().manual_seed(14)
+    B, H, Hkv, D = 2, 4, 2, 16
+    ck, cv = (torch.randn(B, Hkv, 200, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    tol = 4e-2 if dtype == torch.bfloat16 else budget(dtype, D, 200)
+    with torch.no_grad():
+        for S in range(120, 131):  # a decode loop: a new mask and one key more every step
+            k, v = ck[:, :, :S], cv[:, :, :S]
+            cases = {
+                "one row (1, 1, 1, S)": _bool_rows(1, 1, S, [[3]], [[S]], (1, 1, 1, S)),
+                "key padding per batch row (B, 1, 1, S)": _bool_rows(B, 1, S, [[0], [S - 50]], [[S - 7], [S]],
+                                                                      (B, 1, 1, S)),
+                "2-d (1, S)": _bool_rows(1, 1, S, [[S - 64]], [[S]], (1, S)),
+                "a dead batch row": _bool_rows(B, 1, S, [[0], [0]], [[S], [0]], (B, 1, 1, S)),
+                "heads alike (1, H, 1, S)": _bool_rows(1, 1, S, [[5]], [[S - 5]], (1, 1, 1, S)).expand(1, H, 1, S),
+            }
+            for what, m in cases.items():
+                d = attnkit.dispatch(q, k, v, mask=m)
+                assert d.verdicts[0] == ("native-decode", "runs"), (what, d.table())
+                spy.clear()
+                out = attnkit.attention(q, k, v, mask=m)
+                ref, _ = golden(q, k, v, mask=m)
+                assert_close(out, ref, tol, f"{what}, S = {S}")
+                assert torch.equal(out, _full(q, k, v, mask=m)), (what, S)
+        k, v = ck[:, :, :150], cv[:, :, :150]
+        m = _bool_rows(1, 1, 150, [[0]], [[150]], (1, 1, 1, 150))
+        attnkit.attention(q, k, v, mask=m)
+        spy.clear()
+        m[..., 100:] = False  # edited in place: the same signature, other rows
+        out = attnkit.attention(q, k, v, mask=m)
+        assert spy == [True]
+        assert_close(out, golden(q, k, v, mask=m)[0], tol, "edited in place")
+        for what, m in {"two stretches": _bool_rows(1, 1, 150, [[0]], [[150]], (1, 1, 1, 150)) & (
+                            torch.arange(150) != 70),
+                        "heads differ": torch.stack([_bool_rows(1, 1, 150, [[h]], [[150]], (1, 1, 150))
+                                                     for h in range(H)], 1)}.items():
+            d = attnkit.dispatch(q, k, v, mask=m)
+            assert d.kernel is not None and d.kernel.name != "native-decode", (what, d.table())
+            for _ in range(2):
+                assert_close(attnkit.attention(q, k, v, mask=m), golden(q, k, v, mask=m)[0], tol, what)
+
+
+def test_a_bool_mask_of_other_bytes_than_0_and_1_reads_as_true_on_the_decode_entry():
+    """A uint8 buffer viewed as bool (bytes 2, 255: True to torch and NumPy) read off its bytes as True — a byte
+    search for 1 would have seen a dead row or two stretches."""
+    from attnkit.backends import native
+
+    raw = torch.zeros(1, 1, 1, 90, dtype=torch.uint8)
+    raw[..., 10:40] = torch.tensor([2, 255, 1] * 10, dtype=torch.uint8)
+    m = raw.view(torch.bool)
+    assert native._bool_row_intervals(m, 1, 90, spans=True) == (10, 40)
+    lo, hi = native._bool_row_intervals(m, 3, 90)
+    assert lo.tolist() == [[10] * 3] and hi.tolist() == [[40] * 3]
+    raw[..., 20] = 0
+    assert native._bool_row_intervals(m, 1, 90, spans=True) is None
+    assert native._bool_row_intervals(torch.zeros(1, 1, 1, 90, dtype=torch.bool), 1, 90, spans=True) == (0, 0)
+    g = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(1, 2, 1, 8, generator=g) for _ in range(3))
+    k, v = torch.randn(1, 2, 90, 8, generator=g), torch.randn(1, 2, 90, 8, generator=g)
+    raw[..., 20] = 7
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v, mask=m)
+    ref, _ = golden(q, k, v, mask=m.clone())
+    assert_close(out, ref, budget(torch.float32, 8, 90), "uint8 viewed as bool")

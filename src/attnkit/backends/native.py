@@ -23,7 +23,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .. import _calibrate, _lru, _mods, _scoreprog, _tiling
+from .. import _calibrate, _lru, _mods, _scoreprog
 from .. import masks as _masks
 from .. import plans as _plans
 from .. import score_mods as _score_mods
@@ -259,14 +259,14 @@ _CLOSED_FORM = _masks.BUILT_IN  # their decode tiles and row intervals in closed
 _DENSE_POINTS = 1 << 23
 
 
-def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
+def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None, spans: bool = False):
     """``(lo, hi)`` int32 ``(TB, L)`` as :func:`_tilebits.row_intervals` gives, for a call of a few query rows (a
     decode step), from the mask evaluated at each of its points in one call — no tile kinds, no range analysis, no
     cache: what a user's ``mask_mod`` that is new at every step of a decode loop (``kv <= q + offset``, its offset
     captured per step) costs per step. None: a row is not one stretch of keys, heads differ, or the call is too
     big to evaluate whole (``_DENSE_POINTS``; the caller then reads the tile map). Raises what the mod raises, and
     TypeError for a result that is not bool. ``fn``: the mod to evaluate on the index tensors (default
-    ``mask.bind(L, S)``)::
+    ``mask.bind(L, S)``); ``spans``: as :func:`_bool_row_intervals`::
 
         L = 2, S = 6   allowed          lo  hi
                    q0  # # # . . .       0   3
@@ -285,11 +285,21 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
     if not (len(sh) == 4 and sh[3] in (1, S) and sh[2] in (1, L) and sh[1] in (1, H) and sh[0] in (1, B)) and (
             len(sh) > 4 or any(n not in (1, w) for n, w in zip(sh[::-1], (S, L, H, B), strict=False))):
         raise ValueError(f"mask {mask!r} gave shape {tuple(a.shape)} on the grid (B, H, L, S) = {(B, H, L, S)}")
+    return _bool_row_intervals(a, L, S, spans)
+
+
+def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False):
+    """``(lo, hi)`` int32 ``(TB, L)`` of a CPU bool tensor ``a`` broadcastable to ``(B, H, L, S)`` (True =
+    attend; any strides): a mod's points (:func:`_dense_row_intervals`) or a call's own bool mask, each row's one
+    stretch of keys; None where a row is two stretches or heads differ. A row without a key: ``lo = hi = 0``.
+    ``spans``: where ``a`` is one row of keys shared by every batch row, head and query (a decode step's), the
+    two ints ``(lo, hi)`` instead (the decode step writes them into its own record: no tensors built)."""
     x = a.numpy()
     if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
-        row = _tiling.row_bytes(x)
-        if row is not None:
-            return _one_row(row, L)
+        span = _row_span(x.tobytes())
+        if span is None or spans:
+            return span
+        return _one_row(span, L)
     if x.ndim < 4:
         x = x.reshape((1,) * (4 - x.ndim) + x.shape)
     if x.shape[1] > 1 and not (x == x[:, :1]).all():  # the decode entry's intervals hold for every head alike
@@ -322,19 +332,23 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None):
     return torch.from_numpy(lo), torch.from_numpy(hi)
 
 
-def _one_row(row: bytes, L: int):
-    """:func:`_dense_row_intervals` of a mask whose points are one row of keys (its bytes: :func:`row_bytes`)
-    shared by every batch row, head and query: its first and last allowed key and their count off its bytes (~1 µs
-    at S = 1200, the general scan's ~10); None where the row is not one stretch."""
-    first = row.find(1)
-    lo = hi = 0  # no key: a dead row (out 0)
-    if first >= 0:
-        hi = row.rfind(1) + 1
-        if hi - first != row.count(1):
-            return None
-        lo = first
+def _row_span(row: bytes):
+    """``(lo, hi)``: the one stretch of keys a bool row allows (its bytes, one per key: any nonzero byte is True,
+    as to torch and NumPy, a uint8 buffer viewed as bool included), ``(0, 0)`` where it allows none; None where it
+    is two stretches or more. Off the bytes in C loops (strip the zeros at either end, then one search for a zero
+    between): under 1 µs at S = 1200, where NumPy's calls cost several µs each."""
+    n = len(row)
+    lo = n - len(row.lstrip(b"\0"))
+    if lo == n:
+        return 0, 0  # no key: a dead row (out 0)
+    hi = len(row.rstrip(b"\0"))
+    return None if row.find(0, lo, hi) >= 0 else (lo, hi)
+
+
+def _one_row(span: tuple[int, int], L: int):
+    """``span`` (:func:`_row_span`) as :func:`_dense_row_intervals` gives it: int32 ``(1, L)`` tensors."""
     iv = np.empty((2, 1, L), np.int32)
-    iv[0], iv[1] = lo, hi
+    iv[0], iv[1] = span
     t = torch.from_numpy(iv)
     return t[0], t[1]
 
@@ -443,8 +457,10 @@ class NativeDecode(Kernel):
             why.append(f"L = {L} > {DECODE_ROWS} query rows (not a decode step: the forward's tiles)")
         if req.requires_grad():
             why.append("a gradient is wanted (the decode entry is inference only)")
-        if req.bias is not None or req.dense_mask is not None:
-            why.append("a tensor mask (the decode entry takes a mask as row intervals)")
+        if req.bias is not None:
+            why.append("a float bias (the decode entry takes a mask as row intervals)")
+        if req.dense_mask is not None and (req.mask is not None or req.plan is not None):
+            why.append("a bool tensor mask with another mask on top (the decode entry reads one bool mask's rows)")
         if req.plan is not None and (req.plan.block[0] % _tilebits.TILE or req.plan.block[1] % _tilebits.TILE):
             why.append(f"an explicit plan of {req.plan.block[0]} x {req.plan.block[1]} tiles "
                        "(the kernel's are 64 x 64)")
@@ -465,6 +481,11 @@ class NativeDecode(Kernel):
                 iv = None
             if iv is None:
                 return ["a plan whose rows are not one stretch of keys each, the same for every head"]
+            req.memo["row_intervals"] = iv
+        if req.dense_mask is not None and "row_intervals" not in req.memo:  # the call's own bool mask, its rows
+            iv = _bool_row_intervals(req.dense_mask, L, S)
+            if iv is None:
+                return ["a bool mask whose rows are not one stretch of keys each, the same for every head"]
             req.memo["row_intervals"] = iv
         if "row_intervals" not in req.memo:
             mask = req.mask if req.mask is not None else _FULL
@@ -505,8 +526,10 @@ class NativeDecode(Kernel):
     def replay(self, req: Request, user_mask):
         """The prepared call for :mod:`attnkit._fast` (see ``sdpa.Fused.replay``): the row intervals of this
         signature's built-in mask, fixed; no NaN check needed (the kernel propagates NaN itself)."""
-        if req.need_lse or req.weight_heads is not None or req.sinks is not None or type(user_mask) is torch.Tensor:
+        if req.need_lse or req.weight_heads is not None or req.sinks is not None:
             return None
+        if type(user_mask) is torch.Tensor:
+            return self._replay_bool(req, user_mask)
         lo, hi = req.memo["row_intervals"]
         default = req.scale
         dt = req.q.dtype
@@ -535,6 +558,8 @@ class NativeDecode(Kernel):
         read off its tile map, a plan, a tensor mask)."""
         if req.need_lse or req.weight_heads is not None or req.sinks is not None:
             return None
+        if type(user_mask) is torch.Tensor:  # its family is its shape without S (attnkit._fast._family)
+            return self._replay_bool(req, user_mask, any_s=True)
         parts = [_masks.causal()] if causal else []
         if user_mask is not None and type(user_mask) not in _CLOSED_FORM:
             return self._replay_mod_family(req, user_mask, causal)
@@ -594,6 +619,39 @@ class NativeDecode(Kernel):
         return run
 
 
+    def _replay_bool(self, req: Request, user_mask: torch.Tensor, any_s: bool = False):
+        """The prepared call for a bool tensor mask (the call's own, passed at every call: its rows are read off
+        *that* call's mask, never remembered, so a mask edited in place between calls is read as it is then); a
+        row that is not one stretch of keys returns None (the full path). ``any_s``: for every cache length S of
+        the signature (a decode loop's mask gains a key every step; its shape without S is the family's)."""
+        unprepared = req.score_mod is not None and "score_prog" not in req.memo and _alibi(req) is None
+        if user_mask.dtype is not torch.bool or unprepared:
+            return None
+        B, H, L, S0, *_ = req.shape
+        lo0, hi0 = req.memo["row_intervals"]
+        prog = req.memo.get("score_prog")
+        alibi = _alibi(req)
+        max_s = prog.max_s if prog is not None else None
+        default, dt, shape, lead = req.scale, req.q.dtype, lo0.shape, (1,) * (4 - user_mask.dim())
+        spans = shape[0] == 1  # one interval for every row may come as two ints (the step writes them in place)
+        step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
+                                   alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
+
+        def run(q, k, v, mask, scale):
+            S = k.shape[2]
+            if S != S0 and (not any_s or (max_s is not None and S > max_s) or v.shape[2] != S or S == 0):
+                return None
+            m = mask.view(lead + mask.shape) if lead else mask
+            if m.shape[3] not in (1, S):
+                return None  # (the full path says what is wrong with it)
+            iv = _bool_row_intervals(m, L, S, spans)
+            if iv is None or (type(iv[0]) is not int and iv[0].shape != shape):
+                return None
+            out = step(q, k, v, default if scale is None else scale, iv[0], iv[1])
+            return out if dt is torch.float32 else out.to(dt)
+
+        return run
+
     def _replay_mod_family(self, req: Request, user_mask, causal: bool):
         """:meth:`replay_family` for a user's ``mask_mod`` (bare, or in ``&`` ``|`` ``~``), whose family is its code
         whatever values it captures (:func:`attnkit._fast._family`): each call's *own* mod is evaluated at every
@@ -613,6 +671,7 @@ class NativeDecode(Kernel):
         max_s = prog.max_s if prog is not None else None
         default, dt, shape, sm = req.scale, req.q.dtype, lo0.shape, req.score_mod
         check = sm.validate if isinstance(sm, _score_mods.ScoreMod) else None
+        spans = shape[0] == 1  # one interval for every row may come as two ints (the step writes them in place)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
                                    alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
         causal_mask = _masks.causal() if causal and L > 1 else None  # (over one query row causal is no mask)
@@ -627,20 +686,20 @@ class NativeDecode(Kernel):
                     check(B, H, L, S)
                 if is_plan:  # a new BlockMask every step (FlexAttention's decode loop): its own blocks and mod
                     user.check(B, H, L, S)
-                    iv = _dense_row_intervals(_plan_mask(user, causal_mask), B, H, L, S)
+                    iv = _dense_row_intervals(_plan_mask(user, causal_mask), B, H, L, S, spans=spans)
                 elif causal_mask is None and type(user) is types.FunctionType and _mods.broadcast_safe(
                         user, False, B, H, L, S):  # (known per code: one lookup) the mod itself, on the indices
-                    iv = _dense_row_intervals(user, B, H, L, S, fn=user)
+                    iv = _dense_row_intervals(user, B, H, L, S, fn=user, spans=spans)
                 else:
                     m = user if isinstance(user, _masks.Mask) else _masks.FromMod(user)
                     if causal_mask is not None:
                         m = _masks.And(causal_mask, m)
-                    iv = _dense_row_intervals(m, B, H, L, S)
+                    iv = _dense_row_intervals(m, B, H, L, S, spans=spans)
             except Exception:  # whatever the mod raises: the full path raises it, with its context
                 return None
-            if iv is None or iv[0].shape != shape:
+            if iv is None or (type(iv[0]) is not int and iv[0].shape != shape):
                 return None
-            return iv
+            return iv  # (two ints, or two tensors no one else holds: safe to keep for run_exact)
 
         def run(q, k, v, user, scale):
             iv = rows(k, v, user)
