@@ -157,8 +157,8 @@ def _family(key):
     if len(ks) != 4 or len(vs) != 4:
         return None
     m = key[_MASK_AT]
-    if type(m) is tuple and type(m[0]) is torch.Size:  # a tensor mask: its shape without the key count S
-        m = (m[0][:-1] if len(m[0]) and m[0][-1] == ks[2] else m[0], *m[1:])
+    if type(m) is tuple and type(m[0]) is torch.Size:  # a tensor mask: its shape with the key count S as -1
+        m = ((*m[0][:-1], -1) if len(m[0]) and m[0][-1] == ks[2] else tuple(m[0]), *m[1:])  # (its rank kept)
     elif type(m) is tuple and m[0] in _USERS:
         m = _plan_family(m) if m[0] == "plan" and len(m) == 4 else _mods.code_only(m)
     return (key[0], (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3]), *key[3:_MASK_AT], m, *key[_MASK_AT + 1:])

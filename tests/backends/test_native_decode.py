@@ -351,3 +351,16 @@ def test_the_vectorcalls_refuse_a_bad_record_or_entry():
         ext.zero_first(0, 0)
     with pytest.raises(TypeError):
         ext.zero_first(*([None] * 8))
+
+
+def test_step_refuses_slots_past_the_record_even_where_the_sum_overflows():
+    """(Review finding 3) ``first + n`` past the record is refused even where ``first`` is near 2**63 (the sum
+    overflowed and passed the check, writing before the buffer)."""
+    import ctypes
+
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    buf = (ctypes.c_int64 * 64)()
+    for first in (2**63 - 1, 2**63 - 2, 10_000):
+        with pytest.raises(ValueError, match="slots outside it"):
+            _native._ext.step(2, ctypes.addressof(buf), first, 7)

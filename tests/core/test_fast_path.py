@@ -1477,3 +1477,49 @@ def test_a_bool_mask_of_other_bytes_than_0_and_1_reads_as_true_on_the_decode_ent
         out = attnkit.attention(q, k, v, mask=m)
     ref, _ = golden(q, k, v, mask=m.clone())
     assert_close(out, ref, budget(torch.float32, 8, 90), "uint8 viewed as bool")
+
+
+def test_bool_masks_of_other_ranks_or_values_in_one_decode_family_give_the_full_paths_answer(spy):
+    """Review findings on the decode entry's bool masks: (1) masks of different ranks whose shapes agree but for S
+    (``(1, S)`` then ``(1,)``; ``(S,)`` then a 0-d mask; ``(1, 1, 1, S)`` then ``(1, 1, 1)``) share no replayed
+    call (they raised IndexError); (2) a signature first seen with a mask the decode entry refuses for its values
+    (two stretches) still gives a later one-stretch mask the full path's answer, bit for bit (it stayed on the
+    replayed SDPA call); (4) v shorter than k at the prepared S is the full path's error."""
+    from attnkit.backends import _native
+
+    if not _native.available():
+        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    g = torch.Generator().manual_seed(16)
+
+    def qkv(S):
+        return (torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, S, 16, generator=g),
+                torch.randn(1, 2, S, 16, generator=g))
+
+    with torch.no_grad():
+        for first, then in (((1, 37), (1,)), ((37,), ()), ((1, 1, 1, 37), (1, 1, 1))):
+            _fast.clear()
+            for shape, S in ((first, 37), (then, 38)):
+                q, k, v = qkv(S)
+                m = torch.ones(shape, dtype=torch.bool)
+                out = attnkit.attention(q, k, v, mask=m)
+                assert torch.equal(out, _full(q, k, v, mask=m)), (first, then, shape)
+                assert_close(out, golden(q, k, v, mask=m)[0], budget(torch.float32, 16, S), f"{shape}")
+        q, k, v = qkv(64)
+        one = torch.zeros(1, 1, 1, 64, dtype=torch.bool)
+        one[..., 8:40] = True
+        two = torch.zeros(1, 1, 1, 64, dtype=torch.bool)
+        two[..., :8] = True
+        two[..., 40:] = True
+        for masks_in_order in ((one, two, one), (two, one, two)):
+            _fast.clear()
+            for m in masks_in_order:
+                out = attnkit.attention(q, k, v, mask=m)
+                assert torch.equal(out, _full(q, k, v, mask=m))
+        _fast.clear()
+        q, k, v = qkv(40)
+        m = torch.ones(1, 1, 1, 40, dtype=torch.bool)
+        attnkit.attention(q, k, v, mask=m)
+        with pytest.raises(ValueError, match=r"^v: "):
+            attnkit.attention(q, k, v[:, :, :30], mask=m)
+        with pytest.raises(ValueError, match=r"^v: "):
+            _full(q, k, v[:, :, :30], mask=m)

@@ -434,6 +434,10 @@ def _indices_intact(n: int) -> bool:
 DECODE_ROWS = 16
 
 
+# NativeDecode's one refusal that reads a bool tensor mask's values (the rest read its shape, as the call signature)
+ROWS_REFUSAL = "a bool mask whose rows are not one stretch of keys each, the same for every head"
+
+
 class NativeDecode(Kernel):
     """The compiled kernel's decode entry (:func:`attnkit.backends._native.decode`): a few query rows over a
     key/value cache, the g query heads of a kv head packed as rows that read its K and V once, long caches
@@ -485,7 +489,7 @@ class NativeDecode(Kernel):
         if req.dense_mask is not None and "row_intervals" not in req.memo:  # the call's own bool mask, its rows
             iv = _bool_row_intervals(req.dense_mask, L, S)
             if iv is None:
-                return ["a bool mask whose rows are not one stretch of keys each, the same for every head"]
+                return [ROWS_REFUSAL]
             req.memo["row_intervals"] = iv
         if "row_intervals" not in req.memo:
             mask = req.mask if req.mask is not None else _FULL
@@ -639,7 +643,7 @@ class NativeDecode(Kernel):
 
         def run(q, k, v, mask, scale):
             S = k.shape[2]
-            if S != S0 and (not any_s or (max_s is not None and S > max_s) or v.shape[2] != S or S == 0):
+            if v.shape[2] != S or (S != S0 and (not any_s or (max_s is not None and S > max_s) or S == 0)):
                 return None
             m = mask.view(lead + mask.shape) if lead else mask
             if m.shape[3] not in (1, S):

@@ -110,6 +110,22 @@ def _reduce_check(out: torch.Tensor) -> bool:
     return not out.select(-1, 0).all()
 
 
+def _decode_would_take(req: Request, user_mask: torch.Tensor):
+    """For a bool tensor mask the compiled decode entry refused for its values alone (a row of two stretches, heads
+    that differ: :data:`native.ROWS_REFUSAL`), ``f(mask) -> bool``: whether it would take *this* call's mask — the
+    full path's decision, which reads the values, where the replayed signature holds only the mask's shape; None
+    where the refusal did not read the values (its answer holds for every call of the signature)."""
+    if req.dense_mask is None or req.device_type != "cpu" or user_mask.dtype is not torch.bool:
+        return None
+    from .native import NATIVE_DECODE, ROWS_REFUSAL, _bool_row_intervals
+
+    if NATIVE_DECODE.not_supported(req) != [ROWS_REFUSAL]:
+        return None
+    L, S = req.q.shape[2], req.k.shape[2]
+    lead = (1,) * (4 - user_mask.dim())
+    return lambda m: _bool_row_intervals(m.view(lead + m.shape) if lead else m, L, S, spans=True) is not None
+
+
 def _nan_check(device: torch.device, dtype: torch.dtype, dim: int):
     """:func:`may_hide_nan` for outputs of this device, dtype and rank (chosen once per replayed signature)."""
     if device.type == "cpu" and dim == 4 and dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -293,7 +309,11 @@ class Fused(Kernel):
             if req.dense_mask is not None and not (L <= DECODE_MAX_L or (L <= SMALL_MASK and S <= SMALL_MASK)):
                 return None  # the table read the mask's tiles: a decision about these values only
 
+            taken = _decode_would_take(req, user_mask)
+
             def run_tensor(q, k, v, mask, scale):
+                if taken is not None and taken(mask):  # the full path's decision for this call's mask values
+                    return None
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
                 return None if hides_nan(out) else out
 

@@ -168,7 +168,7 @@ static PyObject* py_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (!int64s(args, 3, head) || !int64s(args + 3, nargs - 3, vals)) return nullptr;
   const int64_t n = nargs - 3;
-  if (head[1] == 0 || head[2] < 0 || head[2] + n > (int64_t)(sizeof(AkCall) / 8) || (head[0] != 0 && head[0] != 2)) {
+  if (head[1] == 0 || head[2] < 0 || head[2] > (int64_t)(sizeof(AkCall) / 8) - n || (head[0] != 0 && head[0] != 2)) {
     PyErr_SetString(PyExc_ValueError, "step: a null record, slots outside it, or an entry other than 0 / 2");
     return nullptr;
   }
