@@ -13,8 +13,10 @@ The signature holds everything the table's decision reads that can change betwee
 gradient, the grad mode, the mask (a built-in mask is an immutable value, keyed by itself; a
 user's ``mask_mod`` — bare, in ``&`` ``|`` ``~`` or in a plan — and a score_mod by their content
 key: code plus the values they read, tensors by a digest of their bytes taken on this call; a
-tensor mask by its shape, dtype, device and gradient flag — its *values* are the call's own, and
-only decisions that never read them are replayed), ``causal``, the kind of ``scale``, the thread
+tensor mask by its shape, dtype, device and gradient flag — its *values* are the call's own: a replayed call
+reads them at every call where the decision did (the decode entry takes a bool mask whose rows are one stretch of
+keys each, read off that call's mask; a mask it refused for its values is asked again per call, and the full path
+serves one it would now take), ``causal``, the kind of ``scale``, the thread
 count and the switches tests flip (``tiled.NATIVE`` / ``tiled.FUSED``). A replayed call returns
 ``None`` where the full path must look closer (an all-zero output row: torch's CPU kernel writes
 zeros where a row's scores hold NaN/inf) and the caller then takes the full path.
@@ -23,7 +25,8 @@ A decode loop makes every step a new signature (the cache is one key longer): wh
 does not read the key count S (the decode entry's ``replay_family``), one prepared call serves the signature
 without S, re-deriving per step what depends on S (the user's mask and score_mod validated at S, the row
 intervals, the score program's bound) and handing the call to the full path where anything differs. A user's
-``mask_mod`` and a plan (a ``BlockMask``) enter the family by their code alone: a decode loop builds a new mod (or
+``mask_mod`` and a plan (a ``BlockMask``) enter the family by their code alone, a tensor mask by its shape with S
+as -1 (its rank kept): a decode loop builds a new mod (or
 BlockMask) at every step, capturing the step's offset, and the family's call evaluates each call's *own* mod at
 every point of its few rows (``native._dense_row_intervals``): nothing learned from an earlier step's mod is used
 but the decision.
