@@ -436,16 +436,21 @@ def code_only(key):
         return key
     if len(key) == 6 and type(key[0]) is types.CodeType:
         return ("code", key[0])
-    return tuple(code_only(x) for x in key)
+    return tuple([code_only(x) for x in key])
 
 
 def holds_data(key) -> bool:
-    """Whether a content key holds a tensor's or an array's content (its data, not only code and numbers)."""
-    if type(key) is not tuple:
-        return False
-    if len(key) == 4 and key[0] in ("tensor", "ndarray"):
-        return True
-    return any(holds_data(x) for x in key)
+    """Whether a content key holds a tensor's or an array's content (its data, not only code and numbers). A walk
+    with a stack, no generator per level: a decode loop's new mod asks it at every step."""
+    stack = [key]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        x = pop()
+        if type(x) is tuple:
+            if len(x) == 4 and x[0] in ("tensor", "ndarray"):
+                return True
+            push(x)
+    return False
 
 
 def _global_names(code) -> tuple:

@@ -1523,3 +1523,30 @@ def test_bool_masks_of_other_ranks_or_values_in_one_decode_family_give_the_full_
             attnkit.attention(q, k, v[:, :, :30], mask=m)
         with pytest.raises(ValueError, match=r"^v: "):
             _full(q, k, v[:, :, :30], mask=m)
+
+
+def test_holds_data_finds_a_tensors_content_at_any_depth_of_a_key():
+    """``_mods.holds_data`` (which decides whether a replayed signature is one of the few kept by content): True for a
+    mod reading a tensor, however deep its content sits in the key (a closure of a closure, inside & | ~), False for
+    code and numbers alone."""
+    from attnkit import _mods
+
+    ids = torch.tensor([0, 0, 1, 1])
+    off = 3
+
+    def outer():
+        return lambda b, h, q, kv: ids[q] == ids[kv]
+
+    inner = outer()
+    cases = {
+        "reads a tensor": (lambda b, h, q, kv: ids[q] == ids[kv], True),
+        "a closure's closure reads it": (lambda b, h, q, kv: inner(b, h, q, kv) & (kv <= q), True),
+        "numbers only": (lambda b, h, q, kv: kv <= q + off, False),
+    }
+    for what, (mod, want) in cases.items():
+        key = masks.from_mod(mod).cache_key()
+        assert key is not None, what
+        assert _mods.holds_data(key) is want, what
+        assert _mods.holds_data(("And", (("Not", key),), ("causal",))) is want, what
+    assert _mods.holds_data(("tensor", torch.Size([2]), torch.int64, b"x")) is True
+    assert _mods.holds_data(None) is False and _mods.holds_data(()) is False
