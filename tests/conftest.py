@@ -53,6 +53,17 @@ def golden(q, k, v, **kw):
     return attnkit.attention(up(q), up(k), up(v), backend="reference", return_lse=True, **kw)
 
 
+def require_kernel():
+    """For a test of attnkit's compiled kernel: skipped only where the user switched it off (``ATTNKIT_NATIVE=0``);
+    a kernel that failed to build fails the test, loudly (``make test`` and ``pip install`` build it; the fallback
+    without it is tested in tests/install/test_wheel_install.py)."""
+    from attnkit.backends import _native
+
+    if os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"):
+        pytest.skip("the compiled kernel is switched off by ATTNKIT_NATIVE=0")
+    assert _native.available(), _native.unavailable_reason()
+
+
 def budget(dtype, D, S, scale_v=1.0):
     return 16 * EPS[dtype] * (math.sqrt(D) + math.sqrt(S)) * scale_v
 

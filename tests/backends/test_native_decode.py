@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_close, budget, golden
+from conftest import assert_close, budget, golden, require_kernel
 from test_native_kernel import instruction_set
 
 from attnkit import masks as M
@@ -314,8 +314,7 @@ def test_a_prepared_call_gives_the_same_bits_through_the_vectorcall_and_ctypes(e
     """A replayed call's hot path: the extension's ``step`` (one vectorcall writes the record's per-call slots and
     runs the entry) and the ctypes fallback (a build without it) give the same bits, the golden's within budget,
     on calls of other strides and scales than the prepared one."""
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    require_kernel()
     assert _native._ext is not None  # this build has the vectorcalls
     B, H, Hkv, L, S, D = 2, 4, 2, 3, 200, 16
     q, k, v = _qkv(B, H, Hkv, L, S, D)
@@ -336,8 +335,7 @@ def test_a_prepared_call_gives_the_same_bits_through_the_vectorcall_and_ctypes(e
 
 def test_the_vectorcalls_refuse_a_bad_record_or_entry():
     """``step`` is internal, but a wrong argument is a Python error naming what it expected, never a crash."""
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    require_kernel()
     ext = _native._ext
     with pytest.raises(ValueError, match="null record"):
         ext.step(0, 0, 0)
@@ -358,8 +356,7 @@ def test_step_refuses_slots_past_the_record_even_where_the_sum_overflows():
     overflowed and passed the check, writing before the buffer)."""
     import ctypes
 
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    require_kernel()
     buf = (ctypes.c_int64 * 64)()
     for first in (2**63 - 1, 2**63 - 2, 10_000):
         with pytest.raises(ValueError, match="slots outside it"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close, budget, rand_qkv
+from conftest import assert_close, budget, rand_qkv, require_kernel
 
 import attnkit
 from attnkit import masks as M
@@ -231,10 +231,8 @@ def test_repeated_compiled_calls_replay_the_forward_bit_for_bit(name, monkeypatc
     the op replays its prepared forward (attnkit._op._STEPS). Out and every gradient equal the op's full path bit
     for bit, call after call with new inputs; with the mods' tensors edited in place the answer follows."""
     from attnkit import _op
-    from attnkit.backends import _native
 
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    require_kernel()
     torch._dynamo.reset()  # each case compiles this lambda's code anew (grad and no-grad): keep under the limit
     monkeypatch.setattr(_op, "_STEPS", type(_op._STEPS)())  # signatures earlier tests learned: forgotten
     kw = CALLS[name]

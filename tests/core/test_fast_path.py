@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close, budget, golden
+from conftest import assert_close, budget, golden, require_kernel
 
 import attnkit
 from attnkit import _fast, masks, positional, score_mods
@@ -340,10 +340,7 @@ def test_one_tile_bool_mask_goes_to_sdpa_as_it_is(spy):
 def test_replayed_compiled_kernel_call_forward_and_backward_equal_golden(spy):
     """A call auto sends to the compiled kernel (causal at L >= 256, a window) is replayed too: the request is
     rebuilt around each call's tensors (its mask's row intervals kept), gradients included."""
-    from attnkit.backends import _native
-
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    require_kernel()
     g = torch.Generator().manual_seed(9)
     for kw in (dict(causal=True), dict(mask=masks.sliding_window(40)), dict(mask=masks.padding([300, 170]))):
         for step in range(3):
@@ -385,10 +382,7 @@ def test_replayed_compiled_kernel_call_without_gradients_is_the_full_paths(dtype
     """Without gradients a replayed compiled-kernel call is one prepared record (``_native.forward_step``): each
     call writes its own strides, pointers and scale into it. Bit for bit the full path's answer, whatever the
     layout of this call (the signature does not hold strides) and the scale it passes; within budget of golden."""
-    from attnkit.backends import _native
-
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    require_kernel()
     g = torch.Generator().manual_seed(11)
     kws = (dict(causal=True), dict(mask=masks.sliding_window(40)), dict(mask=masks.padding([300, 170])),
            dict(mask=masks.key_padding(torch.arange(300).expand(2, 300) % 7 != 3)))  # the last: a tile map
@@ -454,13 +448,6 @@ def test_a_mask_without_a_key_is_never_replayed_as_no_mask(spy):
         box.ids = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2])  # the data it reads changes: still its own answer
 
 
-def _kernel_or_skip():
-    from attnkit.backends import _native
-
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
-
-
 USER_MASKS = [  # (name, make(L)): masks a user writes, each with a content key
     ("mask_mod", lambda L: masks.from_mod(lambda b, h, qi, kv: kv <= qi)),
     ("a bare mask_mod", lambda L: (lambda b, h, qi, kv: (qi - kv).abs() <= 9)),
@@ -475,7 +462,7 @@ USER_MASKS = [  # (name, make(L)): masks a user writes, each with a content key
 def test_users_masks_are_replayed_and_equal_the_full_path(name, make, dtype, spy):
     """A mask the user writes (a mask_mod, bare or in & | ~, a plan of one) is replayed by its content key, built
     anew every call as a model does: bit for bit the full path's answer at any layout, within budget of golden."""
-    _kernel_or_skip()
+    require_kernel()
     g = torch.Generator().manual_seed(21)
     L = 70
     with torch.no_grad():
@@ -496,7 +483,7 @@ def test_users_masks_are_replayed_and_equal_the_full_path(name, make, dtype, spy
 def test_a_mask_mod_reading_a_tensor_follows_its_edits(spy):
     """A mask_mod's key holds the content of the tensors it reads, taken at each call: ids edited in place give a
     new key (the call is decided afresh), and a model building new ids every step keeps only a few in the cache."""
-    _kernel_or_skip()
+    require_kernel()
     g = torch.Generator().manual_seed(22)
     q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
     ids = torch.tensor([0] * 40 + [1] * 56)
@@ -538,7 +525,7 @@ SCORE_MODS = [  # (name, make()): score_mods with a content key
 def test_score_mods_are_replayed_without_gradients_and_equal_the_full_path(name, make, dtype, spy):
     """A score_mod with a content key is replayed where no gradient is wanted (its program or ALiBi's slopes kept in
     the call record): bit for bit the full path's answer, within budget of golden; with gradients, the full path."""
-    _kernel_or_skip()
+    require_kernel()
     g = torch.Generator().manual_seed(23)
     L = 67
     with torch.no_grad():
@@ -572,7 +559,7 @@ def test_a_score_mods_tensor_edited_in_place_gives_the_new_answer(spy):
     """ALiBi's slopes and a captured table, edited in place after a replayed call: the next call's key holds the new
     content; and a call with *another* tensor holding the old content replays the old record, which must read the
     old values (the record keeps copies, never the first call's tensor, which was edited since)."""
-    _kernel_or_skip()
+    require_kernel()
     g = torch.Generator().manual_seed(24)
     q, k, v = (torch.randn(1, 4, 40, 16, generator=g) for _ in range(3))
     tol = budget(torch.float32, 16, 40, 4.0)
@@ -595,7 +582,7 @@ def test_a_replayed_score_mod_reading_out_of_range_raises(spy):
     """A captured tensor read at an index the ranges cannot bound is checked by the kernel at every visible point;
     the replayed record's flag is cleared and read on every call: each call raises as the full path (and torch's
     indexing) does, and an in-range mod of the same shapes is unaffected."""
-    _kernel_or_skip()
+    require_kernel()
     short, long_ = torch.linspace(0, 1, 20), torch.linspace(0, 1, 32)
     g = torch.Generator().manual_seed(25)
     q, k, v = (torch.randn(1, 2, 32, 16, generator=g) for _ in range(3))
@@ -613,7 +600,7 @@ def test_a_replayed_score_mod_reading_out_of_range_raises(spy):
 def test_flex_attention_block_mask_is_read_once_per_content(spy):
     """A BlockMask passed to flex_attention call after call is read into a plan once (by its content) and the
     call replayed; its index tensors edited in place give a new plan, and the answer follows."""
-    _kernel_or_skip()
+    require_kernel()
     from attnkit import _blockmask
 
     g = torch.Generator().manual_seed(26)
@@ -670,7 +657,7 @@ def test_decode_with_a_users_mask_mod_is_replayed_and_exact(name, mod, kernel, L
     """A decode step with the user's own mask_mod: one stretch of keys per row (the same for every head) runs on
     the compiled decode entry, its rows read off the mod's tile map; any other pattern on SDPA with the dense mask
     built once per signature. Replayed from the second call, bit for bit the full path, within budget of golden."""
-    _kernel_or_skip()
+    require_kernel()
     g = torch.Generator().manual_seed(27)
     with torch.no_grad():
         for step in range(3):
@@ -820,7 +807,7 @@ def test_random_mods_have_no_key_and_tensor_reading_masks_are_not_replayed_with_
     assert _mods.value_key(lambda b, h, qi, kv: torch.rand(()) > 0.5) is None
     assert _mods.value_key(lambda s, b, h, qi, kv: s + torch.randn_like(s)) is None
     assert _mods.value_key(lambda b, h, qi, kv: torch.randint(0, 2, ()) > 0) is None
-    _kernel_or_skip()
+    require_kernel()
     ids = torch.tensor([0] * 30 + [1] * 40)
     mod = masks.from_mod(lambda b, h, qi, kv: (ids[qi] == ids[kv]) & (kv <= qi))
     g = torch.Generator().manual_seed(31)
@@ -1054,7 +1041,7 @@ def test_a_decode_loop_with_a_new_mask_mod_every_step_is_served_and_exact(name, 
     """S = 50 .. 130, a new mod object each step: every step equals the float64 golden (dead rows 0); a mod whose
     rows are one stretch each is served by the family of its code (a few signatures learned, not one per step);
     the others take the full path, exact too."""
-    _kernel_or_skip()
+    require_kernel()
     _fast.clear()
     g = torch.Generator().manual_seed(L)
     cache_k, cache_v = torch.randn(2, 2, 200, 16, generator=g), torch.randn(2, 2, 200, 16, generator=g)
@@ -1075,7 +1062,7 @@ def test_the_same_new_mod_at_every_layer_of_a_step_is_evaluated_once(spy, monkey
     """A model passes one step's mod to each of its layers: the first layer's call evaluates it (the family), the
     others replay that exact signature (its mod's content and S fixed); a captured tensor edited between two layers
     is a new content, evaluated again. Every call exact."""
-    _kernel_or_skip()
+    require_kernel()
     from attnkit.backends import native
 
     _fast.clear()
@@ -1105,7 +1092,7 @@ def test_the_same_new_mod_at_every_layer_of_a_step_is_evaluated_once(spy, monkey
 def test_a_mod_that_edits_its_index_tensors_in_place_shifts_no_later_call(spy):
     """The decode family evaluates mods on shared index tensors: a mod that writes them in place (``kv.add_``) is
     detected (their version counter), its call goes to the full path, and the next call's indices are intact."""
-    _kernel_or_skip()
+    require_kernel()
     _fast.clear()
     cache_k, cache_v = torch.randn(1, 2, 120, 16), torch.randn(1, 2, 120, 16)
     q = torch.randn(1, 4, 1, 16)
@@ -1126,7 +1113,7 @@ def test_a_mod_that_edits_its_index_tensors_in_place_shifts_no_later_call(spy):
 def test_a_mod_writing_its_indices_unseen_by_the_version_counter_shifts_no_later_call(how, spy):
     """Writes through ``.data`` or a NumPy view bump no version counter: the index arange is compared by content
     after each evaluation, so a later, plain mod still sees 0 .. S - 1 (a float64-exact answer)."""
-    _kernel_or_skip()
+    require_kernel()
     _fast.clear()
     g = torch.Generator().manual_seed(11)
     q, k, v = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 100, 16, generator=g), torch.randn(
@@ -1155,7 +1142,7 @@ def test_a_mod_writing_its_indices_unseen_by_the_version_counter_shifts_no_later
 def test_a_mod_first_evaluated_under_inference_mode_keeps_the_decode_entry():
     """The index arange is a normal tensor even when a thread first builds it under ``torch.inference_mode()``: the
     decode entry serves user mods there and afterwards (an inference tensor's version counter cannot be read)."""
-    _kernel_or_skip()
+    require_kernel()
     import threading
 
     got = []
@@ -1241,7 +1228,7 @@ def _flex_golden(q, k, v, mod):
 def test_flex_attention_decode_loop_with_a_new_block_mask_each_step(L, block, spy, monkeypatch):
     """``create_block_mask`` for this step's (L, S) and ``flex_attention``, one key more each step: the decode entry
     runs it (the BlockMask's rows as intervals), the family of its code serves the later steps, each step exact."""
-    _kernel_or_skip()
+    require_kernel()
     _fast.clear()
     g = torch.Generator().manual_seed(L + block)
     cache_k, cache_v = torch.randn(2, 2, 300, 16, generator=g), torch.randn(2, 2, 300, 16, generator=g)
@@ -1265,7 +1252,7 @@ def test_flex_attention_decode_loop_with_a_new_block_mask_each_step(L, block, sp
 def test_flex_attention_decode_over_a_static_cache_with_a_sliced_block_mask(spy):
     """gpt-fast's loop: one BlockMask for the whole cache built once, its query block sliced each step, the mod
     shifted by the position (a tensor), S fixed: exact at every step (the slice's meaning: its blocks, then the mod)."""
-    _kernel_or_skip()
+    require_kernel()
     _fast.clear()
     MAX = 260
     g = torch.Generator().manual_seed(5)
@@ -1288,7 +1275,7 @@ def test_a_block_mask_the_decode_entry_cannot_take_runs_elsewhere_exactly(spy):
     """Blocks of 32 (not the kernel's 64 multiples), rows of two stretches (a sink and a window): not the decode
     entry; blocks listed with no mod (``from_kv_blocks``, never replayed: no content key): the decode entry (its one
     block is one stretch of keys). Exact all of them."""
-    _kernel_or_skip()
+    require_kernel()
     from torch.nn.attention.flex_attention import BlockMask
 
     g = torch.Generator().manual_seed(9)
@@ -1380,8 +1367,7 @@ def test_the_zero_row_check_through_ctypes_as_through_the_vectorcall(monkeypatch
     same answers."""
     from attnkit.backends import _native
 
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    require_kernel()
     out = torch.randn(2, 3, 40, 8) + 10
     fast = _native.zero_first_fn()
     monkeypatch.setattr(_native, "_zero_first", None)
@@ -1409,10 +1395,7 @@ def test_a_decode_step_with_its_own_bool_mask_runs_on_the_decode_entry(dtype, sp
     a loop with a new mask (and one key more) every step, and a mask edited in place between two calls of the same
     shape, each equal to the float64 golden within budget and to the full path bit for bit. Rows that are two
     stretches, or heads that differ, go to torch's kernel: the same answers."""
-    from attnkit.backends import _native
-
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    require_kernel()
     g = torch.Generator().manual_seed(14)
     B, H, Hkv, D = 2, 4, 2, 16
     ck, cv = (torch.randn(B, Hkv, 200, D, generator=g).to(dtype) for _ in range(2))
@@ -1485,10 +1468,7 @@ def test_bool_masks_of_other_ranks_or_values_in_one_decode_family_give_the_full_
     call (they raised IndexError); (2) a signature first seen with a mask the decode entry refuses for its values
     (two stretches) still gives a later one-stretch mask the full path's answer, bit for bit (it stayed on the
     replayed SDPA call); (4) v shorter than k at the prepared S is the full path's error."""
-    from attnkit.backends import _native
-
-    if not _native.available():
-        pytest.skip(f"the compiled kernel is not built here ({_native.unavailable_reason()})")
+    require_kernel()
     g = torch.Generator().manual_seed(16)
 
     def qkv(S):
