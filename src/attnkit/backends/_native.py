@@ -293,8 +293,7 @@ def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=Fa
     q, k, v = _fit_all(q, k, v)
     c0, keep = _call(q, k, v, lo, hi, 1.0, alibi, tiles, prog)
     # lo, hi (as the record points at them), the slopes, tile map and program: not the first call's q, k, v
-    return _stepper(lib.ak_forward, "ak_forward", c0, keep[3:], q, k, v, need_lse=True, prog=prog,
-                    with_lse=with_lse)
+    return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog, with_lse=with_lse)
 
 
 def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse: bool = False):
@@ -310,22 +309,23 @@ def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     c0.lo, c0.hi = lo.data_ptr(), hi.data_ptr()
     keep = [lo, hi, *_score_parts(c0, q.shape[1], alibi, prog)]
-    return _stepper(lib.ak_decode, "ak_decode", c0, keep, q, k, v, need_lse=with_lse, prog=prog,
-                    with_lse=with_lse, any_s=True, span_rows=q.shape[2] if lo.shape[0] == 1 else 0)
+    return _stepper(lib.ak_decode, c0, keep, q, k, v, need_lse=with_lse, prog=prog, with_lse=with_lse, any_s=True,
+                    span_rows=q.shape[2] if lo.shape[0] == 1 else 0)
 
 
-def _stepper(entry, name: str, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False,
+def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False,
              any_s: bool = False, span_rows: int = 0):
     """The per-call part of :func:`forward_step` / :func:`decode_step`: a copy of the record ``c0`` per thread,
     into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs):
-    with the extension's ``step`` (one vectorcall writes the slots and runs the entry ``name``, the GIL released),
-    else through ctypes (the slots, then ``entry``).
+    with the extension's ``step`` (one vectorcall writes the slots and runs the same entry, the GIL released), else
+    through ctypes (the slots, then ``entry``).
     With a score_mod's ``prog`` each thread's record gets its own out-of-range flag, cleared before each call and
     read after it (an index computed from the score can leave a captured tensor on one call and not another).
     ``any_s`` (the decode entry): a call may bring any number of keys S (with its own ``lo`` / ``hi``).
     ``span_rows`` (a decode record of one interval row per query, lo / hi of shape (1, L)): a call may bring
     ``lo`` / ``hi`` as two ints, one interval for all ``span_rows`` rows, which it writes into its thread's own
-    int32 buffer (no tensors built per call: ~8 µs of the smallest decode steps on a 2-core EPYC)."""
+    int32 buffer (no tensors built per call: 15.4 against 27.4 µs for a decode step over 128 keys on a 2-core AMD
+    EPYC, ``benchmarks/call_costs.py``)."""
     B, H, L, _ = q.shape
     S, Dv = k.shape[2], v.shape[-1]
     template = bytes(c0)
@@ -349,7 +349,7 @@ def _stepper(entry, name: str, c0: _Call, keep: list, q, k, v, need_lse: bool, p
         return r
 
     step = _ext.step if _ext is not None else None
-    code = _ENTRY[name]
+    code = _ENTRY[entry.__name__]
 
     def run(q, k, v, scale: float, lo=None, hi=None):
         """``lo`` / ``hi``: this call's row intervals (the shapes of the prepared ones, contiguous), or the

@@ -636,7 +636,7 @@ class NativeDecode(Kernel):
         prog = req.memo.get("score_prog")
         alibi = _alibi(req)
         max_s = prog.max_s if prog is not None else None
-        default, dt, shape, lead = req.scale, req.q.dtype, lo0.shape, (1,) * (4 - user_mask.dim())
+        default, dt, shape = req.scale, req.q.dtype, lo0.shape
         spans = shape[0] == 1  # one interval for every row may come as two ints (the step writes them in place)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
                                    alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
@@ -645,10 +645,9 @@ class NativeDecode(Kernel):
             S = k.shape[2]
             if v.shape[2] != S or (S != S0 and (not any_s or (max_s is not None and S > max_s) or S == 0)):
                 return None
-            m = mask.view(lead + mask.shape) if lead else mask
-            if m.shape[3] not in (1, S):
+            if mask.dim() and mask.shape[-1] not in (1, S):
                 return None  # (the full path says what is wrong with it)
-            iv = _bool_row_intervals(m, L, S, spans)
+            iv = _bool_row_intervals(mask, L, S, spans)  # (any rank up to 4: read as (1, ..., S))
             if iv is None or (type(iv[0]) is not int and iv[0].shape != shape):
                 return None
             out = step(q, k, v, default if scale is None else scale, iv[0], iv[1])

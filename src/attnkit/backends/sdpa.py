@@ -122,8 +122,7 @@ def _decode_would_take(req: Request, user_mask: torch.Tensor):
     if NATIVE_DECODE.not_supported(req) != [ROWS_REFUSAL]:
         return None
     L, S = req.q.shape[2], req.k.shape[2]
-    lead = (1,) * (4 - user_mask.dim())
-    return lambda m: _bool_row_intervals(m.view(lead + m.shape) if lead else m, L, S, spans=True) is not None
+    return lambda m: _bool_row_intervals(m, L, S, spans=True) is not None
 
 
 def _nan_check(device: torch.device, dtype: torch.dtype, dim: int):
