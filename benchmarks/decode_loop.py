@@ -15,7 +15,7 @@ interleaved (at each step one call of each, in turns), total time of the loop / 
 * attnkit with causal written as a user's ``mask_mod`` capturing the step's offset (a new mod every step), alone
   and with the soft cap as a lambda;
 * the step's own bool mask tensor (the last 256 keys, ``(1, 1, 1, S)``, built each step as a user builds it), on
-  SDPA (``attn_mask``) and on attnkit (``mask=``);
+  SDPA (``attn_mask``) and on attnkit (``mask=``, alone and with the soft cap as a lambda);
 * FlexAttention's loop on attnkit (``from attnkit import create_block_mask, flex_attention``): a ``BlockMask`` of
   that mod built for each step's (1, S), then ``flex_attention`` — timed with the ``create_block_mask`` call, and
   ``flex_attention`` alone on BlockMasks built before the loop (a new one every step all the same);
@@ -88,6 +88,8 @@ def main(argv=None) -> int:
         lambda k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=window_row(k.shape[2]), enable_gqa=True))
     calls["attnkit, the step's own bool mask (the same tensor, built each step)"] = (
         lambda k, v: attnkit.attention(q, k, v, mask=window_row(k.shape[2])))
+    calls["attnkit, that bool mask + a soft cap as a lambda"] = (
+        lambda k, v: attnkit.attention(q, k, v, mask=window_row(k.shape[2]), score_mod=lam))
 
     def flex_step(k, v):
         bm = attnkit.create_block_mask(_causal_mod(k.shape[2]), 1, None, 1, k.shape[2])

@@ -1394,7 +1394,8 @@ def test_a_decode_step_with_its_own_bool_mask_runs_on_the_decode_entry(dtype, sp
     padding per batch row, a window, a dead row): attnkit's decode entry, its rows read off *this call's* mask —
     a loop with a new mask (and one key more) every step, and a mask edited in place between two calls of the same
     shape, each equal to the float64 golden within budget and to the full path bit for bit. Rows that are two
-    stretches, or heads that differ, go to torch's kernel: the same answers."""
+    stretches, or heads that differ, go to torch's kernel: the same answers. A score_mod (attnkit's soft cap, a
+    user's lambda) on top runs there too."""
     require_kernel()
     g = torch.Generator().manual_seed(14)
     B, H, Hkv, D = 2, 4, 2, 16
@@ -1420,6 +1421,17 @@ def test_a_decode_step_with_its_own_bool_mask_runs_on_the_decode_entry(dtype, sp
                 ref, _ = golden(q, k, v, mask=m)
                 assert_close(out, ref, tol, f"{what}, S = {S}")
                 assert torch.equal(out, _full(q, k, v, mask=m)), (what, S)
+        def capped(s, b, h, i, j):  # a user's score_mod (a traced program) on top of the call's bool mask
+            return 20.0 * torch.tanh(s / 20.0)
+
+        for sm in (score_mods.softcap(20.0), capped):
+            for S in (140, 141):  # a new S: the family's call
+                k, v = ck[:, :, :S], cv[:, :, :S]
+                m = _bool_rows(B, 1, S, [[2], [S - 40]], [[S], [S - 3]], (B, 1, 1, S))
+                assert attnkit.dispatch(q, k, v, mask=m, score_mod=sm).verdicts[0] == ("native-decode", "runs")
+                out = attnkit.attention(q, k, v, mask=m, score_mod=sm)
+                assert_close(out, golden(q, k, v, mask=m, score_mod=sm)[0], tol, f"{sm!r}, S = {S}")
+                assert torch.equal(out, _full(q, k, v, mask=m, score_mod=sm)), (sm, S)
         k, v = ck[:, :, :150], cv[:, :, :150]
         m = _bool_rows(1, 1, 150, [[0]], [[150]], (1, 1, 1, 150))
         attnkit.attention(q, k, v, mask=m)
