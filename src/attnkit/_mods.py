@@ -82,6 +82,47 @@ def _vmapped(fn: Callable, with_score: bool) -> Callable:
     return f
 
 
+# --- mods that read tensors on another device than their index tensors ------------------------------------------
+
+def data_device(fn, depth: int = 0) -> torch.device | None:
+    """The device of the tensors ``fn`` reads (its closure, defaults, globals, attributes, and those of the functions
+    it calls from there, two levels down) when that is not the CPU; None when it reads none or only CPU tensors.
+    A GPU user's mask_mod reads its document ids on the GPU (``doc[q] == doc[kv]`` with ``doc`` on ``cuda``)."""
+    for obj in _sources(fn):
+        for t in _tensors_in(obj):
+            if t.device.type != "cpu":
+                return t.device
+        if depth < 2 and callable(obj) and not isinstance(obj, (type, torch.Tensor, torch.nn.Module)):
+            dev = data_device(obj, depth + 1)
+            if dev is not None:
+                return dev
+    return None
+
+
+def _device_of(args) -> torch.device | None:
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def call(fn, *args, run: Callable | None = None):
+    """``run(*args)`` (``run`` defaults to ``fn``; pass the vmapped ``fn`` as ``run``) where ``fn`` may read tensors
+    on another device than ``args``: attnkit builds its plans and probes on the CPU, and a GPU user's mod reads its
+    data on the GPU. Where the call fails on a device clash, or answers on another device, it runs again with
+    ``args`` on ``fn``'s data device and the answer comes back to ``args``' device (a differentiable copy: a
+    captured tensor's gradient still reaches it). A mod that reads CPU data, the common case, costs nothing more."""
+    run = fn if run is None else run
+    home = _device_of(args)
+    try:
+        out = run(*args)
+    except RuntimeError:
+        dev = data_device(fn)
+        if dev is None or home is None or dev == home:
+            raise
+        out = run(*(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args))
+    if isinstance(out, torch.Tensor) and home is not None and out.device != home:
+        out = out.to(home)
+    return out
+
+
 # code object -> True (broadcast-safe) / False (use vmap). Code objects live as long as
 # their function's module; a bounded dict keeps lambdas made in a loop from growing it.
 _SAFE: dict = {}
@@ -127,13 +168,13 @@ def broadcast_safe(fn, score: bool, B: int, H: int, L: int, S: int, dtype=torch.
         args = (torch.linspace(-1.5, 1.5, steps=int(torch.tensor(shape).prod()), dtype=dtype).view(shape), *idx)
     with torch.no_grad():
         try:
-            wide = fn(*args)
+            wide = call(fn, *args)
             wide_err = None
         except Exception as e:  # any failure means "not broadcast-safe"
             wide, wide_err = None, e
         try:
             flat = _flat(b, h, q, kv)
-            narrow = _vmapped(fn, score)(*((args[0],) if score else ()), *flat)
+            narrow = call(fn, *((args[0],) if score else ()), *flat, run=_vmapped(fn, score))
         except Exception:  # vmap-hostile code (.item(), data-dependent if): broadcast it
             narrow = None
     if wide_err is not None and narrow is None:
@@ -178,12 +219,12 @@ def eval_mask_mod(fn, b, h, q, kv, sizes: tuple[int, int, int, int]) -> torch.Te
     B, H, L, S = sizes
     shape = _grid_shape(b, h, q, kv)
     if broadcast_safe(fn, False, B, H, L, S):
-        out = fn(b, h, q, kv)
+        out = call(fn, b, h, q, kv)
         _check_shape("mask_mod", fn, out, shape)
         if isinstance(out, torch.Tensor) and out.dim() < 4:
             out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
         return out
-    return _vmapped(fn, False)(*_flat(b, h, q, kv))
+    return call(fn, *_flat(b, h, q, kv), run=_vmapped(fn, False))
 
 
 def eval_score_mod(fn, s, b, h, q, kv, sizes: tuple[int, int, int, int]) -> torch.Tensor:
@@ -194,10 +235,10 @@ def eval_score_mod(fn, s, b, h, q, kv, sizes: tuple[int, int, int, int]) -> torc
     B, H, L, S = sizes  # unpacked by name: spread as *sizes, a fifth item would collide with dtype=
     shape = _grid_shape(b, h, q, kv)
     if broadcast_safe(fn, True, B, H, L, S, dtype=s.dtype if s.is_floating_point() else torch.float32):
-        out = fn(s, b, h, q, kv)
+        out = call(fn, s, b, h, q, kv)
         _check_shape("score_mod", fn, out, shape)
         return out
-    return _vmapped(fn, True)(s.expand(shape), *_flat(b, h, q, kv))
+    return call(fn, s.expand(shape), *_flat(b, h, q, kv), run=_vmapped(fn, True))
 
 
 # --- tensors a score_mod captures -------------------------------------------------------

@@ -118,6 +118,12 @@ class Mask:
         ``BlockMask``). Built-in masks' ``bind`` already is one."""
         return self.bind(L, S)
 
+    def flex_mask_mod_on(self, L: int, S: int, device) -> MaskMod:
+        """:meth:`flex_mask_mod` for FlexAttention's kernels on ``device``: a mask reading a tensor (lengths, ids)
+        reads a copy already there, so the compiled kernel loads it (a copy made inside a ``mask_mod`` is not
+        something torch's GPU kernels can compile). None: as :meth:`flex_mask_mod`."""
+        return self.flex_mask_mod(L, S)
+
     def points_mod(self, B: int, H: int, L: int, S: int) -> MaskMod:
         """The ``mask_mod`` for index tensors that broadcast to any shape, not only the ``(B, H, L, S)``
         grid: e.g. many tiles stacked on the batch dim (``b, h (T, 1, 1, 1)``, ``q (T, 1, bm, 1)``,
@@ -292,7 +298,7 @@ def _evaluated_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     h = torch.arange(H).view(1, H, 1, 1)
     kv = torch.arange(S).view(1, 1, 1, S)
     nk = -(-S // bn)
-    first = mod(b, h, torch.arange(min(L, bm)).view(1, 1, -1, 1), kv)
+    first = _mods.call(mod, b, h, torch.arange(min(L, bm)).view(1, 1, -1, 1), kv)
     _check_bool(first, mod)
     Bp, Hp = first.shape[0] if first.dim() == 4 else 1, first.shape[1] if first.dim() >= 3 else 1
     rows = max(bm, (_EVAL_ELEMS // max(S * Bp * Hp, 1)) // bm * bm)
@@ -302,7 +308,10 @@ def _evaluated_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     out = torch.empty(Bp, Hp, -(-L // bm), nk, dtype=torch.int8)
     for r0 in range(0, L, rows):
         r1 = min(L, r0 + rows)
-        allowed = first if r0 == 0 and r1 == min(L, bm) else mod(b, h, torch.arange(r0, r1).view(1, 1, -1, 1), kv)
+        if r0 == 0 and r1 == min(L, bm):
+            allowed = first
+        else:
+            allowed = _mods.call(mod, b, h, torch.arange(r0, r1).view(1, 1, -1, 1), kv)
         _check_bool(allowed, mod)
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(Bp, Hp, r1 - r0, S)
         out[:, :, r0 // bm:-(-r1 // bm)] = _tiling.reduce_allowed(allowed, bm, bn)
@@ -321,7 +330,7 @@ def _small_grid_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     tiles' counts in NumPy; the same kinds (a ragged edge tile is full when all its real points are)."""
     idx = [torch.from_numpy(np.arange(n, dtype=np.int64).reshape(shape)) for n, shape in  # fresh: a mod may write
            ((B, (B, 1, 1, 1)), (H, (1, H, 1, 1)), (L, (1, 1, L, 1)), (S, (1, 1, 1, S)))]
-    allowed = mod(*idx)
+    allowed = _mods.call(mod, *idx)
     _check_bool(allowed, mod)
     x = allowed.detach().cpu().numpy()
     x = x.reshape((1,) * (4 - x.ndim) + x.shape)
@@ -443,7 +452,7 @@ def _point_kinds(fn, tiles: torch.Tensor, L, S, bm, bn, witness: bool = False) -
         h = t[:, 1].view(T, 1, 1, 1)
         q = (t[:, 2:3] * bm + ar_q).clamp(max=L - 1).view(T, 1, lq, 1)
         kv = (t[:, 3:4] * bn + ar_k).clamp(max=S - 1).view(T, 1, 1, lk)
-        allowed = fn(b, h, q, kv)
+        allowed = _mods.call(fn, b, h, q, kv)
         _check_bool(allowed, fn)
         if not _mods._fits(allowed, (T, 1, lq, lk)):
             raise _ranges.Unsupported(f"stacked tiles gave shape {tuple(allowed.shape)}")
@@ -620,6 +629,12 @@ class Padding(Mask):
         lengths = self._key_lengths
         return lambda b, h, q, kv: kv < lengths.to(kv.device)[b]
 
+    def flex_mask_mod_on(self, L, S, device):
+        if device is None:
+            return self.flex_mask_mod(L, S)
+        lengths = self._key_lengths.to(device)
+        return lambda b, h, q, kv: kv < lengths[b]
+
     def tile_kinds(self, B, H, L, S, bm, bn):
         klo, khi = edges(S, bn)
         lens = self._key_lengths.view(-1, 1, 1, 1)  # (B, 1, 1, 1): one row of kinds per sequence
@@ -684,6 +699,12 @@ class KeyPadding(Mask):
     def bind(self, L, S):
         valid = self._valid
         return lambda b, h, q, kv: valid.to(kv.device)[b, kv]
+
+    def flex_mask_mod_on(self, L, S, device):
+        if device is None:
+            return self.flex_mask_mod(L, S)
+        valid = self._valid.to(device)
+        return lambda b, h, q, kv: valid[b, kv]
 
     def tile_kinds(self, B, H, L, S, bm, bn):
         v = self._valid.to(torch.int8)
@@ -806,6 +827,15 @@ class Document(Mask):
         if ids.shape[0] == 1:
             return lambda b, h, q, kv: ids[0].to(kv.device)[q + off] == ids[0].to(kv.device)[kv]
         return lambda b, h, q, kv: ids.to(kv.device)[b, q + off] == ids.to(kv.device)[b, kv]
+
+    def flex_mask_mod_on(self, L, S, device):
+        if device is None:
+            return self.flex_mask_mod(L, S)
+        ids, off = self._ids2d().to(device), S - L
+        if ids.shape[0] == 1:
+            row = ids[0]
+            return lambda b, h, q, kv: row[q + off] == row[kv]
+        return lambda b, h, q, kv: ids[b, q + off] == ids[b, kv]
 
     def tile_kinds(self, B, H, L, S, bm, bn):
         # per id row: a tile is full when its query and key blocks hold one and the same id,
@@ -1013,6 +1043,9 @@ class _Fold(_Combined):
     def flex_mask_mod(self, L, S):
         return _fold([p.flex_mask_mod(L, S) for p in self.parts], self._op)
 
+    def flex_mask_mod_on(self, L, S, device):
+        return _fold([p.flex_mask_mod_on(L, S, device) for p in self.parts], self._op)
+
     def bind(self, L, S):
         return _fold([p.bind(L, S) for p in self.parts], self._op)
 
@@ -1078,6 +1111,10 @@ class Not(_Combined):
 
     def flex_mask_mod(self, L, S):
         mod = self.inner.flex_mask_mod(L, S)
+        return lambda b, h, q, kv: ~mod(b, h, q, kv)
+
+    def flex_mask_mod_on(self, L, S, device):
+        mod = self.inner.flex_mask_mod_on(L, S, device)
         return lambda b, h, q, kv: ~mod(b, h, q, kv)
 
     def points_mod(self, B, H, L, S):

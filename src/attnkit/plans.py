@@ -159,13 +159,16 @@ class BlockPlan:
 
         return html("plan", self)
 
-    def to_block_mask(self):
+    def to_block_mask(self, device=None):
         """FlexAttention's ``BlockMask`` for the same tiles: partial tiles → ``kv_*`` (the
         mask_mod is evaluated there), full tiles → ``full_kv_*``, empty tiles left out —
         the same block mask ``create_block_mask`` builds for this mask, without evaluating
         a built-in mask at every point. Tiles must match FlexAttention's (``block=(128, 128)``
-        is its default)."""
-        return _block_mask(self._kinds, self._block, self.L, self.S, self._mask.flex_mask_mod(self.L, self.S))
+        is its default). ``device``: where the BlockMask and the tensors its ``mask_mod`` reads
+        live (a GPU's FlexAttention kernel reads them there); None: the CPU."""
+        mod = self._mask.flex_mask_mod_on(self.L, self.S, None if device is None else torch.device(device))
+        return _block_mask(self._kinds, self._block, self.L, self.S, mod,
+                           device=None if device is None else torch.device(device))
 
 
 def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mask_mod, device=None):

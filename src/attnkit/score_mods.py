@@ -61,6 +61,12 @@ class ScoreMod:
     def dscore(self, modified: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def on_device(self, device):
+        """This mod as a plain ``score_mod`` whose tensors (slopes, a bias table) are already on ``device``, for
+        FlexAttention's compiled GPU kernels, which load a captured tensor but cannot compile a copy made inside
+        the mod. A mod reading no tensor is itself."""
+        return self
+
     @property
     def analytic_grad(self) -> bool:
         """d(mod)/d(score) is known without autograd: 1 for an additive mod, else ``dscore``."""
@@ -102,6 +108,14 @@ class Alibi(ScoreMod):
     def __call__(self, score, b, h, q_idx, kv_idx):
         sl = self.slopes.to(device=score.device, dtype=score.dtype)[h]
         return score + sl * (kv_idx - q_idx).to(score.dtype)
+
+    def on_device(self, device):
+        slopes = self.slopes.to(device)
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h].to(score.dtype) * (kv_idx - q_idx).to(score.dtype)
+
+        return alibi
 
     def __repr__(self):
         return f"alibi(<{self.slopes.shape[0]} slopes>)"
@@ -163,6 +177,14 @@ class RelativeBias(ScoreMod):
     def __call__(self, score, b, h, q_idx, kv_idx):
         rel = (kv_idx - q_idx).clamp(-self.R, self.R) + self.R
         return score + self.table.to(device=score.device, dtype=score.dtype)[h, rel]
+
+    def on_device(self, device):
+        table, R = self.table.to(device), self.R
+
+        def relative_bias(score, b, h, q_idx, kv_idx):
+            return score + table[h, (kv_idx - q_idx).clamp(-R, R) + R].to(score.dtype)
+
+        return relative_bias
 
     def __repr__(self):
         return f"relative_bias(<table {tuple(self.table.shape)}>)"

@@ -97,3 +97,48 @@ def test_auto_on_cuda_falls_back_when_flex_cannot():
                                  return_lse=False, backend="auto")
     d2 = _dispatch.auto_backend(req2, "cuda")  # learnable slopes: tiled differentiates them, flex is not wired
     assert d2.backend == "tiled" and "FlexAttention cannot" in d2.reason
+
+
+def test_auto_on_cuda_keeps_a_float_bias_with_gradients_off_flex():
+    """FlexAttention's backward rebuilds weights from lse: on a finfo.min row it gives 1 instead of 1/S (measured on
+    an H200, tests/backends/test_gpu.py), as SDPA's does; such a call trains on tiled, inference stays on flex."""
+    q, k, v = rand_qkv(1, 4, 2, 256, 256, 16)
+    bias = torch.randn(1, 1, 256, 256)
+    kw = dict(mask=bias, causal=False, scale=None, score_mod=None, dropout_p=0.0, return_lse=False, backend="auto")
+    d = _dispatch.auto_backend(_request.make_request(q.requires_grad_(), k, v, **kw), "cuda")
+    assert d.backend == "tiled" and "finfo.min" in d.reason, d
+    assert _dispatch.auto_backend(_req(mask=bias), "cuda").backend == "flex"
+
+
+def test_flex_mask_mods_on_a_device_read_copies_made_once():
+    """Masks reading a tensor (lengths, ids, flags) hand FlexAttention's GPU kernel a mask_mod over copies already on
+    its device (a copy inside a compiled mask_mod fails to compile there): the same answers as bind(), alone and
+    combined."""
+    L, S = 40, 64
+    ids = torch.arange(S) // 9
+    valid = torch.rand(2, S) > 0.3
+    cases = [M.padding([64, 17]), M.document(ids), M.document(torch.stack([ids, ids.flip(0)])), M.key_padding(valid),
+             M.document(ids) & M.padding([50, 30]), M.causal() | M.key_padding(valid), ~M.padding([10, 64])]
+    b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(1).view(1, 1, 1, 1)
+    q, kv = torch.arange(L).view(1, 1, L, 1), torch.arange(S).view(1, 1, 1, S)
+    for m in cases:
+        on = m.flex_mask_mod_on(L, S, torch.device("cpu"))
+        assert torch.equal(on(b, h, q, kv).expand(2, 1, L, S), m.bind(L, S)(b, h, q, kv).expand(2, 1, L, S)), m
+        assert not any(".to(" in line for line in _src_lines(on)), m
+
+
+def _src_lines(fn):
+    import inspect
+
+    try:
+        return [ln for ln in inspect.getsource(fn).splitlines() if "lambda" in ln or "return" in ln]
+    except (OSError, TypeError):
+        return []
+
+
+def test_score_mods_on_device_equal_their_call():
+    s = torch.randn(2, 3, 5, 7)
+    b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(3).view(1, 3, 1, 1)
+    q, kv = torch.arange(5).view(1, 1, 5, 1), torch.arange(7).view(1, 1, 1, 7)
+    for mod in (SM.alibi(torch.tensor([0.5, 0.25, 0.125])), SM.relative_bias(torch.randn(3, 5)), SM.softcap(3.0)):
+        assert torch.equal(mod.on_device(torch.device("cpu"))(s, b, h, q, kv), mod(s, b, h, q, kv)), mod

@@ -140,7 +140,7 @@ def _bits(fn, tiles: torch.Tensor, L: int, S: int) -> torch.Tensor:
         q = (t[:, 2:3] * TILE + ar).clamp(max=L - 1).view(T, 1, TILE, 1)
         kv_raw = t[:, 3:4] * TILE + ar
         kv = kv_raw.clamp(max=S - 1).view(T, 1, 1, TILE)
-        allowed = fn(t[:, 0].view(T, 1, 1, 1), t[:, 1].view(T, 1, 1, 1), q, kv)
+        allowed = _mods.call(fn, t[:, 0].view(T, 1, 1, 1), t[:, 1].view(T, 1, 1, 1), q, kv)
         _m._check_bool(allowed, fn)
         want = (TILE, TILE, 1, T)[:allowed.dim()]
         if allowed.dim() > 4 or any(n not in (1, w) for n, w in zip(allowed.shape[::-1], want, strict=True)):

@@ -36,6 +36,7 @@ import torch
 
 from .. import masks as _masks
 from .. import plans as _plans
+from ..score_mods import ScoreMod
 from ._base import Request
 from ._kernel import Kernel
 
@@ -73,6 +74,11 @@ def unsupported(req: Request) -> str | None:
         return "gradients into tensors a score_mod captures are not wired through FlexAttention here (use 'tiled')"
     if req.bias is not None and req.bias.requires_grad:
         return "gradients into a float mask are not wired through FlexAttention here (use 'tiled' or 'sdpa')"
+    if req.bias is not None and req.requires_grad():
+        # measured on an H200 (torch 2.11): gradients off by 60 on such rows (tests/backends/test_gpu.py)
+        return ("a float bias with gradients: FlexAttention's backward rebuilds the weights as exp(s - lse), wrong "
+                "on a row whose scores are all a huge finite negative (finfo.min padding: 1 instead of 1/S); "
+                "use 'tiled'")
     return None
 
 
@@ -123,7 +129,7 @@ def _block_mask(req: Request):
         return None
     device = req.q.device
     if req.plan is not None and req.plan.block == (BLOCK, BLOCK) and req.dense_mask is None and req.plan_extra is None:
-        return req.plan.to_block_mask().to(device)
+        return req.plan.to_block_mask(device)
     key = mask.cache_key()
     full_key = None if key is None else (key, B, H, L, S, str(device))
     if full_key is not None and full_key in _BLOCK_MASKS:
@@ -131,7 +137,7 @@ def _block_mask(req: Request):
         return _BLOCK_MASKS[full_key]
     bsz = mask.batch_size or (B if req.dense_mask is not None and req.dense_mask.shape[0] != 1 else None)
     heads = H if req.dense_mask is not None and req.dense_mask.shape[1] != 1 else None
-    bm = _plans.plan(mask, L, S, B=bsz, H=heads, block=(BLOCK, BLOCK)).to_block_mask().to(device)
+    bm = _plans.plan(mask, L, S, B=bsz, H=heads, block=(BLOCK, BLOCK)).to_block_mask(device)
     if full_key is not None:
         _BLOCK_MASKS[full_key] = bm
         if len(_BLOCK_MASKS) > _BLOCK_MASKS_MAX:
@@ -142,13 +148,36 @@ def _block_mask(req: Request):
 def _score_mod(req: Request):
     """The user's score_mod, then the float mask added (attnkit's order), as one score_mod."""
     mod, bias = req.score_mod, req.bias
+    if isinstance(mod, ScoreMod):
+        mod = mod.on_device(req.q.device)  # its slopes / table on q's device, loaded by the compiled kernel
     if bias is None:
         return mod
     B, H, L, S, *_ = req.shape
     b4 = bias.expand(B, H, L, S)  # a view, read per point
+
+    def term(s, b, h, q, kv):
+        # A finite bias below -2**127 (finfo.min padding) is raised to -2**127: FlexAttention's kernel multiplies
+        # scores by log2(e) for exp2, which takes finfo.min to -inf and a row of such scores to a dead row (0),
+        # where attnkit's contract (and SDPA's) is the mean of V. The change is below any score's resolution
+        # there; -inf stays -inf.
+        x = b4[b, h, q, kv].to(s.dtype)
+        return torch.where(torch.isinf(x), x, x.clamp_min(-(2.0 ** 127)))
+
     if mod is None:
-        return lambda s, b, h, q, kv: s + b4[b, h, q, kv].to(s.dtype)
-    return lambda s, b, h, q, kv: mod(s, b, h, q, kv) + b4[b, h, q, kv].to(s.dtype)
+        return lambda s, b, h, q, kv: s + term(s, b, h, q, kv)
+    return lambda s, b, h, q, kv: mod(s, b, h, q, kv) + term(s, b, h, q, kv)
+
+
+# torch's GPU kernel for FlexAttention picks its tile sizes per dtype and head dim; for some score_mods (a gathered
+# bias table in bf16 / fp16, measured on an H200 with torch 2.11) its choice needs more shared memory than the chip
+# has, and compiling fails. Then the call is compiled again once with these smaller tiles (64 divides the
+# BlockMask's 128).
+SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
+
+
+def _out_of_resources(e: Exception) -> bool:
+    text = str(e)
+    return "out of resource" in text or "No valid triton configs" in text
 
 
 def run(req: Request, worker: str | None = None):
@@ -156,6 +185,22 @@ def run(req: Request, worker: str | None = None):
     fn = _compiled_flex()
     kw = dict(score_mod=_score_mod(req), block_mask=_block_mask(req), scale=req.scale, enable_gqa=H != Hkv)
     if req.need_lse:  # GPU only (see unsupported)
-        out, lse = fn(req.q, req.k, req.v, return_lse=True, **kw)
+        kw["return_lse"] = True
+    try:
+        res = fn(req.q, req.k, req.v, **kw)
+    except Exception as e:  # torch's compile errors have no stable class across versions
+        if req.device_type == "cpu" or not _out_of_resources(e):
+            raise
+        try:
+            res = fn(req.q, req.k, req.v, kernel_options=dict(SMALL_TILES), **kw)
+        except Exception as e2:
+            if not _out_of_resources(e2):
+                raise
+            raise RuntimeError(
+                f"backend='flex': torch could not compile FlexAttention's GPU kernel for this call ({req.q.dtype}, "
+                f"D = {D}) even with tiles of 64: it needs more shared memory than this GPU has. Use backend='tiled' "
+                "(exact, no compiled kernel), or fp32 inputs.") from e2
+    if req.need_lse:
+        out, lse = res
         return out, lse
-    return fn(req.q, req.k, req.v, **kw), None
+    return res, None

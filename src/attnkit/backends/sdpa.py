@@ -387,6 +387,11 @@ def run(req: Request, worker: str = "fused"):
         out, lse = eager.run(req)
         return out, (lse if req.need_lse else None)
     out, lse, attn_mask = _fused(req)
+    if attn_mask is not None and out.device.type != "cpu":
+        # a fully masked row is 0 (attnkit's contract); torch's GPU kernels disagree on it (measured on an H200,
+        # torch 2.11: fp16 with a bool mask gave neither 0 nor NaN), so such rows are zeroed here, without a sync
+        dead = ~attn_mask.any(-1) if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask).all(-1)
+        out = out.masked_fill(dead.unsqueeze(-1), 0)
     if may_hide_nan(out):  # cheap; then: an all-zero row the mask does not empty -> NaN scan
         zero_rows = (out == 0).all(dim=-1)  # (B, H, L)
         if attn_mask is not None:  # rows the mask leaves some key: bool (…, L, n) or additive float
