@@ -1,6 +1,6 @@
 """The GPU path measured: attnkit ``auto`` vs torch SDPA vs FlexAttention (+ ``create_block_mask``).
 
-    python benchmarks/gpu.py [--lengths 1024,4096,16384,32768] [--dims 64,128] [--quick]
+    python benchmarks/gpu.py [--lengths 1024,4096,16384,32768] [--dims 64,128] [--masks causal,...] [--quick]
 
 Needs a CUDA device (exits with a message otherwise). bf16, B = 4, H = 16; masks dense,
 causal, sliding window 1024, document (16 equal documents), prefix-LM (L/4). For each:
@@ -12,7 +12,10 @@ interleaved peers, TFLOP/s from
 
 SDPA is given ``is_causal`` where it expresses the mask, a dense bool mask otherwise (built
 outside the timing). FlexAttention gets ``create_block_mask`` (timed apart) and attnkit its
-own plan. Then plan + BlockMask build time vs ``create_block_mask`` at 16k and 128k.
+own plan. Then plan + BlockMask build time vs ``create_block_mask`` at 16k and 128k (``--block-lengths``), for
+attnkit's masks and for a user's ``mask_mod`` reading document ids on the GPU (``attnkit.create_block_mask``,
+the drop-in, against torch's on the same function). Compiling torch's kernels for each new shape takes most of
+a run's time: ``--masks`` and ``--lengths`` keep it short.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--masks", default="dense,causal,window-1024,document-16,prefix-L/4")
+    ap.add_argument("--block-lengths", default="16384,131072")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (this benchmark is for a GPU machine)")
@@ -68,11 +73,31 @@ def main(argv=None) -> int:
     dev, dt, B, H = "cuda", torch.bfloat16, 4, 16
     lengths = [int(x) for x in a.lengths.split(",")][: 2 if a.quick else None]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attnkit {attnkit.__version__}")
+    print("| mask | L | attnkit plan + BlockMask ms | create_block_mask ms | speed-up |\n|---|---|---|---|---|")
+    for L in (int(x) for x in a.block_lengths.split(",")):
+        doc = (torch.arange(L, device=dev) // max(1, L // 16))
+        cases = {n: m for n, m in _masks(L).items() if m is not None and n in a.masks.split(",")}
+        cases["user mod: doc[q] == doc[kv], ids on the GPU"] = lambda b, h, q, kv: doc[q] == doc[kv]
+        for name, mask in cases.items():
+            if callable(mask) and not isinstance(mask, attnkit.masks.Mask):
+                mod = mask
+                ours = _time(lambda: attnkit.create_block_mask(mod, None, None, L, L, device=dev), 3)
+            else:
+                mod = mask.flex_mask_mod_on(L, L, torch.device(dev))
+                ours = _time(lambda: attnkit.plan(mask, L, block=(128, 128)).to_block_mask(dev), 3)
+            try:
+                theirs = _time(lambda: create_block_mask(mod, None, None, L, L, device=dev), 3)
+            except torch.cuda.OutOfMemoryError:
+                theirs = float("nan")
+            print(f"| {name} | {L} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {theirs / ours:.1f}× |", flush=True)
+    print()
     print("| mask | L | D | mode | SDPA TFLOP/s | flex TFLOP/s | attnkit TFLOP/s | attnkit/SDPA | attnkit/flex |")
     print("|---|---|---|---|---|---|---|---|---|")
     for L in lengths:
         for D in (int(x) for x in a.dims.split(",")):
             for name, mask in _masks(L).items():
+                if name not in a.masks.split(","):
+                    continue
                 dens = 1.0 if mask is None else attnkit.plan(mask, L, block=(128, 128)).density
                 frac = 1.0 if mask is None else float(mask.materialize(1, 1, min(L, 4096), min(L, 4096)).float().mean())
                 flops = 4 * B * H * L * L * D * frac
@@ -82,7 +107,8 @@ def main(argv=None) -> int:
                     dense = None
                 else:  # SDPA's dense mask: skipped past 16384 (L² bytes)
                     dense = mask.materialize(1, 1, L, L, device=dev) if L <= 16384 else "skip"
-                bm = None if mask is None else create_block_mask(mask.flex_mask_mod(L, L), None, None, L, L, device=dev)
+                bm = None if mask is None else create_block_mask(mask.flex_mask_mod_on(L, L, dev), None, None, L, L,
+                                                                 device=dev)
                 for mode in ("fwd", "fwdbwd"):
                     def step(f):
                         def run():
@@ -104,17 +130,6 @@ def main(argv=None) -> int:
                           flush=True)
                 q = k = v = None  # free this shape's inputs before the next one allocates its own
                 _ = dens
-    print("\n| mask | L | attnkit plan + BlockMask ms | create_block_mask ms | speed-up |\n|---|---|---|---|---|")
-    for L in (16384, 131072):
-        for name, mask in _masks(L).items():
-            if mask is None:
-                continue
-            ours = _time(lambda: attnkit.plan(mask, L, block=(128, 128)).to_block_mask().to(dev), 3)
-            try:
-                theirs = _time(lambda: create_block_mask(mask.flex_mask_mod(L, L), None, None, L, L, device=dev), 3)
-            except torch.cuda.OutOfMemoryError:
-                theirs = float("nan")
-            print(f"| {name} | {L} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {theirs / ours:.0f}× |", flush=True)
     return 0
 
 
