@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                 if name not in a.masks.split(","):
                     continue
                 dens = 1.0 if mask is None else attnkit.plan(mask, L, block=(128, 128)).density
-                frac = 1.0 if mask is None else float(mask.materialize(1, 1, min(L, 4096), min(L, 4096)).float().mean())
+                frac = 1.0 if mask is None else float(mask.materialize(1, 1, L, L, device=dev).float().mean())
                 flops = 4 * B * H * L * L * D * frac
                 q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
                 causal = name == "causal"

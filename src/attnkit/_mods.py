@@ -106,16 +106,17 @@ def _device_of(args) -> torch.device | None:
 def call(fn, *args, run: Callable | None = None):
     """``run(*args)`` (``run`` defaults to ``fn``; pass the vmapped ``fn`` as ``run``) where ``fn`` may read tensors
     on another device than ``args``: attnkit builds its plans and probes on the CPU, and a GPU user's mod reads its
-    data on the GPU. Where the call fails on a device clash, or answers on another device, it runs again with
-    ``args`` on ``fn``'s data device and the answer comes back to ``args``' device (a differentiable copy: a
-    captured tensor's gradient still reaches it). A mod that reads CPU data, the common case, costs nothing more."""
+    data on the GPU (or a mod reading CPU data is evaluated on a GPU call's indices). Where the call fails on a
+    device clash, or answers on another device, it runs again with ``args`` on ``fn``'s data device and the answer
+    comes back to ``args``' device (a differentiable copy: a captured tensor's gradient still reaches it). A mod
+    whose data sits with its indices, the common case, costs nothing more."""
     run = fn if run is None else run
     home = _device_of(args)
     try:
         out = run(*args)
     except RuntimeError:
-        dev = data_device(fn)
-        if dev is None or home is None or dev == home:
+        dev = data_device(fn) or torch.device("cpu")  # CPU data read by GPU indices: the other way round
+        if home is None or dev == home:
             raise
         out = run(*(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args))
     if isinstance(out, torch.Tensor) and home is not None and out.device != home:

@@ -142,3 +142,33 @@ def test_score_mods_on_device_equal_their_call():
     q, kv = torch.arange(5).view(1, 1, 5, 1), torch.arange(7).view(1, 1, 1, 7)
     for mod in (SM.alibi(torch.tensor([0.5, 0.25, 0.125])), SM.relative_bias(torch.randn(3, 5)), SM.softcap(3.0)):
         assert torch.equal(mod.on_device(torch.device("cpu"))(s, b, h, q, kv), mod(s, b, h, q, kv)), mod
+
+
+def test_flex_runs_under_raised_recompile_limits(monkeypatch):
+    """Each mask_mod code, dtype and shape is a kernel of its own; past torch.compile's default of 8 torch would run
+    flex_attention unfused (every score materialised), so attnkit's call raises the limits for its duration."""
+    from attnkit.backends import flex as flex_backend
+
+    seen = []
+
+    def fake(q, k, v, **kw):
+        seen.append(torch._dynamo.config.recompile_limit)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(flex_backend, "_compiled_flex", lambda device_type="cuda": fake)
+    with torch.no_grad():
+        flex_backend.run(_req(mask=M.sliding_window(64)))
+    assert seen == [flex_backend.RECOMPILES] and torch._dynamo.config.recompile_limit < flex_backend.RECOMPILES
+
+
+@pytest.mark.parametrize("mask", [M.sliding_window(64), M.padding([200]), M.document(torch.arange(256) // 64),
+                                  lambda b, h, q, kv: kv <= q + 255 - 3])
+def test_decode_on_cuda_goes_to_sdpa_not_flex(mask):
+    """A decode step (a few query rows) with a mask: SDPA over the keys it can reach on a GPU too; FlexAttention
+    would compile a kernel for every new key count, one a step of a decode loop."""
+    q, k, v = rand_qkv(1, 4, 2, 1, 256, 16)
+    with torch.no_grad():
+        req = _request.make_request(q, k, v, mask=mask, causal=False, scale=None, score_mod=None, dropout_p=0.0,
+                                    return_lse=False, backend="auto")
+    d = _dispatch.auto_backend(req, "cuda")
+    assert d.backend == "sdpa" and "decoding" in d.reason, d

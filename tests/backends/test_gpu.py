@@ -272,3 +272,32 @@ def test_users_mods_reading_gpu_tensors(backend):
     ref.backward(g)
     for got, want in zip((q, k, v), up, strict=True):
         assert (got.grad.double().cpu() - want.grad).abs().max() <= 1e-3 * (1 + want.grad.abs().max())
+
+
+def test_flex_path_keeps_its_compiled_kernel_past_torchs_recompile_limit():
+    """Nine mask_mods of distinct code, then a call whose unfused path would need 512 GiB: every one on
+    FlexAttention's compiled kernel (past torch.compile's default of 8 recompiles torch runs flex_attention unfused,
+    materialising every score; benchmarks/gpu.py hit it). Between them a decode loop whose key count grows every
+    step, on SDPA (FlexAttention would compile a kernel a step)."""
+    torch.manual_seed(6)
+
+    def golden(q, k, v, mask):
+        return attnkit.attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask=mask, backend="eager")
+
+    for w in range(20, 29):  # nine code objects (eval compiles each afresh)
+        mod = eval(f"lambda b, h, q, kv: (q - kv >= 0) & (q - kv < {w})")
+        q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        out = attnkit.attention(q, k, v, mask=mod, backend="flex")
+        assert (out.double().cpu() - golden(q, k, v, mod)).abs().max() <= 4e-3
+    cache_k, cache_v = (torch.randn(1, 2, 320, 64, device="cuda") for _ in range(2))
+    for S in range(300, 312):  # decode steps: one query over a cache one key longer each step
+        q = torch.randn(1, 8, 1, 64, device="cuda")
+        k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+        out = attnkit.attention(q, k, v, mask=M.sliding_window(128))
+        assert attnkit.dispatch(q, k, v, mask=M.sliding_window(128)).backend == "sdpa"  # no kernel compiled a step
+        assert (out.double().cpu() - golden(q, k, v, M.sliding_window(128))).abs().max() <= 1e-4
+    B, H, L, D = 8, 16, 32768, 64
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    out = attnkit.attention(q, k, v, mask=M.sliding_window(256), backend="flex")
+    part = golden(q[:1, :1, :300], k[:1, :1, :300], v[:1, :1, :300], M.sliding_window(256))
+    assert (out[:1, :1, :300].double().cpu() - part).abs().max() <= 4e-3 and not out.isnan().any()

@@ -110,11 +110,29 @@ class Flex(Kernel):
 FLEX = Flex()
 
 
-def _compiled_flex():
-    fn = _compiled.get("fn")
+# Each mask_mod / score_mod code, dtype and (static) shape is its own compiled kernel, and torch.compile allows
+# 8 per function by default: past that it runs flex_attention unfused, which materialises every score (measured on
+# an H200, torch 2.11: benchmarks/gpu.py's 9th mask asked for 256 GiB at L = 32768). attnkit's calls get this many.
+RECOMPILES = 256
+
+
+def _compiled_flex(device_type: str = "cuda"):
+    """The compiled flex_attention, static shapes. Not ``dynamic=None``: on an H200 (torch 2.11) a shape that turned
+    dynamic made an int a score_mod captures symbolic, and compiling relative_bias then failed in inductor's
+    lowering. Decode steps, whose key count changes every step, go to SDPA instead (sdpa.Fused._declines_cuda)."""
+    key = "cpu" if device_type == "cpu" else "gpu"
+    fn = _compiled.get(key)
     if fn is None:
-        fn = _compiled["fn"] = torch.compile(_flex_attention(), dynamic=False)
+        fn = _compiled[key] = torch.compile(_flex_attention(), dynamic=False)
     return fn
+
+
+def _many_kernels():
+    """torch.compile's recompile limits raised to :data:`RECOMPILES` for the duration of one attnkit call."""
+    cfg = torch._dynamo.config
+    names = [n for n in ("recompile_limit", "accumulated_recompile_limit", "cache_size_limit",
+                         "accumulated_cache_size_limit") if hasattr(cfg, n)]
+    return cfg.patch(**{n: max(getattr(cfg, n), RECOMPILES) for n in names[:2]})
 
 
 def _block_mask(req: Request):
@@ -182,17 +200,19 @@ def _out_of_resources(e: Exception) -> bool:
 
 def run(req: Request, worker: str | None = None):
     B, H, L, S, D, Dv, Hkv = req.shape
-    fn = _compiled_flex()
+    fn = _compiled_flex(req.device_type)
     kw = dict(score_mod=_score_mod(req), block_mask=_block_mask(req), scale=req.scale, enable_gqa=H != Hkv)
     if req.need_lse:  # GPU only (see unsupported)
         kw["return_lse"] = True
     try:
-        res = fn(req.q, req.k, req.v, **kw)
+        with _many_kernels():
+            res = fn(req.q, req.k, req.v, **kw)
     except Exception as e:  # torch's compile errors have no stable class across versions
         if req.device_type == "cpu" or not _out_of_resources(e):
             raise
         try:
-            res = fn(req.q, req.k, req.v, kernel_options=dict(SMALL_TILES), **kw)
+            with _many_kernels():
+                res = fn(req.q, req.k, req.v, kernel_options=dict(SMALL_TILES), **kw)
         except Exception as e2:
             if not _out_of_resources(e2):
                 raise

@@ -239,6 +239,10 @@ class Fused(Kernel):
                  and (req.mask is None or (req.causal and (req.causal_align == "top_left" or L == S))))
         if plain:
             return None
+        if L <= DECODE_MAX_L and req.score_mod is None and req.plan is None and req.dense_mask is None:
+            # decoding: SDPA over the keys the mask can reach with a small (L x n) mask built per call, as on the
+            # CPU; FlexAttention would compile a kernel for every new key count (a decode loop: one a step)
+            return None
         from .flex import FLEX
 
         flex_no = FLEX.not_supported(req)
@@ -257,6 +261,9 @@ class Fused(Kernel):
 
                 return (f"a tensor mask on a GPU, FlexAttention unavailable ({'; '.join(FLEX.not_supported(req))}): "
                         "SDPA applies it")
+            if req.mask is not None and L <= DECODE_MAX_L and not _is_causal_only(req):
+                return (f"decoding ({L} query rows) with mask {req.mask!r} on a GPU: SDPA over the keys it can reach, "
+                        "with an (L × n) mask (no kernel compiled per key count)")
             return f"{kind} attention on a GPU: torch SDPA's fused kernels (flash / cuDNN / efficient)"
         if L <= DECODE_MAX_L and (req.mask is not None or req.dense_mask is not None):
             how = ("the tensor mask over them" if req.mask is None else
