@@ -301,3 +301,23 @@ def test_flex_path_keeps_its_compiled_kernel_past_torchs_recompile_limit():
     out = attnkit.attention(q, k, v, mask=M.sliding_window(256), backend="flex")
     part = golden(q[:1, :1, :300], k[:1, :1, :300], v[:1, :1, :300], M.sliding_window(256))
     assert (out[:1, :1, :300].double().cpu() - part).abs().max() <= 4e-3 and not out.isnan().any()
+
+
+@pytest.mark.parametrize("block", [128, 64])
+def test_flex_dropin_on_cuda_inference_runs_flexattention_with_the_users_blockmask(block):
+    """`from attnkit import flex_attention` on CUDA tensors without gradients: attnkit's flex backend rebuilds the
+    user's BlockMask from its plan (its own blocks, or 128-tiles over 64-blocks) and torch's compiled kernel runs it;
+    the answer is the golden's, score_mod included."""
+    L, S = 333, 500
+    doc = (torch.arange(S) // 120).cuda()
+    bm = attnkit.create_block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q + S - L >= kv), None, None, L, S,
+                                   device="cuda", BLOCK_SIZE=block)
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(2, 4, n, 64, device="cuda") for n in (L, S, S))
+    with torch.no_grad():
+        out = attnkit.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + 0.01 * (i - j), block_mask=bm)
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None]
+    keep = (doc.cpu()[i] == doc.cpu()[j]) & (i + S - L >= j)
+    sc = q.double().cpu() @ k.double().cpu().transpose(-1, -2) / 8 + 0.01 * (i - j)
+    ref = torch.softmax(sc.masked_fill(~keep, float("-inf")), -1) @ v.double().cpu()
+    assert (out.double().cpu() - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())
