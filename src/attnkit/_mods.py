@@ -27,8 +27,10 @@ Arity follows FlexAttention: a parameter with a default does not count, so
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import inspect
+import itertools
 import types
 from collections.abc import Callable
 
@@ -85,11 +87,13 @@ def _vmapped(fn: Callable, with_score: bool) -> Callable:
 # --- mods that read tensors on another device than their index tensors ------------------------------------------
 
 def data_device(fn, depth: int = 0) -> torch.device | None:
-    """The device of the tensors ``fn`` reads (its closure, defaults, globals, attributes, and those of the functions
-    it calls from there, two levels down) when that is not the CPU; None when it reads none or only CPU tensors.
-    A GPU user's mask_mod reads its document ids on the GPU (``doc[q] == doc[kv]`` with ``doc`` on ``cuda``)."""
+    """The device of the tensors ``fn`` reads (its closure, defaults, globals, attributes, the first items of the
+    lists and dicts among them, and those of the functions it calls from there, two levels down) when that is not
+    the CPU; None when it reads none or only CPU tensors, or keeps them where this does not look (an attribute of
+    a plain object it reads). A GPU user's mask_mod reads its document ids on the GPU (``doc[q] == doc[kv]`` with
+    ``doc`` on ``cuda``)."""
     for obj in _sources(fn):
-        for t in _tensors_in(obj):
+        for t in _tensors_in(obj, limit=_LOOK):
             if t.device.type != "cpu":
                 return t.device
         if depth < 2 and callable(obj) and not isinstance(obj, (type, torch.Tensor, torch.nn.Module)):
@@ -97,6 +101,12 @@ def data_device(fn, depth: int = 0) -> torch.device | None:
             if dev is not None:
                 return dev
     return None
+
+
+_LOOK = 64  # items of a list / dict that data_device reads (a global list of a million ints: not walked)
+
+# what a device clash says (torch's messages): only such an error is worth a retry on the data's device
+_CLASH = ("same device", "expected device", "device type", "devices")
 
 
 def _device_of(args) -> torch.device | None:
@@ -114,9 +124,14 @@ def call(fn, *args, run: Callable | None = None):
     home = _device_of(args)
     try:
         out = run(*args)
-    except RuntimeError:
-        dev = data_device(fn) or torch.device("cpu")  # CPU data read by GPU indices: the other way round
-        if home is None or dev == home:
+    except RuntimeError as e:
+        if home is None or isinstance(e, torch.cuda.OutOfMemoryError) or not any(c in str(e) for c in _CLASH):
+            raise  # the user's own error, as it is
+        try:
+            dev = data_device(fn) or torch.device("cpu")  # CPU data read by GPU indices: the other way round
+        except Exception:  # a source that fails when looked at (a mock, a __getattr__ that raises): no retry
+            raise e from None
+        if dev == home:
             raise
         out = run(*(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args))
     if isinstance(out, torch.Tensor) and home is not None and out.device != home:
@@ -244,26 +259,26 @@ def eval_score_mod(fn, s, b, h, q, kv, sizes: tuple[int, int, int, int]) -> torc
 
 # --- tensors a score_mod captures -------------------------------------------------------
 
-def _tensors_in(obj, depth: int = 0):
+def _tensors_in(obj, depth: int = 0, limit: int | None = None):
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, torch.nn.Module):
         yield from obj.parameters()
         yield from obj.buffers()
     elif depth < 2 and isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors_in(x, depth + 1)
+        for x in obj[:limit]:
+            yield from _tensors_in(x, depth + 1, limit)
     elif depth < 2 and isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors_in(x, depth + 1)
+        for x in itertools.islice(obj.values(), limit):
+            yield from _tensors_in(x, depth + 1, limit)
 
 
 def _sources(fn):
     """The objects a callable can read tensors from: closure cells, defaults, globals it names,
     its ``__self__`` / instance attributes, a functools.partial's arguments."""
-    seen = []
+    seen: list = []
     f = fn
-    if hasattr(f, "func") and hasattr(f, "args"):  # functools.partial
+    if isinstance(f, functools.partial):
         seen.extend(f.args)
         seen.extend((f.keywords or {}).values())
         f = f.func

@@ -110,6 +110,8 @@ class Alibi(ScoreMod):
         return score + sl * (kv_idx - q_idx).to(score.dtype)
 
     def on_device(self, device):
+        if type(self) is not Alibi:  # a subclass's __call__ may compute something else: itself
+            return self
         slopes = self.slopes.to(device)
 
         def alibi(score, b, h, q_idx, kv_idx):
@@ -179,6 +181,8 @@ class RelativeBias(ScoreMod):
         return score + self.table.to(device=score.device, dtype=score.dtype)[h, rel]
 
     def on_device(self, device):
+        if type(self) is not RelativeBias:  # a subclass's __call__ may compute something else: itself
+            return self
         table, R = self.table.to(device), self.R
 
         def relative_bias(score, b, h, q_idx, kv_idx):

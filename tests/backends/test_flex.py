@@ -172,3 +172,40 @@ def test_decode_on_cuda_goes_to_sdpa_not_flex(mask):
                                     return_lse=False, backend="auto")
     d = _dispatch.auto_backend(req, "cuda")
     assert d.backend == "sdpa" and "decoding" in d.reason, d
+
+
+def test_sdpa_dead_rows_and_its_replays_zero_them_off_the_cpu(monkeypatch):
+    """Every SDPA path (the full one and the replays _fast runs for a repeated signature) passes its output through
+    zero_dead_rows, which on a GPU zeroes the rows the mask leaves no key (a no-op on the CPU, where torch's kernels
+    give 0 already); dead_rows reads bool and additive masks of any broadcast shape."""
+    from attnkit.backends import sdpa
+
+    m = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    m[1, 0, 2] = False
+    assert sdpa.dead_rows(m).tolist() == [[[False, False, False]], [[False, False, True]]]
+    f = torch.zeros(3, 5).masked_fill(~m[1, 0], float("-inf"))
+    f[0, :2] = float("-inf")  # partly -inf: alive
+    assert sdpa.dead_rows(f).tolist() == [False, False, True]
+    seen = []
+    real = sdpa.zero_dead_rows
+    monkeypatch.setattr(sdpa, "zero_dead_rows", lambda out, mask: seen.append(mask is not None) or real(out, mask))
+    q, k, v = rand_qkv(1, 4, 4, 1, 64, 16)
+    keep = torch.ones(1, 1, 1, 64, dtype=torch.bool)
+    for _ in range(3):  # the first call learns, the next replay
+        attnkit.attention(q, k, v, mask=keep, backend="sdpa")
+        attnkit.attention(q, k, v, mask=M.sliding_window(8), backend="sdpa")
+    assert len(seen) >= 6, seen
+
+
+def test_a_wide_finfo_min_bias_with_fp16_inputs_stays_off_sdpa():
+    """fp16 inputs with an fp32 bias of finfo.min padding: the row is the mean of V (as eager gives); SDPA would
+    cast the bias to fp16 (-inf: a dead row, 0), so auto takes another path and a named "sdpa" call says why."""
+    q, k, v = (t.half() for t in rand_qkv(1, 2, 2, 4, 16, 8))
+    bias = torch.zeros(1, 1, 4, 16)
+    bias[..., 1, :] = torch.finfo(torch.float32).min
+    out = attnkit.attention(q, k, v, mask=bias)
+    ref = attnkit.attention(q.double(), k.double(), v.double(), mask=bias.double(), backend="eager")
+    assert (out.double() - ref).abs().max() < 5e-3 and out[..., 1, :].abs().max() > 0
+    with pytest.raises(ValueError, match=r"finfo\.min padding"):
+        attnkit.attention(q, k, v, mask=bias, backend="sdpa")
+    assert attnkit.dispatch(q, k, v, mask=bias.half()).backend == "sdpa"  # the mask in the inputs' dtype: SDPA

@@ -56,3 +56,52 @@ def test_an_error_that_is_not_about_devices_is_the_users():
         assert "the user's own bug" in str(e)
     else:  # pragma: no cover
         raise AssertionError("the error was swallowed")
+
+
+def test_only_a_device_clash_is_retried():
+    """A RuntimeError of the user's own (a bad view), an out-of-memory error, a mod whose sources fail when looked at
+    (a mock): raised as they are, never run again elsewhere."""
+    from unittest import mock
+
+    calls = []
+    helper = mock.Mock()  # a global the mod names: looking into it must not replace the user's error
+
+    def bad(b, h, q, kv):
+        calls.append(1)
+        helper.touch()
+        return torch.arange(6).view(7)  # the user's bug
+
+    try:
+        _mods.call(bad, 0, 0, torch.arange(2), torch.arange(2))
+    except RuntimeError as e:
+        assert "shape '[7]'" in str(e) and calls == [1]
+    else:  # pragma: no cover
+        raise AssertionError("the error was swallowed")
+
+
+def test_data_device_reads_only_the_first_items_of_a_big_container():
+    import time
+
+    big = list(range(1_000_000))
+
+    def mod(b, h, q, kv):
+        return kv < len(big)
+
+    t = time.perf_counter()
+    assert _mods.data_device(mod) is None
+    assert time.perf_counter() - t < 0.05
+
+
+def test_a_subclass_of_a_built_in_score_mod_keeps_its_own_call_on_a_device():
+    from attnkit import score_mods as SM
+
+    class Clipped(SM.RelativeBias):
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return super().__call__(score, b, h, q_idx, kv_idx).clamp(max=0)
+
+    class Scaled(SM.Alibi):
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return 2 * super().__call__(score, b, h, q_idx, kv_idx)
+
+    for m in (Clipped(torch.randn(2, 5)), Scaled(torch.tensor([0.5, 0.25]))):
+        assert m.on_device(torch.device("cpu")) is m

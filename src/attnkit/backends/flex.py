@@ -174,12 +174,13 @@ def _score_mod(req: Request):
     b4 = bias.expand(B, H, L, S)  # a view, read per point
 
     def term(s, b, h, q, kv):
-        # A finite bias below -2**127 (finfo.min padding) is raised to -2**127: FlexAttention's kernel multiplies
-        # scores by log2(e) for exp2, which takes finfo.min to -inf and a row of such scores to a dead row (0),
-        # where attnkit's contract (and SDPA's) is the mean of V. The change is below any score's resolution
-        # there; -inf stays -inf.
-        x = b4[b, h, q, kv].to(s.dtype)
-        return torch.where(torch.isinf(x), x, x.clamp_min(-(2.0 ** 127)))
+        # A finite bias below -2**127 (finfo.min padding) is raised to -2**127 (in fp32, whatever the bias's dtype):
+        # FlexAttention's kernel multiplies scores by log2(e) for exp2, which takes finfo.min to -inf and a row of
+        # such scores to a dead row (0), where attnkit's contract (and SDPA's) is the mean of V. -inf stays -inf;
+        # two finite biases both below -2**127 in one row become equal (their weights, 0 beside any score above
+        # them, are then split evenly where nothing else is in the row).
+        x = b4[b, h, q, kv].float()
+        return torch.where(torch.isinf(x), x, x.clamp_min(-(2.0 ** 127))).to(s.dtype)
 
     if mod is None:
         return lambda s, b, h, q, kv: s + term(s, b, h, q, kv)

@@ -47,6 +47,13 @@ def unsupported(req: Request) -> str | None:
                 f"unavailable here ({_flash_cpu.unavailable_reason()})")
     if req.need_lse and req.requires_grad():
         return "lse from torch SDPA comes from a private kernel without autograd here (use backend='tiled' or 'eager')"
+    if req.bias is not None and torch.finfo(req.bias.dtype).min < torch.finfo(req.q.dtype).min:
+        # SDPA takes the bias in the inputs' dtype: fp32 finfo.min padding cast to fp16 is -inf, its row a dead
+        # one (0) where attnkit (and eager, tiled) give the mean of V; a bias clamped to fp16's range instead
+        # would no longer swamp the scores (SDPA's CPU kernel adds it in fp32)
+        return (f"a {req.bias.dtype} float mask with {req.q.dtype} inputs: SDPA would cast it to {req.q.dtype}, "
+                "where values below its range (finfo.min padding) become -inf; pass the mask in the inputs' dtype, "
+                "or use backend='tiled'")
     return None
 
 
@@ -92,7 +99,7 @@ def _with_bias(req: Request, allowed, j0: int, j1: int):
     """The float bias over keys ``[j0, j1)``, -inf where ``allowed`` (if any) is False."""
     L = req.q.shape[2]
     assert req.bias is not None  # only called for a request with a float bias
-    bias = tile_of(req.bias, 0, L, j0, j1 - j0).to(req.q.dtype)
+    bias = tile_of(req.bias, 0, L, j0, j1 - j0).to(req.q.dtype)  # (a range-preserving cast: see unsupported)
     if allowed is not None:
         bias = bias.masked_fill(~allowed, float("-inf"))
     return bias
@@ -320,7 +327,8 @@ class Fused(Kernel):
             def run_tensor(q, k, v, mask, scale):
                 if taken is not None and taken(mask):  # the full path's decision for this call's mask values
                     return None
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                out = zero_dead_rows(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                    enable_gqa=gqa), mask)
                 return None if hides_nan(out) else out
 
             return run_tensor
@@ -357,6 +365,7 @@ class Fused(Kernel):
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=is_causal, scale=scale,
                                                      enable_gqa=gqa)
+            out = zero_dead_rows(out, allowed if not fold else None)  # (a fold: the CPU only)
             return None if hides_nan(out) else out
 
         return run
@@ -394,11 +403,7 @@ def run(req: Request, worker: str = "fused"):
         out, lse = eager.run(req)
         return out, (lse if req.need_lse else None)
     out, lse, attn_mask = _fused(req)
-    if attn_mask is not None and out.device.type != "cpu":
-        # a fully masked row is 0 (attnkit's contract); torch's GPU kernels disagree on it (measured on an H200,
-        # torch 2.11: fp16 with a bool mask gave neither 0 nor NaN), so such rows are zeroed here, without a sync
-        dead = ~attn_mask.any(-1) if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask).all(-1)
-        out = out.masked_fill(dead.unsqueeze(-1), 0)
+    out = zero_dead_rows(out, attn_mask)
     if may_hide_nan(out):  # cheap; then: an all-zero row the mask does not empty -> NaN scan
         zero_rows = (out == 0).all(dim=-1)  # (B, H, L)
         if attn_mask is not None:  # rows the mask leaves some key: bool (…, L, n) or additive float
@@ -408,6 +413,20 @@ def run(req: Request, worker: str = "fused"):
         if bool(zero_rows.any()) and has_nan(*inputs):
             return run(req, "math")  # the kernel hid a NaN (see Fused.why)
     return out, lse
+
+
+def zero_dead_rows(out: torch.Tensor, attn_mask) -> torch.Tensor:
+    """``out`` with the rows ``attn_mask`` fully masks set to 0, off the CPU (attnkit's contract; torch's GPU kernels
+    disagree on such rows: on an H200 with torch 2.11, fp16 with a bool mask gave neither 0 nor NaN). No sync. On
+    the CPU, torch's kernels give 0 there already: ``out`` as it is."""
+    if attn_mask is None or out.device.type == "cpu":
+        return out
+    return out.masked_fill(dead_rows(attn_mask).unsqueeze(-1), 0)
+
+
+def dead_rows(attn_mask: torch.Tensor) -> torch.Tensor:
+    """The rows of an SDPA mask (bool: True = attend; float: additive) that no key survives: ``(..., L)`` bool."""
+    return ~attn_mask.any(-1) if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask).all(-1)
 
 
 def _folds(req: Request, head_free_mask: bool | None = None) -> bool:
