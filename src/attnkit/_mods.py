@@ -96,10 +96,16 @@ def data_device(fn, depth: int = 0) -> torch.device | None:
         for t in _tensors_in(obj, limit=_LOOK):
             if t.device.type != "cpu":
                 return t.device
-        if depth < 2 and callable(obj) and not isinstance(obj, (type, torch.Tensor, torch.nn.Module)):
-            dev = data_device(obj, depth + 1)
-            if dev is not None:
-                return dev
+        if depth >= 2:
+            continue
+        # the functions it calls: named directly, or held in a list / tuple (torch's and_masks / or_masks, attnkit's
+        # & and | of masks keep their parts so)
+        inner = list(obj[:_LOOK]) if isinstance(obj, (list, tuple)) else [obj]
+        for f in inner:
+            if callable(f) and not isinstance(f, (type, torch.Tensor, torch.nn.Module)):
+                dev = data_device(f, depth + 1)
+                if dev is not None:
+                    return dev
     return None
 
 

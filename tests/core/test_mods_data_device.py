@@ -28,7 +28,10 @@ def test_data_device_finds_a_tensor_wherever_a_mod_reads_it():
         return t[q] == 0
 
     part = functools.partial(lambda t, b, h, q, kv: t[q] == 0, far)
-    for fn in (inner, outer, in_dict, with_default, part):
+    from torch.nn.attention.flex_attention import and_masks
+
+    combined = and_masks(lambda b, h, q, kv: q >= kv, inner)  # its parts kept in a tuple
+    for fn in (inner, outer, in_dict, with_default, part, combined):
         assert _mods.data_device(fn) == torch.device("meta"), fn
 
 
