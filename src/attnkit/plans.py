@@ -166,9 +166,9 @@ class BlockPlan:
         a built-in mask at every point. Tiles must match FlexAttention's (``block=(128, 128)``
         is its default). ``device``: where the BlockMask and the tensors its ``mask_mod`` reads
         live (a GPU's FlexAttention kernel reads them there); None: the CPU."""
-        mod = self._mask.flex_mask_mod_on(self.L, self.S, None if device is None else torch.device(device))
-        return _block_mask(self._kinds, self._block, self.L, self.S, mod,
-                           device=None if device is None else torch.device(device))
+        dev = None if device is None else torch.device(device)
+        mod = self._mask.flex_mask_mod_on(self.L, self.S, dev)
+        return _block_mask(self._kinds, self._block, self.L, self.S, mod, device=dev)
 
 
 def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mask_mod, device=None):

@@ -101,7 +101,7 @@ def _with_bias(req: Request, allowed, j0: int, j1: int):
     assert req.bias is not None  # only called for a request with a float bias
     bias = tile_of(req.bias, 0, L, j0, j1 - j0)
     if torch.finfo(bias.dtype).min < torch.finfo(req.q.dtype).min:
-        # a bias wider than the inputs (fp64 with fp32 inputs, fp32 with bf16): its finite values past their range
+        # a bias wider than the inputs (an fp32 bias with bf16 inputs): its finite values past their range
         # (finfo.min padding) stay finite, at the range's edge, rather than cast to -inf (a dead row, 0, where the
         # contract is the mean of V); the edge still swamps every score SDPA adds it to in fp32 (fp16: refused)
         edge = torch.finfo(req.q.dtype).max
@@ -413,9 +413,8 @@ def run(req: Request, worker: str = "fused"):
     out = zero_dead_rows(out, attn_mask)
     if may_hide_nan(out):  # cheap; then: an all-zero row the mask does not empty -> NaN scan
         zero_rows = (out == 0).all(dim=-1)  # (B, H, L)
-        if attn_mask is not None:  # rows the mask leaves some key: bool (…, L, n) or additive float
-            live = attn_mask.any(-1) if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask).all(-1)
-            zero_rows = zero_rows & live
+        if attn_mask is not None:  # only rows the mask leaves some key
+            zero_rows = zero_rows & ~dead_rows(attn_mask)
         inputs = (req.q, req.k, req.v) + (() if req.bias is None else (req.bias,))
         if bool(zero_rows.any()) and has_nan(*inputs):
             return run(req, "math")  # the kernel hid a NaN (see Fused.why)
