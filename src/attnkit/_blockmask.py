@@ -81,9 +81,18 @@ def _content_key(block_mask, B: int, H: int, L: int, S: int, device):
             device)
 
 
-def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str) -> BlockPlan | None:
+def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str) -> BlockPlan | torch.Tensor | None:
     """The :class:`BlockPlan` meaning what ``block_mask`` means to FlexAttention's kernels (None: every
-    position attends). ``arg`` names the argument in messages. Remembered under the block mask's content (a few)."""
+    position attends). ``arg`` names the argument in messages. Remembered under the block mask's content (a few).
+
+    A decode step's BlockMask from :func:`attnkit.create_block_mask` gives instead the bool points it evaluated
+    (``(Bp, Hp, L, S)``), as long as the block mask, its mod and what the mod reads are unchanged (see
+    ``plans._Evaluated``): the same mask, read off its points without a plan."""
+    rec = getattr(block_mask, "_attnkit_points", None)
+    if rec is not None:
+        points = rec.points(block_mask, B, H, L, S, device)
+        if points is not None:
+            return points
     key = _content_key(block_mask, B, H, L, S, device)
     if key is not None and key in _PLANS:
         _PLANS.move_to_end(key)

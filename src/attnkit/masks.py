@@ -325,33 +325,50 @@ def _evaluated_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
 _SMALL_GRID, _SMALL_GRID_ROWS = 1 << 15, 16
 
 
-def _small_grid_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
-    """:func:`_evaluated_kinds` of a small grid (``B·H·L·S <= _SMALL_GRID``): one evaluation of every point, the
-    tiles' counts in NumPy; the same kinds (a ragged edge tile is full when all its real points are)."""
+def small_grid_points(mod, B, H, L, S) -> np.ndarray:
+    """A small grid's points (``B·H·L·S <= _SMALL_GRID``): ``mod`` called once on fresh index tensors, its answer
+    as a bool NumPy array ``(Bp, Hp, L, S)`` (Bp, Hp: 1 where it does not depend on the batch row / head)."""
     idx = [torch.from_numpy(np.arange(n, dtype=np.int64).reshape(shape)) for n, shape in  # fresh: a mod may write
            ((B, (B, 1, 1, 1)), (H, (1, H, 1, 1)), (L, (1, 1, L, 1)), (S, (1, 1, 1, S)))]
     allowed = _mods.call(mod, *idx)
     _check_bool(allowed, mod)
     x = allowed.detach().cpu().numpy()
-    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-    Bp, Hp = x.shape[0], x.shape[1]  # the (b, h) dims the result depends on, as _evaluated_kinds keeps them
+    if x.ndim < 4:
+        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    return x if x.shape[2:] == (L, S) else np.broadcast_to(x, (x.shape[0], x.shape[1], L, S))
+
+
+def points_kinds(x: np.ndarray, L: int, S: int, bm: int, bn: int) -> torch.Tensor:
+    """The tile kinds ``(Bp, Hp, nq, nk)`` of bool points ``x (Bp, Hp, L, S)``, counted in NumPy (a ragged edge
+    tile is full when all its real points are)."""
     nq, nk = -(-L // bm), -(-S // bn)
+    row = (_tiling.row_bytes(x[0, 0, 0]) if x.shape[:2] == (1, 1) and (L == 1 or x.strides[2] == 0)
+           and nq * nk <= 256 else None)
+    if row is not None:  # a decode step's one row of keys for every query: its bytes counted per key block
+        counts = [row.count(1, j, j + bn) for j in range(0, S, bn)]  # every query block alike (one row for all)
+        line = [EMPTY if n == 0 else FULL if n == min(bn, S - j * bn) else PARTIAL for j, n in enumerate(counts)]
+        return torch.from_numpy(np.array(line * nq, dtype=np.int8).reshape(1, 1, nq, nk))
     r0, c0 = np.arange(nq) * bm, np.arange(nk) * bn  # each tile's first row and key
     area = np.minimum(bm, L - r0)[:, None] * np.minimum(bn, S - c0)[None, :]
-    row = _tiling.row_bytes(np.broadcast_to(x, (1, 1, 1, S))) if x.shape[:3] == (1, 1, 1) else None
-    if row is not None:  # one row of keys for every query (a decode step's): counted off its bytes
-        per_key_block = np.array([row.count(1, j, j + bn) for j in c0.tolist()], dtype=np.int64)
-        count = (np.minimum(bm, L - r0)[:, None] * per_key_block[None, :]).reshape(1, 1, nq, nk)
-    else:
-        x = np.broadcast_to(x, (Bp, Hp, L, S))
-        rows = np.zeros((Bp, Hp, nq, nk * bn), dtype=np.int32)  # per query block, each key's allowed rows
-        for i, r in enumerate(r0.tolist()):
-            rows[:, :, i, :S] = x[:, :, r:r + bm].sum(axis=2)
-        count = rows.reshape(Bp, Hp, nq, nk, bn).sum(axis=-1)
+    if L == 1 or x.strides[2] == 0:  # one row of keys for every query (a decode step's): its keys counted once
+        count = np.add.reduceat(x[:, :, :1], c0, axis=3, dtype=np.int64) * np.minimum(bm, L - r0)[:, None]
+    else:  # the allowed points of each tile: summed over its rows, then over its keys
+        count = np.add.reduceat(np.add.reduceat(x, r0, axis=2, dtype=np.int64), c0, axis=3)
     kinds = np.full(count.shape, PARTIAL, dtype=np.int8)
     kinds[count == area] = FULL
     kinds[count == 0] = EMPTY
     return torch.from_numpy(kinds)
+
+
+def small_grid(B: int, H: int, L: int, S: int) -> bool:
+    """Whether a call of these sizes is a decode step's few points, evaluated whole (:func:`small_grid_points`)."""
+    return L <= _SMALL_GRID_ROWS and B * H * L * S <= _SMALL_GRID
+
+
+def _small_grid_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
+    """:func:`_evaluated_kinds` of a small grid (``B·H·L·S <= _SMALL_GRID``): one evaluation of every point, the
+    tiles' counts in NumPy; the same kinds (a ragged edge tile is full when all its real points are)."""
+    return points_kinds(small_grid_points(mod, B, H, L, S), L, S, bm, bn)
 
 
 # Tiles per range-evaluation call: bounds the interval temporaries (a few int64 per tile).
@@ -971,7 +988,7 @@ class FromMod(Mask):
         """Range evaluation first (one call over every tile; points only where undecided), for a
         mod evaluated by broadcasting; every point otherwise (a vmap-only mod, or one doing
         something intervals do not follow: Python ``if`` on an index, ``.item()``, ...)."""
-        if L <= _SMALL_GRID_ROWS and B * H * L * S <= _SMALL_GRID:  # a decode step's few points: all, at once
+        if small_grid(B, H, L, S):  # a decode step's few points: all, at once
             kinds = _small_grid_kinds(self.bind(L, S), B, H, L, S, bm, bn)
             return kinds, kinds.numel()
         if _mods.broadcast_safe(self.fn, False, B, H, L, S):

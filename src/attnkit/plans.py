@@ -28,12 +28,13 @@ visible cache). Memory is O(tiles): ``kinds`` is int8 ``(Bp, Hp, nq, nk)``, with
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
 import torch
 
-from . import _tiling
+from . import _mods, _tiling
 from . import masks as _masks
 from ._tiling import EMPTY, FULL, PARTIAL
 
@@ -183,21 +184,24 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
     from torch.nn.attention.flex_attention import BlockMask
 
     bm, bn = block
-    small = kinds.is_cpu and kinds.numel() <= _SMALL_MAP  # a decode step's few blocks: NumPy (torch's per-op costs)
-    k = np.array(kinds.numpy()) if small else kinds.clone()  # (a copy: kinds may be an expanded view)
-    if L % bm:  # (views of k: written in place)
-        last = k[..., -1, :]
-        last[last == FULL] = PARTIAL
-    if S % bn:
-        last = k[..., :, -1]
-        last[last == FULL] = PARTIAL
-    partial, full = k == PARTIAL, k == FULL
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
-    # the q_* fields (each key block's query blocks) are the same ordering of the transposed map
-    q_num, q_idx = _ordered(partial.swapaxes(-2, -1))
-    fq_num, fq_idx = _ordered(full.swapaxes(-2, -1))
-    if device is not None:
+    if kinds.is_cpu and kinds.numel() <= _TINY_MAP:  # a decode step's ten blocks: lists (NumPy's per-call costs)
+        kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx = _orders_tiny(kinds, L % bm != 0, S % bn != 0)
+    else:
+        small = kinds.is_cpu and kinds.numel() <= _SMALL_MAP  # a few hundred blocks: NumPy (torch's per-op costs)
+        k = np.array(kinds.numpy()) if small else kinds.clone()  # (a copy: kinds may be an expanded view)
+        if L % bm:  # (views of k: written in place)
+            last = k[..., -1, :]
+            last[last == FULL] = PARTIAL
+        if S % bn:
+            last = k[..., :, -1]
+            last[last == FULL] = PARTIAL
+        partial, full = k == PARTIAL, k == FULL
+        kv_num, kv_idx = _ordered(partial)
+        full_num, full_idx = _ordered(full)
+        # the q_* fields (each key block's query blocks) are the same ordering of the transposed map
+        q_num, q_idx = _ordered(partial.swapaxes(-2, -1))
+        fq_num, fq_idx = _ordered(full.swapaxes(-2, -1))
+    if device is not None and torch.device(device).type != "cpu":
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx = (
             t.to(device) for t in (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx))
     try:
@@ -210,6 +214,49 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
 
 
 _SMALL_MAP = 1 << 14  # block maps ordered with NumPy (torch's per-op cost dominates a few hundred blocks)
+_TINY_MAP = 256  # and in lists (NumPy's per-call cost dominates a decode step's ten)
+
+
+def _orders_tiny(kinds: torch.Tensor, ragged_rows: bool, ragged_keys: bool) -> tuple[torch.Tensor, ...]:
+    """The eight index fields of a tiny map (``(Bp, Hp, nq, nk)``, at most ``_TINY_MAP`` blocks) in Python lists —
+    what :func:`_ordered` gives for its partial and full blocks, then for the transposed map — with the padding
+    rule of :func:`_block_mask` (``ragged_rows`` / ``ragged_keys``: the last query / key block is ragged, so none of
+    its blocks is full). One int32 buffer, cut into the eight fields (each a contiguous tensor of its own bytes)."""
+    Bp, Hp, nq, nk = kinds.shape
+    nums: list[list[int]] = [[], [], [], []]  # kv partial, kv full, q partial, q full
+    idxs: list[list[int]] = [[], [], [], []]
+    for b in kinds.tolist():
+        for head in b:
+            if ragged_rows:  # (a copy of the row: head is ours, from tolist)
+                head[-1] = [PARTIAL if x == FULL else x for x in head[-1]]
+            if ragged_keys:
+                for row in head:
+                    row[-1] = PARTIAL if row[-1] == FULL else row[-1]
+            for f, lines in ((0, head), (2, zip(*head, strict=True))):  # rows, then columns (per key block)
+                for line in lines:
+                    if len(line) == 1:  # (a decode step's columns: one query block each)
+                        x = line[0]
+                        nums[f].append(int(x == PARTIAL))
+                        nums[f + 1].append(int(x == FULL))
+                        idxs[f].append(0)
+                        idxs[f + 1].append(0)
+                        continue
+                    part = [j for j, x in enumerate(line) if x == PARTIAL]
+                    full = [j for j, x in enumerate(line) if x == FULL]
+                    nums[f].append(len(part))
+                    nums[f + 1].append(len(full))
+                    idxs[f] += part + [j for j, x in enumerate(line) if x != PARTIAL]
+                    idxs[f + 1] += full + [j for j, x in enumerate(line) if x != FULL]
+    flat = np.array([x for part in (*nums, *idxs) for x in part], dtype=np.int32)
+    shapes = ((Bp, Hp, nq), (Bp, Hp, nq), (Bp, Hp, nk), (Bp, Hp, nk),
+              (Bp, Hp, nq, nk), (Bp, Hp, nq, nk), (Bp, Hp, nk, nq), (Bp, Hp, nk, nq))
+    parts, at = [], 0
+    for sh in shapes:
+        n = math.prod(sh)
+        parts.append(torch.from_numpy(flat[at:at + n].reshape(sh)))
+        at += n
+    kv_num, full_num, q_num, fq_num, kv_idx, full_idx, q_idx, fq_idx = parts
+    return kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx
 
 
 def _ordered(wanted: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +357,11 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
 
     The ``mask_mod`` is range-evaluated over whole tiles (``attnkit.plan``), and only the tiles
     the ranges leave undecided are evaluated at their points: O(tiles), no ``torch.compile``
-    (``_compile`` is accepted for compatibility and changes nothing). The result lives on
+    (``_compile`` is accepted for compatibility and changes nothing). At a decode step's size
+    (at most 16 query rows and 2¹⁵ points, on the CPU) the mod is evaluated once at every
+    point instead, and the BlockMask keeps those points: :func:`attnkit.flex_attention` reads
+    the mask off them while the block mask, the mod and what it reads are unchanged (checked
+    at every call by content). The result lives on
     ``device``; its ``kv_num_blocks`` / ``kv_indices`` / ``full_kv_*`` (and the ``q_*`` fields
     FlexAttention derives from them) equal ``create_block_mask``'s, including its padding rule
     for lengths that are not a multiple of the block (a ragged edge tile is never full)::
@@ -330,6 +381,69 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     except ValueError:
         raise ValueError(f"BLOCK_SIZE: expected an int >= 1 or a tuple (q_block, kv_block) of them, "
                          f"got {BLOCK_SIZE!r}.") from None
-    p = plan(_masks.from_mod(mask_mod), Q_LEN, KV_LEN, B=B, H=H, block=block)
+    dev = torch.device(device)
+    fm = _masks.from_mod(mask_mod)
+    if dev.type == "cpu" and _masks.small_grid(B, H, Q_LEN, KV_LEN):  # a decode step's: every point, once
+        points = _masks.small_grid_points(fm.bind(Q_LEN, KV_LEN), B, H, Q_LEN, KV_LEN)
+        kinds = _masks.points_kinds(points, Q_LEN, KV_LEN, *block)
+        bmask = _block_mask(kinds.expand(B, H, *kinds.shape[-2:]), block, Q_LEN, KV_LEN, mask_mod, device=dev)
+        _Evaluated.attach(bmask, mask_mod, points)
+        return bmask
+    p = plan(fm, Q_LEN, KV_LEN, B=B, H=H, block=block)
     kinds = p._kinds.expand(B, H, *p._kinds.shape[-2:])  # torch's fields carry every (b, h)
-    return _block_mask(kinds, block, Q_LEN, KV_LEN, mask_mod, device=torch.device(device))
+    return _block_mask(kinds, block, Q_LEN, KV_LEN, mask_mod, device=dev)
+
+
+_KV_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
+class _Evaluated:
+    """The points :func:`create_block_mask` evaluated for a decode step's small grid, kept on the ``BlockMask``
+    it returns (``_attnkit_points``) so that ``flex_attention`` reads that step's mask off them instead of
+    turning the blocks back into a plan and evaluating the mod again (most of a FlexAttention decode step's
+    cost). Trusted only while what they rest on holds, checked at every use (:meth:`points`): the same
+    ``mask_mod`` with the same value key (its code and captured values; a CPU tensor it reads by content),
+    the same four ``kv_*`` tensors holding the same bytes (an in-place edit is seen), the same block size and
+    lengths. Anything else (a mod without a value key, a BlockMask that ``.to()`` / slicing / ``_adjust``
+    made) goes the general way, which reads the blocks as FlexAttention's kernels do."""
+
+    __slots__ = ("block", "fields", "key", "layout", "mod", "rows", "seq", "snapshot", "tensor", "views")
+
+    def __init__(self, bmask, mod, key, points: np.ndarray):
+        self.mod, self.key = mod, key
+        # (Bp, Hp, L, S), never handed out; each byte 0 or 1 (a mod may give a uint8 buffer viewed as bool)
+        self.tensor = torch.from_numpy(np.ascontiguousarray(points).view(np.uint8) != 0)
+        self.block, self.seq = tuple(bmask.BLOCK_SIZE), tuple(bmask.seq_lengths)
+        self.fields = tuple(getattr(bmask, n) for n in _KV_FIELDS)
+        self.views = tuple(t.numpy() for t in self.fields if t is not None)  # their memory, read at every use
+        self.layout, self.snapshot = self._now(self.fields)
+        self.rows = tuple(self.fields[0].shape[:2])  # the BlockMask's own (b, h) rows
+
+    def _now(self, fields) -> tuple[tuple, bytes]:
+        """The fields' layout (data pointer, shape, strides; None kept) and their bytes, as they are now."""
+        return (tuple(None if t is None else (t.data_ptr(), t.shape, t.stride()) for t in fields),
+                b"".join([v.tobytes() for v in self.views]))
+
+    @classmethod
+    def attach(cls, bmask, mod, points: np.ndarray) -> None:
+        key = _mods.value_key(mod)
+        fields = [getattr(bmask, n) for n in _KV_FIELDS]
+        if key is None or fields[0] is None or \
+                not all(t is None or (t.is_cpu and t.is_contiguous()) for t in fields):
+            return  # a mod reading data that may change unseen: nothing kept
+        with contextlib.suppress(AttributeError):  # (a torch whose BlockMask takes no new attributes: the general way)
+            bmask._attnkit_points = cls(bmask, mod, key, points)
+
+    def points(self, bmask, B: int, H: int, L: int, S: int, device) -> torch.Tensor | None:
+        """The bool points ``(Bp, Hp, L, S)`` where they still mean what ``bmask`` means for a call of these sizes
+        on ``device``; None otherwise (the caller reads the blocks)."""
+        Bp, Hp = self.rows
+        if self.seq != (L, S) or Bp not in (1, B) or Hp not in (1, H) or getattr(device, "type", device) != "cpu" or \
+                bmask.mask_mod is not self.mod or tuple(bmask.seq_lengths) != self.seq or \
+                tuple(bmask.BLOCK_SIZE) != self.block:
+            return None  # (a size mismatch: the general way names it)
+        fields = (bmask.kv_num_blocks, bmask.kv_indices, bmask.full_kv_num_blocks, bmask.full_kv_indices)
+        if any(a is not b for a, b in zip(fields, self.fields, strict=True)) or \
+                self._now(fields) != (self.layout, self.snapshot) or _mods.value_key(self.mod) != self.key:
+            return None  # replaced, edited in place, or the mod's captured values changed
+        return self.tensor

@@ -1286,9 +1286,12 @@ def test_a_block_mask_the_decode_entry_cannot_take_runs_elsewhere_exactly(spy):
     sink = lambda b, h, qi, kv: (kv > qi + S - 1 - 50) | (kv < 4)  # noqa: E731
     blocks = BlockMask.from_kv_blocks(torch.tensor([[[1]]], dtype=torch.int32), torch.tensor([[[[1, 0]]]],
                                       dtype=torch.int32), BLOCK_SIZE=128, seq_lengths=(1, S))
-    cases = [(attnkit.create_block_mask(window, 1, None, 1, S, BLOCK_SIZE=32), window, False),
-             (attnkit.create_block_mask(sink, 1, None, 1, S), sink, False),
-             (blocks, lambda b, h, qi, kv: (kv >= 128) & (kv < 256), True)]  # (its one block: one stretch)
+    # (.to("cpu"): a copy without the points attnkit's create_block_mask keeps, so the blocks are read as a plan)
+    cases = [(attnkit.create_block_mask(window, 1, None, 1, S, BLOCK_SIZE=32).to("cpu"), window, False),
+             (attnkit.create_block_mask(sink, 1, None, 1, S).to("cpu"), sink, False),
+             (blocks, lambda b, h, qi, kv: (kv >= 128) & (kv < 256), True),  # (its one block: one stretch)
+             # the same window with its points kept: one stretch per row, so the decode entry, whatever the blocks
+             (attnkit.create_block_mask(window, 1, None, 1, S, BLOCK_SIZE=32), window, True)]
     with torch.no_grad():
         for bm, meaning, decode in cases:
             plan = attnkit._blockmask.block_mask_plan(bm, 1, 4, 1, S, q.device, "block_mask")

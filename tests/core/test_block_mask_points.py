@@ -1,0 +1,212 @@
+"""A decode step's BlockMask from attnkit.create_block_mask keeps the points it evaluated, and flex_attention reads
+the step's mask off them — only while the block mask, its mod and what the mod reads are what they were.
+
+Each case against the float64 golden of FlexAttention's meaning of the block mask (its full blocks, the mod in its
+partial ones, nothing elsewhere), and against the same call on a copy without the points (``.to("cpu")``: the
+blocks read as a plan, the general way).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import budget, golden
+
+import attnkit
+from attnkit import plans
+from attnkit._blockmask import block_mask_plan
+
+B, H, HKV, D = 2, 8, 2, 16
+
+
+def _inputs(L, S, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, L, D, generator=g), torch.randn(B, HKV, S, D, generator=g),
+            torch.randn(B, HKV, S, D, generator=g))
+
+
+def _blocks_golden(q, k, v, bm):
+    """float64 golden of what FlexAttention's kernels make of ``bm``: full blocks whole, ``mask_mod`` inside the
+    partial ones, every other block skipped (the blocks read off its kv_* fields, as they are now)."""
+    L, S = bm.seq_lengths
+    bq, bk = bm.BLOCK_SIZE
+    allowed = torch.zeros(B, H, L, S, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            bb, hh = b % bm.kv_num_blocks.shape[0], h % bm.kv_num_blocks.shape[1]
+            for i in range(L):
+                qb = i // bq
+                part = bm.kv_indices[bb, hh, qb, :bm.kv_num_blocks[bb, hh, qb]].tolist()
+                full = bm.full_kv_indices[bb, hh, qb, :bm.full_kv_num_blocks[bb, hh, qb]].tolist()
+                for j in range(S):
+                    if j // bk in full:
+                        allowed[b, h, i, j] = True
+                    elif j // bk in part:
+                        allowed[b, h, i, j] = bool(bm.mask_mod(torch.tensor(b), torch.tensor(h), torch.tensor(i),
+                                                               torch.tensor(j)))
+    g = H // HKV
+    return golden(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), mask=allowed)[0]
+
+
+def _check(q, k, v, bm, **kw):
+    out = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, **kw)
+    ref = _blocks_golden(q, k, v, bm)
+    assert (out.double() - ref).abs().max().item() <= budget(torch.float32, D, k.shape[2])
+    general = attnkit.flex_attention(q, k, v, block_mask=bm.to("cpu"), enable_gqa=True, **kw)  # (no points)
+    assert (out - general).abs().max().item() <= budget(torch.float32, D, k.shape[2])
+    return out
+
+
+def _uses_points(bm, L, S) -> bool:
+    return isinstance(block_mask_plan(bm, B, H, L, S, torch.device("cpu"), "block_mask"), torch.Tensor)
+
+
+@pytest.mark.parametrize("L, S, block", [(1, 300, 128), (1, 257, 64), (3, 200, 128), (16, 130, (16, 32))])
+def test_a_decode_steps_block_mask_is_read_off_its_points_exactly(L, S, block):
+    off = S - L
+    mod = lambda b, h, qi, kv: (kv <= qi + off) & (kv > qi + off - 90) | (kv < 4)  # noqa: E731
+    bm = attnkit.create_block_mask(mod, B, None, L, S, BLOCK_SIZE=block)
+    assert _uses_points(bm, L, S)
+    q, k, v = _inputs(L, S)
+    _check(q, k, v, bm)
+
+
+def test_per_head_and_per_batch_mods_keep_their_points():
+    L, S = 1, 200
+    lengths = torch.tensor([150, 37])
+    mod = lambda b, h, qi, kv: (kv < lengths[b]) & (kv >= 8 * h)  # noqa: E731
+    bm = attnkit.create_block_mask(mod, B, H, L, S)
+    assert _uses_points(bm, L, S)
+    q, k, v = _inputs(L, S, 1)
+    _check(q, k, v, bm)
+
+
+def test_an_in_place_edit_of_the_blocks_is_seen():
+    """Blocks dropped from kv_* after the BlockMask was built: FlexAttention skips them, and so does attnkit
+    (the points no longer describe the block mask)."""
+    L, S = 1, 300
+    mod = lambda b, h, qi, kv: kv <= qi + S - 1  # noqa: E731
+    bm = attnkit.create_block_mask(mod, B, None, L, S, BLOCK_SIZE=64)
+    q, k, v = _inputs(L, S, 2)
+    before = _check(q, k, v, bm)
+    # (L = 1: a ragged query block, so every block is partial: the padding rule)
+    bm.kv_num_blocks[0, 0, 0] = 2  # batch row 0 keeps its first two blocks only
+    assert not _uses_points(bm, L, S)
+    after = _check(q, k, v, bm)
+    assert not torch.allclose(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_an_edit_through_numpy_is_seen():
+    """The same edit made through ``.numpy()`` (which leaves torch's version counter as it was)."""
+    L, S = 1, 300
+    mod = lambda b, h, qi, kv: kv <= qi + S - 1  # noqa: E731
+    bm = attnkit.create_block_mask(mod, B, None, L, S, BLOCK_SIZE=64)
+    bm.kv_num_blocks.numpy()[1, 0, 0] = 3  # batch row 1 keeps its first three blocks only
+    assert not _uses_points(bm, L, S)
+    _check(*_inputs(L, S, 8), bm)
+
+
+def test_a_field_or_mod_replaced_is_seen():
+    L, S = 1, 300
+    mod = lambda b, h, qi, kv: kv <= qi + S - 1  # noqa: E731
+    q, k, v = _inputs(L, S, 3)
+    bm = attnkit.create_block_mask(mod, B, None, L, S, BLOCK_SIZE=64)
+    bm.kv_num_blocks = torch.full_like(bm.kv_num_blocks, 1)  # (a new tensor) its first block only
+    assert not _uses_points(bm, L, S)
+    _check(q, k, v, bm)
+    bm = attnkit.create_block_mask(mod, B, None, L, S, BLOCK_SIZE=64)
+    bm.mask_mod = lambda b, h, qi, kv: kv < 10  # (every block partial: this mod decides)
+    assert not _uses_points(bm, L, S)
+    _check(q, k, v, bm)
+
+
+@pytest.mark.parametrize("L", [1, 16])
+def test_the_data_a_mod_reads_edited_after_the_block_mask_is_seen(L):
+    """A mod reading a tensor edited in place after create_block_mask: FlexAttention's kernels run the blocks as
+    built and the mod as it now reads; the points (the old data) are not used. (L = 16 with query blocks of 16:
+    blocks 1-3 full, attended whole whatever the mod now says there.)"""
+    S = 300
+    keep = torch.ones(S, dtype=torch.bool)
+    keep[:40] = False
+    mod = lambda b, h, qi, kv: keep[kv]  # noqa: E731
+    bm = attnkit.create_block_mask(mod, B, None, L, S, BLOCK_SIZE=(16, 64))
+    assert L == 1 or bm.full_kv_num_blocks[0, 0, 0] == 3
+    assert _uses_points(bm, L, S)
+    keep[100:110] = False  # the blocks as built, the mod as it now reads (in the partial blocks)
+    assert not _uses_points(bm, L, S)
+    q, k, v = _inputs(L, S, 4)
+    _check(q, k, v, bm)
+
+
+def test_a_mod_without_a_value_key_keeps_no_points():
+    """A mod reading a list (data that may change unseen) gives a BlockMask read the general way."""
+    L, S = 1, 200
+    box = [150]
+    mod = lambda b, h, qi, kv: kv < box[0]  # noqa: E731
+    bm = attnkit.create_block_mask(mod, B, None, L, S)
+    assert getattr(bm, "_attnkit_points", None) is None
+    q, k, v = _inputs(L, S, 5)
+    _check(q, k, v, bm)
+
+
+def test_copies_and_other_devices_and_sizes_go_the_general_way():
+    L, S = 1, 200
+    mod = lambda b, h, qi, kv: kv < 150  # noqa: E731
+    bm = attnkit.create_block_mask(mod, B, None, L, S)
+    rec = bm._attnkit_points
+    assert rec.points(bm, B, H, L, S, torch.device("cpu")) is not None
+    assert rec.points(bm, B, H, L, S, torch.device("meta")) is None  # (a GPU call: torch's kernels read the blocks)
+    assert rec.points(bm, B, H, L, S + 1, torch.device("cpu")) is None
+    assert rec.points(bm, 3, H, L, S, torch.device("cpu")) is None  # (the general way names the mismatch)
+    assert getattr(bm.to("cpu"), "_attnkit_points", None) is None
+    with pytest.raises(ValueError, match="B=2"):
+        attnkit.flex_attention(*(t[:1].expand(3, -1, -1, -1) for t in _inputs(L, S)), block_mask=bm,
+                               enable_gqa=True)
+
+
+def test_dead_rows_give_zero_and_minus_inf_as_before():
+    L, S = 2, 100
+    mod = lambda b, h, qi, kv: (qi == 0) & (kv < 50)  # noqa: E731  (row 1 sees no key)
+    bm = attnkit.create_block_mask(mod, B, None, L, S)
+    assert _uses_points(bm, L, S)
+    q, k, v = _inputs(L, S, 6)
+    out, lse = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert torch.isneginf(lse[:, :, 1]).all() and torch.isfinite(lse[:, :, 0]).all()
+    _check(q, k, v, bm)
+
+
+def test_gradients_equal_the_general_ways():
+    L, S = 3, 150
+    mod = lambda b, h, qi, kv: (kv <= qi + S - L) & (kv % 7 != 3)  # noqa: E731
+    bm = attnkit.create_block_mask(mod, B, None, L, S, BLOCK_SIZE=64)
+    assert _uses_points(bm, L, S)
+    grads = []
+    for mask in (bm, bm.to("cpu")):
+        q, k, v = (t.double().requires_grad_() for t in _inputs(L, S, 7))
+        out = attnkit.flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        out.square().sum().backward()
+        grads.append((q.grad, k.grad, v.grad))
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 9), (2, 3, 1, 5), (1, 2, 3, 4), (2, 1, 4, 1), (1, 1, 2, 7)])
+@pytest.mark.parametrize("ragged", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_tiny_maps_fields_equal_the_numpy_paths(shape, ragged, monkeypatch):
+    """The list-built fields of a tiny map (a decode step's) equal those of the NumPy / torch ordering, field for
+    field, with the padding rule of a ragged last query / key block."""
+    g = np.random.default_rng(sum(shape) + 2 * ragged[0] + ragged[1])
+    kinds = torch.from_numpy(g.integers(0, 3, size=shape).astype(np.int8))
+    bm_, bn_ = 4, 8
+    L = shape[2] * bm_ - (1 if ragged[0] else 0)
+    S = shape[3] * bn_ - (3 if ragged[1] else 0)
+    tiny = plans._block_mask(kinds, (bm_, bn_), L, S, None)
+    monkeypatch.setattr(plans, "_TINY_MAP", 0)
+    ref = plans._block_mask(kinds, (bm_, bn_), L, S, None)
+    for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        a, b = getattr(tiny, f), getattr(ref, f)
+        assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape and torch.equal(a, b), f
+        assert a.is_contiguous()
