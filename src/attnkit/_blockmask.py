@@ -27,7 +27,7 @@ import torch
 from . import _mods
 from . import masks as _masks
 from ._tiling import EMPTY, FULL, PARTIAL
-from .plans import BlockPlan
+from .plans import BlockPlan, _Evaluated
 
 __all__ = ["is_block_mask", "block_mask_plan"]
 
@@ -85,14 +85,21 @@ def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str
     """The :class:`BlockPlan` meaning what ``block_mask`` means to FlexAttention's kernels (None: every
     position attends). ``arg`` names the argument in messages. Remembered under the block mask's content (a few).
 
-    A decode step's BlockMask from :func:`attnkit.create_block_mask` gives instead the bool points it evaluated
-    (``(Bp, Hp, L, S)``), as long as the block mask, its mod and what the mod reads are unchanged (see
-    ``plans._Evaluated``): the same mask, read off its points without a plan."""
+    A decode step's call (on the CPU, at most 16 query rows and 2¹⁵ points) gets instead the mask's bool points
+    ``(Bx, Hx, L, S)`` (:func:`block_points`), which the decode entry reads off their bytes. They are kept on the
+    block mask (``plans._Evaluated``, as :func:`attnkit.create_block_mask` keeps the points it evaluated) and read
+    again by the next call with it — a model's next layer — while the block mask, its mod and what the mod reads
+    are unchanged (checked by content at every call)."""
     rec = getattr(block_mask, "_attnkit_points", None)
     if rec is not None:
         points = rec.points(block_mask, B, H, L, S, device)
         if points is not None:
             return points
+    if getattr(device, "type", device) == "cpu" and _masks.small_grid(B, H, L, S):
+        plan = _block_mask_plan(block_mask, B, H, L, S, device, arg)
+        if isinstance(plan, torch.Tensor):
+            _Evaluated.attach(block_mask, block_mask.mask_mod, plan.numpy())
+        return plan
     key = _content_key(block_mask, B, H, L, S, device)
     if key is not None and key in _PLANS:
         _PLANS.move_to_end(key)
@@ -111,7 +118,8 @@ def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str
     return plan
 
 
-def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str) -> BlockPlan | None:
+def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str
+                     ) -> BlockPlan | torch.Tensor | None:
     from torch.nn.attention.flex_attention import noop_mask
 
     bms = tuple(block_mask.BLOCK_SIZE)
@@ -154,9 +162,42 @@ def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: st
         full, partial = full | partial, partial & False
         if bool(full.all()):
             return None
+    if small and _masks.small_grid(B, H, L, S):  # a decode step's: its points, not a plan (see block_mask_points)
+        points = block_points(np.asarray(partial), np.asarray(full), None if noop else mod, B, H, L, S, (bm, bn))
+        if points is not None:
+            return points
     kinds = torch.as_tensor(partial * PARTIAL + full * FULL + EMPTY).to(torch.int8)  # (the two are disjoint)
     m = _BlockMaskMask(kinds, (bm, bn), None if noop else mod)
     return BlockPlan(m, B, H, L, S, (bm, bn), kinds.cpu())
+
+
+def block_points(partial: np.ndarray, full: np.ndarray, mod, B: int, H: int, L: int, S: int,
+                 block: tuple[int, int]) -> torch.Tensor | None:
+    """The bool points ``(Bx, Hx, L, S)`` of a small block mask (a decode step's): every point of a full block,
+    ``mod`` (evaluated once at every point; None: none) at the points of a partial block, nothing elsewhere —
+    FlexAttention's meaning, read by the decode entry off the points' bytes. ``partial`` / ``full``: bool
+    ``(Bb, Hb, nq, nk)``. None where the mod cannot be evaluated so (the caller reads the blocks into a plan,
+    which evaluates it its own way)::
+
+        blocks of 4, L = 1, S = 10:   full  partial  empty        mod: kv % 2 == 0
+                                      F F F F  P P P P  . .   ->  █ █ █ █ █ · █ · · ·
+    """
+    bm, bn = block
+    rows = np.arange(L) // bm
+
+    def spread(x):  # each block's kind over its points: (Bb, Hb, nq, nk) -> (Bb, Hb, L, S), a new array
+        return np.repeat(x[:, :, rows], bn, axis=3)[..., :S]
+
+    points = spread(full)
+    if partial.any():
+        inside = spread(partial)
+        if mod is not None:
+            try:
+                inside = inside & _masks.small_grid_points(_masks.from_mod(mod).bind(L, S), B, H, L, S)
+            except Exception:  # a mod not evaluated so (a vmap-only one that fails, ...): the plan's way
+                return None
+        points = points | inside
+    return torch.from_numpy(points.view(np.uint8) != 0)
 
 
 _SMALL_BLOCKS = 1 << 12  # block index entries read with NumPy

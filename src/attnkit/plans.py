@@ -428,8 +428,7 @@ class _Evaluated:
     def attach(cls, bmask, mod, points: np.ndarray) -> None:
         key = _mods.value_key(mod)
         fields = [getattr(bmask, n) for n in _KV_FIELDS]
-        if key is None or fields[0] is None or \
-                not all(t is None or (t.is_cpu and t.is_contiguous()) for t in fields):
+        if key is None or fields[0] is None or not all(t is None or t.is_cpu for t in fields):
             return  # a mod reading data that may change unseen: nothing kept
         with contextlib.suppress(AttributeError):  # (a torch whose BlockMask takes no new attributes: the general way)
             bmask._attnkit_points = cls(bmask, mod, key, points)

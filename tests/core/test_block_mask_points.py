@@ -1,9 +1,9 @@
-"""A decode step's BlockMask from attnkit.create_block_mask keeps the points it evaluated, and flex_attention reads
-the step's mask off them — only while the block mask, its mod and what the mod reads are what they were.
+"""A decode step's BlockMask is read as its points: attnkit.create_block_mask keeps the points it evaluated, a
+BlockMask from elsewhere (torch's, a slice of a large one) gets them on its first call, and later calls read them
+again — only while the block mask, its mod and what the mod reads are what they were.
 
 Each case against the float64 golden of FlexAttention's meaning of the block mask (its full blocks, the mod in its
-partial ones, nothing elsewhere), and against the same call on a copy without the points (``.to("cpu")``: the
-blocks read as a plan, the general way).
+partial ones, nothing elsewhere), and against the same call read as a plan (points off: the way of larger calls).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from conftest import budget, golden
 
 import attnkit
-from attnkit import plans
+from attnkit import masks, plans
 from attnkit._blockmask import block_mask_plan
 
 B, H, HKV, D = 2, 8, 2, 16
@@ -53,13 +53,21 @@ def _check(q, k, v, bm, **kw):
     out = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, **kw)
     ref = _blocks_golden(q, k, v, bm)
     assert (out.double() - ref).abs().max().item() <= budget(torch.float32, D, k.shape[2])
-    general = attnkit.flex_attention(q, k, v, block_mask=bm.to("cpu"), enable_gqa=True, **kw)  # (no points)
+    with pytest.MonkeyPatch.context() as mp:  # the same block mask read as a plan
+        mp.setattr(masks, "_SMALL_GRID_ROWS", 0)
+        general = attnkit.flex_attention(q, k, v, block_mask=bm.to("cpu"), enable_gqa=True, **kw)
     assert (out - general).abs().max().item() <= budget(torch.float32, D, k.shape[2])
     return out
 
 
+def _read(bm, L, S):
+    return block_mask_plan(bm, B, H, L, S, torch.device("cpu"), "block_mask")
+
+
 def _uses_points(bm, L, S) -> bool:
-    return isinstance(block_mask_plan(bm, B, H, L, S, torch.device("cpu"), "block_mask"), torch.Tensor)
+    """Whether the call reads the points kept on ``bm`` (not points read again from its blocks)."""
+    rec = getattr(bm, "_attnkit_points", None)
+    return rec is not None and _read(bm, L, S) is rec.tensor
 
 
 @pytest.mark.parametrize("L, S, block", [(1, 300, 128), (1, 257, 64), (3, 200, 128), (16, 130, (16, 32))])
@@ -92,7 +100,8 @@ def test_an_in_place_edit_of_the_blocks_is_seen():
     before = _check(q, k, v, bm)
     # (L = 1: a ragged query block, so every block is partial: the padding rule)
     bm.kv_num_blocks[0, 0, 0] = 2  # batch row 0 keeps its first two blocks only
-    assert not _uses_points(bm, L, S)
+    assert not _uses_points(bm, L, S)  # (read again from the blocks, and kept: the next call reads those)
+    assert _uses_points(bm, L, S)
     after = _check(q, k, v, bm)
     assert not torch.allclose(before[0], after[0]) and torch.equal(before[1], after[1])
 
@@ -140,7 +149,8 @@ def test_the_data_a_mod_reads_edited_after_the_block_mask_is_seen(L):
 
 
 def test_a_mod_without_a_value_key_keeps_no_points():
-    """A mod reading a list (data that may change unseen) gives a BlockMask read the general way."""
+    """A mod reading a list (data that may change unseen): no points kept, each call reads the blocks and the mod
+    as they are then."""
     L, S = 1, 200
     box = [150]
     mod = lambda b, h, qi, kv: kv < box[0]  # noqa: E731
@@ -148,6 +158,31 @@ def test_a_mod_without_a_value_key_keeps_no_points():
     assert getattr(bm, "_attnkit_points", None) is None
     q, k, v = _inputs(L, S, 5)
     _check(q, k, v, bm)
+    assert getattr(bm, "_attnkit_points", None) is None
+    box[0] = 60  # (inside the block mask's blocks: all partial at L = 1)
+    _check(q, k, v, bm)
+
+
+def test_a_sliced_block_mask_as_gpt_fast_builds_it_each_step():
+    """One BlockMask for the whole cache, its row for the step sliced off (torch's ``__getitem__``), the mod offset
+    by the step's position, the lengths set to (1, cache): read as its points on its first call, kept for the next
+    layer's, exact at every step; torch's and attnkit's create_block_mask alike."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_cbm
+
+    MAX = 300
+    q, k, v = _inputs(1, MAX, 9)
+    causal = lambda b, h, qi, kv: qi >= kv  # noqa: E731
+    for build in (attnkit.create_block_mask, torch_cbm):
+        big = build(causal, 1, 1, MAX, MAX, BLOCK_SIZE=64)
+        for pos in (0, 63, 64, 170, 299):
+            m = big[:, :, pos // 64]
+            m.mask_mod = lambda b, h, qi, kv, pos=pos: causal(b, h, qi + pos, kv)
+            m.seq_lengths = (1, MAX)
+            assert isinstance(_read(m, 1, MAX), torch.Tensor) and _uses_points(m, 1, MAX)
+            out = _check(q, k, v, m)
+            ref = golden(q, k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1),
+                         mask=torch.arange(MAX) <= pos)[0]
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, D, MAX)
 
 
 def test_copies_and_other_devices_and_sizes_go_the_general_way():
@@ -159,7 +194,9 @@ def test_copies_and_other_devices_and_sizes_go_the_general_way():
     assert rec.points(bm, B, H, L, S, torch.device("meta")) is None  # (a GPU call: torch's kernels read the blocks)
     assert rec.points(bm, B, H, L, S + 1, torch.device("cpu")) is None
     assert rec.points(bm, 3, H, L, S, torch.device("cpu")) is None  # (the general way names the mismatch)
-    assert getattr(bm.to("cpu"), "_attnkit_points", None) is None
+    copy = bm.to("cpu")
+    assert getattr(copy, "_attnkit_points", None) is None  # (a copy: read from its blocks on its first call)
+    assert isinstance(_read(copy, L, S), torch.Tensor) and _uses_points(copy, L, S)
     with pytest.raises(ValueError, match="B=2"):
         attnkit.flex_attention(*(t[:1].expand(3, -1, -1, -1) for t in _inputs(L, S)), block_mask=bm,
                                enable_gqa=True)

@@ -7,6 +7,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
 import attnkit
+from attnkit import masks
 
 _DOC = torch.repeat_interleave(torch.arange(7), torch.tensor([40, 1, 90, 128, 17, 200, 124]))  # 600 ids
 _LENGTHS = torch.tensor([300, 77])
@@ -102,12 +103,14 @@ def test_large_map_path_gives_the_same_block_mask(monkeypatch, name, L, S, block
     B, H = (2, 3) if name == "per-head" else (None, None)
     small = attnkit.create_block_mask(mod, B, H, L, S, BLOCK_SIZE=block)
     monkeypatch.setattr(plans, "_SMALL_MAP", -1)
+    monkeypatch.setattr(plans, "_TINY_MAP", -1)
     monkeypatch.setattr(_blockmask, "_SMALL_BLOCKS", -1)
     large = attnkit.create_block_mask(mod, B, H, L, S, BLOCK_SIZE=block)
     _assert_same(large, small)
     _assert_same(large, torch_create_block_mask(mod, B, H, L, S, device="cpu", BLOCK_SIZE=block))
     Bq, Hq = B or 1, H or 1
+    monkeypatch.setattr(masks, "_SMALL_GRID_ROWS", 0)  # (a plan, not a decode step's points: its kinds compared)
     read_large = _blockmask._block_mask_plan(large, Bq, Hq, L, S, torch.device("cpu"), "bm")
-    monkeypatch.undo()
+    monkeypatch.setattr(_blockmask, "_SMALL_BLOCKS", 1 << 12)
     read_small = _blockmask._block_mask_plan(large, Bq, Hq, L, S, torch.device("cpu"), "bm")
     assert torch.equal(read_large.mask.kinds, read_small.mask.kinds)

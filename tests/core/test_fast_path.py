@@ -1271,7 +1271,7 @@ def test_flex_attention_decode_over_a_static_cache_with_a_sliced_block_mask(spy)
             assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, MAX), pos
 
 
-def test_a_block_mask_the_decode_entry_cannot_take_runs_elsewhere_exactly(spy):
+def test_a_block_mask_the_decode_entry_cannot_take_runs_elsewhere_exactly(spy, monkeypatch):
     """Blocks of 32 (not the kernel's 64 multiples), rows of two stretches (a sink and a window): not the decode
     entry; blocks listed with no mod (``from_kv_blocks``, never replayed: no content key): the decode entry (its one
     block is one stretch of keys). Exact all of them."""
@@ -1286,16 +1286,18 @@ def test_a_block_mask_the_decode_entry_cannot_take_runs_elsewhere_exactly(spy):
     sink = lambda b, h, qi, kv: (kv > qi + S - 1 - 50) | (kv < 4)  # noqa: E731
     blocks = BlockMask.from_kv_blocks(torch.tensor([[[1]]], dtype=torch.int32), torch.tensor([[[[1, 0]]]],
                                       dtype=torch.int32), BLOCK_SIZE=128, seq_lengths=(1, S))
-    # (.to("cpu"): a copy without the points attnkit's create_block_mask keeps, so the blocks are read as a plan)
-    cases = [(attnkit.create_block_mask(window, 1, None, 1, S, BLOCK_SIZE=32).to("cpu"), window, False),
-             (attnkit.create_block_mask(sink, 1, None, 1, S).to("cpu"), sink, False),
-             (blocks, lambda b, h, qi, kv: (kv >= 128) & (kv < 256), True),  # (its one block: one stretch)
-             # the same window with its points kept: one stretch per row, so the decode entry, whatever the blocks
-             (attnkit.create_block_mask(window, 1, None, 1, S, BLOCK_SIZE=32), window, True)]
+    # (points off: the blocks read as a plan, as above the decode size; on: read off the mask's points, one stretch
+    # per row for the window and the listed block, whatever the blocks)
+    cases = [(attnkit.create_block_mask(window, 1, None, 1, S, BLOCK_SIZE=32), window, False, True),
+             (attnkit.create_block_mask(sink, 1, None, 1, S), sink, False, False),
+             (blocks, lambda b, h, qi, kv: (kv >= 128) & (kv < 256), True, True)]  # (its one block: one stretch)
     with torch.no_grad():
-        for bm, meaning, decode in cases:
+        for points, (bm, meaning, by_plan, by_points) in itertools.product((False, True), cases):
+            bm = bm.to("cpu")  # (a copy: without the points a call kept on it before)
+            monkeypatch.setattr(masks, "_SMALL_GRID_ROWS", 16 if points else 0)
             plan = attnkit._blockmask.block_mask_plan(bm, 1, 4, 1, S, q.device, "block_mask")
-            assert (attnkit.dispatch(q, k, v, mask=plan).kernel.name == "native-decode") == decode
+            decode = attnkit.dispatch(q, k, v, mask=plan).kernel.name == "native-decode"
+            assert decode == (by_points if points else by_plan)
             for _ in range(2):
                 out = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
                 ref = _flex_golden(q, k, v, meaning)
