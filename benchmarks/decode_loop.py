@@ -19,12 +19,19 @@ interleaved (at each step one call of each, in turns), total time of the loop / 
 * FlexAttention's loop on attnkit (``from attnkit import create_block_mask, flex_attention``): a ``BlockMask`` of
   that mod built for each step's (1, S), then ``flex_attention`` — timed with the ``create_block_mask`` call, and
   ``flex_attention`` alone on BlockMasks built before the loop (a new one every step all the same);
+* FlexAttention's loop the gpt-fast way (``from attnkit import create_block_mask, flex_attention``): one
+  ``BlockMask`` of causal for the whole preallocated cache (built before the loop), each step's row sliced off it
+  (``block_mask[:, :, pos // 128]``, torch's own ``BlockMask.__getitem__``), its ``mask_mod`` offset by the step's
+  position, its lengths set to (1, cache), over the whole cache — timed with the slicing, and ``flex_attention``
+  alone (each step's slice made untimed); against SDPA over the whole cache with the step's bool mask
+  (``kv <= pos``), as gpt-fast's SDPA path runs it;
 * attnkit at a fixed S (the first step's, repeated): the same call without a new signature per step;
 * a step of a model of ``--layers`` layers (each its own cache): SDPA, ``masks.causal()``, the user's mod and
   FlexAttention's BlockMask built once per step and passed to every layer (how a model passes its mask).
 
-``ratio`` = SDPA's time / attnkit's (> 1: attnkit faster; a model step's row: SDPA's model step / it). Run it
-with each source tree on ``PYTHONPATH`` for a before / after; only the ratios of one run count.
+``ratio`` = SDPA's time / attnkit's (> 1: attnkit faster; a model step's row: SDPA's model step / it; a gpt-fast
+row: SDPA's step over the static cache / it). Run it with each source tree on ``PYTHONPATH`` for a before / after;
+only the ratios of one run count.
 """
 
 from __future__ import annotations
@@ -107,6 +114,28 @@ def main(argv=None) -> int:
     calls["FlexAttention on attnkit: `create_block_mask` + `flex_attention` per step"] = flex_step
     calls["FlexAttention on attnkit: `flex_attention` alone (a new BlockMask every step, built untimed)"] = (
         lambda k, v: attnkit.flex_attention(q, k, v, block_mask=premade[k.shape[2]], enable_gqa=True))
+    # the gpt-fast way: a static cache of every step's keys, one BlockMask for all of it, a row of it per step
+    total = a.start + a.steps
+    big = attnkit.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, total, total)
+    positions = torch.arange(total)
+
+    def gpt_fast_slice(S, row=0):  # the step's query sits at position S - 1 of the static cache
+        pos = S - 1  # (row: each benchmark row its own code, so no row reuses what another's call of the step left)
+        m = big[:, :, pos // 128]
+        m.mask_mod = (lambda b, h, qi, kv: qi + pos >= kv, lambda b, h, qi, kv: kv <= qi + pos)[row]
+        m.seq_lengths = (1, total)
+        return m
+
+    sliced: dict = {}
+
+    calls["SDPA over the static cache with the step's bool mask (`kv <= pos`), gpt-fast's SDPA step"] = (
+        lambda k, v: F.scaled_dot_product_attention(
+            q, cache_k, cache_v, attn_mask=(positions <= k.shape[2] - 1).view(1, -1), enable_gqa=True))
+    calls["FlexAttention on attnkit, gpt-fast's loop: slice the BlockMask + `flex_attention` per step"] = (
+        lambda k, v: attnkit.flex_attention(q, cache_k, cache_v, block_mask=gpt_fast_slice(k.shape[2]),
+                                            enable_gqa=True))
+    calls["FlexAttention on attnkit, gpt-fast's loop: `flex_attention` alone (each step's slice made untimed)"] = (
+        lambda k, v: attnkit.flex_attention(q, cache_k, cache_v, block_mask=sliced[k.shape[2]], enable_gqa=True))
     fixed_k, fixed_v = cache_k[:, :, :a.start], cache_v[:, :, :a.start]
     fixed = {"attnkit, `masks.causal()`, fixed S (no new signature)":
              lambda k, v: attnkit.attention(q, fixed_k, fixed_v, mask=causal)}
@@ -144,6 +173,8 @@ def main(argv=None) -> int:
     for _ in range(a.rounds):
         _fast.clear()  # every round walks the same lengths: forget what the previous round learned
         build_premade()
+        sliced.clear()
+        sliced.update({a.start + t: gpt_fast_slice(a.start + t, 1) for t in range(a.steps)})
         tot = [0.0] * len(fns)
         for t in range(a.steps):
             S = a.start + t
@@ -158,9 +189,11 @@ def main(argv=None) -> int:
     print(f"B = {B}, H = {H}, Hkv = {Hkv}, D = {D}, L = 1, S = {a.start} .. {a.start + a.steps - 1} (one key more per "
           f"step), {a.rounds} rounds, the best round's mean per step\n")
     print("| call | µs per step | ratio (SDPA / this) |\n|---|---|---|")
+    gpt_sdpa = next(i for i, n in enumerate(names) if n.startswith("SDPA over the static cache"))
     sdpa_model = next((t for n, t in zip(names, best, strict=True) if n.endswith("layers: SDPA (enable_gqa)")), None)
     for n, t in zip(names, best, strict=True):
-        base = sdpa_model if "layers:" in n else best[0]  # a model's step against SDPA's model step
+        # a model's step against SDPA's model step, the gpt-fast rows against SDPA's step over the static cache
+        base = sdpa_model if "layers:" in n else best[gpt_sdpa] if "gpt-fast" in n else best[0]
         print(f"| {n} | {t * 1e6:.1f} | {base / t:.2f} |")
     return 0
 

@@ -201,6 +201,7 @@ def block_points(partial: np.ndarray, full: np.ndarray, mod, B: int, H: int, L: 
 
 
 _SMALL_BLOCKS = 1 << 12  # block index entries read with NumPy
+_TINY_BLOCKS = 256  # and in lists
 _SMALL_KINDS = 1 << 16  # block kinds looked up with NumPy, at up to this many points (a decode step's)
 _SMALL_POINTS = 1 << 18
 
@@ -211,7 +212,21 @@ def _small(idx: torch.Tensor) -> bool:
 
 
 def _dense_np(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> np.ndarray:
-    """:func:`_dense` of a small CPU block list, in NumPy (µs, not torch's per-op costs)."""
+    """:func:`_dense` of a small CPU block list, in NumPy (µs, not torch's per-op costs); a decode step's few
+    entries in lists (NumPy's per-call costs dominate ten blocks)."""
+    if idx.numel() <= _TINY_BLOCKS and num.dim() == 3 and idx.dim() == 4:
+        lead = num.shape[:2]
+        dense = np.zeros((*lead, nq, nk), dtype=bool)
+        flat = dense.reshape(-1, nk)  # (a view: rows in (b, h, query block) order)
+        r = 0
+        for nb, ib in zip(num.tolist(), idx.tolist(), strict=True):
+            for nh, ih in zip(nb, ib, strict=True):
+                for count, row in zip(nh[:nq], ih[:nq], strict=True):
+                    for j in row[:max(count, 0)]:
+                        if 0 <= j < nk:  # (indices past nk: none of ours)
+                            flat[r, j] = True
+                    r += 1
+        return dense
     n, ix = num.numpy()[..., :nq], idx.numpy()[..., :nq, :]
     ok = (np.arange(ix.shape[-1]) < n[..., None]) & (ix >= 0) & (ix < nk)  # (indices past nk: none of ours)
     dense = np.zeros((*ix.shape[:-1], nk), dtype=bool)

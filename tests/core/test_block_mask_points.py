@@ -247,3 +247,19 @@ def test_a_tiny_maps_fields_equal_the_numpy_paths(shape, ragged, monkeypatch):
         a, b = getattr(tiny, f), getattr(ref, f)
         assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape and torch.equal(a, b), f
         assert a.is_contiguous()
+
+
+@pytest.mark.parametrize("lead", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("nq, rows, K, nk", [(1, 1, 9, 9), (2, 3, 5, 4), (3, 3, 7, 7)])
+def test_a_tiny_block_lists_dense_map_equals_the_numpy_reading(lead, nq, rows, K, nk, monkeypatch):
+    """kv_num_blocks / kv_indices read into a block map in lists (a decode step's ten entries) as NumPy reads them:
+    the first ``num`` entries of each row, indices outside [0, nk) dropped, rows past nq ignored."""
+    from attnkit import _blockmask
+
+    g = np.random.default_rng(nq * 10 + K + lead[1])
+    num = torch.from_numpy(g.integers(0, K + 2, size=(*lead, rows)).astype(np.int32))
+    idx = torch.from_numpy(g.integers(-1, nk + 2, size=(*lead, rows, K)).astype(np.int32))
+    tiny = _blockmask._dense_np(num, idx, nq, nk)
+    monkeypatch.setattr(_blockmask, "_TINY_BLOCKS", -1)
+    ref = _blockmask._dense_np(num, idx, nq, nk)
+    assert tiny.shape == ref.shape == (*lead, nq, nk) and (tiny == ref).all()
