@@ -1066,8 +1066,8 @@ def test_the_same_new_mod_at_every_layer_of_a_step_is_evaluated_once(spy, monkey
     from attnkit.backends import native
 
     _fast.clear()
-    real, evaluated = native._dense_row_intervals, []
-    monkeypatch.setattr(native, "_dense_row_intervals", lambda *a, **kw: evaluated.append(1) or real(*a, **kw))
+    real, evaluated = native._dense_points, []
+    monkeypatch.setattr(native, "_dense_points", lambda *a, **kw: evaluated.append(1) or real(*a, **kw))
     g = torch.Generator().manual_seed(8)
     caches = [(torch.randn(1, 2, 150, 16, generator=g), torch.randn(1, 2, 150, 16, generator=g)) for _ in range(4)]
     q = torch.randn(1, 8, 1, 16, generator=g)

@@ -19,6 +19,7 @@ import dataclasses
 import threading
 import types
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -272,6 +273,14 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None, spans: b
                    q0  # # # . . .       0   3
                    q1  . # # # # .       1   5      q2 = # . # . . .  -> None (two stretches)
     """
+    a = _dense_points(mask, B, H, L, S, fn)
+    return None if a is None else _bool_row_intervals(a, L, S, spans)
+
+
+def _dense_points(mask, B: int, H: int, L: int, S: int, fn=None) -> torch.Tensor | None:
+    """The mask evaluated at every point of a call of a few query rows: a CPU bool tensor broadcastable to
+    ``(B, H, L, S)``; None where the call is too big to evaluate whole (``_DENSE_POINTS``). Raises as
+    :func:`_dense_row_intervals`."""
     if B * H * L * S > _DENSE_POINTS or S == 0:
         return None
     if fn is None:
@@ -285,7 +294,57 @@ def _dense_row_intervals(mask, B: int, H: int, L: int, S: int, fn=None, spans: b
     if not (len(sh) == 4 and sh[3] in (1, S) and sh[2] in (1, L) and sh[1] in (1, H) and sh[0] in (1, B)) and (
             len(sh) > 4 or any(n not in (1, w) for n, w in zip(sh[::-1], (S, L, H, B), strict=False))):
         raise ValueError(f"mask {mask!r} gave shape {tuple(a.shape)} on the grid (B, H, L, S) = {(B, H, L, S)}")
-    return _bool_row_intervals(a, L, S, spans)
+    return a
+
+
+# A decode step's row of a few stretches of keys (attention sinks and a window: two) runs as one decode call per
+# stretch, merged by their lse; more stretches go to the forward's tile map. From STRETCHES_MIN_S keys: below, the
+# two calls and the merge (~200 µs a step at GQA 8/2 on 2 cores of an AMD EPYC) cost about what SDPA's kernel with
+# the whole mask costs, which the mask then keeps; above, SDPA's time grows with S and theirs does not
+# (benchmarks/decode_sinks.py, BENCHMARKS.md)
+MAX_STRETCHES = 4
+STRETCHES_MIN_S = 4096
+
+
+def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCHES):
+    """The stretches of keys of each row of a CPU bool tensor ``a`` broadcastable to ``(B, H, L, S)``: a list of
+    ``(lo, hi)`` int32 ``(TB, L)`` pairs, the k-th pair each row's k-th stretch (``lo = hi = 0`` where a row has
+    fewer); None where a row has more than ``most`` stretches or heads differ::
+
+        sinks + window, S = 10:  █ █ · · · · █ █ █ █   ->  [(0, 2), (6, 10)]
+    """
+    x = a.numpy()
+    if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
+        row = x.reshape(-1).tobytes()
+        if row.count(0) + row.count(1) == S:  # (else a uint8 buffer viewed as bool: read below)
+            spans = _row_spans(row, most)
+            return None if spans is None else [_one_row(sp, L) for sp in (spans or [(0, 0)])]
+    if x.ndim < 4:
+        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    x = x.view(np.uint8) != 0  # (each byte 0 or 1: a uint8 buffer viewed as bool holds others)
+    if x.shape[1] > 1 and not (x == x[:, :1]).all():  # every head alike, as the decode entry's intervals
+        return None
+    x = np.broadcast_to(x[:, 0], (x.shape[0], x.shape[2], S))  # (TB, 1 or L, S)
+    TB, Lx = x.shape[0], x.shape[1]
+    edges = np.diff(x.astype(np.int8), prepend=np.int8(0), append=np.int8(0), axis=-1)  # +1 starts, -1 ends
+    found = [[(np.flatnonzero(edges[b, i] == 1), np.flatnonzero(edges[b, i] == -1)) for i in range(Lx)]
+             for b in range(TB)]
+    k = max((len(st) for row in found for st, _ in row), default=0)
+    if k > most:
+        return None
+    out = []
+    for j in range(max(k, 1)):
+        lo = np.zeros((TB, Lx), np.int32)
+        hi = np.zeros((TB, Lx), np.int32)
+        for b in range(TB):
+            for i in range(Lx):
+                st, en = found[b][i]
+                if j < len(st):
+                    lo[b, i], hi[b, i] = st[j], en[j]
+        if Lx != L:
+            lo, hi = np.repeat(lo, L, axis=1), np.repeat(hi, L, axis=1)
+        out.append((torch.from_numpy(lo), torch.from_numpy(hi)))
+    return out
 
 
 def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False):
@@ -343,6 +402,23 @@ def _row_span(row: bytes):
         return 0, 0  # no key: a dead row (out 0)
     hi = len(row.rstrip(b"\0"))
     return None if row.find(0, lo, hi) >= 0 else (lo, hi)
+
+
+def _row_spans(row: bytes, most: int) -> list[tuple[int, int]] | None:
+    """The stretches ``[(lo, hi), ...]`` of keys a row allows (its bytes, each 0 or 1), in order; None where there
+    are more than ``most``. Off the bytes in C loops (a search for the next 1, then the next 0)."""
+    spans: list[tuple[int, int]] = []
+    n, at = len(row), 0
+    while True:
+        lo = row.find(1, at)
+        if lo < 0:
+            return spans
+        if len(spans) == most:
+            return None
+        hi = row.find(0, lo)
+        hi = n if hi < 0 else hi
+        spans.append((lo, hi))
+        at = hi
 
 
 def _one_row(span: tuple[int, int], L: int):
@@ -435,7 +511,52 @@ DECODE_ROWS = 16
 
 
 # NativeDecode's one refusal that reads a bool tensor mask's values (the rest read its shape, as the call signature)
-ROWS_REFUSAL = "a bool mask whose rows are not one stretch of keys each, the same for every head"
+ROWS_REFUSAL = "a bool mask whose rows are not one stretch of keys each (nor a few), the same for every head"
+
+
+def _merge(parts):
+    """``(out, lse)`` of a row's keys from ``(out_k, lse_k)`` of its stretches (fp32; see
+    :meth:`NativeDecode._run_stretches`)."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = np.stack([p[1].numpy() for p in parts])  # (K, B, H, L), in NumPy: a decode step's few values (µs)
+    m = lse.max(0)
+    base = np.where(np.isneginf(m), np.float32(0), m)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        w = np.exp(lse - base)
+        den = w.sum(0)
+        out = parts[0][0].numpy() * w[0][..., None]
+        for k in range(1, len(parts)):
+            out += parts[k][0].numpy() * w[k][..., None]
+        out /= np.where(den > 0, den, np.float32(1))[..., None]
+        return torch.from_numpy(out), torch.from_numpy(base + np.log(den))
+
+
+def _first_rows(req: Request):
+    """The row intervals the decode entry's prepared record takes its shapes from: the mask's, or its first
+    stretch's (rows of a few stretches)."""
+    st = req.memo.get("row_stretches")
+    return st[0] if st is not None else req.memo["row_intervals"]
+
+
+def _rows_known(req: Request) -> bool:
+    return "row_intervals" in req.memo or "row_stretches" in req.memo
+
+
+def _stretches(req: Request, points) -> bool:
+    """Whether the rows are a few stretches of keys each (``points()``: the mask's bool points, or None), kept in
+    ``req.memo["row_stretches"]`` for :meth:`NativeDecode.run`."""
+    if req.shape[3] < STRETCHES_MIN_S:
+        return False
+    try:
+        a = points()
+        st = None if a is None else _bool_row_stretches(a, req.shape[2], req.shape[3])
+    except Exception:  # a mod that cannot run so: the other kernels evaluate it their way
+        return False
+    if st is None:
+        return False
+    req.memo["row_stretches"] = st
+    return True
 
 
 class NativeDecode(Kernel):
@@ -476,34 +597,43 @@ class NativeDecode(Kernel):
         if refused:
             return [refused]
         if req.plan is not None and "row_intervals" not in req.memo:  # a BlockMask's tiles, its mod in the partial
+            pts: list = []
             try:  # ones (FlexAttention's meaning): each row's one stretch of keys, read off its points or its tile map
                 if B * H * L * S <= _DENSE_POINTS:
-                    iv = _dense_row_intervals(_plan_mask(req.plan, req.plan_extra), B, H, L, S)
+                    pts.append(_dense_points(_plan_mask(req.plan, req.plan_extra), B, H, L, S))
+                    iv = _bool_row_intervals(pts[0], L, S)
                 else:
                     iv = _tilebits.row_intervals(_tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S), L, S)
             except Exception:
                 iv = None
-            if iv is None:
-                return ["a plan whose rows are not one stretch of keys each, the same for every head"]
-            req.memo["row_intervals"] = iv
-        if req.dense_mask is not None and "row_intervals" not in req.memo:  # the call's own bool mask, its rows
+            if iv is None and not (pts and _stretches(req, lambda: pts[0])):
+                return ["a plan whose rows are not one stretch of keys each (nor a few), the same for every head"]
+            if iv is not None:
+                req.memo["row_intervals"] = iv
+        if req.dense_mask is not None and not _rows_known(req):  # the call's own bool mask, its rows
             iv = _bool_row_intervals(req.dense_mask, L, S)
-            if iv is None:
+            if iv is None and not _stretches(req, lambda: req.dense_mask):
                 return [ROWS_REFUSAL]
-            req.memo["row_intervals"] = iv
-        if "row_intervals" not in req.memo:
+            if iv is not None:
+                req.memo["row_intervals"] = iv
+        if not _rows_known(req):
             mask = req.mask if req.mask is not None else _FULL
             iv = _row_intervals(mask, B, L, S)
+            dense = B * H * L * S <= _DENSE_POINTS
+            points: list = []
             if iv is None and type(mask) not in _CLOSED_FORM:  # a user's mask_mod (or & | ~ of one): its rows
                 try:  # evaluated at every point (a few rows), or read off its tile map, cached by content
-                    dense = B * H * L * S <= _DENSE_POINTS
-                    iv = (_dense_row_intervals(mask, B, H, L, S) if dense
-                          else _tilebits.row_intervals(_tilebits.tile_bits(mask, B, H, L, S), L, S))
+                    if dense:
+                        points.append(_dense_points(mask, B, H, L, S))
+                        iv = _bool_row_intervals(points[0], L, S)
+                    else:
+                        iv = _tilebits.row_intervals(_tilebits.tile_bits(mask, B, H, L, S), L, S)
                 except Exception:  # a mod that cannot run so: the other kernels evaluate it their way
                     iv = None
-            if iv is None:
-                return [f"mask {req.mask!r} is not one stretch of keys per row, the same for every head"]
-            req.memo["row_intervals"] = iv
+            if iv is None and not (points and _stretches(req, lambda: points[0])):
+                return [f"mask {req.mask!r} is not one stretch of keys per row (nor a few), the same for every head"]
+            if iv is not None:
+                req.memo["row_intervals"] = iv
         if not _native.available():
             return [_native.unavailable_reason()]
         return []
@@ -522,10 +652,27 @@ class NativeDecode(Kernel):
                 f"against its K/V read once, split-K over the threads with an exact lse merge{mod}")
 
     def run(self, req: Request):
+        stretches = req.memo.get("row_stretches")
+        if stretches is not None:
+            return self._run_stretches(req, stretches)
         lo, hi = req.memo["row_intervals"]
         out, lse = _native.decode(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi, req.scale, need_lse=req.need_lse,
                                   alibi=_alibi(req), prog=req.memo.get("score_prog"))
         return out.to(req.q.dtype), lse
+
+    @staticmethod
+    def _run_stretches(req: Request, stretches):
+        """Rows of a few stretches of keys (:func:`_bool_row_stretches`): one decode call per stretch, each with
+        its lse, merged exactly as the kernel merges its split-K chunks::
+
+            out = Σ_k e^(lse_k − M) out_k / Σ_k e^(lse_k − M),   lse = M + log Σ_k e^(lse_k − M),   M = max_k lse_k
+
+        A row without a key in a stretch weighs 0 there (lse −inf); in none: out 0, lse −inf; NaN reaches the row."""
+        q, k, v = _rows(req.q), _rows(req.k), _rows(req.v)
+        parts = [_native.decode(q, k, v, lo, hi, req.scale, need_lse=True, alibi=_alibi(req),
+                                prog=req.memo.get("score_prog")) for lo, hi in stretches]
+        out, lse = _merge(parts)
+        return out.to(req.q.dtype), (lse if req.need_lse else None)
 
     def replay(self, req: Request, user_mask):
         """The prepared call for :mod:`attnkit._fast` (see ``sdpa.Fused.replay``): the row intervals of this
@@ -534,18 +681,20 @@ class NativeDecode(Kernel):
             return None
         if type(user_mask) is torch.Tensor:
             return self._replay_bool(req, user_mask)
-        lo, hi = req.memo["row_intervals"]
+        lo, hi = _first_rows(req)
         default = req.scale
         dt = req.q.dtype
         # the record for this signature, built once: a call writes strides, pointers and scale (rows read in place);
         # a score_mod's program (its tables its own copies) or ALiBi's slopes, copied: the record outlives the call
         alibi = _alibi(req)
+        stretches = req.memo.get("row_stretches")
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi,
                                    alibi=None if alibi is None else alibi.detach().clone(),
-                                   prog=req.memo.get("score_prog"))
+                                   prog=req.memo.get("score_prog"), with_lse=stretches is not None)
 
         def run(q, k, v, mask, scale):
-            out = step(q, k, v, default if scale is None else scale)
+            sc = default if scale is None else scale
+            out = step(q, k, v, sc) if stretches is None else _merge([step(q, k, v, sc, a, b) for a, b in stretches])[0]
             return out if dt is torch.float32 else out.to(dt)
 
         return run
@@ -559,7 +708,7 @@ class NativeDecode(Kernel):
         score_mod validated at S (an invalid call returns None: the full path raises its error), the row
         intervals at S (a built-in mask's, cached; not one stretch per row: None), the program traced for up to
         ``max_s`` keys (beyond: None). None here for what only the exact signature fixes (a ``mask_mod``'s rows
-        read off its tile map, a plan, a tensor mask)."""
+        read off its tile map, a plan, a tensor mask) and for rows of a few stretches (each call the full path)."""
         if req.need_lse or req.weight_heads is not None or req.sinks is not None:
             return None
         if type(user_mask) is torch.Tensor:  # its family is its shape without S (attnkit._fast._family)
@@ -567,6 +716,8 @@ class NativeDecode(Kernel):
         parts = [_masks.causal()] if causal else []
         if user_mask is not None and type(user_mask) not in _CLOSED_FORM:
             return self._replay_mod_family(req, user_mask, causal)
+        if "row_stretches" in req.memo:
+            return None  # (a built-in's rows are one stretch: not reached)
         if user_mask is not None:
             parts.append(user_mask)
         mask = parts[0] if len(parts) == 1 else _masks.And(*parts) if parts else _FULL
@@ -632,7 +783,7 @@ class NativeDecode(Kernel):
         if user_mask.dtype is not torch.bool or unprepared:
             return None
         B, H, L, S0, *_ = req.shape
-        lo0, hi0 = req.memo["row_intervals"]
+        lo0, hi0 = _first_rows(req)
         prog = req.memo.get("score_prog")
         alibi = _alibi(req)
         max_s = prog.max_s if prog is not None else None
@@ -640,6 +791,7 @@ class NativeDecode(Kernel):
         spans = shape[0] == 1  # one interval for every row may come as two ints (the step writes them in place)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
                                    alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
+        few = _FewStretches(req, lo0, hi0, alibi, prog)
 
         def run(q, k, v, mask, scale):
             S = k.shape[2]
@@ -647,10 +799,16 @@ class NativeDecode(Kernel):
                 return None
             if mask.dim() and mask.shape[-1] not in (1, S):
                 return None  # (the full path says what is wrong with it)
+            sc = default if scale is None else scale
             iv = _bool_row_intervals(mask, L, S, spans)  # (any rank up to 4: read as (1, ..., S))
-            if iv is None or (type(iv[0]) is not int and iv[0].shape != shape):
+            if iv is None:  # rows of a few stretches (sinks and a window): one call each, merged
+                out = few(q, k, v, sc, _bool_row_stretches(mask, L, S))
+                if out is None:
+                    return None
+            elif type(iv[0]) is not int and iv[0].shape != shape:
                 return None
-            out = step(q, k, v, default if scale is None else scale, iv[0], iv[1])
+            else:
+                out = step(q, k, v, sc, iv[0], iv[1])
             return out if dt is torch.float32 else out.to(dt)
 
         return run
@@ -666,13 +824,14 @@ class NativeDecode(Kernel):
         if not (is_plan or isinstance(user_mask, (_masks.Mask, types.FunctionType))):
             return None
         B, H, L, *_ = req.shape
-        lo0, hi0 = req.memo["row_intervals"]
+        lo0, hi0 = _first_rows(req)
         prog = req.memo.get("score_prog")
         alibi = _alibi(req)
         if req.score_mod is not None and prog is None and alibi is None:
             return None
         max_s = prog.max_s if prog is not None else None
         default, dt, shape, sm = req.scale, req.q.dtype, lo0.shape, req.score_mod
+        few = _FewStretches(req, lo0, hi0, alibi, prog)
         check = sm.validate if isinstance(sm, _score_mods.ScoreMod) else None
         spans = shape[0] == 1  # one interval for every row may come as two ints (the step writes them in place)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
@@ -689,44 +848,78 @@ class NativeDecode(Kernel):
                     check(B, H, L, S)
                 if is_plan:  # a new BlockMask every step (FlexAttention's decode loop): its own blocks and mod
                     user.check(B, H, L, S)
-                    iv = _dense_row_intervals(_plan_mask(user, causal_mask), B, H, L, S, spans=spans)
+                    a = _dense_points(_plan_mask(user, causal_mask), B, H, L, S)
                 elif causal_mask is None and type(user) is types.FunctionType and _mods.broadcast_safe(
                         user, False, B, H, L, S):  # (known per code: one lookup) the mod itself, on the indices
-                    iv = _dense_row_intervals(user, B, H, L, S, fn=user, spans=spans)
+                    a = _dense_points(user, B, H, L, S, fn=user)
                 else:
                     m = user if isinstance(user, _masks.Mask) else _masks.FromMod(user)
                     if causal_mask is not None:
                         m = _masks.And(causal_mask, m)
-                    iv = _dense_row_intervals(m, B, H, L, S, spans=spans)
+                    a = _dense_points(m, B, H, L, S)
+                iv = None if a is None else _bool_row_intervals(a, L, S, spans)
+                if iv is None and a is not None:  # rows of a few stretches (sinks and a window): a list of them
+                    return _bool_row_stretches(a, L, S)
             except Exception:  # whatever the mod raises: the full path raises it, with its context
                 return None
             if iv is None or (type(iv[0]) is not int and iv[0].shape != shape):
                 return None
             return iv  # (two ints, or two tensors no one else holds: safe to keep for run_exact)
 
+        def call(q, k, v, sc, iv):
+            """The kernel on rows ``iv``: one stretch each (lo, hi), or a few (a list: one call each, merged)."""
+            if isinstance(iv, list):
+                return few(q, k, v, sc, iv)
+            return step(q, k, v, sc, iv[0], iv[1])
+
         def run(q, k, v, user, scale):
             iv = rows(k, v, user)
-            if iv is None:
+            out = None if iv is None else call(q, k, v, default if scale is None else scale, iv)
+            if out is None:
                 return None
-            out = step(q, k, v, default if scale is None else scale, iv[0], iv[1])
             return out if dt is torch.float32 else out.to(dt)
 
         def exact(q, k, v, user):
             """The prepared call for this call's exact signature (its mod's content and S fixed: the rows too), for
             the next calls with the same mod — a model's other layers in this step — or None."""
             iv = rows(k, v, user)
-            if iv is None:
+            if iv is None or (isinstance(iv, list) and not few.fits(iv, k.shape[2])):
                 return None
-            lo, hi = iv
 
             def run_exact(q, k, v, mask, scale):
-                out = step(q, k, v, default if scale is None else scale, lo, hi)
+                out = call(q, k, v, default if scale is None else scale, iv)
                 return out if dt is torch.float32 else out.to(dt)
 
             return run_exact
 
         run.exact = exact  # type: ignore[attr-defined]
         return run
+
+
+class _FewStretches:
+    """A replay's rows of a few stretches of keys each (:func:`_bool_row_stretches`): one decode call per stretch
+    with its lse, merged (:func:`_merge`), on a record prepared once (on first use) for the replay's signature
+    (its lo / hi of the shapes of the first call's rows)."""
+
+    def __init__(self, req: Request, lo0, hi0, alibi, prog):
+        self.shape, self.lo0, self.hi0, self.prog = lo0.shape, lo0, hi0, prog
+        self.alibi = None if alibi is None else alibi.detach().clone()
+        self.step: Callable | None = None  # (made from the first call that needs it: no tensor of req kept)
+
+    def fits(self, stretches, S: int | None = None) -> bool:
+        return stretches is not None and all(lo.shape == self.shape for lo, _ in stretches) and \
+            (S is None or S >= STRETCHES_MIN_S)
+
+    def __call__(self, q, k, v, scale, stretches):
+        """The merged output (fp32), or None where the rows are more stretches or of other shapes, or the cache
+        shorter than ``STRETCHES_MIN_S`` (the full path's rule, so a replay gives its answer bit for bit)."""
+        if not self.fits(stretches) or k.shape[2] < STRETCHES_MIN_S:
+            return None
+        step = self.step
+        if step is None:
+            step = self.step = _native.decode_step(_rows(q), _rows(k), _rows(v), self.lo0, self.hi0,
+                                                   alibi=self.alibi, prog=self.prog, with_lse=True)
+        return _merge([step(q, k, v, scale, lo, hi) for lo, hi in stretches])[0]
 
 
 NATIVE_DECODE = NativeDecode()

@@ -1,0 +1,197 @@
+"""A decode step whose rows are a few stretches of keys (attention sinks and a window): one decode call per stretch,
+merged by their lse (``NativeDecode._run_stretches``), on the full path and on every replay (the exact signature, a
+decode loop's family of a mod, a bool tensor each call).
+
+Error budget: each stretch's call is the decode entry's (fp32 arithmetic, bf16 / fp16 widened exactly), and the
+merge adds a few fp32 roundings per row (as the kernel's own split-K merge): conftest's fp32 budget against
+float64 on the same values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import budget, golden, require_kernel
+
+import attnkit
+from attnkit import _fast, score_mods
+from attnkit.backends import native
+
+S_LONG = native.STRETCHES_MIN_S + 300  # above the size from which such rows run on the decode entry
+
+
+def _inputs(B, H, Hkv, L, S, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, L, 16, generator=g).to(dtype), torch.randn(B, Hkv, S, 16, generator=g).to(dtype),
+            torch.randn(B, Hkv, S, 16, generator=g).to(dtype))
+
+
+def _golden(q, k, v, mask, **kw):
+    g = q.shape[1] // k.shape[1]
+    return golden(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), mask=mask, **kw)
+
+
+def _sinks(S, sinks=4, window=700):
+    return lambda b, h, qi, kv: (kv < sinks) | (kv > qi + S - 1 - window)
+
+
+def _dense(mod, B, H, L, S):
+    idx = [torch.arange(n).view(*(n if d == i else 1 for d in range(4))) for i, n in enumerate((B, H, L, S))]
+    return mod(*idx).expand(B, H, L, S)
+
+
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_and_a_window_run_on_the_decode_entry_exactly(L, dtype):
+    require_kernel()
+    S = S_LONG
+    q, k, v = _inputs(2, 8, 2, L, S, dtype)
+    mod = _sinks(S)
+    assert attnkit.dispatch(q, k, v, mask=mod).kernel.name == "native-decode"
+    with torch.no_grad():
+        out, lse = attnkit.attention(q, k, v, mask=mod, return_lse=True)
+        ref, ref_lse = _golden(q, k, v, _dense(mod, 2, 8, L, S))
+    assert out.dtype == dtype
+    tol = budget(torch.float32, 16, S) if dtype == torch.float32 else budget(dtype, 16, S)
+    assert (out.double() - ref).abs().max().item() <= tol
+    assert (lse.double() - ref_lse).abs().max().item() <= budget(torch.float32, 16, S)
+
+
+def test_rows_with_different_stretches_a_dead_row_and_a_score_mod():
+    """Query rows with 1, 2, 3 and 0 stretches (the last sees no key: out 0, lse -inf), a soft cap on the scores."""
+    require_kernel()
+    S = S_LONG
+
+    def mod(b, h, qi, kv):
+        return (((qi == 0) & (kv < 300)) | ((qi == 1) & ((kv < 10) | (kv > S - 50)))
+                | ((qi == 2) & ((kv % 1500) < 3)))
+
+    q, k, v = _inputs(1, 4, 4, 4, S, seed=1)
+    cap = score_mods.softcap(5.0)
+    with torch.no_grad():
+        assert attnkit.dispatch(q, k, v, mask=mod, score_mod=cap).kernel.name == "native-decode"
+        out, lse = attnkit.attention(q, k, v, mask=mod, score_mod=cap, return_lse=True)
+        ref, ref_lse = _golden(q, k, v, _dense(mod, 1, 4, 4, S), score_mod=cap)
+    live = slice(0, 3)
+    assert (out[:, :, live].double() - ref[:, :, live]).abs().max().item() <= budget(torch.float32, 16, S)
+    assert (lse[:, :, live].double() - ref_lse[:, :, live]).abs().max().item() <= budget(torch.float32, 16, S)
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3])) and torch.isneginf(lse[:, :, 3]).all()
+
+
+def test_more_stretches_than_the_decode_entry_takes_run_elsewhere_exactly():
+    require_kernel()
+    S = S_LONG
+    mod = lambda b, h, qi, kv: (kv % 800) < 5  # noqa: E731  (six stretches)
+    q, k, v = _inputs(1, 4, 2, 1, S, seed=2)
+    assert attnkit.dispatch(q, k, v, mask=mod).kernel.name != "native-decode"
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v, mask=mod)
+    ref = _golden(q, k, v, _dense(mod, 1, 4, 1, S))[0]
+    assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S)
+
+
+def test_short_caches_keep_the_whole_mask_on_another_kernel():
+    require_kernel()
+    S = native.STRETCHES_MIN_S - 1
+    q, k, v = _inputs(1, 8, 2, 1, S, seed=3)
+    assert attnkit.dispatch(q, k, v, mask=_sinks(S)).kernel.name != "native-decode"
+
+
+def test_repeated_calls_and_a_decode_loop_replay_exactly():
+    """The same call again (the exact signature's replay), then a loop one key longer each step with a new mod and a
+    new bool tensor each step (the families' replays): every step against the float64 golden."""
+    require_kernel()
+    _fast.clear()
+    S0, steps = S_LONG, 6
+    q, cache_k, cache_v = _inputs(1, 8, 2, 1, S0 + steps, seed=4)
+    with torch.no_grad():
+        for t in range(steps):
+            S = S0 + t
+            k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+            mod = _sinks(S, sinks=3 + t % 2)
+            kept = _dense(mod, 1, 1, 1, S)
+            ref = _golden(q, k, v, kept)[0]
+            for _ in range(2):
+                for mask in (mod, kept.clone()):
+                    out = attnkit.attention(q, k, v, mask=mask)
+                    assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S)
+                    assert torch.equal(out, _full(q, k, v, mask=mask))  # a replay: the full path's bits
+
+
+def _full(q, k, v, **kw):
+    """The same call through the full path (make_request -> decide -> backend), no replay."""
+    real = _fast.attention
+    _fast.attention = lambda *a: None
+    try:
+        return attnkit.attention(q, k, v, **kw)
+    finally:
+        _fast.attention = real
+
+
+def test_a_family_first_seen_with_one_stretch_takes_two_as_the_full_path_does():
+    """A decode loop's family learned on a one-stretch mask, then given two stretches (and a short cache, where
+    the full path keeps such rows off the decode entry): the full path's answer, bit for bit."""
+    require_kernel()
+    q, k, v = _inputs(1, 4, 2, 1, S_LONG, seed=7)
+    for S in (S_LONG, native.STRETCHES_MIN_S - 10):
+        _fast.clear()
+        kk, vv = k[:, :, :S], v[:, :, :S]
+        one = torch.zeros(1, 1, 1, S, dtype=torch.bool)
+        one[..., 100:900] = True
+        two = one.clone()
+        two[..., :4] = True
+        with torch.no_grad():
+            for m in (one, two, one, two):
+                assert torch.equal(attnkit.attention(q, kk, vv, mask=m), _full(q, kk, vv, mask=m))
+
+
+def test_a_bool_mask_of_bytes_other_than_0_and_1():
+    """A uint8 buffer viewed as bool (bytes of 2: True to torch) gives the stretches torch reads."""
+    require_kernel()
+    S = S_LONG
+    raw = torch.zeros(S, dtype=torch.uint8)
+    raw[:4] = 2
+    raw[S - 500:] = 1
+    mask = raw.view(torch.bool).view(1, 1, 1, S)
+    q, k, v = _inputs(1, 4, 2, 1, S, seed=5)
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v, mask=mask)
+    ref = _golden(q, k, v, raw.bool().view(1, 1, 1, S))[0]
+    assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S)
+
+
+def test_nan_in_a_stretch_reaches_the_row():
+    require_kernel()
+    S = S_LONG
+    q, k, v = _inputs(1, 4, 2, 1, S, seed=6)
+    v[0, 0, 1, 3] = float("nan")  # inside the sinks
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v, mask=_sinks(S))
+    assert torch.isnan(out[0, :2, 0, 3]).all() and not torch.isnan(out[0, 2:]).any()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_stretches_of_a_row_equal_a_plain_scan(seed):
+    g = np.random.default_rng(seed)
+    S = 97
+    x = torch.from_numpy(g.random((2, 1, 3, S)) < (0.03 if seed % 2 else 0.5))
+    x[0, 0, 0] = False  # a row with no key
+    got = native._bool_row_stretches(x, 3, S, most=1000)
+    for b in range(2):
+        for i in range(3):
+            row = x[b, 0, i].tolist()
+            want = [(j, j + 1) for j in range(S) if row[j]]
+            merged: list = []
+            for lo, hi in want:
+                if merged and merged[-1][1] == lo:
+                    merged[-1] = (merged[-1][0], hi)
+                else:
+                    merged.append((lo, hi))
+            spans = [(int(lo[b, i]), int(hi[b, i])) for lo, hi in got if hi[b, i] > lo[b, i]]
+            assert spans == merged
+    one = x[1, 0, 1].view(1, 1, 1, S)  # one shared row: read off its bytes
+    got_one = native._bool_row_stretches(one, 4, S, most=1000)
+    assert [(int(lo[0, 0]), int(hi[0, 0])) for lo, hi in got_one if hi[0, 0] > lo[0, 0]] == \
+        [(int(lo[1, 1]), int(hi[1, 1])) for lo, hi in got if hi[1, 1] > lo[1, 1]]
+    assert native._bool_row_stretches(one, 1, S, most=0) is None or not one.any()
