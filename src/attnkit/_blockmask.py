@@ -98,7 +98,7 @@ def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str
     if getattr(device, "type", device) == "cpu" and _masks.small_grid(B, H, L, S):
         plan = _block_mask_plan(block_mask, B, H, L, S, device, arg)
         if isinstance(plan, torch.Tensor):
-            _Evaluated.attach(block_mask, block_mask.mask_mod, plan.numpy())
+            _Evaluated.attach(block_mask, block_mask.mask_mod, plan.numpy(), (B, H))
         return plan
     key = _content_key(block_mask, B, H, L, S, device)
     if key is not None and key in _PLANS:
@@ -171,6 +171,11 @@ def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: st
     return BlockPlan(m, B, H, L, S, (bm, bn), kinds.cpu())
 
 
+def x_small(nk: int, bn: int, S: int) -> bool:
+    """Whether ``nk`` key blocks of ``bn`` repeated out cost little more than S points (else: indexed)."""
+    return nk * bn <= 2 * S + 4096
+
+
 def block_points(partial: np.ndarray, full: np.ndarray, mod, B: int, H: int, L: int, S: int,
                  block: tuple[int, int]) -> torch.Tensor | None:
     """The bool points ``(Bx, Hx, L, S)`` of a small block mask (a decode step's): every point of a full block,
@@ -185,8 +190,11 @@ def block_points(partial: np.ndarray, full: np.ndarray, mod, B: int, H: int, L: 
     bm, bn = block
     rows = np.arange(L) // bm
 
+    cols = None if x_small(full.shape[3], bn, S) else np.arange(S) // bn
+
     def spread(x):  # each block's kind over its points: (Bb, Hb, nq, nk) -> (Bb, Hb, L, S), a new array
-        return np.repeat(x[:, :, rows], bn, axis=3)[..., :S]
+        x = x[:, :, rows]
+        return np.repeat(x, bn, axis=3)[..., :S] if cols is None else x[..., cols]
 
     points = spread(full)
     if partial.any():

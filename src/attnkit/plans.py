@@ -373,6 +373,7 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     if not callable(mask_mod):
         raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool tensor, "
                         f"got {type(mask_mod).__name__}.")
+    b_none, h_none = B is None, H is None
     B = 1 if B is None else _check_size("B", B)
     H = 1 if H is None else _check_size("H", H)
     Q_LEN, KV_LEN = _check_size("Q_LEN", Q_LEN), _check_size("KV_LEN", KV_LEN)
@@ -384,10 +385,16 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     dev = torch.device(device)
     fm = _masks.from_mod(mask_mod)
     if dev.type == "cpu" and _masks.small_grid(B, H, Q_LEN, KV_LEN):  # a decode step's: every point, once
-        points = _masks.small_grid_points(fm.bind(Q_LEN, KV_LEN), B, H, Q_LEN, KV_LEN)
-        kinds = _masks.points_kinds(points, Q_LEN, KV_LEN, *block)
+        # B / H None (1): evaluated at 2 there, so that points of one row / head (the mod ignores b / h) hold a
+        # call of any batch / heads; a mod that reads them gets its first row's blocks (as torch's) and no points
+        Be, He = max(B, 2) if b_none else B, max(H, 2) if h_none else H
+        small = _masks.small_grid(Be, He, Q_LEN, KV_LEN)
+        points = _masks.small_grid_points(fm.bind(Q_LEN, KV_LEN), *((Be, He) if small else (B, H)), Q_LEN, KV_LEN)
+        first = points[:1 if b_none else None, :1 if h_none else None]
+        kinds = _masks.points_kinds(first, Q_LEN, KV_LEN, *block)
         bmask = _block_mask(kinds.expand(B, H, *kinds.shape[-2:]), block, Q_LEN, KV_LEN, mask_mod, device=dev)
-        _Evaluated.attach(bmask, mask_mod, points)
+        if points.shape[:2] == first.shape[:2] or not (b_none or h_none):
+            _Evaluated.attach(bmask, mask_mod, points, (Be, He) if small else (B, H))
         return bmask
     p = plan(fm, Q_LEN, KV_LEN, B=B, H=H, block=block)
     kinds = p._kinds.expand(B, H, *p._kinds.shape[-2:])  # torch's fields carry every (b, h)
@@ -395,54 +402,73 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
 
 
 _KV_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+# a call at most this big (B·H·L·S, its L a decode step's) reads a BlockMask's kept points as a bool mask; a bigger
+# one (a large batch, a training step) its blocks as a plan (the tiled kernels' way)
+_POINTS_MAX = 1 << 20
 
 
 class _Evaluated:
-    """The points :func:`create_block_mask` evaluated for a decode step's small grid, kept on the ``BlockMask``
-    it returns (``_attnkit_points``) so that ``flex_attention`` reads that step's mask off them instead of
-    turning the blocks back into a plan and evaluating the mod again (most of a FlexAttention decode step's
-    cost). Trusted only while what they rest on holds, checked at every use (:meth:`points`): the same
-    ``mask_mod`` with the same value key (its code and captured values; a CPU tensor it reads by content),
-    the same four ``kv_*`` tensors holding the same bytes (an in-place edit is seen), the same block size and
-    lengths. Anything else (a mod without a value key, a BlockMask that ``.to()`` / slicing / ``_adjust``
-    made) goes the general way, which reads the blocks as FlexAttention's kernels do."""
+    """The points a decode step's BlockMask means, kept on it (``_attnkit_points``): those
+    :func:`create_block_mask` evaluated, or those its first call read off its blocks (``_blockmask``), so that
+    ``flex_attention`` reads the step's mask off them instead of turning the blocks back into a plan and evaluating
+    the mod again (most of a FlexAttention decode step's cost). Trusted only while what they rest on holds,
+    checked at every use (:meth:`points`): the same ``mask_mod`` with the same value key (its code and captured
+    values; a CPU tensor it reads by content), the same four ``kv_*`` tensors at the same place holding the same
+    bytes (an in-place edit is seen), the same block size and lengths; a call's batch rows and heads those the
+    points hold (``at``: the sizes they were evaluated at; a points dim of 1 holds any size only where the mod was
+    evaluated at 2 or more there and did not depend on it). Anything else (a mod without a value key, a
+    BlockMask that ``.to()`` / slicing / ``_adjust`` made) goes the general way, which reads the blocks as
+    FlexAttention's kernels do."""
 
-    __slots__ = ("block", "fields", "key", "layout", "mod", "rows", "seq", "snapshot", "tensor", "views")
+    __slots__ = ("at", "block", "fields", "key", "layout", "mod", "rows", "seq", "snapshot", "tensor")
 
-    def __init__(self, bmask, mod, key, points: np.ndarray):
-        self.mod, self.key = mod, key
-        # (Bp, Hp, L, S), never handed out; each byte 0 or 1 (a mod may give a uint8 buffer viewed as bool)
+    def __init__(self, bmask, mod, key, points: np.ndarray, at: tuple[int, int]):
+        self.mod, self.key, self.at = mod, key, at
+        # (Bx, Hx, L, S), never handed out; each byte 0 or 1 (a mod may give a uint8 buffer viewed as bool)
         self.tensor = torch.from_numpy(np.ascontiguousarray(points).view(np.uint8) != 0)
         self.block, self.seq = tuple(bmask.BLOCK_SIZE), tuple(bmask.seq_lengths)
         self.fields = tuple(getattr(bmask, n) for n in _KV_FIELDS)
-        self.views = tuple(t.numpy() for t in self.fields if t is not None)  # their memory, read at every use
-        self.layout, self.snapshot = self._now(self.fields)
+        self.layout = _layout(self.fields)
+        self.snapshot = _contents(self.fields)
         self.rows = tuple(self.fields[0].shape[:2])  # the BlockMask's own (b, h) rows
 
-    def _now(self, fields) -> tuple[tuple, bytes]:
-        """The fields' layout (data pointer, shape, strides; None kept) and their bytes, as they are now."""
-        return (tuple(None if t is None else (t.data_ptr(), t.shape, t.stride()) for t in fields),
-                b"".join([v.tobytes() for v in self.views]))
-
     @classmethod
-    def attach(cls, bmask, mod, points: np.ndarray) -> None:
+    def attach(cls, bmask, mod, points: np.ndarray, at: tuple[int, int]) -> None:
+        """Keep ``points`` (bool ``(Bx, Hx, L, S)``, evaluated for ``at`` = (B, H)) on ``bmask`` where its mod has a
+        value key and its fields live on the CPU; else nothing."""
         key = _mods.value_key(mod)
         fields = [getattr(bmask, n) for n in _KV_FIELDS]
         if key is None or fields[0] is None or not all(t is None or t.is_cpu for t in fields):
             return  # a mod reading data that may change unseen: nothing kept
         with contextlib.suppress(AttributeError):  # (a torch whose BlockMask takes no new attributes: the general way)
-            bmask._attnkit_points = cls(bmask, mod, key, points)
+            bmask._attnkit_points = cls(bmask, mod, key, points, at)
+
+    def holds(self, B: int, H: int) -> bool:
+        """Whether the points hold a call of B batch rows and H heads."""
+        (Bx, Hx), (Be, He) = self.tensor.shape[:2], self.at
+        return (Bx == B or (Bx == 1 and Be >= 2)) and (Hx == H or (Hx == 1 and He >= 2))
 
     def points(self, bmask, B: int, H: int, L: int, S: int, device) -> torch.Tensor | None:
-        """The bool points ``(Bp, Hp, L, S)`` where they still mean what ``bmask`` means for a call of these sizes
-        on ``device``; None otherwise (the caller reads the blocks)."""
+        """The bool points ``(Bx, Hx, L, S)`` where they still mean what ``bmask`` means for a call of these sizes
+        on ``device`` (at most ``_POINTS_MAX`` points); None otherwise (the caller reads the blocks)."""
         Bp, Hp = self.rows
         if self.seq != (L, S) or Bp not in (1, B) or Hp not in (1, H) or getattr(device, "type", device) != "cpu" or \
-                bmask.mask_mod is not self.mod or tuple(bmask.seq_lengths) != self.seq or \
-                tuple(bmask.BLOCK_SIZE) != self.block:
+                not self.holds(B, H) or B * H * L * S > _POINTS_MAX or bmask.mask_mod is not self.mod or \
+                tuple(bmask.seq_lengths) != self.seq or tuple(bmask.BLOCK_SIZE) != self.block:
             return None  # (a size mismatch: the general way names it)
         fields = (bmask.kv_num_blocks, bmask.kv_indices, bmask.full_kv_num_blocks, bmask.full_kv_indices)
-        if any(a is not b for a, b in zip(fields, self.fields, strict=True)) or \
-                self._now(fields) != (self.layout, self.snapshot) or _mods.value_key(self.mod) != self.key:
-            return None  # replaced, edited in place, or the mod's captured values changed
+        if any(a is not b for a, b in zip(fields, self.fields, strict=True)) or _layout(fields) != self.layout or \
+                _contents(fields) != self.snapshot or _mods.value_key(self.mod) != self.key:
+            return None  # replaced, moved, edited in place, or the mod's captured values changed
         return self.tensor
+
+
+def _layout(fields) -> tuple:
+    """The fields' layout: data pointer, shape, strides (None kept as None)."""
+    return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride()) for t in fields)
+
+
+def _contents(fields) -> bytes:
+    """The fields' bytes, as they are now (read through each tensor, after its layout was compared: never memory
+    a ``set_`` / ``resize_`` let go)."""
+    return b"".join([t.numpy().tobytes() for t in fields if t is not None])

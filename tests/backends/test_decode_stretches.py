@@ -195,3 +195,12 @@ def test_the_stretches_of_a_row_equal_a_plain_scan(seed):
     assert [(int(lo[0, 0]), int(hi[0, 0])) for lo, hi in got_one if hi[0, 0] > lo[0, 0]] == \
         [(int(lo[1, 1]), int(hi[1, 1])) for lo, hi in got if hi[1, 1] > lo[1, 1]]
     assert native._bool_row_stretches(one, 1, S, most=0) is None or not one.any()
+
+
+def test_the_merged_output_is_an_ordinary_tensor():
+    """Its own resizable memory, as every other path's output (review finding: a NumPy-backed tensor)."""
+    require_kernel()
+    q, k, v = _inputs(1, 4, 2, 1, S_LONG, seed=8)
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v, mask=_sinks(S_LONG))
+    out.resize_(2, 4, 1, 32)

@@ -263,3 +263,64 @@ def test_a_tiny_block_lists_dense_map_equals_the_numpy_reading(lead, nq, rows, K
     monkeypatch.setattr(_blockmask, "_TINY_BLOCKS", -1)
     ref = _blockmask._dense_np(num, idx, nq, nk)
     assert tiny.shape == ref.shape == (*lead, nq, nk) and (tiny == ref).all()
+
+
+def _flex_ref(q, k, v, allowed):
+    g = q.shape[1] // k.shape[1]
+    return golden(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), mask=allowed)[0]
+
+
+def test_a_mod_reading_b_or_h_with_none_sizes_keeps_no_points():
+    """B / H None with a mod that reads b / h: the blocks are those of batch row / head 0 (torch's), and the mod
+    decides inside them with the call's own b / h — no points of one row stand for all (review finding)."""
+    S = 1024
+    lens = torch.tensor([1000, 990])
+    per_head = (torch.arange(S) < 1000 - 7 * torch.arange(H)[:, None]).view(1, H, 1, S)
+    for mod, allowed in ((lambda b, h, qi, kv: kv < lens[b], (torch.arange(S) < lens[:, None]).view(2, 1, 1, S)),
+                         (lambda b, h, qi, kv: kv < 1000 - 7 * h, per_head)):
+        bm = attnkit.create_block_mask(mod, None, None, 1, S)
+        assert getattr(bm, "_attnkit_points", None) is None
+        q, k, v = (t.repeat_interleave(1, 0) for t in _inputs(1, S, 10))
+        out = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+        assert (out.double() - _flex_ref(q, k, v, allowed)).abs().max().item() <= budget(torch.float32, D, S)
+
+
+def test_points_of_one_call_size_are_not_reused_for_another():
+    """A BlockMask (torch's, B / H None) called with B = 1, then B = 2, then H = 4 over its own mod reading b: each
+    call exact, none refused (review finding: points of the first call's sizes were reused or refused)."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_cbm
+
+    S = 300
+    lens = torch.tensor([250, 200])
+    mod = lambda b, h, qi, kv: kv < lens[b]  # noqa: E731
+    bm = torch_cbm(mod, None, None, 4, S, device="cpu")
+    g = torch.Generator().manual_seed(11)
+    for Bc, Hc in ((1, 2), (2, 2), (1, 4), (2, 4)):
+        q, k, v = (torch.randn(Bc, Hc, n, 16, generator=g) for n in (4, S, S))
+        out = attnkit.flex_attention(q, k, v, block_mask=bm)
+        allowed = (torch.arange(S) < lens[:Bc, None]).view(Bc, 1, 1, S)
+        ref = golden(q, k, v, mask=allowed)[0]
+        assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), (Bc, Hc)
+
+
+def test_points_are_not_used_for_a_call_past_the_decode_size():
+    L, S = 1, 200
+    bm = attnkit.create_block_mask(lambda b, h, qi, kv: kv < 150, None, None, L, S)
+    rec = bm._attnkit_points
+    assert rec.points(bm, 1, 8, L, S, torch.device("cpu")) is not None
+    assert rec.points(bm, 1024, 8, L, S, torch.device("cpu")) is None  # (past 2^20 points: the plan's way)
+
+
+def test_a_key_block_far_longer_than_the_keys():
+    """One key block of 2^24 over 300 keys (a BlockMask from_kv_blocks): its points without a block's worth of
+    memory per row, exact."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    L, S = 1, 300
+    bm = BlockMask.from_kv_blocks(torch.ones(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                                  BLOCK_SIZE=(128, 1 << 24), mask_mod=lambda b, h, qi, kv: kv % 3 == 0,
+                                  seq_lengths=(L, S))
+    q, k, v = _inputs(L, S, 12)
+    out = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    allowed = (torch.arange(S) % 3 == 0).view(1, 1, 1, S)
+    assert (out.double() - _flex_ref(q, k, v, allowed)).abs().max().item() <= budget(torch.float32, D, S)

@@ -529,7 +529,9 @@ def _merge(parts):
         for k in range(1, len(parts)):
             out += parts[k][0].numpy() * w[k][..., None]
         out /= np.where(den > 0, den, np.float32(1))[..., None]
-        return torch.from_numpy(out), torch.from_numpy(base + np.log(den))
+        res_lse = base + np.log(den)
+    # (copies into torch's own memory: a tensor NumPy holds cannot be resized, every other path's output can)
+    return torch.from_numpy(out).clone(), torch.from_numpy(res_lse).clone()
 
 
 def _first_rows(req: Request):
@@ -802,7 +804,7 @@ class NativeDecode(Kernel):
             sc = default if scale is None else scale
             iv = _bool_row_intervals(mask, L, S, spans)  # (any rank up to 4: read as (1, ..., S))
             if iv is None:  # rows of a few stretches (sinks and a window): one call each, merged
-                out = few(q, k, v, sc, _bool_row_stretches(mask, L, S))
+                out = None if S < STRETCHES_MIN_S else few(q, k, v, sc, _bool_row_stretches(mask, L, S))
                 if out is None:
                     return None
             elif type(iv[0]) is not int and iv[0].shape != shape:
@@ -858,7 +860,7 @@ class NativeDecode(Kernel):
                         m = _masks.And(causal_mask, m)
                     a = _dense_points(m, B, H, L, S)
                 iv = None if a is None else _bool_row_intervals(a, L, S, spans)
-                if iv is None and a is not None:  # rows of a few stretches (sinks and a window): a list of them
+                if iv is None and a is not None and S >= STRETCHES_MIN_S:  # a few stretches (sinks and a window)
                     return _bool_row_stretches(a, L, S)
             except Exception:  # whatever the mod raises: the full path raises it, with its context
                 return None
