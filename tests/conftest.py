@@ -53,6 +53,19 @@ def golden(q, k, v, **kw):
     return attnkit.attention(up(q), up(k), up(v), backend="reference", return_lse=True, **kw)
 
 
+def full_path(q, k, v, **kw):
+    """``attnkit.attention`` through the full path (make_request -> decide -> backend), no replay of
+    :mod:`attnkit._fast`: what every replay must give, bit for bit."""
+    from attnkit import _fast
+
+    real = _fast.attention
+    _fast.attention = lambda *a: None
+    try:
+        return attnkit.attention(q, k, v, **kw)
+    finally:
+        _fast.attention = real
+
+
 def require_kernel():
     """For a test of attnkit's compiled kernel: skipped only where the user switched it off (``ATTNKIT_NATIVE=0``);
     a kernel that failed to build fails the test, loudly (``make test`` and ``pip install`` build it; the fallback

@@ -162,18 +162,13 @@ def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: st
         full, partial = full | partial, partial & False
         if bool(full.all()):
             return None
-    if small and _masks.small_grid(B, H, L, S):  # a decode step's: its points, not a plan (see block_mask_points)
+    if small and _masks.small_grid(B, H, L, S):  # a decode step's: its points, not a plan (block_points)
         points = block_points(np.asarray(partial), np.asarray(full), None if noop else mod, B, H, L, S, (bm, bn))
         if points is not None:
             return points
     kinds = torch.as_tensor(partial * PARTIAL + full * FULL + EMPTY).to(torch.int8)  # (the two are disjoint)
     m = _BlockMaskMask(kinds, (bm, bn), None if noop else mod)
     return BlockPlan(m, B, H, L, S, (bm, bn), kinds.cpu())
-
-
-def x_small(nk: int, bn: int, S: int) -> bool:
-    """Whether ``nk`` key blocks of ``bn`` repeated out cost little more than S points (else: indexed)."""
-    return nk * bn <= 2 * S + 4096
 
 
 def block_points(partial: np.ndarray, full: np.ndarray, mod, B: int, H: int, L: int, S: int,
@@ -189,8 +184,8 @@ def block_points(partial: np.ndarray, full: np.ndarray, mod, B: int, H: int, L: 
     """
     bm, bn = block
     rows = np.arange(L) // bm
-
-    cols = None if x_small(full.shape[3], bn, S) else np.arange(S) // bn
+    # each key block repeated out (NumPy's fastest), unless the blocks reach far past S (a huge key block): indexed
+    cols = None if full.shape[3] * bn <= 2 * S + 4096 else np.arange(S) // bn
 
     def spread(x):  # each block's kind over its points: (Bb, Hb, nq, nk) -> (Bb, Hb, L, S), a new array
         x = x[:, :, rows]

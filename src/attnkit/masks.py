@@ -350,10 +350,7 @@ def points_kinds(x: np.ndarray, L: int, S: int, bm: int, bn: int) -> torch.Tenso
         return torch.from_numpy(np.array(line * nq, dtype=np.int8).reshape(1, 1, nq, nk))
     r0, c0 = np.arange(nq) * bm, np.arange(nk) * bn  # each tile's first row and key
     area = np.minimum(bm, L - r0)[:, None] * np.minimum(bn, S - c0)[None, :]
-    if L == 1 or x.strides[2] == 0:  # one row of keys for every query (a decode step's): its keys counted once
-        count = np.add.reduceat(x[:, :, :1], c0, axis=3, dtype=np.int64) * np.minimum(bm, L - r0)[:, None]
-    else:  # the allowed points of each tile: summed over its rows, then over its keys
-        count = np.add.reduceat(np.add.reduceat(x, r0, axis=2, dtype=np.int64), c0, axis=3)
+    count = np.add.reduceat(np.add.reduceat(x, r0, axis=2, dtype=np.int64), c0, axis=3)  # over rows, then keys
     kinds = np.full(count.shape, PARTIAL, dtype=np.int8)
     kinds[count == area] = FULL
     kinds[count == 0] = EMPTY

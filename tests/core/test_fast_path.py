@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close, budget, golden, require_kernel
+from conftest import assert_close, budget, full_path, golden, require_kernel
 
 import attnkit
 from attnkit import _fast, masks, positional, score_mods
@@ -40,14 +40,7 @@ def full_path_only(monkeypatch):
     monkeypatch.setattr(_fast, "attention", lambda *a: None)
 
 
-def _full(q, k, v, **kw):
-    """The same call through the full path (make_request -> decide -> backend)."""
-    real = _fast.attention
-    _fast.attention = lambda *a: None
-    try:
-        return attnkit.attention(q, k, v, **kw)
-    finally:
-        _fast.attention = real
+_full = full_path  # the same call through the full path (make_request -> decide -> backend)
 
 
 def _layout(t: torch.Tensor, how: str) -> torch.Tensor:
