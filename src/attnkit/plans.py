@@ -29,6 +29,7 @@ visible cache). Memory is O(tiles): ``kinds`` is int8 ``(Bp, Hp, nq, nk)``, with
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 
 import numpy as np
@@ -469,6 +470,12 @@ def _layout(fields) -> tuple:
 
 
 def _contents(fields) -> bytes:
-    """The fields' bytes, as they are now (read through each tensor, after its layout was compared: never memory
-    a ``set_`` / ``resize_`` let go)."""
-    return b"".join([t.numpy().tobytes() for t in fields if t is not None])
+    """The fields' bytes, as they are now (read at each tensor's data pointer, after its layout was compared: never
+    memory a ``set_`` / ``resize_`` let go; not through ``.numpy()``, which would leave the user's tensor unable to
+    ``resize_``). A strided field is read off its contiguous copy."""
+    out = []
+    for t in fields:
+        if t is not None:
+            c = t if t.is_contiguous() else t.contiguous()
+            out.append(ctypes.string_at(c.data_ptr(), c.numel() * c.element_size()) if c.numel() else b"")
+    return b"".join(out)

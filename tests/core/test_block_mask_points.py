@@ -324,3 +324,19 @@ def test_a_key_block_far_longer_than_the_keys():
     out = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     allowed = (torch.arange(S) % 3 == 0).view(1, 1, 1, S)
     assert (out.double() - _flex_ref(q, k, v, allowed)).abs().max().item() <= budget(torch.float32, D, S)
+
+
+def test_reading_a_block_masks_fields_leaves_them_as_they_were():
+    """Keeping and checking the points reads the fields' bytes without ``.numpy()`` (which would leave the user's
+    tensors unable to ``resize_``)."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_cbm
+
+    L, S = 1, 300
+    bm = torch_cbm(lambda b, h, qi, kv: kv < 200, None, None, L, S, device="cpu")
+    q, k, v = _inputs(L, S, 13)
+    for _ in range(2):  # (the first call keeps the points, the second checks them)
+        attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert _uses_points(bm, L, S)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        t = getattr(bm, name)
+        t.resize_(t.shape)  # (raises on a storage NumPy has viewed)
