@@ -9,6 +9,8 @@ fastest round's mean), per S:
 * SDPA with that mask as a bool tensor (``attn_mask``, ``enable_gqa=True``);
 * attnkit, the mask as a user's ``mask_mod`` (``(kv < 4) | (kv > q + S - 1 - 1024)``) and as the same bool
   tensor;
+* attnkit, that ``mask_mod`` with a soft cap written as a lambda (``score_mod``: a traced program on each call);
+* ``attnkit.flex_attention`` with ``attnkit.create_block_mask`` of that mod, built once per S (FlexAttention's way);
 * attnkit, the window alone as a ``mask_mod`` (one stretch: what the step costs without the sinks).
 
 ``ratio`` = SDPA's time / attnkit's (> 1: attnkit faster); ``worker`` = what ``attnkit.dispatch`` chose for the
@@ -37,7 +39,8 @@ def main(argv=None) -> int:
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"B = {B}, H = {H}, Hkv = {Hkv}, D = {D}, L = 1; the first {SINKS} keys and the last {W} kept\n")
     print("| S | SDPA, bool mask (µs) | attnkit, `mask_mod` (µs) | ratio | attnkit, bool mask (µs) | ratio | "
-          "attnkit, the window alone (µs) | worker |\n|---|---|---|---|---|---|---|---|")
+          "+ a soft cap (µs) | `flex_attention` (µs) | ratio | attnkit, the window alone (µs) | worker |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for S in a.lengths:
         g = torch.Generator().manual_seed(S)
         k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
@@ -51,11 +54,18 @@ def main(argv=None) -> int:
         def window(b, h, qi, kv, S=S):
             return kv > qi + S - 1 - W
 
+        def cap(score, b, h, qi, kv):
+            return 30.0 * torch.tanh(score / 30.0)
+
+        bm = attnkit.create_block_mask(sinks, 1, None, 1, S)
+
         fns = {
             "sdpa": lambda q=q, k=k, v=v, m=kept: F.scaled_dot_product_attention(q, k, v, attn_mask=m,
                                                                                  enable_gqa=True),
             "mod": lambda q=q, k=k, v=v, m=sinks: attnkit.attention(q, k, v, mask=m),
             "bool": lambda q=q, k=k, v=v, m=kept: attnkit.attention(q, k, v, mask=m),
+            "cap": lambda q=q, k=k, v=v, m=sinks: attnkit.attention(q, k, v, mask=m, score_mod=cap),
+            "flex": lambda q=q, k=k, v=v, m=bm: attnkit.flex_attention(q, k, v, block_mask=m, enable_gqa=True),
             "window": lambda q=q, k=k, v=v, m=window: attnkit.attention(q, k, v, mask=m),
         }
         for f in fns.values():
@@ -70,7 +80,8 @@ def main(argv=None) -> int:
         us = {n: t * 1e6 for n, t in best.items()}
         worker = attnkit.dispatch(q, k, v, mask=sinks).kernel.name
         print(f"| {S} | {us['sdpa']:.1f} | {us['mod']:.1f} | {us['sdpa'] / us['mod']:.2f} | {us['bool']:.1f} | "
-              f"{us['sdpa'] / us['bool']:.2f} | {us['window']:.1f} | {worker} |")
+              f"{us['sdpa'] / us['bool']:.2f} | {us['cap']:.1f} | {us['flex']:.1f} | {us['sdpa'] / us['flex']:.2f} | "
+              f"{us['window']:.1f} | {worker} |")
     return 0
 
 

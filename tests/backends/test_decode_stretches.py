@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import budget, golden, require_kernel
+from conftest import budget, full_path, golden, require_kernel
 
 import attnkit
 from attnkit import _fast, score_mods
@@ -91,11 +91,25 @@ def test_more_stretches_than_the_decode_entry_takes_run_elsewhere_exactly():
     assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S)
 
 
-def test_short_caches_keep_the_whole_mask_on_another_kernel():
+def test_short_caches_keep_the_whole_mask_on_another_kernel_unless_a_score_mod_rules_sdpa_out():
+    """Below STRETCHES_MIN_S keys SDPA's kernel with the whole mask costs what the two calls cost; with a
+    score_mod SDPA cannot run the call, so the decode entry takes it at any S — exact, its replays too."""
     require_kernel()
+    _fast.clear()
     S = native.STRETCHES_MIN_S - 1
     q, k, v = _inputs(1, 8, 2, 1, S, seed=3)
     assert attnkit.dispatch(q, k, v, mask=_sinks(S)).kernel.name != "native-decode"
+    cap = lambda s, b, h, qi, kv: 20.0 * torch.tanh(s / 20.0)  # noqa: E731
+    with torch.no_grad():
+        for S in (300, 301, 2000):
+            kk, vv = k[:, :, :S], v[:, :, :S]
+            mod = _sinks(S, window=120)
+            assert attnkit.dispatch(q, kk, vv, mask=mod, score_mod=cap).kernel.name == "native-decode"
+            ref = _golden(q, kk, vv, _dense(mod, 1, 1, 1, S), score_mod=cap)[0]
+            for _ in range(2):
+                out = attnkit.attention(q, kk, vv, mask=mod, score_mod=cap)
+                assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S)
+                assert torch.equal(out, full_path(q, kk, vv, mask=mod, score_mod=cap))
 
 
 def test_repeated_calls_and_a_decode_loop_replay_exactly():
@@ -116,17 +130,7 @@ def test_repeated_calls_and_a_decode_loop_replay_exactly():
                 for mask in (mod, kept.clone()):
                     out = attnkit.attention(q, k, v, mask=mask)
                     assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S)
-                    assert torch.equal(out, _full(q, k, v, mask=mask))  # a replay: the full path's bits
-
-
-def _full(q, k, v, **kw):
-    """The same call through the full path (make_request -> decide -> backend), no replay."""
-    real = _fast.attention
-    _fast.attention = lambda *a: None
-    try:
-        return attnkit.attention(q, k, v, **kw)
-    finally:
-        _fast.attention = real
+                    assert torch.equal(out, full_path(q, k, v, mask=mask))  # a replay: the full path's bits
 
 
 def test_a_family_first_seen_with_one_stretch_takes_two_as_the_full_path_does():
@@ -143,7 +147,7 @@ def test_a_family_first_seen_with_one_stretch_takes_two_as_the_full_path_does():
         two[..., :4] = True
         with torch.no_grad():
             for m in (one, two, one, two):
-                assert torch.equal(attnkit.attention(q, kk, vv, mask=m), _full(q, kk, vv, mask=m))
+                assert torch.equal(attnkit.attention(q, kk, vv, mask=m), full_path(q, kk, vv, mask=m))
 
 
 def test_a_bool_mask_of_bytes_other_than_0_and_1():

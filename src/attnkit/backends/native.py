@@ -301,9 +301,16 @@ def _dense_points(mask, B: int, H: int, L: int, S: int, fn=None) -> torch.Tensor
 # stretch, merged by their lse; more stretches go to the forward's tile map. From STRETCHES_MIN_S keys: below, the
 # two calls and the merge (~200 µs a step at GQA 8/2 on 2 cores of an AMD EPYC) cost about what SDPA's kernel with
 # the whole mask costs, which the mask then keeps; above, SDPA's time grows with S and theirs does not
-# (benchmarks/decode_sinks.py, BENCHMARKS.md)
+# (benchmarks/decode_sinks.py, BENCHMARKS.md). With a score_mod (a soft cap, ALiBi) at any S: SDPA cannot run one,
+# and the kernel that can reads the whole cache (a sink + window + soft cap step over 2048 keys: 1280 µs there)
 MAX_STRETCHES = 4
 STRETCHES_MIN_S = 4096
+
+
+def _stretches_from(req: Request) -> int:
+    """The cache length from which ``req``'s rows of a few stretches run on the decode entry (the full path's rule,
+    which every replay of it applies too)."""
+    return 0 if req.score_mod is not None else STRETCHES_MIN_S
 
 
 def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCHES):
@@ -319,14 +326,13 @@ def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCH
         if row.count(0) + row.count(1) == S:  # (else a uint8 buffer viewed as bool: read below)
             spans = _row_spans(row, most)
             return None if spans is None else [_one_row(sp, L) for sp in (spans or [(0, 0)])]
-    if x.ndim < 4:
-        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-    x = x.view(np.uint8) != 0  # (each byte 0 or 1: a uint8 buffer viewed as bool holds others)
-    if x.shape[1] > 1 and not (x == x[:, :1]).all():  # every head alike, as the decode entry's intervals
+    rows = _key_rows(x, S)
+    if rows is None:
         return None
-    x = np.broadcast_to(x[:, 0], (x.shape[0], x.shape[2], S))  # (TB, 1 or L, S)
+    x = rows
     TB, Lx = x.shape[0], x.shape[1]
-    edges = np.diff(x.astype(np.int8), prepend=np.int8(0), append=np.int8(0), axis=-1)  # +1 starts, -1 ends
+    # +1 where a stretch starts, -1 past its end (each byte read as 0 or 1: a uint8 buffer viewed as bool holds others)
+    edges = np.diff((x.view(np.uint8) != 0).astype(np.int8), prepend=np.int8(0), append=np.int8(0), axis=-1)
     found = [[(np.flatnonzero(edges[b, i] == 1), np.flatnonzero(edges[b, i] == -1)) for i in range(Lx)]
              for b in range(TB)]
     k = max((len(st) for row in found for st, _ in row), default=0)
@@ -347,6 +353,16 @@ def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCH
     return out
 
 
+def _key_rows(x: np.ndarray, S: int) -> np.ndarray | None:
+    """The key rows ``(TB, 1 or L, S)`` of a bool array broadcastable to ``(B, H, L, S)``, the first head's; None
+    where heads differ (the decode entry's row intervals hold for every head of a kv group alike)."""
+    if x.ndim < 4:
+        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    if x.shape[1] > 1 and not (x == x[:, :1]).all():
+        return None
+    return np.broadcast_to(x[:, 0], (x.shape[0], x.shape[2], S))
+
+
 def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False):
     """``(lo, hi)`` int32 ``(TB, L)`` of a CPU bool tensor ``a`` broadcastable to ``(B, H, L, S)`` (True =
     attend; any strides): a mod's points (:func:`_dense_row_intervals`) or a call's own bool mask, each row's one
@@ -359,11 +375,10 @@ def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False):
         if span is None or spans:
             return span
         return _one_row(span, L)
-    if x.ndim < 4:
-        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-    if x.shape[1] > 1 and not (x == x[:, :1]).all():  # the decode entry's intervals hold for every head alike
+    rows = _key_rows(x, S)
+    if rows is None:
         return None
-    x = np.broadcast_to(x[:, 0], (x.shape[0], x.shape[2], S))  # (TB, 1 or L, S) bool
+    x = rows
     TB, Lx = x.shape[0], x.shape[1]
     if TB * Lx <= 4:  # a decode step's one or few rows: a scan each (~2 µs, the vector form's ~10)
         lo = np.zeros((TB, Lx), np.int32)
@@ -548,7 +563,7 @@ def _rows_known(req: Request) -> bool:
 def _stretches(req: Request, points) -> bool:
     """Whether the rows are a few stretches of keys each (``points()``: the mask's bool points, or None), kept in
     ``req.memo["row_stretches"]`` for :meth:`NativeDecode.run`."""
-    if req.shape[3] < STRETCHES_MIN_S:
+    if req.shape[3] < _stretches_from(req):
         return False
     try:
         a = points()
@@ -804,7 +819,7 @@ class NativeDecode(Kernel):
             sc = default if scale is None else scale
             iv = _bool_row_intervals(mask, L, S, spans)  # (any rank up to 4: read as (1, ..., S))
             if iv is None:  # rows of a few stretches (sinks and a window): one call each, merged
-                out = None if S < STRETCHES_MIN_S else few(q, k, v, sc, _bool_row_stretches(mask, L, S))
+                out = None if S < few.min_s else few(q, k, v, sc, _bool_row_stretches(mask, L, S))
                 if out is None:
                     return None
             elif type(iv[0]) is not int and iv[0].shape != shape:
@@ -860,7 +875,7 @@ class NativeDecode(Kernel):
                         m = _masks.And(causal_mask, m)
                     a = _dense_points(m, B, H, L, S)
                 iv = None if a is None else _bool_row_intervals(a, L, S, spans)
-                if iv is None and a is not None and S >= STRETCHES_MIN_S:  # a few stretches (sinks and a window)
+                if iv is None and a is not None and S >= few.min_s:  # a few stretches (sinks and a window)
                     return _bool_row_stretches(a, L, S)
             except Exception:  # whatever the mod raises: the full path raises it, with its context
                 return None
@@ -905,17 +920,18 @@ class _FewStretches:
 
     def __init__(self, req: Request, lo0, hi0, alibi, prog):
         self.shape, self.lo0, self.hi0, self.prog = lo0.shape, lo0, hi0, prog
+        self.min_s = _stretches_from(req)
         self.alibi = None if alibi is None else alibi.detach().clone()
         self.step: Callable | None = None  # (made from the first call that needs it: no tensor of req kept)
 
     def fits(self, stretches, S: int | None = None) -> bool:
         return stretches is not None and all(lo.shape == self.shape for lo, _ in stretches) and \
-            (S is None or S >= STRETCHES_MIN_S)
+            (S is None or S >= self.min_s)
 
     def __call__(self, q, k, v, scale, stretches):
         """The merged output (fp32), or None where the rows are more stretches or of other shapes, or the cache
-        shorter than ``STRETCHES_MIN_S`` (the full path's rule, so a replay gives its answer bit for bit)."""
-        if not self.fits(stretches) or k.shape[2] < STRETCHES_MIN_S:
+        shorter than ``min_s`` (the full path's rule, so a replay gives its answer bit for bit)."""
+        if not self.fits(stretches, k.shape[2]):
             return None
         step = self.step
         if step is None:
