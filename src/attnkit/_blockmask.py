@@ -26,7 +26,7 @@ import torch
 
 from . import _mods
 from . import masks as _masks
-from ._tiling import EMPTY, FULL, PARTIAL
+from ._tiling import EMPTY, FULL, PARTIAL, host_array
 from .plans import BlockPlan, _Evaluated
 
 __all__ = ["is_block_mask", "block_mask_plan"]
@@ -230,7 +230,7 @@ def _dense_np(num: torch.Tensor, idx: torch.Tensor, nq: int, nk: int) -> np.ndar
                             flat[r, j] = True
                     r += 1
         return dense
-    n, ix = num.numpy()[..., :nq], idx.numpy()[..., :nq, :]
+    n, ix = host_array(num)[..., :nq], host_array(idx)[..., :nq, :]  # (the BlockMask's own fields: not .numpy())
     ok = (np.arange(ix.shape[-1]) < n[..., None]) & (ix >= 0) & (ix < nk)  # (indices past nk: none of ours)
     dense = np.zeros((*ix.shape[:-1], nk), dtype=bool)
     at = ok.nonzero()
@@ -319,7 +319,7 @@ class _BlockMaskMask(_masks.Mask):
             r = None if inner is None else inner(b, h, q, kv)
             if kn is not None and (r is None or (type(r) is torch.Tensor and r.dtype is torch.bool and r.is_cpu)):
                 return torch.from_numpy(np.asarray(kn != EMPTY if r is None else
-                                                   (kn == FULL) | ((kn == PARTIAL) & r.numpy())))
+                                                   (kn == FULL) | ((kn == PARTIAL) & host_array(r))))
             kind = torch.from_numpy(kn) if kn is not None else self._lookup(b, h, q, kv).to(q.device)
             return kind != EMPTY if r is None else (kind == FULL) | ((kind == PARTIAL) & r)
 

@@ -15,9 +15,13 @@ row / head), like FlexAttention's BlockMask.
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import torch
 
-__all__ = ["EMPTY", "PARTIAL", "FULL", "edges", "kinds_from", "block_minmax", "reduce_allowed", "collapse"]
+__all__ = ["EMPTY", "PARTIAL", "FULL", "edges", "host_array", "kinds_from", "block_minmax", "reduce_allowed",
+           "collapse"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -26,6 +30,31 @@ def edges(n: int, blk: int):
     """First and last (inclusive) index of each block of ``blk`` along a length ``n``."""
     lo = torch.arange(0, n, blk)
     return lo, torch.clamp(lo + blk, max=n) - 1
+
+
+# a small contiguous tensor is copied out (a few µs of bytes; a DLPack view costs ~3 µs a call)
+_COPY_MAX = 1 << 16
+_NP_DTYPES = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
+              torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16, torch.float32: np.float32,
+              torch.float64: np.float64}
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's elements as a read-only NumPy array, the tensor left as it was.
+
+    ``Tensor.numpy()`` marks the tensor's storage non-resizable for good, so a user's mask, a BlockMask's fields or
+    a model's parameter (FSDP frees a parameter's storage with ``resize_(0)``) could never be resized again after
+    attnkit read it. Here a small contiguous tensor (at most ``_COPY_MAX`` bytes) is copied out at its data pointer,
+    anything else viewed through DLPack (which keeps the tensor alive and leaves its storage alone); a tensor that
+    requires grad is read detached. NumPy has no bf16: view such a tensor as ``torch.uint8`` / ``int16`` first."""
+    if t.requires_grad:
+        t = t.detach()
+    nbytes = t.nbytes
+    if 0 < nbytes <= _COPY_MAX and t.is_cpu and t.is_contiguous() and (dt := _NP_DTYPES.get(t.dtype)) is not None:
+        return np.frombuffer(ctypes.string_at(t.data_ptr(), nbytes), dtype=dt).reshape(tuple(t.shape))
+    x = np.from_dlpack(t)
+    x.flags.writeable = False
+    return x
 
 
 def row_bytes(row) -> bytes | None:

@@ -332,7 +332,7 @@ def small_grid_points(mod, B, H, L, S) -> np.ndarray:
            ((B, (B, 1, 1, 1)), (H, (1, H, 1, 1)), (L, (1, 1, L, 1)), (S, (1, 1, 1, S)))]
     allowed = _mods.call(mod, *idx)
     _check_bool(allowed, mod)
-    x = allowed.detach().cpu().numpy()
+    x = _tiling.host_array(allowed.cpu())  # (not .numpy(): a mod may hand back the user's own tensor)
     if x.ndim < 4:
         x = x.reshape((1,) * (4 - x.ndim) + x.shape)
     return x if x.shape[2:] == (L, S) else np.broadcast_to(x, (x.shape[0], x.shape[1], L, S))

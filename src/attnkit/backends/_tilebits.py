@@ -33,7 +33,7 @@ import torch
 
 from .. import _mods
 from .. import masks as _m
-from .._tiling import FULL, PARTIAL
+from .._tiling import FULL, PARTIAL, host_array
 
 __all__ = ["TileBits", "TILE", "tile_bits", "plan_bits", "unpack"]
 
@@ -149,7 +149,7 @@ def _bits(fn, tiles: torch.Tensor, L: int, S: int) -> torch.Tensor:
         allowed = allowed[:, 0] & (kv_raw < S).view(T, 1, TILE)  # (T, rows, keys)
         # 8 keys a byte, key j at bit j % 8 of byte j // 8 ("little"); 4 bytes make a little-endian word whose
         # bit j is key j: (T, rows, 2 words)
-        packed = np.packbits(allowed.contiguous().numpy(), axis=-1, bitorder="little")
+        packed = np.packbits(host_array(allowed.contiguous()), axis=-1, bitorder="little")
         words = torch.from_numpy(packed.view("<u4").view(np.int32)).view(T, TILE, 2)
         out[t0:t0 + T] = words.transpose(1, 2)
     return out

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .. import _calibrate, _lru, _mods, _scoreprog
+from .. import _calibrate, _lru, _mods, _scoreprog, _tiling
 from .. import masks as _masks
 from .. import plans as _plans
 from .. import score_mods as _score_mods
@@ -320,7 +320,7 @@ def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCH
 
         sinks + window, S = 10:  █ █ · · · · █ █ █ █   ->  [(0, 2), (6, 10)]
     """
-    x = a.numpy()
+    x = _tiling.host_array(a)  # (the user's mask: .numpy() would leave it unable to resize_)
     if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
         row = x.reshape(-1).tobytes()
         if row.count(0) + row.count(1) == S:  # (else a uint8 buffer viewed as bool: read below)
@@ -369,7 +369,7 @@ def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False):
     stretch of keys; None where a row is two stretches or heads differ. A row without a key: ``lo = hi = 0``.
     ``spans``: where ``a`` is one row of keys shared by every batch row, head and query (a decode step's), the
     two ints ``(lo, hi)`` instead (the decode step writes them into its own record: no tensors built)."""
-    x = a.numpy()
+    x = _tiling.host_array(a)  # (the user's mask: .numpy() would leave it unable to resize_)
     if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
         span = _row_span(x.tobytes())
         if span is None or spans:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from .._tiling import host_array
 from ._base import Request
 from ._kernel import Kernel
 from ._tiles import apply_score_mod, index_grid
@@ -96,20 +97,20 @@ def unsupported(req: Request) -> str | None:
 def trace(req: Request) -> Trace:
     B, H, L, S, D, Dv, Hkv = req.shape
     g = H // Hkv
-    q = req.q.detach().cpu().to(torch.float64).numpy()
+    q = host_array(req.q.cpu().to(torch.float64))  # (read without .numpy(): the user's tensors stay resizable)
     # The reference may copy: repeat each kv head for its g query heads.
-    k = np.repeat(req.k.detach().cpu().to(torch.float64).numpy(), g, axis=1)
-    v = np.repeat(req.v.detach().cpu().to(torch.float64).numpy(), g, axis=1)
+    k = np.repeat(host_array(req.k.cpu().to(torch.float64)), g, axis=1)
+    v = np.repeat(host_array(req.v.cpu().to(torch.float64)), g, axis=1)
 
     scores = q @ np.swapaxes(k, -1, -2)  # (B, H, L, S)
     scaled = scores * req.scale
     masked = scaled.copy()
     if req.score_mod is not None:
         b, h, qi, kv = index_grid(B, H, 0, L, 0, S, "cpu")
-        masked = apply_score_mod(req, torch.from_numpy(masked), b, h, qi, kv).detach().to(torch.float64).numpy()
+        masked = host_array(apply_score_mod(req, torch.from_numpy(masked), b, h, qi, kv).to(torch.float64))
         masked = np.broadcast_to(masked, (B, H, L, S)).copy()
     if req.bias is not None:
-        masked = masked + req.bias.detach().cpu().to(torch.float64).numpy()
+        masked = masked + host_array(req.bias.cpu().to(torch.float64))
     if req.compute_dtype() == torch.float32:
         # The scores every backend computes for an fp32 (or bf16/fp16) call are fp32 numbers; on a
         # row at finfo.min or -1e9 fp32 keeps no trace of q·k (finfo.min + q·k == finfo.min), so
@@ -120,7 +121,7 @@ def trace(req: Request) -> Trace:
     if req.mask is not None:
         allowed &= req.mask.materialize(B, H, L, S).cpu().numpy()
     if req.dense_mask is not None:
-        allowed &= np.broadcast_to(req.dense_mask.cpu().numpy(), (B, H, L, S))
+        allowed &= np.broadcast_to(host_array(req.dense_mask.cpu()), (B, H, L, S))
     masked = np.where(allowed, masked, -np.inf)
 
     # Stable softmax: subtract the row max (0 for a row with no finite score).

@@ -10,6 +10,7 @@ import types
 import torch
 
 from .. import masks as _masks
+from .._tiling import host_array
 
 
 class ContextParallelError(RuntimeError):
@@ -66,7 +67,8 @@ def _feed(h, x, depth, active):
     if isinstance(x, torch.Tensor):
         t = x.detach().to("cpu").contiguous()
         _tag(h, "tensor", t.dtype, tuple(t.shape))
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype, bf16 included
+        # any dtype, bf16 included; not .numpy(), which would leave a parameter unable to resize_ (FSDP frees one so)
+        h.update(host_array(t.reshape(-1).view(torch.uint8)).tobytes())
         return None
     if type(x).__module__ == "numpy" and type(x).__name__ == "ndarray":  # numpy arrays, without importing numpy
         _tag(h, "ndarray", x.dtype, x.shape)

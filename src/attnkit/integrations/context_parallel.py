@@ -56,6 +56,7 @@ models, models that compute attention in their own layers, models whose forward 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import inspect
 import struct
@@ -201,7 +202,8 @@ def _tensor_hash(t: torch.Tensor) -> int:
     h.update(f"{t.dtype}{tuple(t.shape)}".encode())
     c = t.detach().to("cpu").contiguous()
     if c.numel():
-        h.update(c.reshape(-1).view(torch.uint8).numpy().tobytes())
+        # its bytes at its data pointer (c is contiguous), not through .numpy(): that would leave t unable to resize_
+        h.update(ctypes.string_at(c.data_ptr(), c.numel() * c.element_size()))
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
