@@ -1,10 +1,9 @@
-"""A decode step whose rows are a few stretches of keys (attention sinks and a window): one decode call per stretch,
-merged by their lse (``NativeDecode._run_stretches``), on the full path and on every replay (the exact signature, a
-decode loop's family of a mod, a bool tensor each call).
+"""A decode step whose rows are a few stretches of keys (attention sinks and a window): one decode call, each row
+seeing the union of its stretches (``NativeDecode._run_stretches``: lo / hi planes), on the full path and on every
+replay (the exact signature, a decode loop's family of a mod, a bool tensor each call), at every cache length.
 
-Error budget: each stretch's call is the decode entry's (fp32 arithmetic, bf16 / fp16 widened exactly), and the
-merge adds a few fp32 roundings per row (as the kernel's own split-K merge): conftest's fp32 budget against
-float64 on the same values.
+Error budget: the decode entry's (fp32 arithmetic, bf16 / fp16 widened exactly; its split-K merge a few fp32
+roundings per row): conftest's fp32 budget against float64 on the same values.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import attnkit
 from attnkit import _fast, score_mods
 from attnkit.backends import native
 
-S_LONG = native.STRETCHES_MIN_S + 300  # above the size from which such rows run on the decode entry
+S_LONG = 4396  # a long cache: split over the threads (split-K), the stretches in different chunks
 
 
 def _inputs(B, H, Hkv, L, S, dtype=torch.float32, seed=0):
@@ -91,19 +90,17 @@ def test_more_stretches_than_the_decode_entry_takes_run_elsewhere_exactly():
     assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S)
 
 
-def test_short_caches_keep_the_whole_mask_on_another_kernel_unless_a_score_mod_rules_sdpa_out():
-    """Below STRETCHES_MIN_S keys SDPA's kernel with the whole mask costs what the two calls cost; with a
-    score_mod SDPA cannot run the call, so the decode entry takes it at any S — exact, its replays too."""
+@pytest.mark.parametrize("cap", [None, lambda s, b, h, qi, kv: 20.0 * torch.tanh(s / 20.0)])
+def test_short_caches_run_on_the_decode_entry_too(cap):
+    """One call whatever the stretch count: a short cache's step costs what a window alone costs there, below
+    SDPA's kernel with the whole mask (benchmarks/decode_sinks.py) — exact, its replays too."""
     require_kernel()
     _fast.clear()
-    S = native.STRETCHES_MIN_S - 1
-    q, k, v = _inputs(1, 8, 2, 1, S, seed=3)
-    assert attnkit.dispatch(q, k, v, mask=_sinks(S)).kernel.name != "native-decode"
-    cap = lambda s, b, h, qi, kv: 20.0 * torch.tanh(s / 20.0)  # noqa: E731
+    q, k, v = _inputs(1, 8, 2, 1, 2000, seed=3)
     with torch.no_grad():
-        for S in (300, 301, 2000):
+        for S in (70, 300, 301, 2000):
             kk, vv = k[:, :, :S], v[:, :, :S]
-            mod = _sinks(S, window=120)
+            mod = _sinks(S, window=min(120, S - 10))
             assert attnkit.dispatch(q, kk, vv, mask=mod, score_mod=cap).kernel.name == "native-decode"
             ref = _golden(q, kk, vv, _dense(mod, 1, 1, 1, S), score_mod=cap)[0]
             for _ in range(2):
@@ -134,11 +131,11 @@ def test_repeated_calls_and_a_decode_loop_replay_exactly():
 
 
 def test_a_family_first_seen_with_one_stretch_takes_two_as_the_full_path_does():
-    """A decode loop's family learned on a one-stretch mask, then given two stretches (and a short cache, where
-    the full path keeps such rows off the decode entry): the full path's answer, bit for bit."""
+    """A decode loop's family learned on a one-stretch mask, then given two stretches (a long cache and a short
+    one): the full path's answer, bit for bit."""
     require_kernel()
     q, k, v = _inputs(1, 4, 2, 1, S_LONG, seed=7)
-    for S in (S_LONG, native.STRETCHES_MIN_S - 10):
+    for S in (S_LONG, 1000):
         _fast.clear()
         kk, vv = k[:, :, :S], v[:, :, :S]
         one = torch.zeros(1, 1, 1, S, dtype=torch.bool)
@@ -201,10 +198,66 @@ def test_the_stretches_of_a_row_equal_a_plain_scan(seed):
     assert native._bool_row_stretches(one, 1, S, most=0) is None or not one.any()
 
 
-def test_the_merged_output_is_an_ordinary_tensor():
+def test_the_output_is_an_ordinary_tensor():
     """Its own resizable memory, as every other path's output (review finding: a NumPy-backed tensor)."""
     require_kernel()
     q, k, v = _inputs(1, 4, 2, 1, S_LONG, seed=8)
     with torch.no_grad():
         out = attnkit.attention(q, k, v, mask=_sinks(S_LONG))
     out.resize_(2, 4, 1, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, TB, L, S, chunk", [(1, 1, 1, 5000, 0), (2, 2, 3, 700, 64), (2, 1, 2, 130, 0)])
+def test_the_decode_entry_reads_stretch_planes(dtype, B, TB, L, S, chunk):
+    """``_native.decode`` with lo / hi planes (n, TB, L): each row the union of its stretches — disjoint, touching,
+    overlapping, empty (lo >= hi) or past S — against float64; the same bits at 1 and 2 threads."""
+    require_kernel()
+    from attnkit.backends import _native
+
+    H, Hkv, D = 6, 2, 24
+    g = torch.Generator().manual_seed(S + L)
+    q, k, v = (torch.randn(B, n, r, D, generator=g).to(dtype) for n, r in ((H, L), (Hkv, S), (Hkv, S)))
+    rng = np.random.default_rng(S)
+    lo = torch.zeros(4, TB, L, dtype=torch.int32)
+    hi = torch.zeros(4, TB, L, dtype=torch.int32)
+    allowed = torch.zeros(TB, L, S, dtype=torch.bool)
+    for b in range(TB):
+        for i in range(L):
+            cuts = sorted(int(c) for c in rng.choice(S, 6, replace=False))
+            spans = [(cuts[0], cuts[1]), (cuts[1], cuts[2] + 1), (cuts[2] - 3, cuts[3]), (cuts[5], cuts[4])]
+            if b == 0 and i == 0:
+                spans = [(0, 0), (S - 5, S + 40), (7, 3), (1, 2)]  # empty, past S, reversed (empty), one key
+            for t, (a, e) in enumerate(spans):
+                lo[t, b, i], hi[t, b, i] = a, e
+                allowed[b, i, max(a, 0):min(e, S)] = True
+    dead = lo.clone(), lo.clone()  # a row in no stretch
+    scale = D ** -0.5
+    qq = q.double()
+    kk, vv = (x.double().repeat_interleave(H // Hkv, 1) for x in (k, v))
+    s = (qq @ kk.transpose(-1, -2) * scale).masked_fill(~allowed[:, None].expand(B, H, L, S), -torch.inf)
+    ref = torch.softmax(s, -1) @ vv
+    outs = []
+    for threads in (1, 2):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out, lse = _native.decode(q, k, v, lo, hi, scale, chunk=chunk)
+        finally:
+            torch.set_num_threads(prev)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0].double() - ref).abs().max().item() <= budget(torch.float32, D, S)
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max().item() <= budget(torch.float32, D, S) * 10
+    out, lse = _native.decode(q, k, v, *dead, scale)
+    assert not out.any() and torch.isneginf(lse).all()
+
+
+def test_too_many_stretch_planes_are_refused_by_name():
+    require_kernel()
+    from attnkit.backends import _native
+
+    q, k, v = _inputs(1, 4, 2, 1, 50)
+    lo = torch.zeros(_native.MAX_STRETCHES + 1, 1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"lo, hi must be int32 .* stretches"):
+        _native.decode(q, k, v, lo, lo.clone(), 0.25)

@@ -1265,9 +1265,10 @@ def test_flex_attention_decode_over_a_static_cache_with_a_sliced_block_mask(spy)
 
 
 def test_a_block_mask_the_decode_entry_cannot_take_runs_elsewhere_exactly(spy, monkeypatch):
-    """Blocks of 32 (not the kernel's 64 multiples), rows of two stretches (a sink and a window): not the decode
-    entry; blocks listed with no mod (``from_kv_blocks``, never replayed: no content key): the decode entry (its one
-    block is one stretch of keys). Exact all of them."""
+    """Blocks of 32 (not the kernel's 64 multiples): not the decode entry read as a plan; rows of two stretches (a
+    sink and a window): the decode entry either way (the row sees their union); blocks listed with no mod
+    (``from_kv_blocks``, never replayed: no content key): the decode entry (its one block is one stretch of keys).
+    Exact all of them."""
     require_kernel()
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -1282,7 +1283,7 @@ def test_a_block_mask_the_decode_entry_cannot_take_runs_elsewhere_exactly(spy, m
     # (points off: the blocks read as a plan, as above the decode size; on: read off the mask's points, one stretch
     # per row for the window and the listed block, whatever the blocks)
     cases = [(attnkit.create_block_mask(window, 1, None, 1, S, BLOCK_SIZE=32), window, False, True),
-             (attnkit.create_block_mask(sink, 1, None, 1, S), sink, False, False),
+             (attnkit.create_block_mask(sink, 1, None, 1, S), sink, True, True),
              (blocks, lambda b, h, qi, kv: (kv >= 128) & (kv < 256), True, True)]  # (its one block: one stretch)
     with torch.no_grad():
         for points, (bm, meaning, by_plan, by_points) in itertools.product((False, True), cases):
@@ -1391,8 +1392,9 @@ def test_a_decode_step_with_its_own_bool_mask_runs_on_the_decode_entry(dtype, sp
     """A decode step's bool tensor mask whose rows are each one stretch of keys, the same for every head (key
     padding per batch row, a window, a dead row): attnkit's decode entry, its rows read off *this call's* mask —
     a loop with a new mask (and one key more) every step, and a mask edited in place between two calls of the same
-    shape, each equal to the float64 golden within budget and to the full path bit for bit. Rows that are two
-    stretches, or heads that differ, go to torch's kernel: the same answers. A score_mod (attnkit's soft cap, a
+    shape, each equal to the float64 golden within budget and to the full path bit for bit. Rows of two stretches
+    run there too (a sink and a window: the row sees their union); rows of more than four stretches, or heads that
+    differ, go to torch's kernel: the same answers. A score_mod (attnkit's soft cap, a
     user's lambda) on top runs there too."""
     require_kernel()
     g = torch.Generator().manual_seed(14)
@@ -1438,8 +1440,11 @@ def test_a_decode_step_with_its_own_bool_mask_runs_on_the_decode_entry(dtype, sp
         out = attnkit.attention(q, k, v, mask=m)
         assert spy == [True]
         assert_close(out, golden(q, k, v, mask=m)[0], tol, "edited in place")
-        for what, m in {"two stretches": _bool_rows(1, 1, 150, [[0]], [[150]], (1, 1, 1, 150)) & (
-                            torch.arange(150) != 70),
+        two = _bool_rows(1, 1, 150, [[0]], [[150]], (1, 1, 1, 150)) & (torch.arange(150) != 70)
+        assert attnkit.dispatch(q, k, v, mask=two).kernel.name == "native-decode"
+        assert_close(attnkit.attention(q, k, v, mask=two), golden(q, k, v, mask=two)[0], tol, "two stretches")
+        for what, m in {"six stretches": _bool_rows(1, 1, 150, [[0]], [[150]], (1, 1, 1, 150)) & (
+                            torch.arange(150) % 30 != 7),
                         "heads differ": torch.stack([_bool_rows(1, 1, 150, [[h]], [[150]], (1, 1, 150))
                                                      for h in range(H)], 1)}.items():
             d = attnkit.dispatch(q, k, v, mask=m)

@@ -72,10 +72,12 @@ class _Call(ctypes.Structure):
                 *((n, ctypes.c_int64) for n in ("pn", "pregs", "pout")),
                 *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "perr", "ptgrad")),
                 ("pntables", ctypes.c_int64),
-                *((n, ctypes.c_void_p) for n in ("dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv"))]
+                *((n, ctypes.c_void_p) for n in ("dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv")),
+                ("nst", ctypes.c_int64), ("lst", ctypes.c_int64)]
 
 
-_ABI_VERSION = 6  # AK_ABI_VERSION in csrc/attn_common.h
+_ABI_VERSION = 7  # AK_ABI_VERSION in csrc/attn_common.h
+MAX_STRETCHES = 8  # AK_MAX_STRETCHES: the stretches of keys a decode row may see (lo / hi (n, 1 or B, L))
 
 
 def _load() -> None:
@@ -310,7 +312,7 @@ def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse
     c0.lo, c0.hi = lo.data_ptr(), hi.data_ptr()
     keep = [lo, hi, *_score_parts(c0, q.shape[1], alibi, prog)]
     return _stepper(lib.ak_decode, c0, keep, q, k, v, need_lse=with_lse, prog=prog, with_lse=with_lse, any_s=True,
-                    span_rows=q.shape[2] if lo.shape[0] == 1 else 0)
+                    span_rows=q.shape[2] if lo.dim() == 2 and lo.shape[0] == 1 else 0)
 
 
 def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False,
@@ -463,15 +465,18 @@ def _decode_call(q, k, v, lo, hi, scale: float, chunk: int, threads: int) -> _Ca
                          f"{q.device}, {k.device}, {v.device}")
     if q.stride(-1) != 1 and D > 1:
         raise ValueError(f"decode: q's last dim must be contiguous (stride 1); got strides {q.stride()}")
-    if lo.dtype != torch.int32 or hi.dtype != torch.int32 or lo.shape != hi.shape or lo.dim() != 2 \
-            or lo.shape[0] not in (1, B) or lo.shape[1] != L:
-        raise ValueError(f"decode: lo, hi must be int32 of shape (1 or B, L) = (1 or {B}, {L}); got "
-                         f"{lo.dtype} {tuple(lo.shape)}, {hi.dtype} {tuple(hi.shape)}")
+    if lo.dtype != torch.int32 or hi.dtype != torch.int32 or lo.shape != hi.shape or lo.dim() not in (2, 3) \
+            or lo.shape[-2] not in (1, B) or lo.shape[-1] != L or (lo.dim() == 3 and not
+                                                                   1 <= lo.shape[0] <= MAX_STRETCHES):
+        raise ValueError(f"decode: lo, hi must be int32 of shape (1 or B, L) = (1 or {B}, {L}), or (n, 1 or B, L) "
+                         f"for rows of n <= {MAX_STRETCHES} stretches; got {lo.dtype} {tuple(lo.shape)}, {hi.dtype} "
+                         f"{tuple(hi.shape)}")
     if chunk < 0 or chunk % TILE:
         raise ValueError(f"decode: chunk must be 0 (chosen from S) or a positive multiple of {TILE}; got {chunk}")
+    TB = lo.shape[-2]
     c = _Call(size=ctypes.sizeof(_Call), version=_ABI_VERSION, B=B, H=H, Hkv=Hkv, L=L, D=D, Dv=Dv,
-              lob=(L if lo.shape[0] == B and B > 1 else 0), threads=threads, scale=float(scale),
-              dtype=_DTYPE_CODE[q.dtype], chunk=chunk)
+              lob=(L if TB == B and B > 1 else 0), threads=threads, scale=float(scale),
+              dtype=_DTYPE_CODE[q.dtype], chunk=chunk, nst=lo.shape[0] if lo.dim() == 3 else 1, lst=TB * L)
     c.sq[:] = q.stride()[:3]
     return c
 
@@ -501,8 +506,14 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
     place, widened in registers, never converted whole), last dim contiguous, any other strides (a view into a
     bigger preallocated cache is read in place); 1 <= L <= 64; H a multiple of Hkv. lo, hi: int32 contiguous
     (1 or B, L): query row i sees keys lo <= j < hi (bottom-right causal, windows, padding: the masks'
-    ``row_intervals``). A row that sees no key: out 0, lse -inf. ``chunk``: keys per split-K chunk (a multiple
-    of 64), 0 to let the kernel choose from S. ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)``, or
+    ``row_intervals``); or (n, 1 or B, L), n <= ``MAX_STRETCHES``: row i sees the union of n stretches
+    ``[lo[t, ., i], hi[t, ., i])`` (attention sinks and a window), one pass over the keys, an empty stretch (lo >= hi)
+    adding nothing::
+
+        lo = [[[0]], [[6]]], hi = [[[2]], [[10]]]   (S = 10):   █ █ · · · · █ █ █ █
+
+    A row that sees no key: out 0, lse -inf. ``chunk``: keys per split-K chunk (a multiple of 64), 0 to let the
+    kernel choose from S. ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)``, or
     ``prog``: a traced score_mod (:class:`attnkit._scoreprog.Program`, query index ``0 … L-1``) run on the scaled
     scores before the mask, as in :func:`forward`. No autograd, no tile map (the forward has them).
 

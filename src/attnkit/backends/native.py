@@ -297,35 +297,37 @@ def _dense_points(mask, B: int, H: int, L: int, S: int, fn=None) -> torch.Tensor
     return a
 
 
-# A decode step's row of a few stretches of keys (attention sinks and a window: two) runs as one decode call per
-# stretch, merged by their lse; more stretches go to the forward's tile map. From STRETCHES_MIN_S keys: below, the
-# two calls and the merge (~200 µs a step at GQA 8/2 on 2 cores of an AMD EPYC) cost about what SDPA's kernel with
-# the whole mask costs, which the mask then keeps; above, SDPA's time grows with S and theirs does not
-# (benchmarks/decode_sinks.py, BENCHMARKS.md). With a score_mod (a soft cap, ALiBi) at any S: SDPA cannot run one,
-# and the kernel that can reads the whole cache (a sink + window + soft cap step over 2048 keys: 1280 µs there)
+# A decode step's row of a few stretches of keys (attention sinks and a window: two) runs on the decode entry as
+# one call, the row seeing the union of its stretches (one pass over the keys; lo / hi planes (MAX_STRETCHES, TB,
+# L), empty ones lo = hi = 0: one record shape whatever the count); more stretches go to the forward's tile map.
+# At every cache length: the step costs what a one-stretch step costs (a window alone), below SDPA's kernel with
+# the whole mask at every S measured (benchmarks/decode_sinks.py, BENCHMARKS.md)
 MAX_STRETCHES = 4
-STRETCHES_MIN_S = 4096
 
 
-def _stretches_from(req: Request) -> int:
-    """The cache length from which ``req``'s rows of a few stretches run on the decode entry (the full path's rule,
-    which every replay of it applies too)."""
-    return 0 if req.score_mod is not None else STRETCHES_MIN_S
-
-
-def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCHES):
+def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCHES, planes: bool = False):
     """The stretches of keys of each row of a CPU bool tensor ``a`` broadcastable to ``(B, H, L, S)``: a list of
     ``(lo, hi)`` int32 ``(TB, L)`` pairs, the k-th pair each row's k-th stretch (``lo = hi = 0`` where a row has
     fewer); None where a row has more than ``most`` stretches or heads differ::
 
         sinks + window, S = 10:  █ █ · · · · █ █ █ █   ->  [(0, 2), (6, 10)]
-    """
+
+    ``planes``: instead the decode entry's ``(lo, hi)``, each int32 ``(most, TB, L)`` (stretch k in plane k; the
+    planes past a row's stretches empty, lo = hi = 0)."""
     x = _tiling.host_array(a)  # (the user's mask: .numpy() would leave it unable to resize_)
     if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
         row = x.reshape(-1).tobytes()
         if row.count(0) + row.count(1) == S:  # (else a uint8 buffer viewed as bool: read below)
             spans = _row_spans(row, most)
-            return None if spans is None else [_one_row(sp, L) for sp in (spans or [(0, 0)])]
+            if spans is None:
+                return None
+            if planes:
+                iv = np.zeros((2, most, 1, L), np.int32)
+                for t, (lo, hi) in enumerate(spans):
+                    iv[0, t], iv[1, t] = lo, hi
+                pl = torch.from_numpy(iv)
+                return pl[0], pl[1]
+            return [_one_row(sp, L) for sp in (spans or [(0, 0)])]
     rows = _key_rows(x, S)
     if rows is None:
         return None
@@ -338,19 +340,15 @@ def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCH
     k = max((len(st) for row in found for st, _ in row), default=0)
     if k > most:
         return None
-    out = []
-    for j in range(max(k, 1)):
-        lo = np.zeros((TB, Lx), np.int32)
-        hi = np.zeros((TB, Lx), np.int32)
-        for b in range(TB):
-            for i in range(Lx):
-                st, en = found[b][i]
-                if j < len(st):
-                    lo[b, i], hi[b, i] = st[j], en[j]
-        if Lx != L:
-            lo, hi = np.repeat(lo, L, axis=1), np.repeat(hi, L, axis=1)
-        out.append((torch.from_numpy(lo), torch.from_numpy(hi)))
-    return out
+    iv = np.zeros((2, most if planes else max(k, 1), TB, Lx), np.int32)
+    for b in range(TB):
+        for i in range(Lx):
+            st, en = found[b][i]
+            iv[0, :len(st), b, i], iv[1, :len(st), b, i] = st, en
+    if Lx != L:
+        iv = np.repeat(iv, L, axis=3)
+    pl = torch.from_numpy(np.ascontiguousarray(iv))
+    return (pl[0], pl[1]) if planes else [(pl[0, j], pl[1, j]) for j in range(pl.shape[1])]
 
 
 def _key_rows(x: np.ndarray, S: int) -> np.ndarray | None:
@@ -529,31 +527,11 @@ DECODE_ROWS = 16
 ROWS_REFUSAL = "a bool mask whose rows are not one stretch of keys each (nor a few), the same for every head"
 
 
-def _merge(parts):
-    """``(out, lse)`` of a row's keys from ``(out_k, lse_k)`` of its stretches (fp32; see
-    :meth:`NativeDecode._run_stretches`)."""
-    if len(parts) == 1:
-        return parts[0]
-    lse = np.stack([p[1].numpy() for p in parts])  # (K, B, H, L), in NumPy: a decode step's few values (µs)
-    m = lse.max(0)
-    base = np.where(np.isneginf(m), np.float32(0), m)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        w = np.exp(lse - base)
-        den = w.sum(0)
-        out = parts[0][0].numpy() * w[0][..., None]
-        for k in range(1, len(parts)):
-            out += parts[k][0].numpy() * w[k][..., None]
-        out /= np.where(den > 0, den, np.float32(1))[..., None]
-        res_lse = base + np.log(den)
-    # (copies into torch's own memory: a tensor NumPy holds cannot be resized, every other path's output can)
-    return torch.from_numpy(out).clone(), torch.from_numpy(res_lse).clone()
-
-
 def _first_rows(req: Request):
-    """The row intervals the decode entry's prepared record takes its shapes from: the mask's, or its first
-    stretch's (rows of a few stretches)."""
+    """The row intervals ``(TB, L)`` a replay's one-stretch record takes its shapes from: the mask's, or its first
+    stretch plane's (rows of a few stretches)."""
     st = req.memo.get("row_stretches")
-    return st[0] if st is not None else req.memo["row_intervals"]
+    return (st[0][0], st[1][0]) if st is not None else req.memo["row_intervals"]
 
 
 def _rows_known(req: Request) -> bool:
@@ -562,12 +540,10 @@ def _rows_known(req: Request) -> bool:
 
 def _stretches(req: Request, points) -> bool:
     """Whether the rows are a few stretches of keys each (``points()``: the mask's bool points, or None), kept in
-    ``req.memo["row_stretches"]`` for :meth:`NativeDecode.run`."""
-    if req.shape[3] < _stretches_from(req):
-        return False
+    ``req.memo["row_stretches"]`` (the decode entry's planes) for :meth:`NativeDecode.run`."""
     try:
         a = points()
-        st = None if a is None else _bool_row_stretches(a, req.shape[2], req.shape[3])
+        st = None if a is None else _bool_row_stretches(a, req.shape[2], req.shape[3], planes=True)
     except Exception:  # a mod that cannot run so: the other kernels evaluate it their way
         return False
     if st is None:
@@ -679,17 +655,12 @@ class NativeDecode(Kernel):
 
     @staticmethod
     def _run_stretches(req: Request, stretches):
-        """Rows of a few stretches of keys (:func:`_bool_row_stretches`): one decode call per stretch, each with
-        its lse, merged exactly as the kernel merges its split-K chunks::
-
-            out = Σ_k e^(lse_k − M) out_k / Σ_k e^(lse_k − M),   lse = M + log Σ_k e^(lse_k − M),   M = max_k lse_k
-
-        A row without a key in a stretch weighs 0 there (lse −inf); in none: out 0, lse −inf; NaN reaches the row."""
-        q, k, v = _rows(req.q), _rows(req.k), _rows(req.v)
-        parts = [_native.decode(q, k, v, lo, hi, req.scale, need_lse=True, alibi=_alibi(req),
-                                prog=req.memo.get("score_prog")) for lo, hi in stretches]
-        out, lse = _merge(parts)
-        return out.to(req.q.dtype), (lse if req.need_lse else None)
+        """Rows of a few stretches of keys (:func:`_bool_row_stretches`'s planes): one decode call, each row
+        seeing the union of its stretches (one online softmax over them, K and V read once). A row in no stretch:
+        out 0, lse −inf; NaN in a key it sees reaches the row."""
+        out, lse = _native.decode(_rows(req.q), _rows(req.k), _rows(req.v), stretches[0], stretches[1], req.scale,
+                                  need_lse=req.need_lse, alibi=_alibi(req), prog=req.memo.get("score_prog"))
+        return out.to(req.q.dtype), lse
 
     def replay(self, req: Request, user_mask):
         """The prepared call for :mod:`attnkit._fast` (see ``sdpa.Fused.replay``): the row intervals of this
@@ -698,20 +669,19 @@ class NativeDecode(Kernel):
             return None
         if type(user_mask) is torch.Tensor:
             return self._replay_bool(req, user_mask)
-        lo, hi = _first_rows(req)
+        st = req.memo.get("row_stretches")  # (this signature's rows, fixed: its stretch planes, or one interval each)
+        lo, hi = st if st is not None else req.memo["row_intervals"]
         default = req.scale
         dt = req.q.dtype
         # the record for this signature, built once: a call writes strides, pointers and scale (rows read in place);
         # a score_mod's program (its tables its own copies) or ALiBi's slopes, copied: the record outlives the call
         alibi = _alibi(req)
-        stretches = req.memo.get("row_stretches")
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi,
                                    alibi=None if alibi is None else alibi.detach().clone(),
-                                   prog=req.memo.get("score_prog"), with_lse=stretches is not None)
+                                   prog=req.memo.get("score_prog"))
 
         def run(q, k, v, mask, scale):
-            sc = default if scale is None else scale
-            out = step(q, k, v, sc) if stretches is None else _merge([step(q, k, v, sc, a, b) for a, b in stretches])[0]
+            out = step(q, k, v, default if scale is None else scale)
             return out if dt is torch.float32 else out.to(dt)
 
         return run
@@ -819,7 +789,7 @@ class NativeDecode(Kernel):
             sc = default if scale is None else scale
             iv = _bool_row_intervals(mask, L, S, spans)  # (any rank up to 4: read as (1, ..., S))
             if iv is None:  # rows of a few stretches (sinks and a window): one call each, merged
-                out = None if S < few.min_s else few(q, k, v, sc, _bool_row_stretches(mask, L, S))
+                out = few(q, k, v, sc, _bool_row_stretches(mask, L, S, planes=True))
                 if out is None:
                     return None
             elif type(iv[0]) is not int and iv[0].shape != shape:
@@ -875,8 +845,8 @@ class NativeDecode(Kernel):
                         m = _masks.And(causal_mask, m)
                     a = _dense_points(m, B, H, L, S)
                 iv = None if a is None else _bool_row_intervals(a, L, S, spans)
-                if iv is None and a is not None and S >= few.min_s:  # a few stretches (sinks and a window)
-                    return _bool_row_stretches(a, L, S)
+                if iv is None and a is not None:  # a few stretches (sinks and a window)
+                    return _Planes(_bool_row_stretches(a, L, S, planes=True))
             except Exception:  # whatever the mod raises: the full path raises it, with its context
                 return None
             if iv is None or (type(iv[0]) is not int and iv[0].shape != shape):
@@ -884,9 +854,9 @@ class NativeDecode(Kernel):
             return iv  # (two ints, or two tensors no one else holds: safe to keep for run_exact)
 
         def call(q, k, v, sc, iv):
-            """The kernel on rows ``iv``: one stretch each (lo, hi), or a few (a list: one call each, merged)."""
-            if isinstance(iv, list):
-                return few(q, k, v, sc, iv)
+            """The kernel on rows ``iv``: one stretch each (lo, hi), or a few (their planes, :class:`_Planes`)."""
+            if isinstance(iv, _Planes):
+                return few(q, k, v, sc, iv.planes)
             return step(q, k, v, sc, iv[0], iv[1])
 
         def run(q, k, v, user, scale):
@@ -900,7 +870,7 @@ class NativeDecode(Kernel):
             """The prepared call for this call's exact signature (its mod's content and S fixed: the rows too), for
             the next calls with the same mod — a model's other layers in this step — or None."""
             iv = rows(k, v, user)
-            if iv is None or (isinstance(iv, list) and not few.fits(iv, k.shape[2])):
+            if iv is None or (isinstance(iv, _Planes) and not few.fits(iv.planes)):
                 return None
 
             def run_exact(q, k, v, mask, scale):
@@ -913,31 +883,37 @@ class NativeDecode(Kernel):
         return run
 
 
+class _Planes:
+    """A call's rows as stretch planes (:func:`_bool_row_stretches` ``planes=True``), told apart from one
+    interval per row."""
+
+    __slots__ = ("planes",)
+
+    def __init__(self, planes):
+        self.planes = planes
+
+
 class _FewStretches:
-    """A replay's rows of a few stretches of keys each (:func:`_bool_row_stretches`): one decode call per stretch
-    with its lse, merged (:func:`_merge`), on a record prepared once (on first use) for the replay's signature
-    (its lo / hi of the shapes of the first call's rows)."""
+    """A replay's rows of a few stretches of keys each (:func:`_bool_row_stretches`'s planes): one decode call on
+    a record prepared once (on first use) for planes of the replay's rows (the first call's row shape)."""
 
     def __init__(self, req: Request, lo0, hi0, alibi, prog):
-        self.shape, self.lo0, self.hi0, self.prog = lo0.shape, lo0, hi0, prog
-        self.min_s = _stretches_from(req)
+        self.shape, self.prog = tuple(lo0.shape[-2:]), prog
         self.alibi = None if alibi is None else alibi.detach().clone()
         self.step: Callable | None = None  # (made from the first call that needs it: no tensor of req kept)
 
-    def fits(self, stretches, S: int | None = None) -> bool:
-        return stretches is not None and all(lo.shape == self.shape for lo, _ in stretches) and \
-            (S is None or S >= self.min_s)
+    def fits(self, planes) -> bool:
+        return planes is not None and tuple(planes[0].shape) == (MAX_STRETCHES, *self.shape)
 
-    def __call__(self, q, k, v, scale, stretches):
-        """The merged output (fp32), or None where the rows are more stretches or of other shapes, or the cache
-        shorter than ``min_s`` (the full path's rule, so a replay gives its answer bit for bit)."""
-        if not self.fits(stretches, k.shape[2]):
+    def __call__(self, q, k, v, scale, planes):
+        """The output (fp32), or None where the rows are more stretches or of other shapes."""
+        if not self.fits(planes):
             return None
         step = self.step
         if step is None:
-            step = self.step = _native.decode_step(_rows(q), _rows(k), _rows(v), self.lo0, self.hi0,
-                                                   alibi=self.alibi, prog=self.prog, with_lse=True)
-        return _merge([step(q, k, v, scale, lo, hi) for lo, hi in stretches])[0]
+            step = self.step = _native.decode_step(_rows(q), _rows(k), _rows(v), planes[0], planes[1],
+                                                   alibi=self.alibi, prog=self.prog)
+        return step(q, k, v, scale, planes[0], planes[1])
 
 
 NATIVE_DECODE = NativeDecode()

@@ -24,7 +24,7 @@
 
 // Bumped whenever AkCall changes; the caller (attnkit/backends/_native.py) sends the version and
 // sizeof(AkCall) it was built for, and a call whose record does not match is refused (returns AK_E_ABI).
-#define AK_ABI_VERSION 6
+#define AK_ABI_VERSION 7
 
 enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
 
@@ -82,4 +82,8 @@ struct AkCall {
   const void* dout;
   const float *fwd_out, *fwd_lse, *dlse;
   float *dq, *dk, *dv;
+  // decode: each row sees the union of nst stretches of keys (0 or 1: one), stretch k's lo / hi at lo + k * lst /
+  // hi + k * lst (elements); at most AK_MAX_STRETCHES (an empty stretch, lo >= hi, adds nothing)
+  int64_t nst, lst;
 };
+#define AK_MAX_STRETCHES 8

@@ -20,6 +20,9 @@
 // batch / head / row strides (last dim contiguous); bf16 and fp16 caches are widened to fp32 per vector in
 // registers (bf16: shift left 16; fp16: F16C in the AVX2 / AVX-512 builds, a portable bit conversion in the base
 // build).
+// A row may see a few stretches of keys (attention sinks and a window: nst of them, their union): a tile's lanes
+// outside every stretch are masked, a tile no row's stretch meets skipped, in one pass over the keys (one online
+// softmax, one read of K and V) whatever the stretch count.
 // A row that sees no key: out 0, lse -inf. NaN in a row's scores gives NaN there (as in the forward).
 #include "attn_common.h"
 
@@ -70,6 +73,7 @@ struct Dec {
   const int32_t* lo;
   const int32_t* hi;
   long lob;
+  long nst, lst;  // stretches per row (>= 1) and the stride between their lo / hi planes
   float scale;
   int threads;
   long chunk;     // keys per chunk (a multiple of BN)
@@ -319,10 +323,10 @@ struct DecBufs {
 static bool dec_bufs(const Dec& s, DecBufs& w) {
   const long nf = s.rb * s.Dp + s.rb * BN + BN * s.Dvp + VW * s.Dp;
   const long nr = s.prog ? s.prog->regs * SL : 0;
-  float* p = scratch<float>(5, nf + 2 * s.rb + nr);
+  float* p = scratch<float>(5, nf + 2 * s.rb * s.nst + nr);
   if (!p) return false;
   w.qb = p, w.sc = p + s.rb * s.Dp, w.vt = w.sc + s.rb * BN, w.kb = w.vt + BN * s.Dvp;
-  w.lo = (int32_t*)(w.kb + VW * s.Dp), w.hi = w.lo + s.rb, w.regs = w.hi + s.rb;
+  w.lo = (int32_t*)(w.kb + VW * s.Dp), w.hi = w.lo + s.rb * s.nst, w.regs = w.hi + s.rb * s.nst;
   return true;
 }
 
@@ -364,7 +368,10 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     float* dst = w.qb + r * s.Dp;
     for (long d = 0; d < s.D; d++) dst[d] = ld1<DT>(qr, d);
     fill(dst + s.D, dst + s.Dp, 0.f);
-    w.lo[r] = mx2<int32_t>(s.lo[b * s.lob + i], 0), w.hi[r] = mn<int32_t>(s.hi[b * s.lob + i], (int32_t)s.S);
+    for (long t = 0; t < s.nst; t++) {  // stretch t of row r at w.lo / w.hi[t * rb + r]
+      const long at = t * s.lst + b * s.lob + i;
+      w.lo[t * s.rb + r] = mx2<int32_t>(s.lo[at], 0), w.hi[t * s.rb + r] = mn<int32_t>(s.hi[at], (int32_t)s.S);
+    }
     m[r] = NEG_INF, l[r] = 0.f;
   }
   fill(acc, acc + rows * s.Dvp, 0.f);
@@ -378,7 +385,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const long n = mn<long>(BN, kb - j0);  // keys [j0, j0 + n); kb <= S
     const long t0 = mx2<long>(j0, ka);      // the first chunk's tile may start before ka
     bool any = false;
-    for (long r = 0; r < rows; r++) any |= w.lo[r] < j0 + n && w.hi[r] > t0 && w.lo[r] < w.hi[r];
+    for (long r = 0; r < rows * s.nst; r++) any |= w.lo[r] < j0 + n && w.hi[r] > t0 && w.lo[r] < w.hi[r];
     if (!any) continue;
     const long nn = mn<long>(BN, kb - j0 - BN);  // keys of the next tile of this chunk
     const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
@@ -386,13 +393,20 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp);
     for (long r = 0; r < rows; r++) {
       float* srow = w.sc + r * BN;
-      const int32_t a = (int32_t)mx2<long>(w.lo[r], t0), e = (int32_t)mn<long>(w.hi[r], j0 + n);
-      if (a >= e) {  // this row sees no key of the tile
+      // the row's stretches met by the tile, clipped to it: [sa[x], se[x]) for x < ns
+      int32_t sa[AK_MAX_STRETCHES], se[AK_MAX_STRETCHES];
+      long ns = 0;
+      for (long t = 0; t < s.nst; t++) {
+        const int32_t a = (int32_t)mx2<long>(w.lo[t * s.rb + r], t0), e = (int32_t)mn<long>(w.hi[t * s.rb + r], j0 + n);
+        if (a < e) sa[ns] = a, se[ns] = e, ns++;
+      }
+      if (ns == 0) {  // this row sees no key of the tile
         fill(srow, srow + n, 0.f);
         continue;
       }
+      const int32_t a = sa[0], e = se[0];
       if (mod) modded(s, srow, n, b, hk * s.g + (r0 + r) / s.L, (r0 + r) % s.L, j0, w.regs);
-      const bool full = a == j0 && e == j0 + n;
+      const bool full = ns == 1 && a == j0 && e == j0 + n;
       const vi av = splati(a), ev = splati(e);
       const long nv = round_up(n, VW);
       vf mxv = splat(NEG_INF);
@@ -400,7 +414,9 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
         vf x = mod ? load(srow + j) : load(srow + j) * scv;
         if (!full || j + VW > n) {
           const vi jj = splati((int32_t)(j0 + j)) + iota();
-          x = ((jj >= av) & (jj < ev)) ? x : splat(NEG_INF);
+          vi in = (jj >= av) & (jj < ev);
+          for (long t = 1; t < ns; t++) in |= (jj >= splati(sa[t])) & (jj < splati(se[t]));
+          x = in ? x : splat(NEG_INF);
         }
         store(srow + j, x);
         mxv = x > mxv ? x : mxv;
@@ -451,13 +467,19 @@ static int decode_t(Dec& s, float* out, float* lse) {
     long r0, r1;
     unit_rows(s, rb, r0, r1);
     int32_t a = (int32_t)s.S, e = 0;
+    long keys = 0;  // the keys its stretches span (stretch by stretch: the work, where [a, e) may hold a gap)
     // its rows' query positions: all L of them once the unit spans a whole head, else r0 % L .. (r1 - 1) % L
     const long i0 = r1 - r0 >= s.L ? 0 : r0 % s.L, cnt = mn<long>(r1 - r0, s.L);
-    for (long x = 0; x < cnt; x++) {
-      const long i = (i0 + x) % s.L;
-      const int32_t lo = mx2<int32_t>(s.lo[b * s.lob + i], 0), hi = mn<int32_t>(s.hi[b * s.lob + i], (int32_t)s.S);
-      if (lo < hi) a = mn(a, lo), e = mx2(e, hi);
+    for (long t = 0; t < s.nst; t++) {
+      int32_t at0 = (int32_t)s.S, et = 0;
+      for (long x = 0; x < cnt; x++) {
+        const long i = (i0 + x) % s.L, at = t * s.lst + b * s.lob + i;
+        const int32_t lo = mx2<int32_t>(s.lo[at], 0), hi = mn<int32_t>(s.hi[at], (int32_t)s.S);
+        if (lo < hi) at0 = mn(at0, lo), et = mx2(et, hi);
+      }
+      if (at0 < et) a = mn(a, at0), e = mx2(e, et), keys += et - at0;
     }
+    keys = mn<long>(keys, e > a ? e - a : 0);
     Unit& x = un[u];
     x.kmin = a, x.kmax = e, x.item = items;
     if (a < e) {
@@ -467,7 +489,7 @@ static int decode_t(Dec& s, float* out, float* lse) {
       x.c0 = 0, x.nc = 0;
     }
     items += x.nc;
-    work += (long)(e > a ? e - a : 0) * (s.D + s.Dv) * (r1 - r0 + 3) / 4;
+    work += keys * (s.D + s.Dv) * (r1 - r0 + 3) / 4;
   }
   const long pstride = s.rb * (2 + s.Dvp);  // per item: m, l (rb each) and acc (rb x Dvp)
   float* part = scratch<float>(3, items * pstride);
@@ -537,13 +559,14 @@ static int decode_t(Dec& s, float* out, float* lse) {
 
 int run_decode(const AkCall* c) {
   if (c->L < 1 || c->L > BM || c->H % c->Hkv != 0 || c->dtype < AK_F32 || c->dtype > AK_F16 ||
-      (c->chunk != 0 && (c->chunk < 0 || c->chunk % BN != 0)))
+      (c->chunk != 0 && (c->chunk < 0 || c->chunk % BN != 0)) || c->nst < 0 || c->nst > AK_MAX_STRETCHES)
     return AK_E_ARG;
   Dec s;
   s.B = c->B, s.H = c->H, s.Hkv = c->Hkv, s.L = c->L, s.S = c->S, s.D = c->D, s.Dv = c->Dv;
   s.g = s.H / s.Hkv;
   for (int i = 0; i < 3; i++) s.sq[i] = c->sq[i], s.sk[i] = c->sk[i], s.sv[i] = c->sv[i];
   s.lo = c->lo, s.hi = c->hi, s.lob = c->lob;
+  s.nst = c->nst > 1 ? c->nst : 1, s.lst = c->lst;
   s.scale = (float)c->scale;
   s.threads = (int)(c->threads > 0 ? c->threads : 1);
   // S keys in at most 64 chunks of at least 512 (a multiple of BN): enough items for every thread, and partial
