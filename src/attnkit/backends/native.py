@@ -322,11 +322,7 @@ def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCH
             if spans is None:
                 return None
             if planes:
-                iv = np.zeros((2, most, 1, L), np.int32)
-                for t, (lo, hi) in enumerate(spans):
-                    iv[0, t], iv[1, t] = lo, hi
-                pl = torch.from_numpy(iv)
-                return pl[0], pl[1]
+                return _span_planes(spans, L, most)
             return [_one_row(sp, L) for sp in (spans or [(0, 0)])]
     rows = _key_rows(x, S)
     if rows is None:
@@ -351,6 +347,16 @@ def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCH
     return (pl[0], pl[1]) if planes else [(pl[0, j], pl[1, j]) for j in range(pl.shape[1])]
 
 
+def _span_planes(spans: list[tuple[int, int]], L: int, most: int = MAX_STRETCHES):
+    """One row's stretches ``spans`` (:func:`_row_spans`, at most ``most``) as the decode entry's planes: ``(lo,
+    hi)``, each int32 ``(most, 1, L)`` (the planes past its stretches empty)."""
+    iv = np.zeros((2, most, 1, L), np.int32)
+    for t, (lo, hi) in enumerate(spans):
+        iv[0, t], iv[1, t] = lo, hi
+    pl = torch.from_numpy(iv)
+    return pl[0], pl[1]
+
+
 def _key_rows(x: np.ndarray, S: int) -> np.ndarray | None:
     """The key rows ``(TB, 1 or L, S)`` of a bool array broadcastable to ``(B, H, L, S)``, the first head's; None
     where heads differ (the decode entry's row intervals hold for every head of a kv group alike)."""
@@ -361,15 +367,20 @@ def _key_rows(x: np.ndarray, S: int) -> np.ndarray | None:
     return np.broadcast_to(x[:, 0], (x.shape[0], x.shape[2], S))
 
 
-def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False):
+def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False, few: bool = False):
     """``(lo, hi)`` int32 ``(TB, L)`` of a CPU bool tensor ``a`` broadcastable to ``(B, H, L, S)`` (True =
     attend; any strides): a mod's points (:func:`_dense_row_intervals`) or a call's own bool mask, each row's one
     stretch of keys; None where a row is two stretches or heads differ. A row without a key: ``lo = hi = 0``.
     ``spans``: where ``a`` is one row of keys shared by every batch row, head and query (a decode step's), the
-    two ints ``(lo, hi)`` instead (the decode step writes them into its own record: no tensors built)."""
+    two ints ``(lo, hi)`` instead (the decode step writes them into its own record: no tensors built). ``few``: such
+    a shared row of a few stretches gives their planes (:class:`_Planes`, read off the same bytes) instead of None."""
     x = _tiling.host_array(a)  # (the user's mask: .numpy() would leave it unable to resize_)
     if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
-        span = _row_span(x.tobytes())
+        row = x.tobytes()
+        span = _row_span(row)
+        if span is None and few and row.count(0) + row.count(1) == S:  # (else a uint8 buffer viewed as bool)
+            st = _row_spans(row, MAX_STRETCHES)
+            return None if st is None else _Planes(_span_planes(st, L))
         if span is None or spans:
             return span
         return _one_row(span, L)
@@ -787,9 +798,9 @@ class NativeDecode(Kernel):
             if mask.dim() and mask.shape[-1] not in (1, S):
                 return None  # (the full path says what is wrong with it)
             sc = default if scale is None else scale
-            iv = _bool_row_intervals(mask, L, S, spans)  # (any rank up to 4: read as (1, ..., S))
-            if iv is None:  # rows of a few stretches (sinks and a window): one call each, merged
-                out = few(q, k, v, sc, _bool_row_stretches(mask, L, S, planes=True))
+            iv = _bool_row_intervals(mask, L, S, spans, few=True)  # (any rank up to 4: read as (1, ..., S))
+            if iv is None or isinstance(iv, _Planes):  # rows of a few stretches (sinks and a window): their planes
+                out = few(q, k, v, sc, _bool_row_stretches(mask, L, S, planes=True) if iv is None else iv.planes)
                 if out is None:
                     return None
             elif type(iv[0]) is not int and iv[0].shape != shape:
