@@ -258,6 +258,42 @@ def test_too_many_stretch_planes_are_refused_by_name():
     from attnkit.backends import _native
 
     q, k, v = _inputs(1, 4, 2, 1, 50)
-    lo = torch.zeros(_native.MAX_STRETCHES + 1, 1, 1, dtype=torch.int32)
+    lo = torch.zeros(_native.MAX_PLANES + 1, 1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"lo, hi must be int32 .* stretches"):
         _native.decode(q, k, v, lo, lo.clone(), 0.25)
+
+
+@pytest.mark.parametrize("H, Hkv, L, S", [(80, 1, 1, 1000), (64, 8, 10, 700), (40, 8, 16, 300), (71, 1, 1, 5000)])
+def test_more_than_64_rows_per_kv_head_see_every_stretch(H, Hkv, L, S):
+    """g·L > 64 rows per kv head make several units, the last one short (review finding: its tile check read the
+    wrong stretch entries there, so the window's tiles were skipped for those rows): sinks + a window through
+    ``attention`` against float64, at 1 and 2 threads."""
+    require_kernel()
+    _fast.clear()
+    q, k, v = _inputs(1, H, Hkv, L, S, seed=H + L)
+    mod = _sinks(S, window=min(200, S // 2))
+    assert attnkit.dispatch(q, k, v, mask=mod).kernel.name == "native-decode"
+    ref = _golden(q, k, v, _dense(mod, 1, 1, L, S))[0]
+    prev = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                out = attnkit.attention(q, k, v, mask=mod)
+            assert (out.double() - ref).abs().max().item() <= budget(torch.float32, 16, S), threads
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_a_prepared_record_refuses_rows_of_another_shape():
+    """A prepared decode call reads as many rows as it was prepared for: rows of another shape are refused, never
+    read past."""
+    require_kernel()
+    from attnkit.backends import _native
+
+    q, k, v = _inputs(1, 4, 2, 1, 50)
+    lo = torch.zeros(4, 1, 1, dtype=torch.int32)
+    run = _native.decode_step(q, k, v, lo, lo + 50)
+    assert run(q, k, v, 0.25, lo, lo + 50).shape == (1, 4, 1, 16)
+    with pytest.raises(ValueError, match="prepared shape"):
+        run(q, k, v, 0.25, lo[0], lo[0] + 50)

@@ -77,7 +77,7 @@ class _Call(ctypes.Structure):
 
 
 _ABI_VERSION = 7  # AK_ABI_VERSION in csrc/attn_common.h
-MAX_STRETCHES = 8  # AK_MAX_STRETCHES: the stretches of keys a decode row may see (lo / hi (n, 1 or B, L))
+MAX_PLANES = 8  # AK_MAX_STRETCHES: the stretch planes a decode call may bring (lo / hi (n, 1 or B, L))
 
 
 def _load() -> None:
@@ -295,7 +295,8 @@ def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=Fa
     q, k, v = _fit_all(q, k, v)
     c0, keep = _call(q, k, v, lo, hi, 1.0, alibi, tiles, prog)
     # lo, hi (as the record points at them), the slopes, tile map and program: not the first call's q, k, v
-    return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog, with_lse=with_lse)
+    return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog, with_lse=with_lse,
+                    rows=tuple(keep[3].shape))
 
 
 def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse: bool = False):
@@ -312,11 +313,12 @@ def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse
     c0.lo, c0.hi = lo.data_ptr(), hi.data_ptr()
     keep = [lo, hi, *_score_parts(c0, q.shape[1], alibi, prog)]
     return _stepper(lib.ak_decode, c0, keep, q, k, v, need_lse=with_lse, prog=prog, with_lse=with_lse, any_s=True,
+                    rows=tuple(lo.shape),
                     span_rows=q.shape[2] if lo.dim() == 2 and lo.shape[0] == 1 else 0)
 
 
 def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False,
-             any_s: bool = False, span_rows: int = 0):
+             any_s: bool = False, span_rows: int = 0, rows: tuple = ()):
     """The per-call part of :func:`forward_step` / :func:`decode_step`: a copy of the record ``c0`` per thread,
     into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs):
     with the extension's ``step`` (one vectorcall writes the slots and runs the same entry, the GIL released), else
@@ -381,7 +383,11 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
                 raise TypeError("attnkit's compiled kernel: lo / hi as ints need a record prepared with (1, L) rows")
             buf, lp, hp = tls.span
             buf[:] = (lo,) * span_rows + (hi,) * span_rows
-        else:
+        else:  # (the kernel reads as many rows as the record was prepared for: checked, never read past)
+            if lo.shape != rows or hi.shape != rows or lo.dtype is not torch.int32 or hi.dtype is not torch.int32 or \
+                    not (lo.is_contiguous() and hi.is_contiguous()):
+                raise ValueError(f"attnkit's compiled kernel: lo / hi must be contiguous int32 of the prepared shape "
+                                 f"{rows}; got {lo.dtype} {tuple(lo.shape)}, {hi.dtype} {tuple(hi.shape)}")
             lp, hp = lo.data_ptr(), hi.data_ptr()
         if step is not None:
             rc = step(code, addr, first, qs[0], qs[1], qs[2], k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
@@ -467,9 +473,9 @@ def _decode_call(q, k, v, lo, hi, scale: float, chunk: int, threads: int) -> _Ca
         raise ValueError(f"decode: q's last dim must be contiguous (stride 1); got strides {q.stride()}")
     if lo.dtype != torch.int32 or hi.dtype != torch.int32 or lo.shape != hi.shape or lo.dim() not in (2, 3) \
             or lo.shape[-2] not in (1, B) or lo.shape[-1] != L or (lo.dim() == 3 and not
-                                                                   1 <= lo.shape[0] <= MAX_STRETCHES):
+                                                                   1 <= lo.shape[0] <= MAX_PLANES):
         raise ValueError(f"decode: lo, hi must be int32 of shape (1 or B, L) = (1 or {B}, {L}), or (n, 1 or B, L) "
-                         f"for rows of n <= {MAX_STRETCHES} stretches; got {lo.dtype} {tuple(lo.shape)}, {hi.dtype} "
+                         f"for rows of n <= {MAX_PLANES} stretches; got {lo.dtype} {tuple(lo.shape)}, {hi.dtype} "
                          f"{tuple(hi.shape)}")
     if chunk < 0 or chunk % TILE:
         raise ValueError(f"decode: chunk must be 0 (chosen from S) or a positive multiple of {TILE}; got {chunk}")
@@ -506,7 +512,7 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
     place, widened in registers, never converted whole), last dim contiguous, any other strides (a view into a
     bigger preallocated cache is read in place); 1 <= L <= 64; H a multiple of Hkv. lo, hi: int32 contiguous
     (1 or B, L): query row i sees keys lo <= j < hi (bottom-right causal, windows, padding: the masks'
-    ``row_intervals``); or (n, 1 or B, L), n <= ``MAX_STRETCHES``: row i sees the union of n stretches
+    ``row_intervals``); or (n, 1 or B, L), n <= ``MAX_PLANES``: row i sees the union of n stretches
     ``[lo[t, ., i], hi[t, ., i])`` (attention sinks and a window), one pass over the keys, an empty stretch (lo >= hi)
     adding nothing::
 

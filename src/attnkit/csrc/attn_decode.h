@@ -385,7 +385,8 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const long n = mn<long>(BN, kb - j0);  // keys [j0, j0 + n); kb <= S
     const long t0 = mx2<long>(j0, ka);      // the first chunk's tile may start before ka
     bool any = false;
-    for (long r = 0; r < rows * s.nst; r++) any |= w.lo[r] < j0 + n && w.hi[r] > t0 && w.lo[r] < w.hi[r];
+    for (long t = 0; t < s.nst && !any; t++)  // (stretch t of row r at t * rb + r: a unit of fewer rows leaves gaps)
+      for (long r = t * s.rb; r < t * s.rb + rows; r++) any |= w.lo[r] < j0 + n && w.hi[r] > t0 && w.lo[r] < w.hi[r];
     if (!any) continue;
     const long nn = mn<long>(BN, kb - j0 - BN);  // keys of the next tile of this chunk
     const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
