@@ -297,3 +297,38 @@ def test_a_prepared_record_refuses_rows_of_another_shape():
     assert run(q, k, v, 0.25, lo, lo + 50).shape == (1, 4, 1, 16)
     with pytest.raises(ValueError, match="prepared shape"):
         run(q, k, v, 0.25, lo[0], lo[0] + 50)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_stretch_planes_against_float64(seed):
+    """Random calls of the planes entry: 1-8 planes of random stretches (overlapping, touching, empty, reversed,
+    before 0 or past S), TB = 1 or B, L up to 16, g·L up to 96 rows per kv head (units of 64 and a short one),
+    fp32 / bf16 / fp16, split-K chunks of 64 or chosen; rows in no stretch give 0 and lse -inf."""
+    require_kernel()
+    from attnkit.backends import _native
+
+    rng = np.random.default_rng(100 + seed)
+    B = int(rng.integers(1, 3))
+    TB = int(rng.choice([1, B]))
+    Hkv = int(rng.integers(1, 3))
+    g = int(rng.choice([1, 3, 8, 12]))
+    L = int(rng.integers(1, 17)) if g < 8 else int(rng.integers(1, 9))
+    H, S, D = Hkv * g, int(rng.integers(1, 900)), int(rng.choice([8, 24, 40]))
+    n = int(rng.integers(1, _native.MAX_PLANES + 1))
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[seed % 3]
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, r, D, generator=gen).to(dtype) for h, r in ((H, L), (Hkv, S), (Hkv, S)))
+    lo = torch.from_numpy(rng.integers(-20, S + 20, (n, TB, L)).astype(np.int32))
+    hi = (lo + torch.from_numpy(rng.integers(-5, S // 2 + 2, (n, TB, L)).astype(np.int32))).contiguous()
+    j = torch.arange(S)
+    allowed = ((j >= lo[..., None]) & (j < hi[..., None])).any(0)  # (TB, L, S): the union of the stretches
+    s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) * D ** -0.5
+    s = s.masked_fill(~allowed[:, None].expand(B, H, L, S), -torch.inf)
+    dead = ~allowed.any(-1)[:, None].expand(B, H, L)
+    ref = torch.softmax(s, -1).nan_to_num(0.0) @ v.double().repeat_interleave(g, 1)
+    out, lse = _native.decode(q, k, v, lo, hi, D ** -0.5, chunk=int(rng.choice([0, 64])))
+    assert (out.double() - ref).abs().max().item() <= budget(torch.float32, D, S)
+    assert torch.isneginf(lse[dead]).all() and not out[dead].any()
+    if not dead.all():
+        want = torch.logsumexp(s, -1)[~dead]
+        assert (lse[~dead].double() - want).abs().max().item() <= budget(torch.float32, D, S) * 10
