@@ -586,7 +586,13 @@ def _live_key(key: str):
 
 
 def _learn_step(req, c):
-    """The prepared forward of a call the compiled kernel runs, or None."""
+    """The prepared forward of a call the compiled kernel runs, or None: a decode step's (at most 16 query rows,
+    each one or a few stretches of keys) on the kernel's decode entry, as an eager call under ``no_grad`` runs it
+    (the op's backward recomputes from ``out`` and ``lse``, which the decode entry gives as the forward does);
+    other calls on the forward's tiles."""
+    decode = _decode_step(req)
+    if decode is not None:
+        return decode
     if c.worker != "native" or ("row_intervals" not in req.memo and "tile_bits" not in req.memo):
         return None
     with torch.no_grad():
@@ -595,6 +601,20 @@ def _learn_step(req, c):
         return _native.forward_step(req.q, req.k, req.v, lo, hi, tiles,
                                     alibi=None if alibi is None else alibi.detach().clone(),
                                     prog=req.memo.get("score_prog"), with_lse=True)
+
+
+def _decode_step(req):
+    """The decode entry's prepared call ``run(q, k, v, scale) -> (out fp32, lse)`` for ``req``, or None where the
+    entry does not take it (more than 16 query rows, a gradient into a captured tensor, rows of more stretches)."""
+    if native.NATIVE_DECODE.not_supported(req):
+        return None
+    st = req.memo.get("row_stretches")  # (the rows: their stretch planes, or one interval each)
+    lo, hi = st if st is not None else req.memo["row_intervals"]
+    alibi = native._alibi(req)
+    with torch.no_grad():
+        return _native.decode_step(req.q, req.k, req.v, lo.contiguous(), hi.contiguous(),
+                                   alibi=None if alibi is None else alibi.detach().clone(),
+                                   prog=req.memo.get("score_prog"), with_lse=True)
 
 
 def _forward(q, k, v, tensors, ints, floats, key, scale, learn, sig=None):
