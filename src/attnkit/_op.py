@@ -611,10 +611,14 @@ def _decode_step(req):
     st = req.memo.get("row_stretches")  # (the rows: their stretch planes, or one interval each)
     lo, hi = st if st is not None else req.memo["row_intervals"]
     alibi = native._alibi(req)
-    with torch.no_grad():
-        return _native.decode_step(req.q, req.k, req.v, lo.contiguous(), hi.contiguous(),
-                                   alibi=None if alibi is None else alibi.detach().clone(),
-                                   prog=req.memo.get("score_prog"), with_lse=True)
+    rows = native._rows  # (the last dim contiguous, as the eager decode entry reads them: a packed qkv's q is not)
+    try:
+        with torch.no_grad():
+            return _native.decode_step(rows(req.q), rows(req.k), rows(req.v), lo.contiguous(), hi.contiguous(),
+                                       alibi=None if alibi is None else alibi.detach().clone(),
+                                       prog=req.memo.get("score_prog"), with_lse=True)
+    except (ValueError, TypeError):  # a call the entry's record refuses: the forward's tiles, as before
+        return None
 
 
 def _forward(q, k, v, tensors, ints, floats, key, scale, learn, sig=None):
