@@ -46,9 +46,12 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     a model's parameter (FSDP frees a parameter's storage with ``resize_(0)``) could never be resized again after
     attnkit read it. Here a small contiguous tensor (at most ``_COPY_MAX`` bytes) is copied out at its data pointer,
     anything else viewed through DLPack (which keeps the tensor alive and leaves its storage alone); a tensor that
-    requires grad is read detached. NumPy has no bf16: view such a tensor as ``torch.uint8`` / ``int16`` first."""
+    requires grad is read detached, a lazily negated or conjugated view resolved first (its bytes are not its
+    values). NumPy has no bf16: view such a tensor as ``torch.uint8`` / ``int16`` first."""
     if t.requires_grad:
         t = t.detach()
+    if t.is_neg() or t.is_conj():  # (a lazily negated view, e.g. z.conj().imag: its bytes are not its values)
+        t = t.resolve_neg().resolve_conj()
     nbytes = t.nbytes
     if 0 < nbytes <= _COPY_MAX and t.is_cpu and t.is_contiguous() and (dt := _NP_DTYPES.get(t.dtype)) is not None:
         return np.frombuffer(ctypes.string_at(t.data_ptr(), nbytes), dtype=dt).reshape(tuple(t.shape))

@@ -39,12 +39,14 @@ def _grows(*ts: torch.Tensor) -> None:
     lambda: torch.zeros(0, 4),                                         # empty
     lambda: torch.randn(4, 4, requires_grad=True),                     # read detached
     lambda: torch.randint(0, 200, (5,), dtype=torch.uint8).view(torch.bool),  # bytes other than 0 / 1
+    lambda: torch.randn(4, dtype=torch.complex64).conj().imag,         # a negated view: values, not bytes
+    lambda: torch.randn(70000, dtype=torch.complex64).conj().imag,     # the same, large
 ])
 def test_host_array_is_the_tensors_elements_read_only(make):
     t = make()
     x = host_array(t)
     bits = t.detach().view(torch.uint8) if t.dtype == torch.bool else t.detach()  # (bool: its bytes as they are)
-    ref = bits.clone().numpy()  # (a clone's .numpy(): the clone is ours)
+    ref = bits.resolve_neg().clone().numpy()  # (a clone's .numpy(): the clone is ours)
     assert x.shape == tuple(t.shape) and x.dtype == (np.bool_ if t.dtype == torch.bool else ref.dtype)
     np.testing.assert_array_equal(x.view(np.uint8) if x.dtype == np.bool_ else x, ref)
     assert not x.flags.writeable
