@@ -189,12 +189,12 @@ def test_the_stretches_of_a_row_equal_a_plain_scan(seed):
                     merged[-1] = (merged[-1][0], hi)
                 else:
                     merged.append((lo, hi))
-            spans = [(int(lo[b, i]), int(hi[b, i])) for lo, hi in got if hi[b, i] > lo[b, i]]
+            spans = [(int(lo[b, i]), int(hi[b, i])) for lo, hi in zip(*got, strict=True) if hi[b, i] > lo[b, i]]
             assert spans == merged
     one = x[1, 0, 1].view(1, 1, 1, S)  # one shared row: read off its bytes
     got_one = native._bool_row_stretches(one, 4, S, most=1000)
-    assert [(int(lo[0, 0]), int(hi[0, 0])) for lo, hi in got_one if hi[0, 0] > lo[0, 0]] == \
-        [(int(lo[1, 1]), int(hi[1, 1])) for lo, hi in got if hi[1, 1] > lo[1, 1]]
+    assert [(int(lo[0, 0]), int(hi[0, 0])) for lo, hi in zip(*got_one, strict=True) if hi[0, 0] > lo[0, 0]] == \
+        [(int(lo[1, 1]), int(hi[1, 1])) for lo, hi in zip(*got, strict=True) if hi[1, 1] > lo[1, 1]]
     assert native._bool_row_stretches(one, 1, S, most=0) is None or not one.any()
 
 

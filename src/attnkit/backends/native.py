@@ -305,25 +305,19 @@ def _dense_points(mask, B: int, H: int, L: int, S: int, fn=None) -> torch.Tensor
 MAX_STRETCHES = 4
 
 
-def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCHES, planes: bool = False):
-    """The stretches of keys of each row of a CPU bool tensor ``a`` broadcastable to ``(B, H, L, S)``: a list of
-    ``(lo, hi)`` int32 ``(TB, L)`` pairs, the k-th pair each row's k-th stretch (``lo = hi = 0`` where a row has
-    fewer); None where a row has more than ``most`` stretches or heads differ::
+def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCHES):
+    """The stretches of keys of each row of a CPU bool tensor ``a`` broadcastable to ``(B, H, L, S)`` as the decode
+    entry's planes ``(lo, hi)``, each int32 ``(most, TB, L)``: stretch k of a row in plane k, the planes past its
+    stretches empty (``lo = hi = 0``); None where a row has more than ``most`` stretches or heads differ::
 
-        sinks + window, S = 10:  █ █ · · · · █ █ █ █   ->  [(0, 2), (6, 10)]
-
-    ``planes``: instead the decode entry's ``(lo, hi)``, each int32 ``(most, TB, L)`` (stretch k in plane k; the
-    planes past a row's stretches empty, lo = hi = 0)."""
+        sinks + window, S = 10:  █ █ · · · · █ █ █ █   ->  lo = [0, 6, 0, 0], hi = [2, 10, 0, 0]
+    """
     x = _tiling.host_array(a)  # (the user's mask: .numpy() would leave it unable to resize_)
     if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
         row = x.reshape(-1).tobytes()
         if row.count(0) + row.count(1) == S:  # (else a uint8 buffer viewed as bool: read below)
             spans = _row_spans(row, most)
-            if spans is None:
-                return None
-            if planes:
-                return _span_planes(spans, L, most)
-            return [_one_row(sp, L) for sp in (spans or [(0, 0)])]
+            return None if spans is None else _span_planes(spans, L, most)
     rows = _key_rows(x, S)
     if rows is None:
         return None
@@ -336,7 +330,7 @@ def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCH
     k = max((len(st) for row in found for st, _ in row), default=0)
     if k > most:
         return None
-    iv = np.zeros((2, most if planes else max(k, 1), TB, Lx), np.int32)
+    iv = np.zeros((2, most, TB, Lx), np.int32)
     for b in range(TB):
         for i in range(Lx):
             st, en = found[b][i]
@@ -344,7 +338,7 @@ def _bool_row_stretches(a: torch.Tensor, L: int, S: int, most: int = MAX_STRETCH
     if Lx != L:
         iv = np.repeat(iv, L, axis=3)
     pl = torch.from_numpy(np.ascontiguousarray(iv))
-    return (pl[0], pl[1]) if planes else [(pl[0, j], pl[1, j]) for j in range(pl.shape[1])]
+    return pl[0], pl[1]
 
 
 def _span_planes(spans: list[tuple[int, int]], L: int, most: int = MAX_STRETCHES):
@@ -372,15 +366,18 @@ def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False, fe
     attend; any strides): a mod's points (:func:`_dense_row_intervals`) or a call's own bool mask, each row's one
     stretch of keys; None where a row is two stretches or heads differ. A row without a key: ``lo = hi = 0``.
     ``spans``: where ``a`` is one row of keys shared by every batch row, head and query (a decode step's), the
-    two ints ``(lo, hi)`` instead (the decode step writes them into its own record: no tensors built). ``few``: such
-    a shared row of a few stretches gives their planes (:class:`_Planes`, read off the same bytes) instead of None."""
+    two ints ``(lo, hi)`` instead (the decode step writes them into its own record: no tensors built). ``few``: rows
+    of up to ``MAX_STRETCHES`` stretches give their planes (:class:`_Planes`; a shared row's read off the same bytes)
+    instead of None."""
     x = _tiling.host_array(a)  # (the user's mask: .numpy() would leave it unable to resize_)
     if x.ndim and x.size == S and x.shape[-1] == S:  # one row for every batch row, head and query (a decode step)
         row = x.tobytes()
         span = _row_span(row)
-        if span is None and few and row.count(0) + row.count(1) == S:  # (else a uint8 buffer viewed as bool)
-            st = _row_spans(row, MAX_STRETCHES)
-            return None if st is None else _Planes(_span_planes(st, L))
+        if span is None and few:
+            if row.count(0) + row.count(1) == S:
+                st = _row_spans(row, MAX_STRETCHES)
+                return None if st is None else _Planes(_span_planes(st, L))
+            return _few_planes(a, L, S)  # (a uint8 buffer viewed as bool: its bytes read as True where nonzero)
         if span is None or spans:
             return span
         return _one_row(span, L)
@@ -399,7 +396,7 @@ def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False, fe
                 if n:
                     first = nz[0]
                     if nz[-1] + 1 - first != n:
-                        return None
+                        return _few_planes(a, L, S) if few else None
                     lo[b, i], hi[b, i] = first, first + n
     else:  # many rows (a batch whose rows differ): the count, first and last key of every row at once
         cnt = np.count_nonzero(x, axis=-1)
@@ -407,7 +404,7 @@ def _bool_row_intervals(a: torch.Tensor, L: int, S: int, spans: bool = False, fe
         end = S - x[..., ::-1].argmax(-1)
         dead = cnt == 0
         if not ((end - first == cnt) | dead).all():
-            return None
+            return _few_planes(a, L, S) if few else None
         lo = np.where(dead, 0, first).astype(np.int32)
         hi = np.where(dead, 0, end).astype(np.int32)
     if Lx != L:
@@ -549,17 +546,15 @@ def _rows_known(req: Request) -> bool:
     return "row_intervals" in req.memo or "row_stretches" in req.memo
 
 
-def _stretches(req: Request, points) -> bool:
-    """Whether the rows are a few stretches of keys each (``points()``: the mask's bool points, or None), kept in
-    ``req.memo["row_stretches"]`` (the decode entry's planes) for :meth:`NativeDecode.run`."""
-    try:
-        a = points()
-        st = None if a is None else _bool_row_stretches(a, req.shape[2], req.shape[3], planes=True)
-    except Exception:  # a mod that cannot run so: the other kernels evaluate it their way
+def _keep_rows(req: Request, iv) -> bool:
+    """Keep the call's rows for :meth:`NativeDecode.run` — one interval each (``req.memo["row_intervals"]``) or the
+    planes of a few stretches (:class:`_Planes`: ``req.memo["row_stretches"]``); False where there are none."""
+    if iv is None:
         return False
-    if st is None:
-        return False
-    req.memo["row_stretches"] = st
+    if isinstance(iv, _Planes):
+        req.memo["row_stretches"] = iv.planes
+    else:
+        req.memo["row_intervals"] = iv
     return True
 
 
@@ -601,43 +596,33 @@ class NativeDecode(Kernel):
         if refused:
             return [refused]
         if req.plan is not None and "row_intervals" not in req.memo:  # a BlockMask's tiles, its mod in the partial
-            pts: list = []
-            try:  # ones (FlexAttention's meaning): each row's one stretch of keys, read off its points or its tile map
+            try:  # ones (FlexAttention's meaning): each row's stretches of keys, read off its points or its tile map
                 if B * H * L * S <= _DENSE_POINTS:
-                    pts.append(_dense_points(_plan_mask(req.plan, req.plan_extra), B, H, L, S))
-                    iv = _bool_row_intervals(pts[0], L, S)
+                    a = _dense_points(_plan_mask(req.plan, req.plan_extra), B, H, L, S)
+                    iv = None if a is None else _bool_row_intervals(a, L, S, few=True)
                 else:
                     iv = _tilebits.row_intervals(_tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S), L, S)
             except Exception:
                 iv = None
-            if iv is None and not (pts and _stretches(req, lambda: pts[0])):
+            if not _keep_rows(req, iv):
                 return ["a plan whose rows are not one stretch of keys each (nor a few), the same for every head"]
-            if iv is not None:
-                req.memo["row_intervals"] = iv
-        if req.dense_mask is not None and not _rows_known(req):  # the call's own bool mask, its rows
-            iv = _bool_row_intervals(req.dense_mask, L, S)
-            if iv is None and not _stretches(req, lambda: req.dense_mask):
-                return [ROWS_REFUSAL]
-            if iv is not None:
-                req.memo["row_intervals"] = iv
+        if req.dense_mask is not None and not _rows_known(req) and \
+                not _keep_rows(req, _bool_row_intervals(req.dense_mask, L, S, few=True)):  # the call's own rows
+            return [ROWS_REFUSAL]
         if not _rows_known(req):
             mask = req.mask if req.mask is not None else _FULL
             iv = _row_intervals(mask, B, L, S)
-            dense = B * H * L * S <= _DENSE_POINTS
-            points: list = []
             if iv is None and type(mask) not in _CLOSED_FORM:  # a user's mask_mod (or & | ~ of one): its rows
                 try:  # evaluated at every point (a few rows), or read off its tile map, cached by content
-                    if dense:
-                        points.append(_dense_points(mask, B, H, L, S))
-                        iv = _bool_row_intervals(points[0], L, S)
+                    if B * H * L * S <= _DENSE_POINTS:
+                        a = _dense_points(mask, B, H, L, S)
+                        iv = None if a is None else _bool_row_intervals(a, L, S, few=True)
                     else:
                         iv = _tilebits.row_intervals(_tilebits.tile_bits(mask, B, H, L, S), L, S)
                 except Exception:  # a mod that cannot run so: the other kernels evaluate it their way
                     iv = None
-            if iv is None and not (points and _stretches(req, lambda: points[0])):
+            if not _keep_rows(req, iv):
                 return [f"mask {req.mask!r} is not one stretch of keys per row (nor a few), the same for every head"]
-            if iv is not None:
-                req.memo["row_intervals"] = iv
         if not _native.available():
             return [_native.unavailable_reason()]
         return []
@@ -789,7 +774,7 @@ class NativeDecode(Kernel):
         spans = shape[0] == 1  # one interval for every row may come as two ints (the step writes them in place)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
                                    alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
-        few = _FewStretches(req, lo0, hi0, alibi, prog)
+        few = _FewStretches(shape, alibi, prog)
 
         def run(q, k, v, mask, scale):
             S = k.shape[2]
@@ -799,8 +784,10 @@ class NativeDecode(Kernel):
                 return None  # (the full path says what is wrong with it)
             sc = default if scale is None else scale
             iv = _bool_row_intervals(mask, L, S, spans, few=True)  # (any rank up to 4: read as (1, ..., S))
-            if iv is None or isinstance(iv, _Planes):  # rows of a few stretches (sinks and a window): their planes
-                out = few(q, k, v, sc, _bool_row_stretches(mask, L, S, planes=True) if iv is None else iv.planes)
+            if iv is None:
+                return None
+            if isinstance(iv, _Planes):  # rows of a few stretches (sinks and a window): their planes
+                out = few(q, k, v, sc, iv.planes)
                 if out is None:
                     return None
             elif type(iv[0]) is not int and iv[0].shape != shape:
@@ -829,7 +816,7 @@ class NativeDecode(Kernel):
             return None
         max_s = prog.max_s if prog is not None else None
         default, dt, shape, sm = req.scale, req.q.dtype, lo0.shape, req.score_mod
-        few = _FewStretches(req, lo0, hi0, alibi, prog)
+        few = _FewStretches(shape, alibi, prog)
         check = sm.validate if isinstance(sm, _score_mods.ScoreMod) else None
         spans = shape[0] == 1  # one interval for every row may come as two ints (the step writes them in place)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
@@ -855,9 +842,9 @@ class NativeDecode(Kernel):
                     if causal_mask is not None:
                         m = _masks.And(causal_mask, m)
                     a = _dense_points(m, B, H, L, S)
-                iv = None if a is None else _bool_row_intervals(a, L, S, spans)
-                if iv is None and a is not None:  # a few stretches (sinks and a window)
-                    return _Planes(_bool_row_stretches(a, L, S, planes=True))
+                iv = None if a is None else _bool_row_intervals(a, L, S, spans, few=True)
+                if isinstance(iv, _Planes):  # a few stretches (sinks and a window)
+                    return iv
             except Exception:  # whatever the mod raises: the full path raises it, with its context
                 return None
             if iv is None or (type(iv[0]) is not int and iv[0].shape != shape):
@@ -894,9 +881,14 @@ class NativeDecode(Kernel):
         return run
 
 
+def _few_planes(a: torch.Tensor, L: int, S: int):
+    """:class:`_Planes` of ``a``'s rows of a few stretches (:func:`_bool_row_stretches`), or None."""
+    st = _bool_row_stretches(a, L, S)
+    return None if st is None else _Planes(st)
+
+
 class _Planes:
-    """A call's rows as stretch planes (:func:`_bool_row_stretches` ``planes=True``), told apart from one
-    interval per row."""
+    """A call's rows as stretch planes (:func:`_bool_row_stretches`), told apart from one interval per row."""
 
     __slots__ = ("planes",)
 
@@ -908,8 +900,8 @@ class _FewStretches:
     """A replay's rows of a few stretches of keys each (:func:`_bool_row_stretches`'s planes): one decode call on
     a record prepared once (on first use) for planes of the replay's rows (the first call's row shape)."""
 
-    def __init__(self, req: Request, lo0, hi0, alibi, prog):
-        self.shape, self.prog = tuple(lo0.shape[-2:]), prog
+    def __init__(self, shape, alibi, prog):
+        self.shape, self.prog = tuple(shape), prog
         self.alibi = None if alibi is None else alibi.detach().clone()
         self.step: Callable | None = None  # (made from the first call that needs it: no tensor of req kept)
 
