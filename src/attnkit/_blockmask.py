@@ -98,7 +98,7 @@ def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str
     if getattr(device, "type", device) == "cpu" and _masks.small_grid(B, H, L, S):
         plan = _block_mask_plan(block_mask, B, H, L, S, device, arg)
         if isinstance(plan, torch.Tensor):
-            _Evaluated.attach(block_mask, block_mask.mask_mod, plan.numpy(), (B, H))
+            _Evaluated.attach(block_mask, block_mask.mask_mod, plan, (B, H))  # (its bytes 0 / 1: kept as it is)
         return plan
     key = _content_key(block_mask, B, H, L, S, device)
     if key is not None and key in _PLANS:

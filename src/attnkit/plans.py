@@ -423,10 +423,12 @@ class _Evaluated:
 
     __slots__ = ("at", "block", "fields", "key", "layout", "mod", "rows", "seq", "snapshot", "tensor")
 
-    def __init__(self, bmask, mod, key, points: np.ndarray, at: tuple[int, int]):
+    def __init__(self, bmask, mod, key, points: np.ndarray | torch.Tensor, at: tuple[int, int]):
         self.mod, self.key, self.at = mod, key, at
-        # (Bx, Hx, L, S), never handed out; each byte 0 or 1 (a mod may give a uint8 buffer viewed as bool)
-        self.tensor = torch.from_numpy(np.ascontiguousarray(points).view(np.uint8) != 0)
+        # (Bx, Hx, L, S), never handed to the user; each byte 0 or 1 (a mod may give a uint8 buffer viewed as bool;
+        # a tensor comes from _blockmask.block_points, its bytes already so)
+        self.tensor = points if isinstance(points, torch.Tensor) else \
+            torch.from_numpy(np.ascontiguousarray(points).view(np.uint8) != 0)
         self.block, self.seq = tuple(bmask.BLOCK_SIZE), tuple(bmask.seq_lengths)
         self.fields = tuple(getattr(bmask, n) for n in _KV_FIELDS)
         self.layout = _layout(self.fields)
@@ -434,7 +436,7 @@ class _Evaluated:
         self.rows = tuple(self.fields[0].shape[:2])  # the BlockMask's own (b, h) rows
 
     @classmethod
-    def attach(cls, bmask, mod, points: np.ndarray, at: tuple[int, int]) -> None:
+    def attach(cls, bmask, mod, points: np.ndarray | torch.Tensor, at: tuple[int, int]) -> None:
         """Keep ``points`` (bool ``(Bx, Hx, L, S)``, evaluated for ``at`` = (B, H)) on ``bmask`` where its mod has a
         value key and its fields live on the CPU; else nothing."""
         key = _mods.value_key(mod)
