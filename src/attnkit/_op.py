@@ -731,5 +731,36 @@ def _backward(ctx, dout, dlse, _dout_hi):
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
+
+def _register_no_grad_kernel() -> bool:
+    """A lighter AutogradCPU kernel for calls that record no graph: CPU tensors, nothing below autograd to visit
+    (no fake / functional / Python mode: torch.compile's traces take the full path) and no gradient wanted (no
+    grad mode, or no input that requires grad) — the op's function called directly. What it skips, on each call
+    of a compiled model's attention: torch.library's autograd wrapper (its no-grad branch redispatches below
+    autograd), and the dispatch to the implementation with its output-aliasing check (the outputs are new
+    tensors: ``_forward``, ``_finish_step``). ~20 us a call on a 2-core AMD EPYC (benchmarks/compile_decode.py).
+    Every other call goes on to the wrapper torch.library built for the op, as before. Registered for AutogradCPU
+    (the op's own registration is for the Autograd alias: a backend's key takes precedence); False where this
+    torch has no such wrapper to hand on to (the op's own path serves every call)."""
+    try:
+        from torch._library.autograd import make_autograd_impl
+    except ImportError:  # pragma: no cover - a torch without it: the op's own registration serves
+        return False
+    full = make_autograd_impl(torch.ops.attnkit.attention.default, _attention_op)
+    after, cpu = torch._C._after_autograd_keyset, torch._C.DispatchKey.CPU
+    grad_on, wants_grad, direct = torch.is_grad_enabled, torch._C._any_requires_grad, _attention_op._init_fn
+
+    def kernel(keyset, *args):
+        if (keyset & after).highestPriorityTypeId() == cpu and not (grad_on() and wants_grad(*args)):
+            return direct(*args)
+        return full(keyset, *args)
+
+    _LIB.impl("attention", kernel, "AutogradCPU", with_keyset=True)
+    return True
+
+
+_LIB = torch.library.Library("attnkit", "FRAGMENT")
+NO_GRAD_KERNEL = _register_no_grad_kernel()
+
 OP = torch.ops.attnkit.attention
 BACKWARD_OP = torch.ops.attnkit.attention_backward
