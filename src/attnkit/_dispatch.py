@@ -115,8 +115,13 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
     passed: list[tuple[Kernel, list[str], bool]] = []
     verdicts: list[tuple[str, str]] = []
     chosen = None
+    wrapped = _wrapped(req)
     for k in kernels:
-        why = k.not_supported(req)
+        if wrapped and k.reads_memory:  # (its own checks not asked: some probe torch's kernels on the tensors)
+            why = [f"tensors wrapped by a torch.func transform (grad, vmap, …): {k.title or k.name} reads the "
+                   f"tensors' memory, which they have not (backend='eager' or 'auto' runs them)"]
+        else:
+            why = k.not_supported(req)
         if not why and auto:
             dec = k.declines(req)
             if dec is not None:
@@ -131,7 +136,7 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
         verdicts.append((k.name, "runs"))
         break
     if chosen is None:  # a named backend: its own precondition, else its first kernel's reasons
-        own = None if auto else get(backend).unsupported(req)
+        own = None if auto or wrapped else get(backend).unsupported(req)
         raise ValueError(f"backend={backend!r} cannot honour this call: {own or '; '.join(passed[0][1])}.")
     verdicts += [(k.name, "not asked") for k in kernels[len(verdicts):]]
     reason = chosen.auto_reason(req, passed) if auto else "asked for by name"
@@ -140,6 +145,18 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
         if k.backend == chosen.backend and not declined and not k.specialist)
     return Decision(chosen.backend, reason, chosen.worker, worker_reason,
                     None if device_type == "cuda" else True, tuple(verdicts), chosen)
+
+
+def _wrapped(req: Request) -> bool:
+    """Whether a tensor of the call is wrapped by a torch.func transform (a functorch level is active and q, k,
+    v or a tensor mask is one of its tensors)."""
+    import torch
+
+    fn = torch._C._functorch
+    if fn.maybe_current_level() is None:
+        return False
+    return any(t is not None and fn.is_functorch_wrapped_tensor(t)
+               for t in (req.q, req.k, req.v, req.dense_mask, req.bias))
 
 
 def explain_decision(req: Request, backend: str) -> Decision:

@@ -72,6 +72,7 @@ _FAMILY: OrderedDict = OrderedDict()
 _FAMILY_MAX = 64
 _threads = torch.get_num_threads
 _grad = torch.is_grad_enabled
+_transform_level = torch._C._functorch.maybe_current_level  # None outside torch.func's grad / vmap / jacrev
 
 
 def _signature(q, k, v, mask, causal, scale, score_mod=None):
@@ -115,6 +116,8 @@ _score_key = _score_mods.builtin_key  # an attnkit score mod's own content key, 
 def attention(q, k, v, mask, causal, scale, score_mod=None):
     """``out`` for a call whose signature has a replayable decision, else None (take the full path)."""
     if type(q) is not _T or type(k) is not _T or type(v) is not _T or _log.isEnabledFor(logging.DEBUG):
+        return None
+    if _transform_level() is not None:  # inside a torch.func transform: the full path (its tensors have no memory)
         return None
     if causal is not True and causal is not False:
         return None

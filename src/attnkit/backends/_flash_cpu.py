@@ -82,6 +82,8 @@ def available() -> bool:
     """Whether the private kernel is present and behaves as expected (probed once)."""
     if "ok" not in _state:
         ok, why = _probe()
+        if not ok and torch._C._functorch.maybe_current_level() is not None:
+            return False  # probed inside a torch.func transform (its random tensors refused there): not a verdict
         _state["ok"], _state["why"] = ok, why
         if not ok:
             warnings.warn(

@@ -44,6 +44,9 @@ class Kernel:
     # a kernel for one kind of call only (the decode entry): why it passed a call is in the table's verdicts,
     # not repeated in the reason of the kernel that ran
     specialist: bool = False
+    # reads the tensors' memory (data pointers, NumPy): cannot run tensors a torch.func transform wraps (grad, vmap,
+    # jacrev …), which have none; dispatch passes such calls over it (the eager path's torch ops run them)
+    reads_memory: bool = True
 
     def not_supported(self, req: Request) -> list[str]:
         """Every reason this kernel cannot run ``req`` exactly (empty: it can)."""

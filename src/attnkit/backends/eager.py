@@ -28,6 +28,7 @@ class Eager(Kernel):
     backend = "eager"
     worker = "math"
     title = "the eager math path"
+    reads_memory = False  # torch ops only: runs under torch.func's grad / vmap / jacrev
     measured = "O(L·S) memory and the slowest at length; the only path with dropout under auto"
 
     def why(self, req: Request) -> str:
