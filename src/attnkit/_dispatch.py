@@ -117,9 +117,9 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
     chosen = None
     wrapped = _wrapped(req)
     for k in kernels:
-        if wrapped and k.reads_memory:  # (its own checks not asked: some probe torch's kernels on the tensors)
+        if wrapped and auto and k.reads_memory:  # (its own checks not asked: some probe torch's kernels)
             why = [f"tensors wrapped by a torch.func transform (grad, vmap, …): {k.title or k.name} reads the "
-                   f"tensors' memory, which they have not (backend='eager' or 'auto' runs them)"]
+                   f"tensors' memory, which they have not"]
         else:
             why = k.not_supported(req)
         if not why and auto:
@@ -136,7 +136,7 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
         verdicts.append((k.name, "runs"))
         break
     if chosen is None:  # a named backend: its own precondition, else its first kernel's reasons
-        own = None if auto or wrapped else get(backend).unsupported(req)
+        own = None if auto else get(backend).unsupported(req)
         raise ValueError(f"backend={backend!r} cannot honour this call: {own or '; '.join(passed[0][1])}.")
     verdicts += [(k.name, "not asked") for k in kernels[len(verdicts):]]
     reason = chosen.auto_reason(req, passed) if auto else "asked for by name"
@@ -149,14 +149,17 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
 
 def _wrapped(req: Request) -> bool:
     """Whether a tensor of the call is wrapped by a torch.func transform (a functorch level is active and q, k,
-    v or a tensor mask is one of its tensors)."""
+    v, a tensor mask or a tensor the mask or score_mod reads is one of its tensors)."""
     import torch
+
+    from . import _mods
 
     fn = torch._C._functorch
     if fn.maybe_current_level() is None:
         return False
-    return any(t is not None and fn.is_functorch_wrapped_tensor(t)
-               for t in (req.q, req.k, req.v, req.dense_mask, req.bias))
+    return (any(t is not None and fn.is_functorch_wrapped_tensor(t)
+                for t in (req.q, req.k, req.v, req.dense_mask, req.bias))
+            or _mods.reads_transformed(req.score_mod) or _mods.reads_transformed(req.mask))
 
 
 def explain_decision(req: Request, backend: str) -> Decision:

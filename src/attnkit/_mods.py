@@ -109,6 +109,27 @@ def data_device(fn, depth: int = 0) -> torch.device | None:
     return None
 
 
+def reads_transformed(fn, depth: int = 0) -> bool:
+    """Whether ``fn`` (a mask_mod or score_mod function, a ``Mask`` / ``ScoreMod`` object) reads a tensor a
+    torch.func transform wraps (grad's or vmap's: it has no memory), where ``data_device`` looks: its closure,
+    defaults, globals, attributes, the first items of lists and dicts among them, and the functions it calls from
+    there, two levels down."""
+    if fn is None:
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for obj in _sources(fn):
+        if any(wrapped(t) for t in _tensors_in(obj, limit=_LOOK)):
+            return True
+        if depth >= 2:
+            continue
+        inner = list(obj[:_LOOK]) if isinstance(obj, (list, tuple)) else [obj]
+        for f in inner:
+            if callable(f) and not isinstance(f, (type, torch.Tensor, torch.nn.Module)) and reads_transformed(
+                    f, depth + 1):
+                return True
+    return False
+
+
 _LOOK = 64  # items of a list / dict that data_device reads (a global list of a million ints: not walked)
 
 # what a device clash says (torch's messages): only such an error is worth a retry on the data's device
