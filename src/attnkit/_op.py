@@ -623,6 +623,10 @@ def _decode_step(req):
 
 def _forward(q, k, v, tensors, ints, floats, key, scale, learn, sig=None):
     """The op's forward on the full path; with a signature not seen before (``sig``), its prepared step is kept."""
+    if q.shape[2] == 0:  # no query rows: the empty answer (the tile maps divide by L)
+        B, H, _, _ = q.shape
+        out_hi = q.new_empty(B, H, 0, v.shape[-1], dtype=torch.float32) if q.dtype in _HALF else q.new_empty(0)
+        return q.new_empty(B, H, 0, v.shape[-1]), q.new_empty(B, H, 0, dtype=_lse_dtype(q.dtype)), out_hi
     req, c, _ = _prepare(q, k, v, tensors, ints, floats, key, scale, learn)
     if sig is not None and sig not in _STEPS:
         step = _STEPS[sig] = _learn_step(req, c)
@@ -670,6 +674,9 @@ def _attention_backward_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: tor
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, out_hi, tensors, ints, floats, key, scale, learn):
+    if q.shape[2] == 0:  # no query rows: nothing flows back
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                [torch.zeros_like(t) for t, want in zip(tensors, learn, strict=True) if want == "1"])
     req, c, ts = _prepare(q, k, v, tensors, ints, floats, key, scale, learn)
     ctx = _Saved()
     ctx.saved_tensors = (req.q, req.k, req.v, out_hi if out_hi.numel() else out, lse)

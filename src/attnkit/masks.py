@@ -134,6 +134,8 @@ class Mask:
     def key_span(self, B: int, H: int, L: int, S: int) -> tuple[int, int]:
         """``[j0, j1)`` containing every key some query can see (conservative). Built-in masks
         answer in closed form; this default reads it off the tile kinds of 64-key blocks."""
+        if L == 0 or S == 0:  # no query rows (or keys): no key is seen
+            return 0, 0
         kinds = self.tile_kinds(B, H, L, S, L, 64)
         live = (kinds != EMPTY).flatten(0, 2).any(dim=0).nonzero()
         if live.numel() == 0:

@@ -103,6 +103,9 @@ def forward(q, k, v, *, attn_mask=None, is_causal: bool = False, scale: float, d
     ``dead_rows`` (bool, broadcastable to lse): rows with no visible key, whose lse
     the kernel reports as 0; they are set to -inf. Computed from ``attn_mask`` when not given.
     """
+    if q.shape[-2] == 0 or k.shape[-2] == 0:  # torch's kernel divides by zero there (SIGFPE: the process dies)
+        return (q.new_zeros(*q.shape[:-1], v.shape[-1]),
+                torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device))
     fwd, _ = _ops()
     out, lse = fwd(fit(q), fit(k), fit(v), 0.0, is_causal, attn_mask=fit(attn_mask), scale=scale)
     if attn_mask is not None:
@@ -117,6 +120,8 @@ def backward(dout, q, k, v, out, lse, *, attn_mask=None, is_causal: bool = False
 
     A row with lse = -inf must be passed with lse = +inf so the kernel's p = exp(s - lse) is 0.
     """
+    if q.shape[-2] == 0 or k.shape[-2] == 0:  # (as forward: no row or no key, nothing flows)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     _, bwd = _ops()
     return bwd(fit(dout), fit(q), fit(k), fit(v), fit(out), fit(lse), 0.0, is_causal,
                attn_mask=fit(attn_mask), scale=scale)

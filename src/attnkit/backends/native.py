@@ -124,6 +124,8 @@ class Native(Kernel):
         ``req.memo``: the mask's row intervals (``"row_intervals"``) or its tile map with each partial
         tile's bits (``"tile_bits"``), and a score_mod's program (``"score_prog"``)."""
         why = _kernel_off(req, "the compiled kernel computes in fp32; float64 stays in float64")
+        if req.shape[2] == 0:
+            why.append("no query rows (L = 0)")
         if req.q.dtype in (torch.bfloat16, torch.float16):
             # this machine's measurement (attnkit calibrate), else today's rule: bf16 stays on torch's kernel
             # where the CPU multiplies bf16 in hardware (measured on a CPU with AMX: `python benchmarks/kernel.py
@@ -579,6 +581,8 @@ class NativeDecode(Kernel):
         why = _kernel_off(req, "the decode entry reads fp32, bf16 or fp16")
         if L > DECODE_ROWS:
             why.append(f"L = {L} > {DECODE_ROWS} query rows (not a decode step: the forward's tiles)")
+        if L == 0:
+            why.append("no query rows (L = 0)")
         if req.requires_grad():
             why.append("a gradient is wanted (the decode entry is inference only)")
         if req.bias is not None:

@@ -1,0 +1,82 @@
+"""A call with no query rows (L = 0: an empty prompt, a batch's empty slice) answers the empty output on every
+path, as torch's SDPA does — never a crash: torch's private CPU flash kernel divides by L (SIGFPE kills the
+process), the tile maps divide by it, the decode entry refuses it. Dispatch sends such a call to the eager
+path's torch ops (attnkit._dispatch._walk), the compiled op answers it directly (attnkit._op._forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks as M
+
+B, H, Hkv, S, D, Dv = 2, 4, 2, 5, 8, 6
+
+
+def _rel(t):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + t[h, kv_idx]
+
+    return mod
+
+
+def _calls():
+    table = torch.randn(H, S, requires_grad=True)
+    return {
+        "none": dict(),
+        "causal": dict(causal=True),
+        "window": dict(mask=M.sliding_window(2)),
+        "document": dict(mask=M.document(torch.tensor([0, 0, 1, 1, 1]))),
+        "key_padding": dict(mask=M.key_padding(torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))),
+        "chunked": dict(mask=M.chunked(2)),
+        "mask_mod": dict(mask=lambda b, h, q, kv: kv <= q),
+        "score_mod": dict(causal=True, score_mod=_rel(table)),
+        "bool_tensor": dict(mask=torch.ones(0, S, dtype=torch.bool)),
+        "float_tensor": dict(mask=torch.zeros(0, S)),
+        "lse": dict(causal=True, return_lse=True),
+        "sinks": dict(causal=True, sinks=torch.zeros(H)),
+    }
+
+
+def _qkv(dtype, grad):
+    q = torch.randn(B, H, 0, D, dtype=dtype, requires_grad=grad)
+    k = torch.randn(B, Hkv, S, D, dtype=dtype, requires_grad=grad)
+    v = torch.randn(B, Hkv, S, Dv, dtype=dtype, requires_grad=grad)
+    return q, k, v
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "tiled", "sdpa", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_no_query_rows_give_the_empty_output_on_every_path(backend, dtype, grad):
+    for name, kw in _calls().items():
+        q, k, v = _qkv(dtype, grad)
+        got = attnkit.attention(q, k, v, backend=backend, **kw)
+        out, lse = got if isinstance(got, tuple) else (got, None)
+        assert out.shape == (B, H, 0, Dv) and out.dtype == dtype, (name, out.shape, out.dtype)
+        if lse is not None:
+            assert lse.shape == (B, H, 0), name
+        if grad:
+            out.sum().backward()
+            assert q.grad is not None and q.grad.shape == q.shape, name
+            assert k.grad is not None and not k.grad.any() and v.grad is not None and not v.grad.any(), name
+
+
+def test_dispatch_says_what_runs():
+    q, k, v = _qkv(torch.float32, False)
+    d = attnkit.dispatch(q, k, v, causal=True, backend="tiled")
+    assert d.backend == "eager" and "L = 0" in d.reason
+
+
+@pytest.mark.parametrize("name", ["causal", "mask_mod", "score_mod", "lse", "document"])
+def test_no_query_rows_under_torch_compile(name):
+    torch._dynamo.reset()
+    kw = _calls()[name]
+    q, k, v = _qkv(torch.float32, True)
+    f = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, **kw), backend="aot_eager", fullgraph=True)
+    got = f(q, k, v)
+    out = got[0] if isinstance(got, tuple) else got
+    assert out.shape == (B, H, 0, Dv)
+    out.sum().backward()
+    assert not k.grad.any() and not v.grad.any() and q.grad.shape == q.shape
