@@ -166,7 +166,7 @@ def _check_qkv_full(q, k, v):
             f"k: expected a number of key/value heads Hkv that divides H={H}, got Hkv={Hkv}. "
             "For GQA/MQA use Hkv in the divisors of H (query head h uses kv head h // (H // Hkv))."
         )
-    if S == 0 or D == 0:
+    if (S == 0 and L > 0) or D == 0:  # (no query and no key: the empty answer, as for L = 0 alone)
         raise ValueError(f"k: expected at least one key (S >= 1) and D >= 1, got S={S}, D={D}.")
     return q4, k4, v4, rank, numpy_in
 

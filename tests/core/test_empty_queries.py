@@ -80,3 +80,30 @@ def test_no_query_rows_under_torch_compile(name):
     assert out.shape == (B, H, 0, Dv)
     out.sum().backward()
     assert not k.grad.any() and not v.grad.any() and q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "tiled", "sdpa", "reference"])
+def test_no_queries_and_no_keys_give_the_empty_output(backend):
+    """Self-attention over an empty sequence (L = S = 0): the empty answer; S = 0 under a query row is still
+    refused by name (no key to attend to: SDPA answers NaN there)."""
+    grad = backend != "reference"
+    q = torch.randn(B, H, 0, D, requires_grad=grad)
+    k, v = torch.randn(B, Hkv, 0, D, requires_grad=grad), torch.randn(B, Hkv, 0, Dv, requires_grad=grad)
+    out, lse = attnkit.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    assert out.shape == (B, H, 0, Dv) and lse.shape == (B, H, 0)
+    if grad:
+        out.sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    with pytest.raises(ValueError, match=r"k: expected at least one key \(S >= 1\)"):
+        attnkit.attention(torch.randn(B, H, 3, D), k.detach(), v.detach(), backend=backend)
+
+
+def test_modules_over_an_empty_sequence():
+    from attnkit.nn import MultiHeadAttention, TransformerBlock
+
+    x = torch.randn(2, 0, 16, requires_grad=True)
+    for m in (MultiHeadAttention(16, 4), TransformerBlock(16, 4)):
+        y = m(x)
+        assert y.shape == (2, 0, 16)
+        y.sum().backward()
+        assert x.grad.shape == x.shape
