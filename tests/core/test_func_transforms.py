@@ -134,3 +134,13 @@ def test_a_call_under_a_transform_leaves_the_process_as_it_was():
         _flash_cpu._state.clear()
         _flash_cpu._state.update(saved)
     assert _flash_cpu.available() == saved.get("ok", _flash_cpu.available())
+
+
+def test_vmap_with_the_weights_returned():
+    q, k, v = _qkv()
+    qs = torch.stack([q, -q, 2 * q])
+    out, w = vmap(lambda x: attnkit.attention(x, k, v, causal=True, return_weights=True))(qs)
+    for i, x in enumerate(qs):
+        o1, w1 = attnkit.attention(x, k, v, causal=True, return_weights=True)
+        assert_close(out[i], o1, 1e-12, f"out {i}")
+        assert_close(w[i], w1, 1e-12, f"weights {i}")

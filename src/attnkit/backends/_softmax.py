@@ -130,7 +130,7 @@ def weights_from_lse(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     ``exp(s - m_i) / l_i`` (the whole row is at hand here)."""
     p = torch.exp(s - lse_for_backward(lse).unsqueeze(-1))
     bad = inexact_rows(lse)
-    if bool(bad.any()):
+    if torch._C._functorch.maybe_current_level() is not None or bool(bad.any()):  # (a transform: not asked)
         p = torch.where(bad.unsqueeze(-1), softmax_lse(s)[0], p)
     return p
 
