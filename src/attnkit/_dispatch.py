@@ -111,9 +111,9 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
     kernels = _table.rows(device_type, backend)
     if not kernels:
         raise ValueError(f"backend={backend!r} has no kernel on {device_type}.")
-    if req.shape[2] == 0:  # no query rows: the same empty answer on every path (torch's flash kernel and the tile
-        e = _table.kernel("eager")  # maps divide by L), from the path that is torch ops only
-        return Decision(e.backend, "no query rows (L = 0): the empty output", e.worker, e.why(req),
+    if req.shape[2] == 0 or req.shape[0] == 0:  # no query rows (or batch rows): the same empty answer on every
+        e = _table.kernel("eager")  # path (torch's flash kernel and the tile maps divide by L), from torch ops only
+        return Decision(e.backend, "no query rows (L = 0 or B = 0): the empty output", e.worker, e.why(req),
                         None if device_type == "cuda" else True, ((e.name, "runs"),), e)
     auto = backend == "auto"
     passed: list[tuple[Kernel, list[str], bool]] = []

@@ -107,3 +107,16 @@ def test_modules_over_an_empty_sequence():
         assert y.shape == (2, 0, 16)
         y.sum().backward()
         assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "tiled", "sdpa"])
+def test_an_empty_batch_with_gradients(backend):
+    """B = 0 with query rows: the empty answer and gradients (auto's SDPA fold reshaped with -1 there, the tiled
+    engine's tile map reduced over an empty batch)."""
+    for mask in (None, torch.ones(0, H, 3, S, dtype=torch.bool)):
+        q = torch.randn(0, H, 3, D, requires_grad=True)
+        k, v = torch.randn(0, Hkv, S, D, requires_grad=True), torch.randn(0, Hkv, S, Dv, requires_grad=True)
+        out = attnkit.attention(q, k, v, mask=mask, backend=backend)
+        assert out.shape == (0, H, 3, Dv)
+        out.sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
