@@ -745,7 +745,8 @@ def _register_no_grad_kernel() -> bool:
     grad mode, or no input that requires grad) — the op's function called directly. What it skips, on each call
     of a compiled model's attention: torch.library's autograd wrapper (its no-grad branch redispatches below
     autograd), and the dispatch to the implementation with its output-aliasing check (the outputs are new
-    tensors: ``_forward``, ``_finish_step``). ~20 us a call on a 2-core AMD EPYC (benchmarks/compile_decode.py).
+    tensors: ``_forward``, ``_finish_step``). A compiled decode step over 1024 keys: 35-40 us less on a 2-core
+    AMD EPYC (`python benchmarks/compile_decode.py --lengths 1024`, BENCHMARKS.md).
     Every other call goes on to the wrapper torch.library built for the op, as before. Registered for AutogradCPU
     (the op's own registration is for the Autograd alias: a backend's key takes precedence); False where this
     torch has no such wrapper to hand on to (the op's own path serves every call)."""

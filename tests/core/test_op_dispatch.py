@@ -11,8 +11,6 @@ from conftest import assert_close, budget, rand_qkv
 import attnkit
 from attnkit import _op
 
-pytestmark = pytest.mark.skipif(not _op.NO_GRAD_KERNEL, reason="this torch has no autograd wrapper to hand on to")
-
 B, H, L, S, D = 1, 2, 5, 40, 16
 KEY = _op._register(True, None, None)
 OP = torch.ops.attnkit.attention.default
@@ -32,6 +30,13 @@ def seen(monkeypatch):
 
     monkeypatch.setattr(_op, "_step_signature", spy)
     return got
+
+
+def test_the_lighter_kernel_is_registered_on_the_pinned_torch():
+    """On a torch without ``torch._library.autograd.make_autograd_impl`` attnkit registers none (every call takes
+    torch.library's wrapper, correct and slower); the pinned torch has it, and a torch upgrade that drops it
+    should be seen here, not as a silent slowdown."""
+    assert _op.NO_GRAD_KERNEL
 
 
 def _call(q, k, v, tensors=(), key=KEY, learn=""):
