@@ -4,7 +4,9 @@
 
 B = 1, H = 8, D = 64; causal and sliding window 256; the fastest of ``--rounds`` runs of each (after one
 warm-up), the two dtypes interleaved (one call of each in turn, so the machine's load hits both alike). Prints
-bf16 time / fp32 time (< 1: bf16 is faster) and the worker ``auto`` chose for each dtype (``attnkit.dispatch``).
+bf16 time / fp32 time (< 1: bf16 is faster) as the ratio of the two fastest runs and, in brackets, as the median of
+the rounds' own ratios (the two dtypes of a round ran side by side: on a shared machine the steadier of the two),
+and the worker ``auto`` chose for each dtype (``attnkit.dispatch``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _interleave import best_ms
+from _interleave import cpu_name, paired_ratio, rounds_ms
 
 import attnkit
 from attnkit import masks as M
@@ -25,6 +27,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.manual_seed(0)
     L = a.length
+    print(f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name, kw in (("causal", dict(causal=True)), ("window 256", dict(mask=M.sliding_window(256)))):
         fns, workers = {}, {}
         for dt in (torch.float32, torch.bfloat16):
@@ -40,12 +43,15 @@ def main() -> None:
                 attnkit.attention(q, k, v, **kw).backward(go)
 
             fns[("fwd", dt)], fns[("fwd_bwd", dt)] = fwd, fwd_bwd
-        t = best_ms(fns, a.rounds)
+        runs = rounds_ms(fns, a.rounds)
+        t = {n: min(x) for n, x in runs.items()}
         f32, b16 = torch.float32, torch.bfloat16
+        pf = paired_ratio(runs["fwd", b16], runs["fwd", f32])
+        pb = paired_ratio(runs["fwd_bwd", b16], runs["fwd_bwd", f32])
         print(f"{name}, L = {L}: forward fp32 {t['fwd', f32]:.1f} ms, bf16 {t['fwd', b16]:.1f} ms (bf16 / fp32 "
-              f"{t['fwd', b16] / t['fwd', f32]:.2f}); forward + backward fp32 {t['fwd_bwd', f32]:.1f} ms, bf16 "
-              f"{t['fwd_bwd', b16]:.1f} ms ({t['fwd_bwd', b16] / t['fwd_bwd', f32]:.2f}); workers {workers[f32]} / "
-              f"{workers[b16]}")
+              f"{t['fwd', b16] / t['fwd', f32]:.2f} [{pf:.2f}]); forward + backward fp32 {t['fwd_bwd', f32]:.1f} ms, "
+              f"bf16 {t['fwd_bwd', b16]:.1f} ms ({t['fwd_bwd', b16] / t['fwd_bwd', f32]:.2f} [{pb:.2f}]); workers "
+              f"{workers[f32]} / {workers[b16]}")
 
 
 if __name__ == "__main__":

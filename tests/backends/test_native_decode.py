@@ -199,7 +199,7 @@ def test_nan_inf_and_huge_rows_as_the_forward():
         hi = hi.expand(B, L).contiguous()
         hi[1, 0] = 600  # batch row 1, row 0 does not see key 700
         out, lse = _native.decode(q, k, v, lo, hi, D ** -0.5)
-        fo, fl = _native.forward(q.float(), k.float(), v.float(), lo, hi, D ** -0.5)
+        fo, fl, _ = _native.forward(q.float(), k.float(), v.float(), lo, hi, D ** -0.5)
         assert torch.equal(torch.isnan(out), torch.isnan(fo)), f"{dtype}: NaN where the forward has NaN"
         assert torch.equal(torch.isnan(lse), torch.isnan(fl)) and torch.equal(torch.isinf(lse), torch.isinf(fl))
         assert torch.isnan(out[0, 1, 0]).all() and torch.isnan(out[1, 4:8, 1:]).all()

@@ -177,3 +177,65 @@ def test_no_input_is_converted_whole(dtype):
         torch.autograd.grad(out, (q, k, v), go)
     widened = [(dt, n) for dt, n in w.seen if dt == dtype]
     assert not widened, f"{dtype} tensors converted whole: {widened}"
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_outputs_are_rounded_by_the_kernel_with_no_conversion_pass(dtype):
+    """The output and the three gradients come out of the kernel in the input dtype: torch rounds no fp32 tensor of
+    the output's or an input's size (forward with autograd, its backward, and a no-grad call and its replay)."""
+    B, H, L, D = 1, 4, 256, 64
+    q, k, v = rand_qkv(B, H, 2, L, L, D, dtype=dtype, requires_grad=True)
+    go = torch.randn(B, H, L, D).to(dtype)
+    kw = dict(mask=M.sliding_window(64), backend="tiled")
+    with _Widenings() as w:
+        out = attnkit.attention(q, k, v, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), go)
+        with torch.no_grad():
+            for _ in range(3):  # the first call, then the prepared step of its signature
+                attnkit.attention(q, k, v, **kw)
+    big = [(dt, n) for dt, n in w.seen if n >= L * D]
+    assert not big, f"whole tensors converted by torch: {big}"
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
+def test_rounding_at_the_dtype_edges_is_torchs(dtype, isa):
+    """Outputs near the dtype's edges, rounded by the kernel exactly as torch's ``.to()`` rounds the fp32 kernel's
+    results: fp16 subnormals (values ~1e-6), gradients past the largest finite value (inf), NaN from a value, and
+    ties (q = 0: a row over 2^n keys averages them exactly in fp32, often halfway between two low-precision
+    numbers: ties go to even), at head sizes that leave a tail after the last full vector (the scalar rounding)
+    and at 64."""
+    order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
+    best = _native.isa()
+    if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
+        pytest.skip(f"this CPU runs {best} at most")
+    big = 6e4 if dtype is torch.float16 else 3e38  # a gradient summed over rows passes the largest finite value
+    try:
+        _native.set_isa(isa)
+        for D in (5, 64, 67):
+            g = torch.Generator().manual_seed(D)
+            q = torch.randn(1, 2, 130, D, generator=g).to(dtype).requires_grad_()
+            k = torch.randn(1, 2, 130, D, generator=g).to(dtype).requires_grad_()
+            v = (torch.randn(1, 2, 130, D, generator=g) * torch.logspace(-7, 1, D)).to(dtype)
+            with torch.no_grad():
+                v[0, 1, 90, 1] = float("nan")
+            v.requires_grad_()
+            go = (torch.randn(1, 2, 130, D, generator=g) * torch.logspace(-6, 0, D) * big).to(dtype)
+            q0 = torch.zeros_like(q).requires_grad_()
+            for qq, kw in ((q, dict(mask=M.causal())), (q, dict(mask=M.sliding_window(40))),
+                           (q0, dict(mask=M.sliding_window(4)))):
+                q = qq
+                out, grads = _run(q, k, v, go, **kw)
+                q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+                out32, grads32 = _run(q32, k32, v32, go.float(), **kw)
+                _same_bits(out, out32.to(dtype), f"{isa} D={D} out")
+                assert bool(out.isnan().any()) and bool((out.float().abs() < 6.1e-5).any())
+                for n, a, b in zip("qkv", grads, grads32, strict=True):
+                    _same_bits(a, b.to(dtype), f"{isa} D={D} d{n}")
+                    # the NaN compare above ignores which NaN: the rest bit for bit, inf included
+                    fin = ~(a.isnan() | b.to(dtype).isnan())
+                    assert torch.equal(a[fin].view(torch.int16), b.to(dtype)[fin].view(torch.int16)), n
+                assert any(bool(gr.isinf().any()) for gr in grads), "no gradient reached the dtype's overflow"
+    finally:
+        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])

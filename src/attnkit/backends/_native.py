@@ -15,8 +15,9 @@ comparisons per score — no (L, S) mask and no per-tile mask tensors::
 Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv); H a multiple of Hkv (GQA
 without copying K/V); lo, hi (1 or B, L) int32. Computes in fp32: bf16 / fp16 inputs (q, k, v
 and dO of one dtype) are read as they are and widened tile by tile inside the kernel, never
-converted whole; outputs are fp32 (the callers round them); lse (B, H, L) fp32 in natural-log
-units; a row that sees no key gives out 0 and lse ``-inf``.
+converted whole; outputs are fp32, or rounded to the inputs' dtype by the kernel itself where the
+caller asks (``rounded``: the bits of ``.to(dtype)``, without a pass of its own over the output);
+lse (B, H, L) fp32 in natural-log units; a row that sees no key gives out 0 and lse ``-inf``.
 
 **Layout contract** (:func:`_fit`, applied to every tensor handed over): the kernel reads each
 row (last dimension) as contiguous memory and any other stride as given (sliced or
@@ -73,10 +74,11 @@ class _Call(ctypes.Structure):
                 *((n, ctypes.c_void_p) for n in ("pconsts", "ptables", "ptshape", "perr", "ptgrad")),
                 ("pntables", ctypes.c_int64),
                 *((n, ctypes.c_void_p) for n in ("dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv")),
-                ("nst", ctypes.c_int64), ("lst", ctypes.c_int64)]
+                ("nst", ctypes.c_int64), ("lst", ctypes.c_int64),
+                ("ort", ctypes.c_int64), ("out_r", ctypes.c_void_p), ("grads_r", ctypes.c_int64)]
 
 
-_ABI_VERSION = 7  # AK_ABI_VERSION in csrc/attn_common.h
+_ABI_VERSION = 8  # AK_ABI_VERSION in csrc/attn_common.h
 MAX_PLANES = 8  # AK_MAX_STRETCHES: the stretch planes a decode call may bring (lo / hi (n, 1 or B, L))
 
 
@@ -266,34 +268,39 @@ def _check(rc: int, B: int, H: int, L: int) -> None:
                            "(`pip install --force-reinstall --no-deps -e .`)")
 
 
-def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None):
-    """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32) of attention where row i sees keys [lo, hi) and, with
+def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None, rounded: bool = False):
+    """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32, out_r) of attention where row i sees keys [lo, hi) and, with
     ``tiles`` (a :class:`~attnkit.backends._tilebits.TileBits` of 64 × 64 tiles), only what its tile map
     and partial tiles' bits allow; ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)``, or None; ``prog``:
-    a traced score_mod (:class:`attnkit._scoreprog.Program`) run on the scaled scores, or None."""
+    a traced score_mod (:class:`attnkit._scoreprog.Program`) run on the scaled scores, or None.
+    ``out_r``: with ``rounded`` and bf16 / fp16 inputs, out in their dtype, written by the kernel from its fp32
+    rows (the bits of ``out.to(q.dtype)``, without that pass over the output); else None."""
     lib = _require()
     q, k, v = _fit_all(q, k, v)
     B, H, L, _ = q.shape
     c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles, prog)
     out = torch.empty(B, H, L, v.shape[-1])
     lse = torch.empty(B, H, L)
-    c.out, c.lse = out.data_ptr(), lse.data_ptr()
+    out_r = torch.empty(B, H, L, v.shape[-1], dtype=q.dtype) if rounded and q.dtype is not torch.float32 else None
+    c.out, c.lse, c.out_r = out.data_ptr(), lse.data_ptr(), _ptr(out_r)
     _check(lib.ak_forward(ctypes.byref(c)), B, H, L)
     _check_reads(prog, keep)
     del keep
-    return out, lse
+    return out, lse, out_r
 
 
-def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=False):
+def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=False, rounded=False):
     """The forward of one call signature prepared once, for calls without gradients (:mod:`attnkit._fast`):
     returns ``run(q, k, v, scale) -> out`` ((B, H, L, Dv) fp32), for inputs of the shapes and dtypes of these
     ``q, k, v`` at any strides. The call record (shapes, dtype, threads, the mask's rows ``lo`` / ``hi`` and tile
     map, ALiBi's slopes or a score_mod's program, which the prepared call keeps) is built here; a call writes only
     the strides, pointers, outputs and scale into it (one record per thread: ctypes releases the GIL during the
-    kernel). ``with_lse``: ``run`` returns ``(out, lse (B, H, L) fp32)``."""
+    kernel). ``with_lse``: ``run`` returns ``(out, lse (B, H, L) fp32)``. ``rounded``: out in q's dtype, rounded
+    by the kernel from its fp32 rows (bf16 / fp16: no fp32 output and no conversion pass), not fp32."""
     lib = _require()
     q, k, v = _fit_all(q, k, v)
     c0, keep = _call(q, k, v, lo, hi, 1.0, alibi, tiles, prog)
+    c0.ort = int(rounded and q.dtype is not torch.float32)
     # lo, hi (as the record points at them), the slopes, tile map and program: not the first call's q, k, v
     return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog, with_lse=with_lse,
                     rows=tuple(keep[3].shape))
@@ -335,6 +342,7 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
     template = bytes(c0)
     dt = q.dtype
     oshape, lshape = (B, H, L, Dv), (B, H, L)
+    odt = dt if c0.ort else torch.float32  # (the record says which: out rounded to q's dtype by the kernel, or fp32)
     first = _Call.sq.offset // 8  # sq, then the step block (S .. lse): 17 slots
     n_slots = ctypes.sizeof(_Call) // 8
     tls = threading.local()
@@ -372,7 +380,7 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
         except AttributeError:
             slots, ref, c, err, addr = record()
         c.scale = scale
-        out = torch.empty(oshape)
+        out = torch.empty(oshape, dtype=odt)
         lse = torch.empty(lshape) if need_lse else None
         if err is not None:
             err.value = 0
@@ -409,8 +417,11 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
     return run
 
 
-def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None, tiles=None, prog=None):
-    """(dq, dk, dv, table grads) in fp32 for the forward above (``out``, ``lse`` its results); ``dlse`` a
+def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None, tiles=None, prog=None,
+             rounded: bool = False):
+    """(dq, dk, dv, table grads) in fp32 for the forward above (``out``, ``lse`` its results) — with ``rounded``,
+    dq, dk, dv in q's dtype where q, k, v and dout are all bf16 / fp16 (summed in fp32, rounded once by the kernel:
+    the bits of ``dq.to(q.dtype)``, without that pass); ``dlse`` a
     gradient into lse, or None. delta = rowsum(dO·O) - dlse, the sum over key tiles of dQ (in key-tile order:
     the same bits on every run and at every thread count) and the scale are all done inside the kernel.
     ``table grads``: per table of ``prog``, the gradient into it (fp32, the table's shape) where
@@ -425,9 +436,11 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
     out = out.float().contiguous()
     lse = lse.float().contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
-    dq = torch.empty(B, H, L, D)
-    dk = torch.empty(B, k.shape[1], k.shape[2], D)
-    dv = torch.empty(B, v.shape[1], v.shape[2], v.shape[-1])
+    gdt = q.dtype if rounded else torch.float32  # (q's dtype here: dout's, or all fp32 above)
+    c.grads_r = int(gdt is not torch.float32)
+    dq = torch.empty(B, H, L, D, dtype=gdt)
+    dk = torch.empty(B, k.shape[1], k.shape[2], D, dtype=gdt)
+    dv = torch.empty(B, v.shape[1], v.shape[2], v.shape[-1], dtype=gdt)
     c.sdo[:] = dout.stride()
     c.dout, c.fwd_out, c.fwd_lse, c.dlse = dout.data_ptr(), out.data_ptr(), lse.data_ptr(), _ptr(dlse)
     c.dq, c.dk, c.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()

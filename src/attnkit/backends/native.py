@@ -207,12 +207,10 @@ class Native(Kernel):
             # the call, and the signature keys the slopes by their content at this call
             step = _native.forward_step(req.q, req.k, req.v, lo, hi, tiles,
                                         alibi=None if alibi is None else alibi.detach().clone(),
-                                        prog=req.memo.get("score_prog"))
-            dt = req.q.dtype
+                                        prog=req.memo.get("score_prog"), rounded=True)
 
-            def run_step(q, k, v, mask, scale):
-                out = step(q, k, v, default if scale is None else scale)
-                return out if dt is torch.float32 else out.to(dt)
+            def run_step(q, k, v, mask, scale):  # (out in q's dtype: rounded by the kernel)
+                return step(q, k, v, default if scale is None else scale)
 
             return run_step
         if req.mask is not None and type(req.mask) not in _CLOSED_FORM and _mods.holds_data(req.mask.cache_key()):
@@ -971,12 +969,13 @@ class _NativeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, req: Request, *captured):
         lo, hi, tiles = _mask_of(req)
-        out_hi, lse = _native.forward(q, k, v, lo, hi, req.scale, alibi=_alibi(req), tiles=tiles,
-                                      prog=req.memo.get("score_prog"))
+        # bf16 / fp16: the kernel writes out in q's dtype beside the fp32 out it keeps for the backward
+        out_hi, lse, out = _native.forward(q, k, v, lo, hi, req.scale, alibi=_alibi(req), tiles=tiles,
+                                           prog=req.memo.get("score_prog"), rounded=True)
         ctx.save_for_backward(q, k, v, out_hi, lse)
         ctx.req, ctx.captured = req, captured
         ctx.set_materialize_grads(False)  # an unused lse gives dlse = None: no extra work
-        return out_hi.to(q.dtype), lse
+        return (out_hi if out is None else out), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -994,8 +993,9 @@ class _NativeAttention(torch.autograd.Function):
             dlse = None if dlse is None else dlse.masked_fill(rows, 0)
         lo, hi, tiles = _mask_of(req)
         prog = req.memo.get("score_prog")
+        # grads in q's dtype from the kernel (rounded once) unless the exact-rows fix adds to them in fp32 first
         dq, dk, dv, tgrads = _native.backward(q, k, v, lo, hi, req.scale, out, lse, dout, dlse,
-                                              alibi=_alibi(req), tiles=tiles, prog=prog)
+                                              alibi=_alibi(req), tiles=tiles, prog=prog, rounded=not fix)
         dcap: list = [None] * len(captured)
         if prog is not None and tgrads:  # the learnable tables' gradients, to the tensors autograd routes
             by_id = {id(t): g for t, g in zip(prog.grad_of, tgrads, strict=True) if t is not None}

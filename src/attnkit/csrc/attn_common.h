@@ -24,7 +24,7 @@
 
 // Bumped whenever AkCall changes; the caller (attnkit/backends/_native.py) sends the version and
 // sizeof(AkCall) it was built for, and a call whose record does not match is refused (returns AK_E_ABI).
-#define AK_ABI_VERSION 7
+#define AK_ABI_VERSION 8
 
 enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
 
@@ -46,7 +46,9 @@ enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
 // (keys per split-K chunk, a multiple of 64; 0: chosen from S); no tile map; ALiBi's slopes or a score_mod
 // program as in the forward (no table gradients); writes out, lse.
 // The forward and the backward take the same three dtypes (q, k, v and dout alike; widened per tile) and write
-// fp32 (out, lse, dq, dk, dv); fwd_out, fwd_lse and dlse are fp32.
+// fp32 (out, lse, dq, dk, dv) unless told to round: the forward's out_r (or, with ort, out itself) and, with
+// grads_r, dq / dk / dv take the input dtype, rounded to nearest even as torch's .to() rounds (a NaN stays NaN),
+// so a bf16 / fp16 call needs no fp32 copy and no conversion pass of its own; fwd_out, fwd_lse and dlse are fp32.
 struct AkCall {
   int64_t size, version;
   int64_t B, H, Hkv, L, D, Dv;
@@ -85,5 +87,10 @@ struct AkCall {
   // decode: each row sees the union of nst stretches of keys (0 or 1: one), stretch k's lo / hi at lo + k * lst /
   // hi + k * lst (elements); at most AK_MAX_STRETCHES (an empty stretch, lo >= hi, adds nothing)
   int64_t nst, lst;
+  // forward: ort 1 -> out is of the input dtype (rounded; no fp32 out written); else out_r, when not null, gets
+  // out rounded to the input dtype besides the fp32 out. backward: grads_r 1 -> dq, dk, dv of the input dtype.
+  int64_t ort;
+  void* out_r;
+  int64_t grads_r;
 };
 #define AK_MAX_STRETCHES 8

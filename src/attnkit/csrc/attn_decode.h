@@ -583,7 +583,8 @@ static int decode_t(Dec& s, float* out, float* lse) {
 
 int run_decode(const AkCall* c) {
   if (c->L < 1 || c->L > BM || c->H % c->Hkv != 0 || c->dtype < AK_F32 || c->dtype > AK_F16 ||
-      (c->chunk != 0 && (c->chunk < 0 || c->chunk % BN != 0)) || c->nst < 0 || c->nst > AK_MAX_STRETCHES)
+      (c->chunk != 0 && (c->chunk < 0 || c->chunk % BN != 0)) || c->nst < 0 || c->nst > AK_MAX_STRETCHES ||
+      c->ort || c->out_r)  // (out is fp32 here: a decode step's rows are few, the caller rounds them)
     return AK_E_ARG;
   Dec s;
   s.B = c->B, s.H = c->H, s.Hkv = c->Hkv, s.L = c->L, s.S = c->S, s.D = c->D, s.Dv = c->Dv;

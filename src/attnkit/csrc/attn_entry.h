@@ -23,7 +23,12 @@ static Shape shape_of(const AkCall* c, Prog* prog) {
 int run_forward(const AkCall* c) {
   if (c->dtype < AK_F32 || c->dtype > AK_F16) return AK_E_ARG;
   Prog prog;
-  forward(shape_of(c, &prog), c->q, c->k, c->v, c->out, c->lse);
+  if (c->ort && c->out_r) return AK_E_ARG;  // one rounded output: out itself, or out_r beside an fp32 out
+  if (c->ort) {
+    forward(shape_of(c, &prog), c->q, c->k, c->v, nullptr, c->lse, c->out);
+  } else {
+    forward(shape_of(c, &prog), c->q, c->k, c->v, c->out, c->lse, c->out_r);
+  }
   return AK_OK;
 }
 
@@ -32,7 +37,7 @@ int run_backward(const AkCall* c) {
   const long sd[4] = {(long)c->sdo[0], (long)c->sdo[1], (long)c->sdo[2], (long)c->sdo[3]};
   Prog prog;
   return backward(shape_of(c, &prog), c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq, c->dk,
-                  c->dv);
+                  c->dv, c->grads_r != 0);
 }
 
 }  // namespace AK_NS

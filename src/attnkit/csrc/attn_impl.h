@@ -14,7 +14,9 @@
 // Layout: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), last dimension contiguous, any other strides
 // (given in elements); fp32, bf16 or fp16 (Shape::dt: all three alike, and dO in the backward). A bf16 / fp16
 // input is widened to fp32 tile by tile as it is packed (attn_widen.h), never converted whole: the math is
-// fp32 throughout, outputs are fp32 (the caller rounds them). GQA: query head h reads kv head h / (H / Hkv), no copy.
+// fp32 throughout, outputs are fp32 or, where the caller asks, rounded once to the input dtype as they are written
+// (attn_widen.h's narrow_row: no fp32 copy of a bf16 / fp16 output, no conversion pass). GQA: query head h
+// reads kv head h / (H / Hkv), no copy.
 // Scores, statistics and lse in natural units, fp32 (exponentials computed as exp2 of x * log2(e)); a row
 // that sees no key gets out = 0 and lse = -inf.
 
@@ -409,9 +411,11 @@ static void by_keys_trimmed(long m, long n, long j0, long N, const float* pt, co
 }
 
 // ---------------------------------------------------------------------------------------------------
-// forward: out (B, H, L, Dv) contiguous, lse (B, H, L) contiguous
+// forward: out (B, H, L, Dv) contiguous fp32 (or null), out_r the same rounded to the input dtype (or null),
+// lse (B, H, L) contiguous
 // ---------------------------------------------------------------------------------------------------
-static void forward(const Shape& s, const void* q, const void* k, const void* v, float* out, float* lse) {
+static void forward(const Shape& s, const void* q, const void* k, const void* v, float* out, float* lse,
+                    void* out_r) {
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
   const long Dvp = round_up(s.Dv, VW);
   const long items = s.B * s.H * nq;
@@ -435,11 +439,13 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
     for (long it = 0; it < items; it++) {
       const long qb = nq - 1 - it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H, hk = h / g;
       const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
-      float* o = out + ((b * s.H + h) * s.L + i0) * s.Dv;
+      const long oo = ((b * s.H + h) * s.L + i0) * s.Dv;  // this block's first output element
+      float* o = out ? out + oo : nullptr;
       float* ls = lse + (b * s.H + h) * s.L + i0;
       const Block blk = block_of(s, b, i0, m);
       if (blk.kmin >= blk.kmax) {  // no row of this block sees a key
-        fill(o, o + m * s.Dv, 0.f);
+        if (o) fill(o, o + m * s.Dv, 0.f);
+        if (out_r) zero_row(out_r, oo, m * s.Dv, s.dt);
         fill(ls, ls + m, NEG_INF);
         continue;
       }
@@ -528,12 +534,16 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
       }
       for (long i = 0; i < m; i++) {
         if (lrow.p[i] == 0.f) {
-          fill(o + i * s.Dv, o + (i + 1) * s.Dv, 0.f);
+          if (o) fill(o + i * s.Dv, o + (i + 1) * s.Dv, 0.f);
+          if (out_r) zero_row(out_r, oo + i * s.Dv, s.Dv, s.dt);
           ls[i] = NEG_INF;
           continue;
         }
         const float inv = 1.f / lrow.p[i];
-        for (long d = 0; d < s.Dv; d++) o[i * s.Dv + d] = acc.p[i * Dvp + d] * inv;
+        float* ar = acc.p + i * Dvp;
+        for (long d = 0; d < s.Dv; d++) ar[d] *= inv;
+        if (o) std::memcpy(o + i * s.Dv, ar, s.Dv * sizeof(float));
+        if (out_r) narrow_row(out_r, oo + i * s.Dv, ar, s.Dv, s.dt);  // rounded once, from the fp32 row
         ls[i] = mrow.p[i] + std::log(lrow.p[i]);
       }
     }
@@ -786,7 +796,8 @@ static void dq_share(long m, long j0, long n, long Dp, bool full, const float* k
 // their ranges; dK and dV of the tile are written once, here.
 static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void* q, const void* k, const void* v,
                           const void* dout, const long* sdo, const float* lse, const float* delta,
-                          const TileRange* ranges, int32_t* turns, float* dq, float* dk, float* dv, BwdBufs& w) {
+                          const TileRange* ranges, int32_t* turns, float* dq, void* dk, void* dv, int gdt,
+                          BwdBufs& w) {
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
   const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(Dp, 16);
   const long sdl = sdo[3];  // dO's last-dim stride (1, or e.g. 0 for an expanded gradient)
@@ -871,24 +882,32 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void*
       __atomic_store_n(turn, (int32_t)kbk + 1, __ATOMIC_RELEASE);
     }
   }
-  float* dkr = dk + ((b * s.Hkv + hk) * s.S + j0) * s.D;
-  float* dvr = dv + ((b * s.Hkv + hk) * s.S + j0) * s.Dv;
-  for (long j = 0; j < n; j++) {
-    for (long d = 0; d < s.D; d++) dkr[j * s.D + d] = w.dka[j * Dp + d] * s.scale;
-    std::memcpy(dvr + j * s.Dv, &w.dva[j * Dvp], s.Dv * sizeof(float));
+  const long dko = ((b * s.Hkv + hk) * s.S + j0) * s.D, dvo = ((b * s.Hkv + hk) * s.S + j0) * s.Dv;
+  for (long j = 0; j < n; j++) {  // dK scaled in fp32, then written (rounded once where gdt is bf16 / fp16)
+    float* kr = w.dka.p + j * Dp;
+    for (long d = 0; d < s.D; d++) kr[d] *= s.scale;
+    narrow_row(dk, dko + j * s.D, kr, s.D, gdt);
+    narrow_row(dv, dvo + j * s.Dv, w.dva.p + j * Dvp, s.Dv, gdt);
   }
 }
 
 static int backward(const Shape& s, const void* q, const void* k, const void* v, const void* dout,
-                    const long* sdo, const float* out, const float* lse, const float* dlse, float* dq, float* dk,
-                    float* dv) {
+                    const long* sdo, const float* out, const float* lse, const float* dlse, void* dq_out, void* dk,
+                    void* dv, bool rounded) {
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN;
   const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(Dp, 16);
   const long nblk = s.B * s.H * nq, chains = s.B * s.Hkv, items = chains * nk;
   float* delta = scratch<float>(0, s.B * s.H * s.L);
   int32_t* turns = scratch<int32_t>(1, nblk);
   TileRange* ranges = scratch<TileRange>(2, nblk);
-  if (!delta || !turns || !ranges) return AK_E_NOMEM;  // the caller raises
+  // dQ is summed in fp32: in dq itself, or (rounded grads) in a buffer of this call's, rounded into dq at the end
+  const int gdt = rounded ? s.dt : AK_F32;
+  float* dqa = gdt == AK_F32 ? (float*)dq_out : (float*)malloc((size_t)s.B * s.H * s.L * s.D * sizeof(float));
+  if (!delta || !turns || !ranges || !dqa) {
+    if (gdt != AK_F32) free(dqa);
+    return AK_E_NOMEM;  // the caller raises
+  }
+  float* dq = dqa;
   key_tile_ranges(s, ranges);
   for (long i = 0; i < nblk; i++) turns[i] = ranges[i].t0;
   prepare_rows(s, dout, sdo, out, dlse, delta, dq);
@@ -901,7 +920,8 @@ static int backward(const Shape& s, const void* q, const void* k, const void* v,
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++) {
       const long kbk = it / chains, bh = it % chains;
-      key_tile_item(s, bh / s.Hkv, bh % s.Hkv, kbk, q, k, v, dout, sdo, lse, delta, ranges, turns, dq, dk, dv, w);
+      key_tile_item(s, bh / s.Hkv, bh % s.Hkv, kbk, q, k, v, dout, sdo, lse, delta, ranges, turns, dq, dk, dv, gdt,
+                    w);
       if (w.acc.nt) {  // the tables' gradients are summed item by item, in item order: the same bits every run
         wait_turn(&item_turn, (int32_t)it);
         w.flush(*s.prog);
@@ -916,7 +936,9 @@ static int backward(const Shape& s, const void* q, const void* k, const void* v,
     const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
     float* dst = dq + (bh * s.L + i0) * s.D;
     for (long e = 0; e < m * s.D; e++) dst[e] *= s.scale;
+    if (gdt != AK_F32) narrow_row(dq_out, (bh * s.L + i0) * s.D, dst, m * s.D, gdt);
   }
+  if (gdt != AK_F32) free(dqa);
   return AK_OK;
 }
 

@@ -1,4 +1,4 @@
-// Widening bf16 / fp16 to fp32: one number, one vector, one row. Included by attn_impl.h inside AK_NS (it uses
+// Widening bf16 / fp16 to fp32: one number, one vector, one row; and the way back for the outputs (narrow_row). Included by attn_impl.h inside AK_NS (it uses
 // that header's vector types), so every instruction-set build has its own copy. The forward and backward
 // (attn_impl.h) widen each tile as they pack it and the decode entry (attn_decode.h) widens in registers: a
 // bf16 / fp16 input is never converted whole.
@@ -86,4 +86,67 @@ static inline void widen_row(float* __restrict dst, const void* p, long off, lon
 // element off of p (type dt), widened
 static inline float widen1(const void* p, long off, int dt) {
   return dt == AK_F32 ? ((const float*)p)[off] : dt == AK_BF16 ? ld1<AK_BF16>(p, off) : ld1<AK_F16>(p, off);
+}
+
+// ---- fp32 -> bf16 / fp16, rounded to nearest even (as torch's .to() rounds; the outputs of a low-precision call) ----
+
+// bf16: the upper half of the fp32 bits after adding half an ulp (ties to even); a NaN becomes 0xffff, as torch's
+// vectorised conversion writes it
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (f != f) return 0xffffu;
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// fp16 (portable; the same bits as F16C's vcvtps2ph with round-to-nearest-even): NaN quietened, payload's top
+// bits kept; overflow to inf; subnormals rounded to nearest even
+static inline uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // >= 65520 rounds to 65536: inf
+  if (ax >= 0x38800000u) {                                    // a normal half (>= 2^-14): rebias 127 -> 15
+    const uint32_t r = ax - 0x38000000u;
+    return (uint16_t)(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13));
+  }
+  float a;  // below 2^-14: a multiple of 2^-24 (a subnormal half; 1024 of them is the smallest normal)
+  std::memcpy(&a, &ax, 4);
+  volatile float t = a * 0x1p24f + 0x1p23f;  // exact scaling; the add rounds to an integer, ties to even
+  return (uint16_t)(sign | (uint32_t)(t - 0x1p23f));
+}
+
+// n fp32 values at src into dst + off (elements of type dt: AK_BF16 / AK_F16; AK_F32: copied)
+static inline void narrow_row(void* dst, long off, const float* __restrict src, long n, int dt) {
+  long d = 0;
+  if (dt == AK_F32) {
+    std::memcpy((float*)dst + off, src, n * sizeof(float));
+    return;
+  }
+  uint16_t* o = (uint16_t*)dst + off;
+  if (dt == AK_BF16) {
+    for (; d + VW <= n; d += VW) {
+      const vf x = load(src + d);
+      const vu u = (vu)x, nan = (vu)(x != x);
+      const vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+      *(vh_u*)(o + d) = __builtin_convertvector((r & ~nan) | (nan & 0xffffu), vh_u);
+    }
+    for (; d < n; d++) o[d] = f32_to_bf16(src[d]);
+    return;
+  }
+#if AK_VW == 16 && AK_X86_INTRIN
+  for (; d + 16 <= n; d += 16)
+    _mm256_storeu_si256((__m256i*)(o + d),  // (zero-masked: as ld's conversion, no pass-through warning)
+                        _mm512_maskz_cvtps_ph((__mmask16)0xffff, _mm512_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+#elif AK_VW == 8 && AK_X86_INTRIN
+  for (; d + 8 <= n; d += 8)
+    _mm_storeu_si128((__m128i*)(o + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; d < n; d++) o[d] = f32_to_f16(src[d]);
+}
+
+// n zeros of type dt at dst + off
+static inline void zero_row(void* dst, long off, long n, int dt) {
+  std::memset((char*)dst + off * (dt == AK_F32 ? 4 : 2), 0, n * (dt == AK_F32 ? 4 : 2));
 }
