@@ -4,8 +4,10 @@ Shape legend: B batch · H query heads · L query length · S key length · D he
 runs q, k, v of shape (1, 8, L, 64) (L = S), the shape the default table was measured on.
 
 ``auto`` hands a call with no mask, or with a causal mask (L = S or top-left), to attnkit's compiled
-kernel instead of SDPA from a size on; and keeps bf16 on torch's kernel where the CPU multiplies bf16
-in hardware. Those rules were measured on one CPU. This module measures them on this one:
+kernel instead of SDPA from a size on; keeps bf16 on torch's kernel where the CPU multiplies bf16
+in hardware; and sends a bf16 call that wants gradients to the kernel where torch's bf16 backward is the
+slower (a CPU without bf16 instructions: torch's flash backward there ran 4-5x its fp32 time). Those rules
+were measured on one CPU. This module measures them on this one:
 
 * :func:`crossovers` — the table ``auto`` reads (a dict lookup after the first call of a process):
   from this machine's calibration file when there is one for this CPU, torch version, attnkit version
@@ -63,7 +65,7 @@ __all__ = ["Crossovers", "Point", "crossovers", "calibrate", "cache_dir", "cache
 DEFAULT_NATIVE_CAUSAL_MIN = 64
 DEFAULT_NATIVE_DENSE_MIN_LS = 1024 * 1024
 DEFAULT_BUDGET_S = 2.0
-SCHEMA = 1  # the file's layout; a file with another schema is ignored and rewritten
+SCHEMA = 2  # the file's layout (2: bf16_grad); a file with another schema is ignored and rewritten
 
 ENV_SWITCH = "ATTNKIT_CALIBRATION"
 ENV_DIR = "ATTNKIT_CACHE_DIR"
@@ -75,6 +77,7 @@ H, D = 8, 64  # the measured shape (B = 1, L = S): the default table's
 CAUSAL_LENGTHS = (64, 128, 256, 512, 1024)
 DENSE_LENGTHS = (256, 512, 1024, 2048)  # L = S; the crossover is in L·S
 DTYPE_LENGTH = 512  # bf16 / fp16: kernel against torch's kernel at this L = S, causal and no mask
+GRAD_LENGTH = 256  # bf16 with gradients: kernel against torch's kernel at this L = S, no mask (SDPA's ground)
 _POINT_TARGET_S = 0.06  # time spent on one point (both peers), rounds in [_MIN_ROUNDS, _MAX_ROUNDS]
 _MIN_ROUNDS, _MAX_ROUNDS = 3, 15
 
@@ -120,6 +123,9 @@ class Crossovers:
     * ``native_dense_min_ls``: no mask runs on the kernel from ``L * S >=`` this;
     * ``bf16`` / ``fp16``: ``"kernel"`` (the compiled kernel takes this dtype), ``"torch"`` (torch's kernel
       keeps it) or None (today's rule: bf16 stays on torch's kernel where the CPU has bf16 instructions);
+    * ``bf16_grad``: ``"kernel"`` (a bf16 call that wants gradients goes to the compiled kernel where SDPA would
+      have taken it), ``"torch"`` (SDPA keeps it) or None (today's rule: the kernel where the CPU has no bf16
+      instructions);
     * ``source``: which table decided, in words (``dispatch`` quotes it);
     * ``calibrated``: measured on this machine (else the defaults); ``path``: the file it came from or
       went to; ``points``: the measurements; ``failure``: why a calibration gave the defaults instead.
@@ -129,6 +135,7 @@ class Crossovers:
     native_dense_min_ls: int = DEFAULT_NATIVE_DENSE_MIN_LS
     bf16: str | None = None
     fp16: str | None = None
+    bf16_grad: str | None = None
     source: str = "defaults"
     calibrated: bool = False
     path: str | None = None
@@ -156,6 +163,20 @@ class Crossovers:
             return ("bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; ours is "
                     "fp32)")
         return None
+
+    def grad_to_kernel(self, dtype: torch.dtype, bf16_hardware: Callable[[], bool]) -> str | None:
+        """Why a call in ``dtype`` that wants gradients goes to the compiled kernel rather than torch SDPA (None:
+        SDPA may keep it): bf16 only — the measured choice, else today's rule (a CPU without bf16 instructions,
+        asked of ``bf16_hardware`` only then). fp16 never reaches SDPA with gradients (its backward is inexact)."""
+        if dtype != torch.bfloat16 or self.bf16_grad == "torch":
+            return None
+        if self.bf16_grad == "kernel":
+            return f"bfloat16 with gradients: the compiled kernel measured faster than torch's here ({self.source})"
+        if bf16_hardware():
+            return None
+        return ("bfloat16 with gradients on a CPU without bf16 instructions: torch's bf16 backward converts through "
+                "fp32 (4-5x its fp32 time at L = 256-1024 on a 2-core AMD EPYC); the compiled kernel's costs about "
+                "its fp32 time")
 
 
 _MEMO: dict[int, Crossovers] = {}
@@ -359,14 +380,14 @@ def _from_json(data: dict, path: Path) -> Crossovers:
         if not (isinstance(val, int) and not isinstance(val, bool) and val >= 1):
             raise ValueError(f"{name}: expected a whole number >= 1, got {val!r}")
     choice = {}
-    for name in ("bf16", "fp16"):
+    for name in ("bf16", "fp16", "bf16_grad"):
         val = c.get(name)
         if val is not None and val not in _CHOICES:
             raise ValueError(f"{name}: expected one of {_CHOICES} or null, got {val!r}")
         choice[name] = val
     points = tuple(Point(**{f.name: p[f.name] for f in dataclasses.fields(Point)}) for p in data.get("points", []))
     key, when = data["key"], str(data.get("created", "?"))[:10]
-    return Crossovers(causal, dense, choice["bf16"], choice["fp16"],
+    return Crossovers(causal, dense, choice["bf16"], choice["fp16"], choice["bf16_grad"],
                       source=_source(key, when, path, data.get("defaults_kept", [])), calibrated=True,
                       path=str(path), points=points, elapsed_s=data.get("elapsed_s"))
 
@@ -472,6 +493,8 @@ def _plan(backward: bool) -> list[tuple[str, str, int, str]]:
     pts = [("causal", "float32", L, m) for L in CAUSAL_LENGTHS for m in modes]
     pts += [("none", "float32", L, m) for L in DENSE_LENGTHS[:-1] for m in modes]
     pts += [(c, dt, DTYPE_LENGTH, "fwd") for dt in ("bfloat16", "float16") for c in ("causal", "none")]
+    if backward:  # (not at first use: torch's first bf16 SDPA backward in a process took 4.3 s on a 2-core AMD EPYC)
+        pts += [("none", "bfloat16", GRAD_LENGTH, "fwd+bwd")]
     pts += [("none", "float32", DENSE_LENGTHS[-1], m) for m in modes]
     return pts
 
@@ -503,16 +526,18 @@ def _dtype_choice(points: list[Point]) -> str | None:
     return "kernel" if g > 1.0 else "torch"
 
 
-def _decide(points: list[Point]) -> tuple[int, int, str | None, str | None, list[str]]:
-    """(native_causal_min, native_dense_min_ls, bf16, fp16, what kept its default) from the points."""
+def _decide(points: list[Point]) -> tuple[int, int, str | None, str | None, str | None, list[str]]:
+    """(native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, what kept its default) from the points."""
     f32 = [p for p in points if p.dtype == "float32"]
     causal = _crossover([p for p in f32 if p.case == "causal"], DEFAULT_NATIVE_CAUSAL_MIN, lambda n: n)
     dense = _crossover([p for p in f32 if p.case == "none"], DEFAULT_NATIVE_DENSE_MIN_LS, lambda n: n * n)
-    bf16 = _dtype_choice([p for p in points if p.dtype == "bfloat16"])
-    fp16 = _dtype_choice([p for p in points if p.dtype == "float16"])
-    kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", bf16), ("fp16", fp16)) if v is None]
+    bf16 = _dtype_choice([p for p in points if p.dtype == "bfloat16" and p.mode == "fwd"])
+    fp16 = _dtype_choice([p for p in points if p.dtype == "float16" and p.mode == "fwd"])
+    bf16_grad = _dtype_choice([p for p in points if p.dtype == "bfloat16" and p.mode == "fwd+bwd"])
+    kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", bf16), ("fp16", fp16),
+                                 ("bf16 with gradients", bf16_grad)) if v is None]
     return (DEFAULT_NATIVE_CAUSAL_MIN if causal is None else causal,
-            DEFAULT_NATIVE_DENSE_MIN_LS if dense is None else dense, bf16, fp16, kept)
+            DEFAULT_NATIVE_DENSE_MIN_LS if dense is None else dense, bf16, fp16, bf16_grad, kept)
 
 
 def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, write: bool = True,
@@ -524,8 +549,10 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
     Measured, interleaved round by round (the fastest round of each): ``attnkit.attention(..., backend="tiled")`` on the
     compiled kernel against ``torch.nn.functional.scaled_dot_product_attention`` — causal at L = 64 … 1024,
     no mask at L = S = 256 … 2048, and bf16 / fp16 at L = 512 against torch's kernel in the same dtype;
-    forward only, or forward and forward+backward with ``backward`` (the kernel must win both). Points are
-    measured most useful first; what the budget leaves unmeasured keeps its default.
+    forward only, or forward and forward+backward with ``backward`` (the kernel must win both; and bf16 with
+    no mask at L = S = 256 forward + backward, which decides ``bf16_grad``: torch's first bf16 backward in a
+    process can take seconds, more than the budget). Points are measured most useful first; what the budget
+    leaves unmeasured keeps its default.
 
     Args:
         budget_s: wall-time bound in seconds (> 0); the calibration stops before it would exceed it.
@@ -584,8 +611,9 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
             points.append(p)
             if progress is not None:
                 progress(p)
-        causal, dense, bf16, fp16, kept = _decide(points)
-        values = {"native_causal_min": causal, "native_dense_min_ls": dense, "bf16": bf16, "fp16": fp16}
+        causal, dense, bf16, fp16, bf16_grad, kept = _decide(points)
+        values = {"native_causal_min": causal, "native_dense_min_ls": dense, "bf16": bf16, "fp16": fp16,
+                  "bf16_grad": bf16_grad}
         key = machine_key(n)
         elapsed = clock() - t0
         path = cache_path(n) if write else None
@@ -594,7 +622,8 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
                 "load_before": load,  # the 1-minute load average as it began: high means shared cores, noisy times
                 "crossovers": values, "defaults_kept": kept, "points": [dataclasses.asdict(p) for p in points],
                 "defaults": {"native_causal_min": DEFAULT_NATIVE_CAUSAL_MIN,
-                             "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS, "bf16": None, "fp16": None}}
+                             "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS, "bf16": None, "fp16": None,
+                             "bf16_grad": None}}
         unstored = None
         if path is not None:
             try:
@@ -608,7 +637,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         source = _source(key, created[:10], path, kept)
         if unstored is not None:
             source = source.replace(" (not written)", f" (not stored: {unstored})", 1)
-        result = Crossovers(causal, dense, bf16, fp16, source=source, calibrated=True,
+        result = Crossovers(causal, dense, bf16, fp16, bf16_grad, source=source, calibrated=True,
                             path=None if path is None else str(path), points=tuple(points), elapsed_s=elapsed)
     except _NoKernel as e:  # nothing to measure: not a failure, nothing written
         return Crossovers(source=f"defaults (nothing to calibrate: {e})", failure=str(e), points=tuple(points),

@@ -20,8 +20,10 @@ from attnkit import _calibrate as C
 from attnkit import cli
 from attnkit.backends import _native
 
-# the fake machine: the kernel wins causal from L = 256, no mask from L·S = 1024², loses bf16, wins fp16
-RATIO = {("causal", "float32"): lambda L: 1.3 if L >= 256 else 0.8,
+# the fake machine: the kernel wins causal from L = 256, no mask from L·S = 1024², loses bf16, wins fp16, and wins
+# bf16 with gradients (torch's bf16 backward slow, as on a CPU without bf16 instructions)
+RATIO = {("none", "bfloat16", "grad"): lambda L: 3.0,
+         ("causal", "float32"): lambda L: 1.3 if L >= 256 else 0.8,
          ("none", "float32"): lambda L: 1.1 if L >= 1024 else 0.95,
          ("causal", "bfloat16"): lambda L: 0.4, ("none", "bfloat16"): lambda L: 0.5,
          ("causal", "float16"): lambda L: 1.5, ("none", "float16"): lambda L: 1.2}
@@ -44,7 +46,8 @@ class Fake:
         self.calls.append((case, dtype, L, backward))
         self.now += self.cost
         sdpa = 1e-3 * L / 64
-        return sdpa / RATIO[case, dtype](L), sdpa, 5
+        ratio = RATIO.get((case, dtype, "grad"), RATIO[case, dtype]) if backward else RATIO[case, dtype]
+        return sdpa / ratio(L), sdpa, 5
 
 
 @pytest.fixture
@@ -77,13 +80,14 @@ def test_calibration_decides_from_the_measurements_and_is_stored_where_the_env_s
     n = torch.get_num_threads()
     c = C.calibrate(budget_s=2.0)
     assert (c.native_causal_min, c.native_dense_min_ls, c.bf16, c.fp16) == (256, 1024 * 1024, "torch", "kernel")
+    assert c.bf16_grad is None  # forward only (the first-use calibration): bf16 with gradients keeps today's rule
     assert c.calibrated and c.failure is None and len(c.points) == len(fake.calls) == 13
     files = list(cache.glob("calibration-*.json"))
     assert files == [C.cache_path(n)] and files[0].name.endswith(f"-{n}t.json") and c.path == str(files[0])
     data = json.loads(files[0].read_text())
     assert data["key"] == C.machine_key(n) and data["key"]["torch"] == torch.__version__
     assert data["crossovers"] == {"native_causal_min": 256, "native_dense_min_ls": 1048576, "bf16": "torch",
-                                  "fp16": "kernel"}
+                                  "fp16": "kernel", "bf16_grad": None}
     assert not list(cache.glob(".calibration-*"))  # the temporary file was renamed, none left behind
     # this process decides by it now, and a fresh one reads it back from the file
     assert C.crossovers() is c
@@ -119,7 +123,8 @@ def test_the_thread_count_is_restored(cache, monkeypatch):
 
 @pytest.mark.parametrize("content, says", [
     ("{not json", "corrupt: JSONDecodeError"),
-    ('{"key": {"schema": 1}}', "is for another cpu"),
+    (json.dumps({"key": {"schema": C.SCHEMA}}), "is for another cpu"),
+    ('{"key": {"schema": 1}}', "has schema 1, not"),  # a file of the layout before bf16_grad
     ("[1, 2]", "corrupt: ValueError: no 'key' object"),
 ])
 def test_a_corrupt_or_foreign_file_gives_the_defaults_and_is_rewritten(cache, monkeypatch, content, says):
@@ -295,8 +300,17 @@ def test_the_budget_bounds_the_measurement_and_the_rest_keeps_its_default(cache,
     c = C.calibrate(budget_s=1.0)
     assert len(fake.calls) == 4 and {x[:2] for x in fake.calls} == {("causal", "float32")}
     assert c.calibrated and c.native_causal_min == 256  # measured: 64, 128 lose, 256, 512 win
-    assert (c.native_dense_min_ls, c.bf16, c.fp16) == (1024 * 1024, None, None)
-    assert "defaults kept for no mask, bf16, fp16 (not measured in the budget)" in c.source
+    assert (c.native_dense_min_ls, c.bf16, c.fp16, c.bf16_grad) == (1024 * 1024, None, None, None)
+    assert "defaults kept for no mask, bf16, fp16, bf16 with gradients (not measured in the budget)" in c.source
+
+
+def test_backward_decides_bf16_with_gradients_apart_from_bf16s_forward(cache, monkeypatch):
+    fake = Fake(monkeypatch)
+    c = C.calibrate(backward=True)
+    assert ("none", "bfloat16", C.GRAD_LENGTH, True) in fake.calls
+    assert (c.bf16, c.bf16_grad) == ("torch", "kernel")  # the fake's bf16: forward loses, forward + backward wins
+    C.forget()
+    assert C.crossovers().bf16_grad == "kernel"  # stored and read back
 
 
 def test_backward_measures_both_modes_and_needs_both_won(cache, monkeypatch):
@@ -342,6 +356,26 @@ def test_the_dtype_rule_for_the_backends():
     why = measured.torch_keeps(torch.float16, hw)
     assert why.startswith("float16: torch's kernel measured faster") and "calibrated 2026-11-26 on X" in why
     assert C.Crossovers(bf16="torch").torch_keeps(torch.bfloat16, hw).startswith("bfloat16: torch's kernel")
+
+
+def test_the_bf16_gradient_rule():
+    """What SDPA's ``declines`` asks of a bf16 call that wants gradients: the measured choice, else today's rule
+    (the kernel where the CPU has no bf16 instructions); never for another dtype."""
+    def hw():
+        raise AssertionError("bf16_hardware asked although the table decided")
+
+    today = C.Crossovers()
+    assert "without bf16 instructions" in today.grad_to_kernel(torch.bfloat16, lambda: False)
+    assert today.grad_to_kernel(torch.bfloat16, lambda: True) is None
+    assert today.grad_to_kernel(torch.float32, hw) is None and today.grad_to_kernel(torch.float16, hw) is None
+    measured = C.Crossovers(bf16_grad="kernel", source="calibrated 2026-11-27 on X")
+    why = measured.grad_to_kernel(torch.bfloat16, hw)
+    assert why.startswith("bfloat16 with gradients: the compiled kernel measured faster") and "on X" in why
+    assert C.Crossovers(bf16_grad="torch").grad_to_kernel(torch.bfloat16, hw) is None
+    # forward-only bf16 points do not decide it, nor do forward + backward points decide bf16's forward
+    fwd = C.Point("none", "bfloat16", 512, 512, "fwd", 1.0, 0.5, 3)
+    grad = C.Point("none", "bfloat16", 256, 256, "fwd+bwd", 1.0, 4.0, 3)
+    assert C._decide([fwd])[2:5] == ("torch", None, None) and C._decide([grad])[2:5] == (None, None, "kernel")
 
 
 def test_bad_arguments_are_named():

@@ -133,3 +133,32 @@ def test_named_backend_raises_where_auto_would_switch(ran, backend, kw, auto_run
     assert attnkit.dispatch(q, k, v, **kw).backend == auto_runs
     attnkit.attention(q, k, v, **kw)
     assert ran == [auto_runs]
+
+
+@pytest.mark.skipif(not _native.available(), reason="the compiled kernel is not built")
+@pytest.mark.parametrize("L, S, kw", [(128, 128, {}), (16, 256, dict(mask=M.sliding_window(64)))])
+def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instructions(monkeypatch, ran, L, S, kw):
+    """Where SDPA would take a bf16 call, one that wants gradients goes to the compiled kernel on a CPU without bf16
+    instructions (torch's bf16 backward there: 4-5x its fp32 time); with bf16 instructions, or without gradients,
+    or at the smallest sizes (below 64 x 64 scores), SDPA keeps it. The answer is the kernel's, bit for bit. (No
+    mask below the fp32 crossover, and a decode-sized call with a mask: SDPA's ground.)"""
+    from attnkit.backends import native
+
+    q, k, v = rand_qkv(1, 4, 4, L, S, 32, dtype=torch.bfloat16, requires_grad=True)
+    monkeypatch.setattr(native, "_BF16_HW", False)
+    d = attnkit.dispatch(q, k, v, **kw)
+    assert d.worker == "native" and "bfloat16 with gradients" in d.reason, d
+    out = attnkit.attention(q, k, v, **kw)
+    assert ran[-1] == "tiled"
+    g = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    ref = attnkit.attention(q, k, v, backend="tiled", **kw)
+    gref = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g, gref, strict=True))
+    # SDPA keeps: a CPU with bf16 instructions, no gradient wanted, fp32, or a call of fewer than 64 x 64 scores
+    monkeypatch.setattr(native, "_BF16_HW", True)
+    assert attnkit.dispatch(q, k, v, **kw).worker == "fused"
+    monkeypatch.setattr(native, "_BF16_HW", False)
+    if L > 16:  # (without gradients a decode-sized call has the kernel's decode entry)
+        assert attnkit.dispatch(q.detach(), k.detach(), v.detach(), **kw).worker == "fused"
+    assert attnkit.dispatch(q.float(), k.float(), v.float(), **kw).worker == "fused"
+    assert attnkit.dispatch(q[:, :, :1], k[:, :, :128], v[:, :, :128], **kw).worker == "fused"

@@ -59,10 +59,10 @@ def _fmt_ls(n: int) -> str:
 
 
 def _choice(v, dtype: str) -> str:
-    if v is None:
-        from ..backends import native
+    if v is None:  # today's rule: bf16, with or without gradients, on torch's kernel where the CPU multiplies
+        from ..backends import native  # bf16 in hardware, else the kernel; fp16 on the kernel
 
-        v = "torch" if dtype == "bf16" and native._bf16_hardware() else "kernel"
+        v = "torch" if dtype.startswith("bf16") and native._bf16_hardware() else "kernel"
         return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v] + " (today's rule)"
     return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v]
 
@@ -85,7 +85,9 @@ def _print_table(c, defaults) -> None:
              str(c.native_causal_min)),
             ("no mask: kernel from L·S >=", _fmt_ls(defaults.native_dense_min_ls), _fmt_ls(c.native_dense_min_ls)),
             ("bf16 runs on", _choice(defaults.bf16, "bf16"), _choice(c.bf16, "bf16")),
-            ("fp16 runs on", _choice(defaults.fp16, "fp16"), _choice(c.fp16, "fp16"))]
+            ("fp16 runs on", _choice(defaults.fp16, "fp16"), _choice(c.fp16, "fp16")),
+            ("bf16 with gradients (where SDPA would run it) on", _choice(defaults.bf16_grad, "bf16_grad"),
+             _choice(c.bf16_grad, "bf16_grad"))]
     head = "measured" if c.calibrated else "in use"
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len("default"), *(len(r[1]) for r in rows))

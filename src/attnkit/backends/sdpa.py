@@ -174,6 +174,11 @@ def backward_flaw(req: Request) -> str | None:
 # forward+backward); no mask from L·S = 1024², forward 1.03-1.04x, forward+backward 1.12x).
 NATIVE_CAUSAL_MIN = _calibrate.DEFAULT_NATIVE_CAUSAL_MIN
 NATIVE_DENSE_MIN_LS = _calibrate.DEFAULT_NATIVE_DENSE_MIN_LS
+# bf16 with gradients goes to the compiled kernel (where the table says so: Crossovers.grad_to_kernel) from this
+# L·S on; below it torch's call costs less than the kernel's (a 2-core AMD EPYC, forward + backward against fp32
+# through auto: L = 1, S = 128: SDPA 1.38x, kernel 1.99x; L = 4, S = 512: 1.35x / 1.38x; L = S = 64: 2.20x / 1.77x;
+# L = S = 256: 4.24x / 1.12x)
+GRAD_BF16_MIN_LS = 64 * 64
 # Above this fraction of partial tiles a user bool mask stays with SDPA (tiled ≈ 0.96× there: nothing to skip).
 DENSE_PARTIAL_MAX = 0.9
 # A user bool mask of one tile (L, S <= 64: nothing a tile analysis could skip) goes to SDPA as it is
@@ -221,6 +226,12 @@ class Fused(Kernel):
             return self._declines_cuda(req)
         L, S = req.q.shape[2], req.k.shape[2]
         x = _calibrate.crossovers()
+        if req.q.dtype == torch.bfloat16 and L * S >= GRAD_BF16_MIN_LS and req.requires_grad() and _native_runs(req):
+            from .native import _bf16_hardware
+
+            why = x.grad_to_kernel(req.q.dtype, _bf16_hardware)
+            if why is not None:
+                return why
         if req.mask is None and req.dense_mask is None:
             if req.bias is None and L * S >= x.native_dense_min_ls and _native_runs(req):
                 return (f"no mask at L·S >= {_square(x.native_dense_min_ls)}: attnkit's compiled kernel is faster "
