@@ -434,12 +434,11 @@ def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: floa
     lo, hi = iv
     scale = D ** -0.5
 
-    def kernel():  # what the native kernel runs for such a call: forward (and backward), output rounded to dt
-        with torch.no_grad():
-            out, lse, _ = _native.forward(q, k, v, lo, hi, scale)
-            out.to(dt)
+    def kernel():  # what the native kernel runs for such a call: forward (and backward), outputs rounded to dt
+        with torch.no_grad():  # by the kernel itself (bf16 / fp16)
+            out, lse, _ = _native.forward(q, k, v, lo, hi, scale, rounded=True)
             if backward:
-                _native.backward(q, k, v, lo, hi, scale, out, lse, go)
+                _native.backward(q, k, v, lo, hi, scale, out, lse, go, rounded=True)
 
     # attnkit's SDPA path reads the first column of SDPA's output after every call (torch's fused CPU kernel writes
     # an all-zero row where a NaN / inf should show: backends/sdpa.py may_hide_nan); the kernel path has no such
@@ -526,16 +525,19 @@ def _dtype_choice(points: list[Point]) -> str | None:
     return "kernel" if g > 1.0 else "torch"
 
 
-def _decide(points: list[Point]) -> tuple[int, int, str | None, str | None, str | None, list[str]]:
-    """(native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, what kept its default) from the points."""
+def _decide(points: list[Point], backward: bool = False
+            ) -> tuple[int, int, str | None, str | None, str | None, list[str]]:
+    """(native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, what kept its default) from the points of a
+    calibration (``backward``: one that planned forward + backward points)."""
     f32 = [p for p in points if p.dtype == "float32"]
     causal = _crossover([p for p in f32 if p.case == "causal"], DEFAULT_NATIVE_CAUSAL_MIN, lambda n: n)
     dense = _crossover([p for p in f32 if p.case == "none"], DEFAULT_NATIVE_DENSE_MIN_LS, lambda n: n * n)
     bf16 = _dtype_choice([p for p in points if p.dtype == "bfloat16" and p.mode == "fwd"])
     fp16 = _dtype_choice([p for p in points if p.dtype == "float16" and p.mode == "fwd"])
     bf16_grad = _dtype_choice([p for p in points if p.dtype == "bfloat16" and p.mode == "fwd+bwd"])
-    kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", bf16), ("fp16", fp16),
-                                 ("bf16 with gradients", bf16_grad)) if v is None]
+    kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", bf16), ("fp16", fp16)) if v is None]
+    if bf16_grad is None and backward:  # (planned with backward only: not "kept" by a forward calibration)
+        kept.append("bf16 with gradients")
     return (DEFAULT_NATIVE_CAUSAL_MIN if causal is None else causal,
             DEFAULT_NATIVE_DENSE_MIN_LS if dense is None else dense, bf16, fp16, bf16_grad, kept)
 
@@ -611,7 +613,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
             points.append(p)
             if progress is not None:
                 progress(p)
-        causal, dense, bf16, fp16, bf16_grad, kept = _decide(points)
+        causal, dense, bf16, fp16, bf16_grad, kept = _decide(points, backward)
         values = {"native_causal_min": causal, "native_dense_min_ls": dense, "bf16": bf16, "fp16": fp16,
                   "bf16_grad": bf16_grad}
         key = machine_key(n)

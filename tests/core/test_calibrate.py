@@ -301,7 +301,11 @@ def test_the_budget_bounds_the_measurement_and_the_rest_keeps_its_default(cache,
     assert len(fake.calls) == 4 and {x[:2] for x in fake.calls} == {("causal", "float32")}
     assert c.calibrated and c.native_causal_min == 256  # measured: 64, 128 lose, 256, 512 win
     assert (c.native_dense_min_ls, c.bf16, c.fp16, c.bf16_grad) == (1024 * 1024, None, None, None)
-    assert "defaults kept for no mask, bf16, fp16, bf16 with gradients (not measured in the budget)" in c.source
+    assert "defaults kept for no mask, bf16, fp16 (not measured in the budget)" in c.source  # (bf16 with gradients:
+    # planned only with backward=True, so not "kept" here)
+    small = C.calibrate(budget_s=1.0, backward=True)
+    assert small.bf16_grad is None and small.source.endswith("bf16, fp16, bf16 with gradients (not measured in the "
+                                                             "budget)")
 
 
 def test_backward_decides_bf16_with_gradients_apart_from_bf16s_forward(cache, monkeypatch):

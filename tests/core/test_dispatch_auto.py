@@ -162,3 +162,19 @@ def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instru
         assert attnkit.dispatch(q.detach(), k.detach(), v.detach(), **kw).worker == "fused"
     assert attnkit.dispatch(q.float(), k.float(), v.float(), **kw).worker == "fused"
     assert attnkit.dispatch(q[:, :, :1], k[:, :, :128], v[:, :, :128], **kw).worker == "fused"
+
+
+@pytest.mark.skipif(not _native.available(), reason="the compiled kernel is not built")
+def test_a_measured_bf16_gradient_choice_holds_where_bf16s_forward_stays_on_torch(monkeypatch):
+    """A table with bf16's forward on torch's kernel and bf16 with gradients on the compiled kernel (measured apart:
+    an AMX machine may measure just that): a call that wants gradients runs on the kernel, one without stays on
+    torch's — the kernel's own dtype rule steps aside for the measured gradient choice."""
+    from attnkit import _calibrate
+
+    table = _calibrate.Crossovers(bf16="torch", bf16_grad="kernel", source="calibrated 2026-11-27 on X")
+    monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: table)
+    q, k, v = rand_qkv(1, 4, 4, 128, 128, 32, dtype=torch.bfloat16, requires_grad=True)
+    d = attnkit.dispatch(q, k, v)
+    assert d.worker == "native" and "measured faster" in d.reason, d
+    assert attnkit.dispatch(q.detach(), k.detach(), v.detach()).worker == "fused"
+    assert attnkit.dispatch(q, k, v, mask=M.sliding_window(16)).worker == "native"  # a mask: the kernel, as measured

@@ -4,6 +4,8 @@ GQA without copying K/V) and autograd through torch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -75,3 +77,28 @@ def run(req: Request, worker: str | None = None):
         w = F.dropout(w, p=req.dropout_p, training=True)
     out = torch.matmul(w.reshape(B, Hkv, g, L, S), req.v.to(w.dtype).unsqueeze(2))  # (B, Hkv, g, L, Dv)
     return out.reshape(B, H, L, Dv).to(req.q.dtype), lse
+
+
+def graph_backward(req: Request, q, k, v, bias, captured, dout, dlse):
+    """The gradients as a graph of torch ops, for a backward run with ``create_graph=True`` (a double backward: a
+    gradient penalty, a Hessian-vector product). The compiled kernel's and the tiled engine's gradients are
+    numbers, not a graph: differentiated again they would add nothing, silently. Here the eager path's forward is
+    rebuilt on the saved ``q, k, v`` (and the float mask ``bias`` and the ``captured`` tensors the request reads,
+    the same objects) and differentiated by autograd with ``create_graph``, so the gradients carry their own graph
+    back to the inputs. O(L · S) memory, as the eager path. Returns ``(dq, dk, dv, dbias, dcap)``; None where an
+    input wants no gradient."""
+    inputs = [q, k, v, bias, *captured]
+    wanted = [i for i, t in enumerate(inputs) if t is not None and t.requires_grad]
+    grads: list = [None] * len(inputs)
+    if not wanted:
+        return None, None, None, None, []
+    with torch.enable_grad():
+        out, lse = run(dataclasses.replace(req, q=q, k=k, v=v, bias=bias, need_lse=True))
+        outs, gos = [out], [torch.zeros_like(out) if dout is None else dout.to(out.dtype)]
+        if dlse is not None:
+            outs.append(lse)
+            gos.append(dlse.to(lse.dtype))
+        got = torch.autograd.grad(outs, [inputs[i] for i in wanted], gos, create_graph=True, allow_unused=True)
+    for i, g in zip(wanted, got, strict=True):
+        grads[i] = g
+    return grads[0], grads[1], grads[2], grads[3], grads[4:]

@@ -28,7 +28,7 @@ from .. import _calibrate, _lru, _mods, _scoreprog, _tiling
 from .. import masks as _masks
 from .. import plans as _plans
 from .. import score_mods as _score_mods
-from . import _native, _softmax, _tilebits, _tiles, tiled
+from . import _native, _softmax, _tilebits, _tiles, eager, tiled
 from ._base import Request
 from ._kernel import Kernel
 
@@ -130,8 +130,11 @@ class Native(Kernel):
             # this machine's measurement (attnkit calibrate), else today's rule: bf16 stays on torch's kernel
             # where the CPU multiplies bf16 in hardware (measured on a CPU with AMX: `python benchmarks/kernel.py
             # --dtype bf16 --cases dense,causal`, torch's bf16 kernel 2.2-2.5x the compiled kernel's forward)
-            keep = _calibrate.crossovers().torch_keeps(req.q.dtype, _bf16_hardware)
-            if keep is not None:
+            x = _calibrate.crossovers()
+            keep = x.torch_keeps(req.q.dtype, _bf16_hardware)
+            # a bf16 call that wants gradients: the kernel where the table says its backward wins (bf16_grad),
+            # whatever the forward's choice (the two are measured apart: `attnkit calibrate --backward`)
+            if keep is not None and not (req.requires_grad() and x.grad_to_kernel(req.q.dtype, _bf16_hardware)):
                 why.append(keep)
         if req.dropout_p > 0:
             why.append("dropout (the compiled kernel has none)")
@@ -981,6 +984,9 @@ class _NativeAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         req, captured = ctx.req, list(ctx.captured)
+        if torch.is_grad_enabled():  # create_graph: the gradients must be a graph (a double backward reads them)
+            gq, gk, gv, _, gcap = eager.graph_backward(req, q, k, v, None, captured, dout, dlse)
+            return (gq, gk, gv, None, *gcap)
         if dout is None:
             dout = torch.zeros_like(out)
         # Rows where exp(s - lse) is not exact (scores all at finfo.min / -1e9: issue 18) leave the kernel:

@@ -48,7 +48,7 @@ import os
 
 import torch
 
-from . import _flash_cpu, _softmax, _tiled_fused, _tiled_plain, _tiles, _worklist
+from . import _flash_cpu, _softmax, _tiled_fused, _tiled_plain, _tiles, _worklist, eager
 from ._base import Request
 from ._kernel import Kernel
 from ._tiled_ctx import TileContext, additive_mod
@@ -238,6 +238,9 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors  # out: out_hi (see forward)
         c = ctx.c
+        if torch.is_grad_enabled():  # create_graph: the gradients must be a graph (a double backward reads them)
+            gq, gk, gv, gb, gcap = eager.graph_backward(c.req, q, k, v, c.req.bias, list(c.captured), dout, dlse)
+            return (gq, gk, gv, gb, None, *gcap)
         if dout is None:
             dout = torch.zeros_like(out)
         dbias, dcap = None, [None] * len(c.captured)
