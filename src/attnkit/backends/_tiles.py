@@ -184,4 +184,3 @@ def exact_rows_backward(req: Request, rows: torch.Tensor, dout: torch.Tensor, dl
                 prev = dext[t]
                 dext[t] = gr if prev is None else prev + gr
     return dq, dk, dv, dext
-
