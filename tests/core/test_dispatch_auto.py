@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rand_qkv
+from conftest import rand_qkv, require_kernel
 
 import attnkit
 from attnkit import _fast
@@ -135,13 +135,13 @@ def test_named_backend_raises_where_auto_would_switch(ran, backend, kw, auto_run
     assert ran == [auto_runs]
 
 
-@pytest.mark.skipif(not _native.available(), reason="the compiled kernel is not built")
 @pytest.mark.parametrize("L, S, kw", [(128, 128, {}), (16, 256, dict(mask=M.sliding_window(64)))])
 def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instructions(monkeypatch, ran, L, S, kw):
     """Where SDPA would take a bf16 call, one that wants gradients goes to the compiled kernel on a CPU without bf16
     instructions (torch's bf16 backward there: 4-5x its fp32 time); with bf16 instructions, or without gradients,
     or at the smallest sizes (below 64 x 64 scores), SDPA keeps it. The answer is the kernel's, bit for bit. (No
     mask below the fp32 crossover, and a decode-sized call with a mask: SDPA's ground.)"""
+    require_kernel()
     from attnkit.backends import native
 
     q, k, v = rand_qkv(1, 4, 4, L, S, 32, dtype=torch.bfloat16, requires_grad=True)
@@ -164,11 +164,11 @@ def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instru
     assert attnkit.dispatch(q[:, :, :1], k[:, :, :128], v[:, :, :128], **kw).worker == "fused"
 
 
-@pytest.mark.skipif(not _native.available(), reason="the compiled kernel is not built")
 def test_a_measured_bf16_gradient_choice_holds_where_bf16s_forward_stays_on_torch(monkeypatch):
     """A table with bf16's forward on torch's kernel and bf16 with gradients on the compiled kernel (measured apart:
     an AMX machine may measure just that): a call that wants gradients runs on the kernel, one without stays on
     torch's — the kernel's own dtype rule steps aside for the measured gradient choice."""
+    require_kernel()
     from attnkit import _calibrate
 
     table = _calibrate.Crossovers(bf16="torch", bf16_grad="kernel", source="calibrated 2026-11-27 on X")
