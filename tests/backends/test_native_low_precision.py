@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from conftest import budget, golden, rand_qkv
+from conftest import assert_close, budget, golden, rand_qkv
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
@@ -239,3 +239,64 @@ def test_rounding_at_the_dtype_edges_is_torchs(dtype, isa):
                 assert any(bool(gr.isinf().any()) for gr in grads), "no gradient reached the dtype's overflow"
     finally:
         _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
+def test_the_decode_entry_rounds_its_output_as_torch_does(dtype, isa):
+    """``decode(..., rounded=True)``: out in the input dtype, each row merged in fp32 (over the split-K chunks of a
+    long cache) and rounded once as it is written — bit for bit ``.to(dtype)`` of the fp32 output, at every
+    instruction set, at head sizes with a tail after the last full vector: NaN rows, rows that see no key (zeros),
+    ties (q = 0 over 2^n keys), fp16 subnormals; the prepared step (``decode_step``) and the one-shot call alike."""
+    order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
+    best = _native.isa()
+    if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
+        pytest.skip(f"this CPU runs {best} at most")
+    try:
+        _native.set_isa(isa)
+        for D, S, L in ((5, 128, 1), (64, 4096, 3), (67, 1000, 2)):
+            g = torch.Generator().manual_seed(D + S)
+            q = torch.randn(3, 8, L, D, generator=g).to(dtype)
+            q[1] = 0  # every score 0: the mean of the V rows a row sees, often a tie between two dtype numbers
+            k = torch.randn(3, 2, S, D, generator=g).to(dtype)
+            v = (torch.randn(3, 2, S, D, generator=g) * torch.logspace(-7, 1, D)).to(dtype)
+            v[0, 1, S // 2, 0] = float("nan")
+            lo = torch.zeros(3, L, dtype=torch.int32)
+            hi = torch.full((3, L), S, dtype=torch.int32)
+            hi[1] = 64  # 64 keys: q = 0 averages them exactly in fp32
+            hi[2] = 0  # rows that see no key
+            ref, ref_lse = _native.decode(q, k, v, lo, hi, D ** -0.5)
+            out, lse = _native.decode(q, k, v, lo, hi, D ** -0.5, rounded=True)
+            step = _native.decode_step(q, k, v, lo, hi, rounded=True)(q, k, v, D ** -0.5)
+            for what, o in (("decode", out), ("decode_step", step)):
+                assert o.dtype == dtype, (what, o.dtype)
+                _same_bits(o, ref.to(dtype), f"{isa} D={D} S={S} {what}")
+                fin = ~o.isnan()
+                assert torch.equal(o[fin].view(torch.int16), ref.to(dtype)[fin].view(torch.int16)), what
+            assert torch.equal(lse, ref_lse) or torch.equal(lse.isnan(), ref_lse.isnan())
+            assert bool(out[0, 4:8].isnan().any()) and bool((out[2] == 0).all())
+            if dtype is torch.float16:
+                assert bool(((out.float().abs() < 6.1e-5) & (out != 0)).any()), "no fp16 subnormal reached"
+            assert not torch.equal(ref.to(dtype).float(), ref), "no output needed rounding"
+    finally:
+        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_a_decode_step_has_no_conversion_pass(dtype):
+    """A no-grad decode step through ``auto`` (the decode entry, first call and its replays; a few stretches per
+    row; a mask_mod's rows) comes out of the kernel in the input dtype: torch rounds no fp32 tensor of the
+    output's size, and it equals the fp32 output of the same inputs rounded once."""
+    q, k, v = rand_qkv(1, 8, 2, 1, 300, 64, dtype=dtype)
+    cases = (dict(mask=M.causal()), dict(mask=lambda b, h, qi, kv: (kv < 4) | (kv >= 236)),  # sinks and a window
+             dict(mask=M.padding([200])))
+    for kw in cases:
+        d = attnkit.dispatch(q, k, v, **kw)
+        assert d.kernel is not None and d.kernel.name == "native-decode", d
+        with torch.no_grad(), _Widenings() as w:
+            outs = [attnkit.attention(q, k, v, **kw) for _ in range(3)]
+        assert not [(dt, n) for dt, n in w.seen if n >= 8 * 64], f"{kw}: torch rounded the output: {w.seen}"
+        ref = attnkit.attention(q.float(), k.float(), v.float(), **kw)
+        for o in outs:
+            assert o.dtype == dtype
+            assert_close(o.float(), ref, UNIT[dtype] * ref.abs().max().item() + 1e-6, f"{kw}")

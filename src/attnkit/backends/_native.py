@@ -78,7 +78,7 @@ class _Call(ctypes.Structure):
                 ("ort", ctypes.c_int64), ("out_r", ctypes.c_void_p), ("grads_r", ctypes.c_int64)]
 
 
-_ABI_VERSION = 8  # AK_ABI_VERSION in csrc/attn_common.h
+_ABI_VERSION = 9  # AK_ABI_VERSION in csrc/attn_common.h
 MAX_PLANES = 8  # AK_MAX_STRETCHES: the stretch planes a decode call may bring (lo / hi (n, 1 or B, L))
 
 
@@ -306,14 +306,17 @@ def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=Fa
                     rows=tuple(keep[3].shape))
 
 
-def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse: bool = False):
+def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse: bool = False,
+                rounded: bool = False):
     """:func:`decode` for one call signature prepared once (as :func:`forward_step`): returns ``run(q, k, v,
-    scale) -> out`` ((B, H, L, Dv) fp32) for inputs of these shapes and dtypes at any strides. ``alibi`` /
-    ``prog``: as :func:`decode` (kept by the prepared call). ``with_lse``: ``run`` returns ``(out, lse)``.
+    scale) -> out`` ((B, H, L, Dv) fp32; with ``rounded``, in q's dtype, as :func:`decode`) for inputs of these
+    shapes and dtypes at any strides. ``alibi`` / ``prog``: as :func:`decode` (kept by the prepared call).
+    ``with_lse``: ``run`` returns ``(out, lse)``.
     ``run(q, k, v, scale, lo, hi)`` takes a cache of any length S with that call's row intervals (of the shapes of
     these ``lo`` / ``hi``; a program's ``max_s`` bounds S: the caller checks it)."""
     lib = _require()
     c0 = _decode_call(q, k, v, lo, hi, 1.0, chunk, torch.get_num_threads())
+    c0.ort = int(rounded and q.dtype is not torch.float32)
     if v.shape[2] != k.shape[2] or not (lo.is_contiguous() and hi.is_contiguous()):
         raise ValueError(f"decode: k and v must hold the same S keys and lo / hi be contiguous; got k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
@@ -504,6 +507,7 @@ def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int):
     """:func:`_decode_call` for a new signature of :func:`decode`, kept per thread under ``key``; returns (its 8-byte
     slots, its pointer, out shape, lse shape, D > 1, Dv > 1, the record)."""
     c = _decode_call(q, k, v, lo, hi, scale, chunk, key[-1])
+    c.ort = int(key[-2])
     B, H, L, D = q.shape
     Dv = v.shape[3]
     slots = (ctypes.c_int64 * (ctypes.sizeof(_Call) // 8)).from_buffer(c)
@@ -515,9 +519,12 @@ def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int):
     return rec
 
 
-def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True, alibi=None, prog=None):
+def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True, alibi=None, prog=None,
+           rounded: bool = False):
     """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32, or None when not ``need_lse``) of attention for a few query
-    rows over a key/value cache, on the compiled kernel's decode entry (csrc/attn_decode.h): the g = H / Hkv
+    rows over a key/value cache — with ``rounded`` and bf16 / fp16 inputs, out in their dtype, each row merged in
+    fp32 and rounded once by the kernel as it writes it (the bits of ``out.to(q.dtype)``, without that pass) —
+    on the compiled kernel's decode entry (csrc/attn_decode.h): the g = H / Hkv
     query heads of a kv head read its K and V once, and long caches are split over the threads (split-K, exact
     lse merge; the same bits at any thread count).
 
@@ -541,11 +548,12 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
     chunk, threads) and kept per thread."""
     if alibi is not None or prog is not None:  # the record points at them: prepared for this call only
         if not need_lse:
-            return decode_step(q, k, v, lo, hi, chunk, alibi, prog)(q, k, v, scale), None
-        return decode_step(q, k, v, lo, hi, chunk, alibi, prog, with_lse=True)(q, k, v, scale)
+            return decode_step(q, k, v, lo, hi, chunk, alibi, prog, rounded=rounded)(q, k, v, scale), None
+        return decode_step(q, k, v, lo, hi, chunk, alibi, prog, with_lse=True, rounded=rounded)(q, k, v, scale)
     ksh, vsh = k.shape, v.shape
+    ort = rounded and q.dtype is not torch.float32
     key = (q.shape, q.stride(), q.dtype, k.dtype, v.dtype, ksh[0], ksh[1], ksh[3], vsh[0], vsh[1], vsh[3],
-           lo.shape, hi.shape, scale, chunk, torch.get_num_threads())
+           lo.shape, hi.shape, scale, chunk, ort, torch.get_num_threads())
     try:
         f, ref, oshape, lshape, dk, dv, _ = _tls.decode[key]
     except (AttributeError, KeyError):
@@ -557,7 +565,7 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
         raise ValueError(f"decode: q, k, v must be CPU tensors, k and v holding the same S keys with a contiguous "
                          f"last dim, lo / hi contiguous; got k {tuple(ksh)} strides {ks} on {k.device}, v "
                          f"{tuple(vsh)} strides {vs}")
-    out = torch.empty(oshape)
+    out = torch.empty(oshape, dtype=q.dtype if ort else torch.float32)
     lse = torch.empty(lshape) if need_lse else None
     f[_STEP:_STEP + 14] = (S, *ks[:3], *vs[:3], q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
                            hi.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())

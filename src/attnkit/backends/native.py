@@ -650,18 +650,16 @@ class NativeDecode(Kernel):
         if stretches is not None:
             return self._run_stretches(req, stretches)
         lo, hi = req.memo["row_intervals"]
-        out, lse = _native.decode(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi, req.scale, need_lse=req.need_lse,
-                                  alibi=_alibi(req), prog=req.memo.get("score_prog"))
-        return out.to(req.q.dtype), lse
+        return _native.decode(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi, req.scale, need_lse=req.need_lse,
+                              alibi=_alibi(req), prog=req.memo.get("score_prog"), rounded=True)
 
     @staticmethod
     def _run_stretches(req: Request, stretches):
         """Rows of a few stretches of keys (:func:`_bool_row_stretches`'s planes): one decode call, each row
         seeing the union of its stretches (one online softmax over them, K and V read once). A row in no stretch:
         out 0, lse −inf; NaN in a key it sees reaches the row."""
-        out, lse = _native.decode(_rows(req.q), _rows(req.k), _rows(req.v), stretches[0], stretches[1], req.scale,
-                                  need_lse=req.need_lse, alibi=_alibi(req), prog=req.memo.get("score_prog"))
-        return out.to(req.q.dtype), lse
+        return _native.decode(_rows(req.q), _rows(req.k), _rows(req.v), stretches[0], stretches[1], req.scale,
+                              need_lse=req.need_lse, alibi=_alibi(req), prog=req.memo.get("score_prog"), rounded=True)
 
     def replay(self, req: Request, user_mask):
         """The prepared call for :mod:`attnkit._fast` (see ``sdpa.Fused.replay``): the row intervals of this
@@ -673,17 +671,16 @@ class NativeDecode(Kernel):
         st = req.memo.get("row_stretches")  # (this signature's rows, fixed: its stretch planes, or one interval each)
         lo, hi = st if st is not None else req.memo["row_intervals"]
         default = req.scale
-        dt = req.q.dtype
         # the record for this signature, built once: a call writes strides, pointers and scale (rows read in place);
         # a score_mod's program (its tables its own copies) or ALiBi's slopes, copied: the record outlives the call
         alibi = _alibi(req)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi,
                                    alibi=None if alibi is None else alibi.detach().clone(),
-                                   prog=req.memo.get("score_prog"))
+                                   prog=req.memo.get("score_prog"), rounded=True)
 
         def run(q, k, v, mask, scale):
             out = step(q, k, v, default if scale is None else scale)
-            return out if dt is torch.float32 else out.to(dt)
+            return out
 
         return run
 
@@ -716,7 +713,7 @@ class NativeDecode(Kernel):
         B, H, L, *_ = req.shape
         lo0, hi0 = req.memo["row_intervals"]
         max_s = prog.max_s if prog is not None else None
-        default, dt, shape, sm = req.scale, req.q.dtype, lo0.shape, req.score_mod
+        default, shape, sm = req.scale, lo0.shape, req.score_mod
         checks = [c.validate for c in (mask, sm) if isinstance(c, (_masks.Mask, _score_mods.ScoreMod))]
         # the whole cache at every S (no mask; causal over one query row): key intervals [0, huge), which the kernel
         # clamps to [0, S), fixed for every step (no intervals computed per S)
@@ -726,7 +723,7 @@ class NativeDecode(Kernel):
             lo0 = torch.zeros(1, L, dtype=torch.int32)
             hi0 = torch.full((1, L), torch.iinfo(torch.int32).max, dtype=torch.int32)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
-                                   alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
+                                   alibi=None if alibi is None else alibi.detach().clone(), prog=prog, rounded=True)
         # a closed-form mask's rows for a block of BLOCK key counts at once (one NumPy evaluation per BLOCK steps, not
         # ~15 µs of small array ops per step); the block is this family's own (a loop brings S, S + 1, ...)
         batched = bool(parts) and all(hasattr(p, "_row_edges") for p in parts)
@@ -757,7 +754,7 @@ class NativeDecode(Kernel):
                 if iv is None or iv[0].shape != shape:
                     return None
                 out = step(q, k, v, default if scale is None else scale, iv[0], iv[1])
-            return out if dt is torch.float32 else out.to(dt)
+            return out
 
         return run
 
@@ -775,10 +772,10 @@ class NativeDecode(Kernel):
         prog = req.memo.get("score_prog")
         alibi = _alibi(req)
         max_s = prog.max_s if prog is not None else None
-        default, dt, shape = req.scale, req.q.dtype, lo0.shape
+        default, shape = req.scale, lo0.shape
         spans = shape[0] == 1  # one interval for every row may come as two ints (the step writes them in place)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
-                                   alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
+                                   alibi=None if alibi is None else alibi.detach().clone(), prog=prog, rounded=True)
         few = _FewStretches(shape, alibi, prog)
 
         def run(q, k, v, mask, scale):
@@ -799,7 +796,7 @@ class NativeDecode(Kernel):
                 return None
             else:
                 out = step(q, k, v, sc, iv[0], iv[1])
-            return out if dt is torch.float32 else out.to(dt)
+            return out
 
         return run
 
@@ -820,12 +817,12 @@ class NativeDecode(Kernel):
         if req.score_mod is not None and prog is None and alibi is None:
             return None
         max_s = prog.max_s if prog is not None else None
-        default, dt, shape, sm = req.scale, req.q.dtype, lo0.shape, req.score_mod
+        default, shape, sm = req.scale, lo0.shape, req.score_mod
         few = _FewStretches(shape, alibi, prog)
         check = sm.validate if isinstance(sm, _score_mods.ScoreMod) else None
         spans = shape[0] == 1  # one interval for every row may come as two ints (the step writes them in place)
         step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo0, hi0,
-                                   alibi=None if alibi is None else alibi.detach().clone(), prog=prog)
+                                   alibi=None if alibi is None else alibi.detach().clone(), prog=prog, rounded=True)
         causal_mask = _masks.causal() if causal and L > 1 else None  # (over one query row causal is no mask)
 
         def rows(k, v, user):
@@ -867,7 +864,7 @@ class NativeDecode(Kernel):
             out = None if iv is None else call(q, k, v, default if scale is None else scale, iv)
             if out is None:
                 return None
-            return out if dt is torch.float32 else out.to(dt)
+            return out
 
         def exact(q, k, v, user):
             """The prepared call for this call's exact signature (its mod's content and S fixed: the rows too), for
@@ -878,7 +875,7 @@ class NativeDecode(Kernel):
 
             def run_exact(q, k, v, mask, scale):
                 out = call(q, k, v, default if scale is None else scale, iv)
-                return out if dt is torch.float32 else out.to(dt)
+                return out
 
             return run_exact
 
@@ -914,13 +911,14 @@ class _FewStretches:
         return planes is not None and tuple(planes[0].shape) == (MAX_STRETCHES, *self.shape)
 
     def __call__(self, q, k, v, scale, planes):
-        """The output (fp32), or None where the rows are more stretches or of other shapes."""
+        """The output (in q's dtype, rounded by the kernel), or None where the rows are more stretches or of other
+        shapes."""
         if not self.fits(planes):
             return None
         step = self.step
         if step is None:
             step = self.step = _native.decode_step(_rows(q), _rows(k), _rows(v), planes[0], planes[1],
-                                                   alibi=self.alibi, prog=self.prog)
+                                                   alibi=self.alibi, prog=self.prog, rounded=True)
         return step(q, k, v, scale, planes[0], planes[1])
 
 

@@ -24,7 +24,7 @@
 
 // Bumped whenever AkCall changes; the caller (attnkit/backends/_native.py) sends the version and
 // sizeof(AkCall) it was built for, and a call whose record does not match is refused (returns AK_E_ABI).
-#define AK_ABI_VERSION 8
+#define AK_ABI_VERSION 9
 
 enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
 
@@ -44,7 +44,7 @@ enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
 // intervals only bound the keys (the caller passes [0, S)).
 // Decode (ak_decode): the same record, with dtype (q, k, v's element type: AK_F32 / AK_BF16 / AK_F16) and chunk
 // (keys per split-K chunk, a multiple of 64; 0: chosen from S); no tile map; ALiBi's slopes or a score_mod
-// program as in the forward (no table gradients); writes out, lse.
+// program as in the forward (no table gradients); writes out (fp32, or with ort of the input dtype), lse.
 // The forward and the backward take the same three dtypes (q, k, v and dout alike; widened per tile) and write
 // fp32 (out, lse, dq, dk, dv) unless told to round: the forward's out_r (or, with ort, out itself) and, with
 // grads_r, dq / dk / dv take the input dtype, rounded to nearest even as torch's .to() rounds (a NaN stays NaN),

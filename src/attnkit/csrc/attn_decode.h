@@ -479,9 +479,10 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
   }
 }
 
-// out (B, H, L, Dv), lse (B, H, L) or null, contiguous fp32
+// out (B, H, L, Dv) contiguous, fp32 or (ort) of the input dtype DT, each row merged in fp32 and rounded once as
+// it is written; lse (B, H, L) contiguous fp32, or null
 template <int DT>
-static int decode_t(Dec& s, float* out, float* lse) {
+static int decode_t(Dec& s, void* out, float* lse, bool ort) {
   const long units = s.B * s.Hkv * s.nrb;
   Unit* un = scratch<Unit>(4, units);
   if (!un) return AK_E_NOMEM;
@@ -548,7 +549,9 @@ static int decode_t(Dec& s, float* out, float* lse) {
       const Unit& x = un[u];
       for (long r = 0; r < r1 - r0; r++) {
         const long h = hk * s.g + (r0 + r) / s.L, i = (r0 + r) % s.L;
-        float* o = out + ((b * s.H + h) * s.L + i) * s.Dv;
+        const long oo = ((b * s.H + h) * s.L + i) * s.Dv;
+        if (ort && !ok) continue;  // (no row buffer: the call fails with AK_E_NOMEM)
+        float* o = ort ? w.vt : (float*)out + oo;  // (ort: the row in fp32 in this thread's V buffer, >= Dv floats)
         float dummy;
         float* ls = lse ? lse + (b * s.H + h) * s.L + i : &dummy;
         float M = NEG_INF;
@@ -568,12 +571,14 @@ static int decode_t(Dec& s, float* out, float* lse) {
           for (long d = 0; d < s.Dv; d++) o[d] += wc * ac[d];
         }
         if (lsum == 0.f) {  // no key (or every score -inf): out 0, lse -inf
-          fill(o, o + s.Dv, 0.f);
+          if (ort) zero_row(out, oo, s.Dv, DT);
+          else fill(o, o + s.Dv, 0.f);
           *ls = NEG_INF;
           continue;
         }
         const float inv = 1.f / lsum;
         for (long d = 0; d < s.Dv; d++) o[d] *= inv;
+        if (ort) narrow_row(out, oo, o, s.Dv, DT);
         *ls = M + std::log(lsum);
       }
     }
@@ -584,7 +589,7 @@ static int decode_t(Dec& s, float* out, float* lse) {
 int run_decode(const AkCall* c) {
   if (c->L < 1 || c->L > BM || c->H % c->Hkv != 0 || c->dtype < AK_F32 || c->dtype > AK_F16 ||
       (c->chunk != 0 && (c->chunk < 0 || c->chunk % BN != 0)) || c->nst < 0 || c->nst > AK_MAX_STRETCHES ||
-      c->ort || c->out_r)  // (out is fp32 here: a decode step's rows are few, the caller rounds them)
+      c->out_r)  // (ort: out itself in the input dtype; no second, rounded copy beside an fp32 out)
     return AK_E_ARG;
   Dec s;
   s.B = c->B, s.H = c->H, s.Hkv = c->Hkv, s.L = c->L, s.S = c->S, s.D = c->D, s.Dv = c->Dv;
@@ -613,9 +618,9 @@ int run_decode(const AkCall* c) {
     s.prog = &prog;
   }
   switch (c->dtype) {
-    case AK_BF16: return decode_t<AK_BF16>(s, c->out, c->lse);
-    case AK_F16: return decode_t<AK_F16>(s, c->out, c->lse);
-    default: return decode_t<AK_F32>(s, c->out, c->lse);
+    case AK_BF16: return decode_t<AK_BF16>(s, c->out, c->lse, c->ort != 0);
+    case AK_F16: return decode_t<AK_F16>(s, c->out, c->lse, c->ort != 0);
+    default: return decode_t<AK_F32>(s, c->out, c->lse, false);
   }
 }
 

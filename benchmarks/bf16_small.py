@@ -1,0 +1,69 @@
+"""bf16 against fp32 through ``auto`` at the small shapes models run every step (decode, short prompts).
+
+    OMP_NUM_THREADS=2 python benchmarks/bf16_small.py [--rounds 200] [--only SUBSTRING]
+
+Each row calls ``attnkit.attention`` on the same shape in fp32 and in bf16, timed in turns (one call of each per
+round, after one warm-up each), without gradients and then with a backward of ``out.sum()`` (rows marked "+ bwd").
+Prints the fp32 time (median), bf16 / fp32 as the median of the rounds' own ratios (< 1: bf16 faster), and the
+worker ``auto`` chose for each dtype (``attnkit.dispatch``). Shapes as in ``benchmarks/everyday.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from _interleave import cpu_name, paired_ratio, rounds_ms
+
+import attnkit
+
+CASES = (  # name, B, H, Hkv, L, S, D, keyword arguments
+    ("decode L=1, S=128, GQA 8/2, D=64", 1, 8, 2, 1, 128, 64, {"causal": True}),
+    ("decode L=1, S=2048, GQA 8/2, D=64", 1, 8, 2, 1, 2048, 64, {"causal": True}),
+    ("prefill L=S=64, B=2, H=4, D=16, causal", 2, 4, 4, 64, 64, 16, {"causal": True}),
+    ("prefill L=S=200, GQA 4/2, D=64, causal", 1, 4, 2, 200, 200, 64, {"causal": True}),
+    ("own bool mask L=S=64, H=8, D=64", 1, 8, 8, 64, 64, 64, {"mask": "bool"}),
+    ("no mask L=S=64, H=8, D=64", 1, 8, 8, 64, 64, 64, {}),
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--only", default="")
+    a = ap.parse_args()
+    print(f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| call | fp32 | bf16 / fp32 | workers fp32 / bf16 |\n|---|---|---|---|")
+    torch.manual_seed(0)
+    for name, B, H, Hkv, L, S, D, kw in CASES:
+        if a.only not in name:
+            continue
+        for grad in (False, True):
+            fns, workers = {}, {}
+            for dt in (torch.float32, torch.bfloat16):
+                q = torch.randn(B, H, L, D).to(dt).requires_grad_(grad)
+                k, v = (torch.randn(B, Hkv, S, D).to(dt).requires_grad_(grad) for _ in range(2))
+                kws = dict(kw)
+                if kws.get("mask") == "bool":
+                    kws["mask"] = torch.rand(L, S, generator=torch.Generator().manual_seed(1)) < 0.7
+                    kws["mask"][:, 0] = True
+                workers[dt] = attnkit.dispatch(q, k, v, **kws).worker
+
+                if grad:
+                    def call(q=q, k=k, v=v, kws=kws):
+                        attnkit.attention(q, k, v, **kws).sum().backward()
+                else:
+                    def call(q=q, k=k, v=v, kws=kws):
+                        attnkit.attention(q, k, v, **kws)
+                fns[dt] = call
+            n = a.rounds if not grad else max(20, a.rounds // 4)
+            runs = rounds_ms(fns, n)
+            r = paired_ratio(runs[torch.bfloat16], runs[torch.float32])
+            t = statistics.median(runs[torch.float32]) * 1e3
+            print(f"| {name}{' + bwd' if grad else ''} | {t:.1f} µs | {r:.2f} | "
+                  f"{workers[torch.float32]} / {workers[torch.bfloat16]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
