@@ -330,8 +330,13 @@ static inline void pack_t(float* dst, const void* src, long off, long stride, lo
     if (dt == AK_F32) {
       const float* r = (const float*)src + off + i * stride;
       for (long d = 0; d < D; d++) dst[d * BM + i] = r[d];
-    } else {
-      for (long d = 0; d < D; d++) dst[d * BM + i] = widen1(src, off + i * stride + d, dt);
+    } else {  // the row widened a vector at a time (widen_row), then transposed: no per-element conversion
+      float row[256];
+      for (long d0 = 0; d0 < D; d0 += 256) {
+        const long n = mn<long>(256, D - d0);
+        widen_row(row, src, off + i * stride + d0, n, dt);
+        for (long d = 0; d < n; d++) dst[(d0 + d) * BM + i] = row[d];
+      }
     }
   }
   if (m < BM)
