@@ -65,7 +65,7 @@ __all__ = ["Crossovers", "Point", "crossovers", "calibrate", "cache_dir", "cache
 DEFAULT_NATIVE_CAUSAL_MIN = 64
 DEFAULT_NATIVE_DENSE_MIN_LS = 1024 * 1024
 DEFAULT_BUDGET_S = 2.0
-SCHEMA = 2  # the file's layout (2: bf16_grad); a file with another schema is ignored and rewritten
+SCHEMA = 3  # the file's layout (2: bf16_grad; 3: bf16_small, fp16_small); another schema is ignored and rewritten
 
 ENV_SWITCH = "ATTNKIT_CALIBRATION"
 ENV_DIR = "ATTNKIT_CACHE_DIR"
@@ -78,6 +78,7 @@ CAUSAL_LENGTHS = (64, 128, 256, 512, 1024)
 DENSE_LENGTHS = (256, 512, 1024, 2048)  # L = S; the crossover is in L·S
 DTYPE_LENGTH = 512  # bf16 / fp16: kernel against torch's kernel at this L = S, causal and no mask
 GRAD_LENGTH = 256  # bf16 with gradients: kernel against torch's kernel at this L = S, no mask (SDPA's ground)
+SMALL_LENGTH = 64  # bf16 / fp16 below the fp32 crossovers: kernel against torch's kernel in that dtype, no mask
 _POINT_TARGET_S = 0.06  # time spent on one point (both peers), rounds in [_MIN_ROUNDS, _MAX_ROUNDS]
 _MIN_ROUNDS, _MAX_ROUNDS = 3, 15
 
@@ -123,6 +124,10 @@ class Crossovers:
     * ``native_dense_min_ls``: no mask runs on the kernel from ``L * S >=`` this;
     * ``bf16`` / ``fp16``: ``"kernel"`` (the compiled kernel takes this dtype), ``"torch"`` (torch's kernel
       keeps it) or None (today's rule: bf16 stays on torch's kernel where the CPU has bf16 instructions);
+    * ``bf16_small`` / ``fp16_small``: ``"kernel"`` (a call in that dtype without gradients, no mask or causal,
+      goes to the compiled kernel below the fp32 crossovers too, where SDPA would take it on size grounds: torch's
+      kernel in that dtype measured slower than ours at L = S = 64), ``"torch"`` or None (today's rule: the kernel
+      where the CPU has no bf16 instructions);
     * ``bf16_grad``: ``"kernel"`` (a bf16 call that wants gradients goes to the compiled kernel where SDPA would
       have taken it), ``"torch"`` (SDPA keeps it) or None (today's rule: the kernel where the CPU has no bf16
       instructions);
@@ -136,6 +141,8 @@ class Crossovers:
     bf16: str | None = None
     fp16: str | None = None
     bf16_grad: str | None = None
+    bf16_small: str | None = None
+    fp16_small: str | None = None
     source: str = "defaults"
     calibrated: bool = False
     path: str | None = None
@@ -163,6 +170,23 @@ class Crossovers:
             return ("bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; ours is "
                     "fp32)")
         return None
+
+    def small_to_kernel(self, dtype: torch.dtype, bf16_hardware: Callable[[], bool]) -> str | None:
+        """Why a call in ``dtype`` without gradients (no mask or causal) goes to the compiled kernel below the fp32
+        crossovers, where SDPA would take it on size grounds (None: SDPA keeps it): bf16 / fp16 only — the measured
+        choice at L = S = 64, else today's rule (a CPU without bf16 instructions, asked of ``bf16_hardware`` only
+        then: torch's CPU kernels convert bf16 / fp16 through fp32, ours widens them per tile)."""
+        choice = self.bf16_small if dtype == torch.bfloat16 else self.fp16_small if dtype == torch.float16 else "torch"
+        if choice == "torch":
+            return None
+        name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+        if choice == "kernel":
+            return (f"{name} below the fp32 crossovers: torch's kernel in {name} measured slower than the compiled "
+                    f"kernel here ({self.source})")
+        if bf16_hardware():
+            return None
+        return (f"{name} on a CPU without bf16 instructions: torch's kernel converts through fp32 (1.2-3x its fp32 "
+                f"time at L = S = 64 on a 2-core AMD EPYC); the compiled kernel widens per tile")
 
     def grad_to_kernel(self, dtype: torch.dtype, bf16_hardware: Callable[[], bool]) -> str | None:
         """Why a call in ``dtype`` that wants gradients goes to the compiled kernel rather than torch SDPA (None:
@@ -380,14 +404,15 @@ def _from_json(data: dict, path: Path) -> Crossovers:
         if not (isinstance(val, int) and not isinstance(val, bool) and val >= 1):
             raise ValueError(f"{name}: expected a whole number >= 1, got {val!r}")
     choice = {}
-    for name in ("bf16", "fp16", "bf16_grad"):
+    for name in ("bf16", "fp16", "bf16_grad", "bf16_small", "fp16_small"):
         val = c.get(name)
         if val is not None and val not in _CHOICES:
             raise ValueError(f"{name}: expected one of {_CHOICES} or null, got {val!r}")
         choice[name] = val
     points = tuple(Point(**{f.name: p[f.name] for f in dataclasses.fields(Point)}) for p in data.get("points", []))
     key, when = data["key"], str(data.get("created", "?"))[:10]
-    return Crossovers(causal, dense, choice["bf16"], choice["fp16"], choice["bf16_grad"],
+    return Crossovers(causal, dense, choice["bf16"], choice["fp16"], choice["bf16_grad"], choice["bf16_small"],
+                      choice["fp16_small"],
                       source=_source(key, when, path, data.get("defaults_kept", [])), calibrated=True,
                       path=str(path), points=points, elapsed_s=data.get("elapsed_s"))
 
@@ -491,6 +516,7 @@ def _plan(backward: bool) -> list[tuple[str, str, int, str]]:
     modes = ["fwd", "fwd+bwd"] if backward else ["fwd"]
     pts = [("causal", "float32", L, m) for L in CAUSAL_LENGTHS for m in modes]
     pts += [("none", "float32", L, m) for L in DENSE_LENGTHS[:-1] for m in modes]
+    pts += [("none", dt, SMALL_LENGTH, "fwd") for dt in ("bfloat16", "float16")]  # (cheap: before the 512s)
     pts += [(c, dt, DTYPE_LENGTH, "fwd") for dt in ("bfloat16", "float16") for c in ("causal", "none")]
     if backward:  # (not at first use: torch's first bf16 SDPA backward in a process took 4.3 s on a 2-core AMD EPYC)
         pts += [("none", "bfloat16", GRAD_LENGTH, "fwd+bwd")]
@@ -525,21 +551,28 @@ def _dtype_choice(points: list[Point]) -> str | None:
     return "kernel" if g > 1.0 else "torch"
 
 
-def _decide(points: list[Point], backward: bool = False
-            ) -> tuple[int, int, str | None, str | None, str | None, list[str]]:
-    """(native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, what kept its default) from the points of a
-    calibration (``backward``: one that planned forward + backward points)."""
+def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str]]:
+    """({native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, bf16_small, fp16_small}, what kept its
+    default) from the points of a calibration (``backward``: one that planned forward + backward points)."""
     f32 = [p for p in points if p.dtype == "float32"]
     causal = _crossover([p for p in f32 if p.case == "causal"], DEFAULT_NATIVE_CAUSAL_MIN, lambda n: n)
     dense = _crossover([p for p in f32 if p.case == "none"], DEFAULT_NATIVE_DENSE_MIN_LS, lambda n: n * n)
-    bf16 = _dtype_choice([p for p in points if p.dtype == "bfloat16" and p.mode == "fwd"])
-    fp16 = _dtype_choice([p for p in points if p.dtype == "float16" and p.mode == "fwd"])
-    bf16_grad = _dtype_choice([p for p in points if p.dtype == "bfloat16" and p.mode == "fwd+bwd"])
-    kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", bf16), ("fp16", fp16)) if v is None]
-    if bf16_grad is None and backward:  # (planned with backward only: not "kept" by a forward calibration)
+
+    def choice(dtype: str, mode: str, small: bool) -> str | None:
+        return _dtype_choice([p for p in points if p.dtype == dtype and p.mode == mode
+                              and (p.L == SMALL_LENGTH) == small])
+
+    values = {"native_causal_min": DEFAULT_NATIVE_CAUSAL_MIN if causal is None else causal,
+              "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS if dense is None else dense,
+              "bf16": choice("bfloat16", "fwd", False), "fp16": choice("float16", "fwd", False),
+              "bf16_grad": choice("bfloat16", "fwd+bwd", False),
+              "bf16_small": choice("bfloat16", "fwd", True), "fp16_small": choice("float16", "fwd", True)}
+    kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", values["bf16"]),
+                                 ("fp16", values["fp16"]), ("small bf16", values["bf16_small"]),
+                                 ("small fp16", values["fp16_small"])) if v is None]
+    if values["bf16_grad"] is None and backward:  # (planned with backward only: not "kept" by a forward calibration)
         kept.append("bf16 with gradients")
-    return (DEFAULT_NATIVE_CAUSAL_MIN if causal is None else causal,
-            DEFAULT_NATIVE_DENSE_MIN_LS if dense is None else dense, bf16, fp16, bf16_grad, kept)
+    return values, kept
 
 
 def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, write: bool = True,
@@ -550,7 +583,8 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
 
     Measured, interleaved round by round (the fastest round of each): ``attnkit.attention(..., backend="tiled")`` on the
     compiled kernel against ``torch.nn.functional.scaled_dot_product_attention`` — causal at L = 64 … 1024,
-    no mask at L = S = 256 … 2048, and bf16 / fp16 at L = 512 against torch's kernel in the same dtype;
+    no mask at L = S = 256 … 2048, and bf16 / fp16 at L = 512 (causal and no mask: ``bf16`` / ``fp16``) and at
+    L = 64 (no mask: ``bf16_small`` / ``fp16_small``) against torch's kernel in the same dtype;
     forward only, or forward and forward+backward with ``backward`` (the kernel must win both; and bf16 with
     no mask at L = S = 256 forward + backward, which decides ``bf16_grad``: torch's first bf16 backward in a
     process can take seconds, more than the budget). Points are measured most useful first; what the budget
@@ -613,9 +647,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
             points.append(p)
             if progress is not None:
                 progress(p)
-        causal, dense, bf16, fp16, bf16_grad, kept = _decide(points, backward)
-        values = {"native_causal_min": causal, "native_dense_min_ls": dense, "bf16": bf16, "fp16": fp16,
-                  "bf16_grad": bf16_grad}
+        values, kept = _decide(points, backward)
         key = machine_key(n)
         elapsed = clock() - t0
         path = cache_path(n) if write else None
@@ -625,7 +657,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
                 "crossovers": values, "defaults_kept": kept, "points": [dataclasses.asdict(p) for p in points],
                 "defaults": {"native_causal_min": DEFAULT_NATIVE_CAUSAL_MIN,
                              "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS, "bf16": None, "fp16": None,
-                             "bf16_grad": None}}
+                             "bf16_grad": None, "bf16_small": None, "fp16_small": None}}
         unstored = None
         if path is not None:
             try:
@@ -639,7 +671,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         source = _source(key, created[:10], path, kept)
         if unstored is not None:
             source = source.replace(" (not written)", f" (not stored: {unstored})", 1)
-        result = Crossovers(causal, dense, bf16, fp16, bf16_grad, source=source, calibrated=True,
+        result = Crossovers(**values, source=source, calibrated=True,
                             path=None if path is None else str(path), points=tuple(points), elapsed_s=elapsed)
     except _NoKernel as e:  # nothing to measure: not a failure, nothing written
         return Crossovers(source=f"defaults (nothing to calibrate: {e})", failure=str(e), points=tuple(points),

@@ -25,7 +25,7 @@ from attnkit.backends import _native
 RATIO = {("none", "bfloat16", "grad"): lambda L: 3.0,
          ("causal", "float32"): lambda L: 1.3 if L >= 256 else 0.8,
          ("none", "float32"): lambda L: 1.1 if L >= 1024 else 0.95,
-         ("causal", "bfloat16"): lambda L: 0.4, ("none", "bfloat16"): lambda L: 0.5,
+         ("causal", "bfloat16"): lambda L: 0.4, ("none", "bfloat16"): lambda L: 1.4 if L == 64 else 0.5,
          ("causal", "float16"): lambda L: 1.5, ("none", "float16"): lambda L: 1.2}
 
 
@@ -81,19 +81,23 @@ def test_calibration_decides_from_the_measurements_and_is_stored_where_the_env_s
     c = C.calibrate(budget_s=2.0)
     assert (c.native_causal_min, c.native_dense_min_ls, c.bf16, c.fp16) == (256, 1024 * 1024, "torch", "kernel")
     assert c.bf16_grad is None  # forward only (the first-use calibration): bf16 with gradients keeps today's rule
-    assert c.calibrated and c.failure is None and len(c.points) == len(fake.calls) == 13
+    # at L = S = 64 each dtype is its own decision: bf16's kernel loses at 512 and wins at 64 here
+    assert (c.bf16_small, c.fp16_small) == ("kernel", "kernel")
+    assert c.calibrated and c.failure is None and len(c.points) == len(fake.calls) == 15
     files = list(cache.glob("calibration-*.json"))
     assert files == [C.cache_path(n)] and files[0].name.endswith(f"-{n}t.json") and c.path == str(files[0])
     data = json.loads(files[0].read_text())
     assert data["key"] == C.machine_key(n) and data["key"]["torch"] == torch.__version__
     assert data["crossovers"] == {"native_causal_min": 256, "native_dense_min_ls": 1048576, "bf16": "torch",
-                                  "fp16": "kernel", "bf16_grad": None}
+                                  "fp16": "kernel", "bf16_grad": None, "bf16_small": "kernel",
+                                  "fp16_small": "kernel"}
     assert not list(cache.glob(".calibration-*"))  # the temporary file was renamed, none left behind
     # this process decides by it now, and a fresh one reads it back from the file
     assert C.crossovers() is c
     C.forget()
     again = C.crossovers()
-    assert again.calibrated and (again.native_causal_min, again.bf16) == (256, "torch") and len(again.points) == 13
+    assert again.calibrated and len(again.points) == 15
+    assert (again.native_causal_min, again.bf16, again.bf16_small) == (256, "torch", "kernel")
     assert again.source.startswith("calibrated ") and f"{n} thread" in again.source and files[0].name in again.source
     assert again.source.split(" on ")[1].startswith(C.machine_key()["cpu"].split(" [")[0])
 
@@ -258,9 +262,9 @@ def test_first_use_calibrates_once_and_nothing_runs_by_default(cache, monkeypatc
     monkeypatch.setattr(C._local, "tried", False)
     C.forget()
     c = C.crossovers()
-    assert c.calibrated and len(fake.calls) == 13 and C.cache_path().exists()
+    assert c.calibrated and len(fake.calls) == 15 and C.cache_path().exists()
     C.forget()
-    assert C.crossovers().calibrated and len(fake.calls) == 13  # read back, not measured again
+    assert C.crossovers().calibrated and len(fake.calls) == 15  # read back, not measured again
 
 
 def test_first_use_waits_for_a_quiet_machine(cache, monkeypatch):
@@ -301,10 +305,11 @@ def test_the_budget_bounds_the_measurement_and_the_rest_keeps_its_default(cache,
     assert len(fake.calls) == 4 and {x[:2] for x in fake.calls} == {("causal", "float32")}
     assert c.calibrated and c.native_causal_min == 256  # measured: 64, 128 lose, 256, 512 win
     assert (c.native_dense_min_ls, c.bf16, c.fp16, c.bf16_grad) == (1024 * 1024, None, None, None)
-    assert "defaults kept for no mask, bf16, fp16 (not measured in the budget)" in c.source  # (bf16 with gradients:
+    kept = "defaults kept for no mask, bf16, fp16, small bf16, small fp16 (not measured in the budget)"
+    assert kept in c.source  # (bf16 with gradients:
     # planned only with backward=True, so not "kept" here)
     small = C.calibrate(budget_s=1.0, backward=True)
-    assert small.bf16_grad is None and small.source.endswith("bf16, fp16, bf16 with gradients (not measured in the "
+    assert small.bf16_grad is None and small.source.endswith("small fp16, bf16 with gradients (not measured in the "
                                                              "budget)")
 
 
@@ -379,7 +384,31 @@ def test_the_bf16_gradient_rule():
     # forward-only bf16 points do not decide it, nor do forward + backward points decide bf16's forward
     fwd = C.Point("none", "bfloat16", 512, 512, "fwd", 1.0, 0.5, 3)
     grad = C.Point("none", "bfloat16", 256, 256, "fwd+bwd", 1.0, 4.0, 3)
-    assert C._decide([fwd])[2:5] == ("torch", None, None) and C._decide([grad])[2:5] == (None, None, "kernel")
+    def choices(points):
+        values = C._decide(points)[0]
+        return tuple(values[n] for n in ("bf16", "fp16", "bf16_grad", "bf16_small"))
+
+    assert choices([fwd]) == ("torch", None, None, None) and choices([grad]) == (None, None, "kernel", None)
+    small = C.Point("none", "bfloat16", 64, 64, "fwd", 1.0, 1.3, 3)
+    assert choices([fwd, small]) == ("torch", None, None, "kernel")  # 64's point decides only the small calls
+
+
+def test_the_small_low_precision_rule():
+    """What SDPA's ``declines`` asks of a bf16 / fp16 call without gradients below the fp32 crossovers: the measured
+    choice at L = S = 64, else today's rule (the kernel where the CPU has no bf16 instructions); never for fp32."""
+    def hw():
+        raise AssertionError("bf16_hardware asked although the table decided")
+
+    today = C.Crossovers()
+    for dt in (torch.bfloat16, torch.float16):
+        assert "without bf16 instructions" in today.small_to_kernel(dt, lambda: False)
+        assert today.small_to_kernel(dt, lambda: True) is None
+    assert today.small_to_kernel(torch.float32, hw) is None
+    measured = C.Crossovers(bf16_small="kernel", fp16_small="torch", source="calibrated 2026-11-27 on X")
+    why = measured.small_to_kernel(torch.bfloat16, hw)
+    assert why.startswith("bfloat16 below the fp32 crossovers: torch's kernel in bfloat16 measured slower") and \
+        "on X" in why
+    assert measured.small_to_kernel(torch.float16, hw) is None
 
 
 def test_bad_arguments_are_named():

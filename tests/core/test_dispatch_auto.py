@@ -138,8 +138,8 @@ def test_named_backend_raises_where_auto_would_switch(ran, backend, kw, auto_run
 @pytest.mark.parametrize("L, S, kw", [(128, 128, {}), (16, 256, dict(mask=M.sliding_window(64)))])
 def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instructions(monkeypatch, ran, L, S, kw):
     """Where SDPA would take a bf16 call, one that wants gradients goes to the compiled kernel on a CPU without bf16
-    instructions (torch's bf16 backward there: 4-5x its fp32 time); with bf16 instructions, or without gradients,
-    or at the smallest sizes (below 64 x 64 scores), SDPA keeps it. The answer is the kernel's, bit for bit. (No
+    instructions (torch's bf16 backward there: 4-5x its fp32 time); with bf16 instructions, or at the
+    smallest sizes (below 64 x 64 scores), SDPA keeps it. The answer is the kernel's, bit for bit. (No
     mask below the fp32 crossover, and a decode-sized call with a mask: SDPA's ground.)"""
     require_kernel()
     from attnkit.backends import native
@@ -154,12 +154,10 @@ def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instru
     ref = attnkit.attention(q, k, v, backend="tiled", **kw)
     gref = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
     assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g, gref, strict=True))
-    # SDPA keeps: a CPU with bf16 instructions, no gradient wanted, fp32, or a call of fewer than 64 x 64 scores
+    # SDPA keeps: a CPU with bf16 instructions, fp32, or a call of fewer than 64 x 64 scores
     monkeypatch.setattr(native, "_BF16_HW", True)
     assert attnkit.dispatch(q, k, v, **kw).worker == "fused"
     monkeypatch.setattr(native, "_BF16_HW", False)
-    if L > 16:  # (without gradients a decode-sized call has the kernel's decode entry)
-        assert attnkit.dispatch(q.detach(), k.detach(), v.detach(), **kw).worker == "fused"
     assert attnkit.dispatch(q.float(), k.float(), v.float(), **kw).worker == "fused"
     assert attnkit.dispatch(q[:, :, :1], k[:, :, :128], v[:, :, :128], **kw).worker == "fused"
 
@@ -178,3 +176,36 @@ def test_a_measured_bf16_gradient_choice_holds_where_bf16s_forward_stays_on_torc
     assert d.worker == "native" and "measured faster" in d.reason, d
     assert attnkit.dispatch(q.detach(), k.detach(), v.detach()).worker == "fused"
     assert attnkit.dispatch(q, k, v, mask=M.sliding_window(16)).worker == "native"  # a mask: the kernel, as measured
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L, kw", [(128, {}), (96, dict(causal=True)), (40, {})], ids=["none", "causal", "short"])
+def test_low_precision_below_the_fp32_crossovers_goes_to_the_kernel(monkeypatch, ran, dtype, L, kw):
+    """A bf16 / fp16 call without gradients that SDPA would take on size grounds (no mask below the fp32 crossover,
+    causal below it) runs on the compiled kernel where the CPU has no bf16 instructions (torch's kernels convert
+    through fp32 there: 1.2-3x their fp32 time at L = S = 64) or where the calibration measured it so; the answer is
+    the kernel's, bit for bit, on the first call and its replays. SDPA keeps: a CPU with bf16 instructions, a
+    measured "torch", fp32, a float bias."""
+    require_kernel()
+    from attnkit import _calibrate
+    from attnkit.backends import native
+
+    monkeypatch.setattr(native, "_BF16_HW", False)
+    monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: _calibrate.Crossovers(native_causal_min=1024))
+    q, k, v = rand_qkv(1, 4, 2, L, L, 32, dtype=dtype)
+    d = attnkit.dispatch(q, k, v, **kw)
+    assert d.worker == "native" and "without bf16 instructions" in d.reason, d
+    outs = [attnkit.attention(q, k, v, **kw) for _ in range(3)]
+    assert ran[-3:] == ["tiled"] * 3
+    ref = attnkit.attention(q, k, v, backend="tiled", **kw)
+    assert all(o.dtype == dtype and torch.equal(o, ref) for o in outs)
+    assert attnkit.dispatch(q.float(), k.float(), v.float(), **kw).worker == "fused"
+    bias = torch.zeros(L, L, dtype=dtype)
+    assert attnkit.dispatch(q, k, v, mask=bias).worker == "fused"
+    monkeypatch.setattr(native, "_BF16_HW", True)
+    assert attnkit.dispatch(q, k, v, **kw).worker == "fused"
+    monkeypatch.setattr(native, "_BF16_HW", False)
+    choice = {"bf16_small" if dtype == torch.bfloat16 else "fp16_small": "torch"}
+    table = _calibrate.Crossovers(native_causal_min=1024, source="calibrated 2026-11-27 on X", **choice)
+    monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: table)
+    assert attnkit.dispatch(q, k, v, **kw).worker == "fused"

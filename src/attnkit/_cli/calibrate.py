@@ -62,7 +62,7 @@ def _choice(v, dtype: str) -> str:
     if v is None:  # today's rule: bf16, with or without gradients, on torch's kernel where the CPU multiplies
         from ..backends import native  # bf16 in hardware, else the kernel; fp16 on the kernel
 
-        v = "torch" if dtype.startswith("bf16") and native._bf16_hardware() else "kernel"
+        v = "torch" if (dtype.startswith("bf16") or dtype == "fp16_small") and native._bf16_hardware() else "kernel"
         return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v] + " (today's rule)"
     return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v]
 
@@ -87,7 +87,11 @@ def _print_table(c, defaults) -> None:
             ("bf16 runs on", _choice(defaults.bf16, "bf16"), _choice(c.bf16, "bf16")),
             ("fp16 runs on", _choice(defaults.fp16, "fp16"), _choice(c.fp16, "fp16")),
             ("bf16 with gradients (where SDPA would run it) on", _choice(defaults.bf16_grad, "bf16_grad"),
-             _choice(c.bf16_grad, "bf16_grad"))]
+             _choice(c.bf16_grad, "bf16_grad")),
+            ("bf16 below the fp32 crossovers (no gradients) on", _choice(defaults.bf16_small, "bf16_small"),
+             _choice(c.bf16_small, "bf16_small")),
+            ("fp16 below the fp32 crossovers (no gradients) on", _choice(defaults.fp16_small, "fp16_small"),
+             _choice(c.fp16_small, "fp16_small"))]
     head = "measured" if c.calibrated else "in use"
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len("default"), *(len(r[1]) for r in rows))

@@ -191,6 +191,16 @@ def _square(n: int) -> str:
     return f"{r}²" if r * r == n else f"{n:,}"
 
 
+def _small_to_kernel(req: Request, x) -> str | None:
+    """Why a bf16 / fp16 call without gradients that SDPA would take on size grounds (no mask, causal) goes to the
+    compiled kernel after all (:meth:`attnkit._calibrate.Crossovers.small_to_kernel`), or None."""
+    if req.q.dtype not in (torch.bfloat16, torch.float16) or req.requires_grad() or not _native_runs(req):
+        return None
+    from .native import _bf16_hardware
+
+    return x.small_to_kernel(req.q.dtype, _bf16_hardware)
+
+
 def _native_runs(req: Request) -> bool:
     from .native import NATIVE
 
@@ -236,6 +246,10 @@ class Fused(Kernel):
             if req.bias is None and L * S >= x.native_dense_min_ls and _native_runs(req):
                 return (f"no mask at L·S >= {_square(x.native_dense_min_ls)}: attnkit's compiled kernel is faster "
                         f"than SDPA here (table: {x.source})")
+            if req.bias is None:
+                small = _small_to_kernel(req, x)
+                if small is not None:
+                    return small
             return None  # no mask, or only a float bias: nothing to skip, SDPA applies it in one fused pass
         if L <= DECODE_MAX_L and req.plan is None:
             return None  # decoding: SDPA over the keys the mask can reach, with an (L × n) mask built per call
@@ -253,7 +267,7 @@ class Fused(Kernel):
                 if min(L, S) >= x.native_causal_min and _native_runs(req):
                     return (f"causal at L >= {x.native_causal_min}: attnkit's compiled kernel is faster than SDPA's "
                             f"is_causal (table: {x.source})")
-                return None
+                return _small_to_kernel(req, x)
             return "causal with a tensor mask (SDPA would merge them into a dense (B, H, L, S) mask)"
         return f"mask {req.mask!r} (SDPA would need a dense (B, H, L, S) mask)"
 
