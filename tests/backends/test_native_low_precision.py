@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 from conftest import assert_close, budget, golden, rand_qkv
+from test_native_kernel import instruction_set
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
@@ -248,12 +249,7 @@ def test_the_decode_entry_rounds_its_output_as_torch_does(dtype, isa):
     long cache) and rounded once as it is written — bit for bit ``.to(dtype)`` of the fp32 output, at every
     instruction set, at head sizes with a tail after the last full vector: NaN rows, rows that see no key (zeros),
     ties (q = 0 over 2^n keys), fp16 subnormals; the prepared step (``decode_step``) and the one-shot call alike."""
-    order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
-    best = _native.isa()
-    if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
-        pytest.skip(f"this CPU runs {best} at most")
-    try:
-        _native.set_isa(isa)
+    with instruction_set(isa):
         for D, S, L in ((5, 128, 1), (64, 4096, 3), (67, 1000, 2)):
             g = torch.Generator().manual_seed(D + S)
             q = torch.randn(3, 8, L, D, generator=g).to(dtype)
@@ -278,8 +274,6 @@ def test_the_decode_entry_rounds_its_output_as_torch_does(dtype, isa):
             if dtype is torch.float16:
                 assert bool(((out.float().abs() < 6.1e-5) & (out != 0)).any()), "no fp16 subnormal reached"
             assert not torch.equal(ref.to(dtype).float(), ref), "no output needed rounding"
-    finally:
-        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
 
 
 @pytest.mark.parametrize("dtype", LOW)
