@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rand_qkv, require_kernel
+from conftest import assert_close, budget, golden, rand_qkv, require_kernel
 
 import attnkit
 from attnkit import _fast
@@ -135,11 +135,11 @@ def test_named_backend_raises_where_auto_would_switch(ran, backend, kw, auto_run
     assert ran == [auto_runs]
 
 
-@pytest.mark.parametrize("L, S, kw", [(128, 128, {}), (16, 256, dict(mask=M.sliding_window(64)))])
+@pytest.mark.parametrize("L, S, kw", [(128, 128, {}), (16, 1024, dict(mask=M.sliding_window(64)))])
 def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instructions(monkeypatch, ran, L, S, kw):
     """Where SDPA would take a bf16 call, one that wants gradients goes to the compiled kernel on a CPU without bf16
     instructions (torch's bf16 backward there: 4-5x its fp32 time); with bf16 instructions, or at the
-    smallest sizes (below 64 x 64 scores), SDPA keeps it. The answer is the kernel's, bit for bit. (No
+    smallest sizes (below 128 x 64 scores), SDPA keeps it. The answer is the kernel's, bit for bit. (No
     mask below the fp32 crossover, and a decode-sized call with a mask: SDPA's ground.)"""
     require_kernel()
     from attnkit.backends import native
@@ -154,7 +154,7 @@ def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instru
     ref = attnkit.attention(q, k, v, backend="tiled", **kw)
     gref = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
     assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g, gref, strict=True))
-    # SDPA keeps: a CPU with bf16 instructions, fp32, or a call of fewer than 64 x 64 scores
+    # SDPA keeps: a CPU with bf16 instructions, fp32, or a call of fewer than 128 x 64 scores
     monkeypatch.setattr(native, "_BF16_HW", True)
     assert attnkit.dispatch(q, k, v, **kw).worker == "fused"
     monkeypatch.setattr(native, "_BF16_HW", False)
@@ -209,3 +209,68 @@ def test_low_precision_below_the_fp32_crossovers_goes_to_the_kernel(monkeypatch,
     table = _calibrate.Crossovers(native_causal_min=1024, source="calibrated 2026-11-27 on X", **choice)
     monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: table)
     assert attnkit.dispatch(q, k, v, **kw).worker == "fused"
+
+
+def _widened_reference(q, k, v, go, **kw):
+    """auto's fp32 call (torch SDPA, with its grouped-query fold) on fp32 copies, rounded back, gradients through
+    the casts: what the sdpa-fp32 row runs."""
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    assert attnkit.dispatch(q32, k32, v32, **kw).kernel.name == "sdpa"
+    out = attnkit.attention(q32, k32, v32, **kw).to(torch.bfloat16)
+    return out, [g.to(torch.bfloat16) for g in torch.autograd.grad(out, (q32, k32, v32), go)]
+
+
+@pytest.mark.parametrize("case", ["decode", "bool64", "decode_window"])
+def test_bf16_with_gradients_where_sdpa_keeps_it_runs_sdpa_in_fp32_on_widened_copies(monkeypatch, case):
+    """A bf16 call that wants gradients, which SDPA keeps (a decode-sized call, a bool mask of one tile), runs torch
+    SDPA in fp32 on fp32 copies with the output rounded back (the sdpa-fp32 row) on a CPU without bf16 instructions:
+    the same bits as doing that by hand — output and bf16 gradients — on the first call and its replays, and within
+    bf16's budget of the float64 golden. SDPA's bf16 kernel keeps it with bf16 instructions, without gradients, and
+    for a named backend="sdpa"."""
+    from attnkit.backends import native
+
+    monkeypatch.setattr(native, "_BF16_HW", False)
+    g = torch.Generator().manual_seed(3)
+    if case == "bool64":
+        L, S, H, Hkv = 64, 64, 4, 4
+        mask = torch.rand(L, S, generator=g) < 0.6
+        mask[5] = False  # a row that sees nothing: out 0, gradients 0
+        kw = dict(mask=mask)
+    else:
+        L, S, H, Hkv = 1, 512, 8, 2
+        kw = {} if case == "decode" else dict(mask=M.sliding_window(300))
+    q, k, v = rand_qkv(1, H, Hkv, L, S, 32, dtype=torch.bfloat16, requires_grad=True)
+    go = torch.randn(1, H, L, 32, generator=g).to(torch.bfloat16)
+    d = attnkit.dispatch(q, k, v, **kw)
+    assert d.kernel is not None and d.kernel.name == "sdpa-fp32" and "widened copies" in d.reason, d
+    ref, gref = _widened_reference(q, k, v, go, **kw)
+    for _ in range(3):  # the first call, then its replays
+        out = attnkit.attention(q, k, v, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), go)
+        assert out.dtype == torch.bfloat16 and all(x.dtype == torch.bfloat16 for x in grads)
+        assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(grads, gref, strict=True)), case
+    gold, _ = golden(q, k, v, **kw)
+    assert_close(out, gold, 2.0 ** -8 * gold.abs().max().item() + budget(torch.float32, 32, S), case)
+    if case == "bool64":
+        assert bool((out[0, :, 5] == 0).all()) and bool((grads[0][0, :, 5] == 0).all())
+    for q2, k2, v2 in ((q.detach(), k.detach(), v.detach()), (q.float(), k.float(), v.float())):
+        assert attnkit.dispatch(q2, k2, v2, **kw).kernel.name != "sdpa-fp32"
+    assert attnkit.dispatch(q, k, v, backend="sdpa", **kw).kernel.name == "sdpa"
+    if case == "decode":  # fewer than WIDEN_MIN_SCORES scores (8 heads over 128 keys): the casts would cost more
+        assert attnkit.dispatch(q, k[:, :, :128], v[:, :, :128]).kernel.name == "sdpa"
+    monkeypatch.setattr(native, "_BF16_HW", True)
+    assert attnkit.dispatch(q, k, v, **kw).kernel.name == "sdpa"
+
+
+def test_widened_sdpa_keeps_nan_where_fp32_has_it(monkeypatch):
+    """NaN in a bf16 query row on the sdpa-fp32 row: NaN on that row's output, the rest finite (as fp32)."""
+    from attnkit.backends import native
+
+    monkeypatch.setattr(native, "_BF16_HW", False)
+    q, k, v = rand_qkv(1, 8, 2, 1, 512, 32, dtype=torch.bfloat16)
+    q[0, 3, 0, 0] = float("nan")
+    q.requires_grad_()
+    assert attnkit.dispatch(q, k, v).kernel.name == "sdpa-fp32"
+    out = attnkit.attention(q, k, v)
+    ref = attnkit.attention(q.detach().float(), k.float(), v.float())
+    assert torch.equal(out.isnan(), ref.isnan()) and bool(out[0, 3].isnan().all())

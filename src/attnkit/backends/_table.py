@@ -9,6 +9,7 @@ CPU (auto order)::
 
     native-decode  the compiled kernel's decode entry           a few query rows over a cache, no gradient
     sdpa         torch SDPA (+ the grouped-query decode fold)   declines what the rows below do faster
+    sdpa-fp32    torch SDPA in fp32 on widened bf16 copies      bf16 with gradients SDPA keeps, no bf16 instructions
     native       attnkit's compiled kernel                      any mask the plan describes, score_mods
     flash-runs   torch's flash kernel per run of keys           masks the kernel cannot take (a tensor mask)
     plain        the tile loop in torch ops                     anything else, exact gradients
@@ -72,7 +73,8 @@ class Row:
 
 
 TABLES: dict[str, tuple[Row, ...]] = {
-    "cpu": (Row(native.NATIVE_DECODE), Row(sdpa.FUSED), Row(sdpa.MATH, auto=False), Row(EXACT, auto=False),
+    "cpu": (Row(native.NATIVE_DECODE), Row(sdpa.FUSED), Row(sdpa.WIDENED), Row(sdpa.MATH, auto=False),
+            Row(EXACT, auto=False),
             Row(native.NATIVE), Row(tiled.FLASH_RUNS), Row(tiled.PLAIN), Row(flex.FLEX, auto=False), Row(eager.EAGER),
             Row(reference.REFERENCE, auto=False)),
     "cuda": (Row(sdpa.FUSED), Row(sdpa.MATH, auto=False), Row(EXACT, auto=False), Row(flex.FLEX),

@@ -16,6 +16,7 @@ by the math path of ``eager``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -28,7 +29,7 @@ from ._base import Request
 from ._kernel import Kernel
 from ._tiles import allowed_tile, has_nan, tile_of
 
-__all__ = ["NAME", "FUSED", "MATH", "unsupported", "backward_flaw", "run", "may_hide_nan"]
+__all__ = ["NAME", "FUSED", "WIDENED", "MATH", "unsupported", "backward_flaw", "run", "may_hide_nan"]
 
 NAME = "sdpa"
 
@@ -175,10 +176,15 @@ def backward_flaw(req: Request) -> str | None:
 NATIVE_CAUSAL_MIN = _calibrate.DEFAULT_NATIVE_CAUSAL_MIN
 NATIVE_DENSE_MIN_LS = _calibrate.DEFAULT_NATIVE_DENSE_MIN_LS
 # bf16 with gradients goes to the compiled kernel (where the table says so: Crossovers.grad_to_kernel) from this
-# L·S on; below it torch's call costs less than the kernel's (a 2-core AMD EPYC, forward + backward against fp32
-# through auto: L = 1, S = 128: SDPA 1.38x, kernel 1.99x; L = 4, S = 512: 1.35x / 1.38x; L = S = 64: 2.20x / 1.77x;
-# L = S = 256: 4.24x / 1.12x)
-GRAD_BF16_MIN_LS = 64 * 64
+# L·S on; below it torch's call costs less than the kernel's: SDPA in fp32 on widened copies (the sdpa-fp32 row,
+# from WIDEN_MIN_SCORES), else torch's bf16 kernel. A 2-core AMD EPYC, forward + backward of 8 heads, D = 64, bf16
+# against fp32 through auto (the fourteenth and fifteenth sessions): L = 1, S = 128: torch's bf16 1.14-1.38x,
+# widened 1.22-1.32x, kernel 1.99x; L = 1, S = 512: 1.56x / 1.25-1.32x; L = S = 64: 2.20x / 1.20x / 1.54-1.77x;
+# L = 16, S = 1024: widened 1.10x, kernel 1.04x; L = S = 256: torch's 4.24x, kernel 0.93-1.12x
+GRAD_BF16_MIN_LS = 128 * 64
+# the sdpa-fp32 row from this many scores (B·H·L·S) on: below, the four casts cost more than torch's bf16 kernel
+# loses (see GRAD_BF16_MIN_LS's numbers: 8 heads over 128 keys lose, over 512 win)
+WIDEN_MIN_SCORES = 4096
 # Above this fraction of partial tiles a user bool mask stays with SDPA (tiled ≈ 0.96× there: nothing to skip).
 DENSE_PARTIAL_MAX = 0.9
 # A user bool mask of one tile (L, S <= 64: nothing a tile analysis could skip) goes to SDPA as it is
@@ -234,6 +240,11 @@ class Fused(Kernel):
             return "dropout_p > 0: auto runs dropout on the eager path"
         if req.device_type != "cpu":
             return self._declines_cuda(req)
+        why = self._declines_cpu(req)
+        return widen_reason(req) if why is None else why  # (a call SDPA keeps: in bf16, or widened to fp32)
+
+    @staticmethod
+    def _declines_cpu(req: Request) -> str | None:
         L, S = req.q.shape[2], req.k.shape[2]
         x = _calibrate.crossovers()
         if req.q.dtype == torch.bfloat16 and L * S >= GRAD_BF16_MIN_LS and req.requires_grad() and _native_runs(req):
@@ -403,6 +414,89 @@ class Fused(Kernel):
         return run
 
 
+def widen_reason(req: Request) -> str | None:
+    """Why a bf16 call that wants gradients, which torch SDPA keeps, runs SDPA in fp32 on widened copies (the
+    ``sdpa-fp32`` row, :class:`Widened`), or None: on a CPU without bf16 instructions torch's bf16 kernels convert
+    every block through fp32 (on a 2-core AMD EPYC its bf16 forward + backward cost 1.2-2.6x its fp32 one at the
+    sizes SDPA keeps — decode steps, a bool mask of one tile; ``benchmarks/bf16_small.py``); converting the inputs
+    once and rounding the output back costs four casts and their backward, more than that below
+    ``WIDEN_MIN_SCORES`` scores (B·H·L·S)."""
+    if req.q.dtype != torch.bfloat16 or req.device_type != "cpu" or not req.requires_grad():
+        return None
+    B, H, L, S, *_ = req.shape
+    if B * H * L * S < WIDEN_MIN_SCORES:
+        return None
+    from .native import _bf16_hardware
+
+    if _bf16_hardware():
+        return None
+    return ("bfloat16 with gradients on a CPU without bf16 instructions, where SDPA keeps the call: torch's bf16 "
+            "kernels convert every block through fp32; SDPA in fp32 on widened copies, the output rounded back")
+
+
+class Widened(Kernel):
+    """torch SDPA in fp32 on fp32 copies of bf16 inputs, the output rounded back to bf16 (autograd through the
+    casts: the gradients come back in bf16): ``auto``'s choice for a bf16 call that wants gradients where SDPA
+    keeps it, on a CPU without bf16 instructions (:func:`widen_reason`). Never a named backend's choice
+    (``backend="sdpa"`` runs torch's bf16 kernel, as asked)."""
+
+    name = "sdpa-fp32"
+    backend = "sdpa"
+    worker = "fused"
+    title = "torch SDPA in fp32 on widened copies"
+    devices = ("cpu",)
+    measured = ("benchmarks/bf16_small.py (2 threads): bf16 with gradients where SDPA keeps the call, against fp32 "
+                "through auto")
+
+    def not_supported(self, req: Request) -> list[str]:
+        why = FUSED.not_supported(req) + Kernel.not_supported(self, req)
+        if req.q.dtype != torch.bfloat16:
+            why.append(f"{req.q.dtype} (this row widens bf16 for torch's fp32 kernel)")
+        if not req.requires_grad():
+            why.append("no gradient wanted (torch's bf16 forward is kept)")
+        return why
+
+    def declines(self, req: Request) -> str | None:
+        why, widen = FUSED.declines(req), widen_reason(req)
+        if widen is not None and why == widen:
+            return None
+        return why or "torch's kernel runs this call in its own dtype"
+
+    def auto_reason(self, req: Request, passed) -> str:
+        return widen_reason(req) or self.title
+
+    def why(self, req: Request) -> str:
+        return ("torch.nn.functional.scaled_dot_product_attention in fp32 on fp32 copies of q, k, v (and a float "
+                "mask), the output rounded back to bf16; gradients through the casts")
+
+    @staticmethod
+    def _widened(req: Request) -> Request:
+        f = torch.float32
+        memo = {n: req.memo[n] for n in ("device_type",) if n in req.memo}
+        return dataclasses.replace(req, q=req.q.to(f), k=req.k.to(f), v=req.v.to(f),
+                                   bias=None if req.bias is None else req.bias.to(f), memo=memo)
+
+    def run(self, req: Request):
+        out, lse = run(self._widened(req), "fused")
+        return out.to(req.q.dtype), lse
+
+    def replay(self, req: Request, user_mask):
+        """:meth:`Fused.replay` of the widened request, its prepared call given fp32 copies and its output rounded
+        back (None where Fused's is None: a float mask, whose dtype the signature fixes, takes the full path)."""
+        if type(user_mask) is torch.Tensor and user_mask.is_floating_point():
+            return None
+        inner = FUSED.replay(self._widened(req), user_mask)
+        if inner is None:
+            return None
+        f, dt = torch.float32, req.q.dtype
+
+        def run_widened(q, k, v, mask, scale):
+            out = inner(q.to(f), k.to(f), v.to(f), mask, scale)
+            return None if out is None else out.to(dt)
+
+        return run_widened
+
+
 class Math(Kernel):
     """The same formula in plain ops (``eager``'s), for a named ``backend="sdpa"`` call with dropout whose
     gradients SDPA's own autograd would get wrong."""
@@ -426,6 +520,7 @@ class Math(Kernel):
 
 
 FUSED = Fused()
+WIDENED = Widened()
 MATH = Math()
 
 
