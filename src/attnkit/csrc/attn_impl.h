@@ -431,7 +431,9 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
     // packed (widened / padded) K and V tiles, tc of them kept by tile number: the next query block of a
     // thread mostly reads the same tiles again (a window's), so each is widened about once, not once per block
     const long tile_bytes = BN * ((k_in_place ? 0 : s.D) + (v_in_place ? 0 : Dvp)) * 4;
-    const long tc = mx2<long>(TC_MIN, mn<long>(nk, TC_BYTES / mx2<long>(tile_bytes, 1)));
+    // (never more slots than key tiles: a short call's buffers are calloc'd, zeroed, per call and thread — eight
+    // slots for one tile of bf16 K / V at D = 64 zeroed 263 KB a thread)
+    const long tc = mn<long>(nk, mx2<long>(TC_MIN, TC_BYTES / mx2<long>(tile_bytes, 1)));
     // slots spaced by a cache line more than a tile and V's 2 KB off K's: packed tiles at page-aligned offsets
     // from each other (and from the score / accumulator buffers) made the GEMMs' loads alias the stores 4 KB apart
     const long ks = BN * s.D + 16, vs = BN * Dvp + 16;
