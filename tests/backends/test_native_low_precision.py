@@ -68,12 +68,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
 def test_low_precision_is_the_fp32_kernel_on_the_widened_inputs_bit_for_bit(dtype, isa):
-    order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
-    best = _native.isa()
-    if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
-        pytest.skip(f"this CPU runs {best} at most")
-    try:
-        _native.set_isa(isa)
+    with instruction_set(isa):
         for (L, S, D, Dv, H, Hkv) in ((130, 130, 64, 64, 4, 2), (70, 100, 33, 40, 4, 4)):
             for name, kw in _cases(L, S):
                 if name in ("causal", "alibi", "softcap") and L != S:
@@ -86,8 +81,6 @@ def test_low_precision_is_the_fp32_kernel_on_the_widened_inputs_bit_for_bit(dtyp
                 _same_bits(out, out32.to(dtype), f"{isa} {name} L={L} S={S} out")
                 for n, a, b in zip("qkv", grads, grads32, strict=True):
                     _same_bits(a, b.to(dtype), f"{isa} {name} L={L} S={S} d{n}")
-    finally:
-        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
 
 
 @pytest.mark.parametrize("dtype", LOW)
@@ -207,13 +200,8 @@ def test_rounding_at_the_dtype_edges_is_torchs(dtype, isa):
     ties (q = 0: a row over 2^n keys averages them exactly in fp32, often halfway between two low-precision
     numbers: ties go to even), at head sizes that leave a tail after the last full vector (the scalar rounding)
     and at 64."""
-    order = {"portable": 0, "AVX2": 1, "AVX-512": 2}
-    best = _native.isa()
-    if {"base": 0, "avx2": 1, "avx512": 2}[isa] > order[best]:
-        pytest.skip(f"this CPU runs {best} at most")
     big = 6e4 if dtype is torch.float16 else 3e38  # a gradient summed over rows passes the largest finite value
-    try:
-        _native.set_isa(isa)
+    with instruction_set(isa):
         for D in (5, 64, 67):
             g = torch.Generator().manual_seed(D)
             q = torch.randn(1, 2, 130, D, generator=g).to(dtype).requires_grad_()
@@ -238,8 +226,6 @@ def test_rounding_at_the_dtype_edges_is_torchs(dtype, isa):
                     fin = ~(a.isnan() | b.to(dtype).isnan())
                     assert torch.equal(a[fin].view(torch.int16), b.to(dtype)[fin].view(torch.int16)), n
                 assert any(bool(gr.isinf().any()) for gr in grads), "no gradient reached the dtype's overflow"
-    finally:
-        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
 
 
 @pytest.mark.parametrize("dtype", LOW)
