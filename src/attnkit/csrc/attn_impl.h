@@ -446,6 +446,9 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
     for (long it = 0; it < items; it++) {
       const long qb = nq - 1 - it % nq, bh = it / nq, b = bh / s.H, h = bh % s.H, hk = h / g;
       const long i0 = qb * BM, m = mn<long>(BM, s.L - i0);
+      // the query columns worked on: m rounded up to a vector (a block of a few rows — a short call's, the last
+      // block of a long one — computed all BM columns' scores and softmax: L = 1 did 8x the work at AVX2)
+      const long mc = round_up(m, VW);
       const long oo = ((b * s.H + h) * s.L + i0) * s.Dv;  // this block's first output element
       float* o = out ? out + oo : nullptr;
       float* ls = lse + (b * s.H + h) * s.L + i0;
@@ -480,7 +483,7 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
           kt = kp.p + slot * ks, ldk = s.D;
         }
         if (full)
-          gemm<true>(n, BM, s.D, kt, ldk, 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
+          gemm<true>(n, (int)mc, s.D, kt, ldk, 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
         else
           scores_trimmed(n, j0, (int)s.D, kt, ldk, qt.p, st.p, edges);
         if (s.prog) {  // scale, then the score_mod's program on each key's BM queries (before any mask)
@@ -499,7 +502,7 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
         // rounds them (so lse = max + log(sum) matches a softmax recomputed from these scores to the
         // last bits: weights rebuilt as exp(s - lse) agree); only the exponent goes to base 2.
         const vf sc = splat(s.scale), l2e = splat(LOG2E), sl = splat(ab ? s.alibi[h] : 0.f);
-        for (int cc = 0; cc < BM; cc += VW) {  // online softmax, VW queries at a time
+        for (int cc = 0; cc < mc; cc += VW) {  // online softmax, VW queries at a time
           vf mx = splat(NEG_INF);
           const vi qi = splati((int32_t)(i0 + cc)) + iota();
           for (long j = 0; j < n; j++) {
