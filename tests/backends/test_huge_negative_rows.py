@@ -31,7 +31,7 @@ import torch
 from conftest import EPS, fused
 
 import attnkit
-from attnkit.backends import _tiles
+from attnkit.backends import _softmax, _tiles
 
 B, H, HKV, L, S, D = 2, 4, 2, 13, 11, 8  # GQA (g = 2), L != S
 
@@ -239,3 +239,17 @@ def test_ordinary_rows_never_take_the_exact_row_path(monkeypatch):
         with fused(on):
             out = attnkit.attention(q, k, v, mask=bias, backend="tiled")
             torch.autograd.grad(out, (q, k, v), dout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_quick_check_agrees_with_the_rows(dtype):
+    """``any_inexact`` (NumPy on a CPU tensor's memory, torch's ops otherwise) says what ``inexact_rows().any()``
+    says: dead rows (-inf), NaN and ordinary rows are exact, a finite |lse| past LSE_EXACT_MAX is not."""
+    big = _softmax.LSE_EXACT_MAX * 4
+    cases = [[1.0, -3.0], [1.0, float("-inf")], [float("nan"), 2.0], [float("inf")], [], [1.0, -big],
+             [big, float("-inf")], [float("nan"), big], [_softmax.LSE_EXACT_MAX, -_softmax.LSE_EXACT_MAX]]
+    for c in cases:
+        x = torch.tensor(c, dtype=dtype).reshape(1, -1, 1)
+        want = bool(_softmax.inexact_rows(x).any())
+        assert _softmax.any_inexact(x) is want, (c, dtype)
+        assert _softmax.any_inexact(x.t() if x.dim() == 2 else x.transpose(0, 1)) is want, ("a view", c, dtype)

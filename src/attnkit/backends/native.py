@@ -970,9 +970,16 @@ class _NativeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, req: Request, *captured):
         lo, hi, tiles = _mask_of(req)
-        # bf16 / fp16: the kernel writes out in q's dtype beside the fp32 out it keeps for the backward
-        out_hi, lse, out = _native.forward(q, k, v, lo, hi, req.scale, alibi=_alibi(req), tiles=tiles,
-                                           prog=req.memo.get("score_prog"), rounded=True)
+        if tiles is None and q.shape[2] <= DECODE_ROWS:
+            # a few query rows: the decode entry's forward (its rows packed per kv head; the forward's query block
+            # of 64 columns did the work of 8 rows for one at AVX2), out kept in fp32 for the backward
+            out_hi, lse = _native.decode(_rows(q), _rows(k), _rows(v), lo, hi, req.scale, need_lse=True,
+                                         alibi=_alibi(req), prog=req.memo.get("score_prog"))
+            out = None if q.dtype is torch.float32 else out_hi.to(q.dtype)
+        else:
+            # bf16 / fp16: the kernel writes out in q's dtype beside the fp32 out it keeps for the backward
+            out_hi, lse, out = _native.forward(q, k, v, lo, hi, req.scale, alibi=_alibi(req), tiles=tiles,
+                                               prog=req.memo.get("score_prog"), rounded=True)
         ctx.save_for_backward(q, k, v, out_hi, lse)
         ctx.req, ctx.captured = req, captured
         ctx.set_materialize_grads(False)  # an unused lse gives dlse = None: no extra work
@@ -989,9 +996,9 @@ class _NativeAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         # Rows where exp(s - lse) is not exact (scores all at finfo.min / -1e9: issue 18) leave the kernel:
         # their dout and dlse are zeroed, so its share there is exactly 0, and exact_rows_backward adds theirs.
-        rows = _softmax.inexact_rows(lse).flatten(0, 1).any(0)  # (L,)
-        fix = bool(rows.any())
+        fix = _softmax.any_inexact(lse)
         if fix:
+            rows = _softmax.inexact_rows(lse).flatten(0, 1).any(0)  # (L,)
             dout_all, dlse_all = dout, dlse
             dout = dout.masked_fill(rows.unsqueeze(-1), 0)
             dlse = None if dlse is None else dlse.masked_fill(rows, 0)

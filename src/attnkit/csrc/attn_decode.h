@@ -586,6 +586,187 @@ static int decode_t(Dec& s, void* out, float* lse, bool ort) {
   return failed ? AK_E_NOMEM : AK_OK;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The backward of a few query rows (L <= FEW_BWD_L, the g * L rows of a kv head's query heads in one block of
+// BM): the key-tile backward of attn_impl.h visits each (query head, query block) of a key tile apart — at L = 1
+// one row each, every product a matrix-vector one, and K^T, V^T packed and dK, dV zeroed per key tile for it.
+// Here the rows of a kv head form one unit, as in the decode: per key tile S = Q K^T and dP = dO V^T by the
+// decode's dot products (K and V rows read in place, bf16 / fp16 widened per vector), P and dS per row, then
+// dV = P^T dO and dK = dS^T Q as one product each over all the unit's rows, and the unit's dQ share dS K.
+// Work: (unit, chunk of keys) items, the chunks (a multiple of BN keys) from S alone; an item writes dK and dV of
+// its keys (each key is one item's; keys no row sees get 0) and leaves its rows' dQ share in scratch; the shares
+// are added in chunk order at the end: the same bits on every run and at any thread count.
+// Intervals only (no tile map), ALiBi's slopes; no score_mod program (the key-tile backward runs those).
+// ---------------------------------------------------------------------------------------------------
+constexpr long FEW_BWD_L = 16;
+
+struct RowsBwd {
+  const Shape* s;
+  const void *q, *k, *v, *dout;
+  const long* sdo;
+  const float *out, *lse, *dlse;
+  void *dk, *dv;
+  int gdt;
+  long g, rows, chunk, nc, Dp, Dvp, Dm;
+};
+
+// one item: keys [c * chunk, (c + 1) * chunk) of unit u (batch b, kv head hk); its rows' dQ share at dqs
+template <int DT>
+static void rows_bwd_item(const RowsBwd& x, long u, long c, float* dqs, float* buf) {
+  const Shape& s = *x.s;
+  const long b = u / s.Hkv, hk = u % s.Hkv, rows = x.rows, Dp = x.Dp, Dvp = x.Dvp;
+  const long esz = DT == AK_F32 ? 4 : 2, sdl = x.sdo[3];
+  float* qb = buf;                   // rows x Dp: q rows, widened, zero-padded
+  float* dob = qb + BM * Dp;         // rows x Dvp: dO rows
+  float* p = dob + BM * Dvp;         // rows x BN: P, then (in place) nothing else
+  float* dp = p + BM * BN;           // rows x BN: dP, then dS
+  float* dka = dp + BM * BN;         // BN x Dp
+  float* dva = dka + BN * Dp;        // BN x Dvp
+  float* kp = dva + BN * Dvp;        // BN x Dp: K rows widened / padded (dQ's right-hand side)
+  float* kb = kp + BN * Dp;          // VW x Dm: the dot products' widened key block
+  float* lse = kb + VW * x.Dm;       // rows
+  float* delta = lse + BM;           // rows
+  int32_t* lo = (int32_t*)(delta + BM);
+  int32_t* hi = lo + BM;
+  for (long r = 0; r < rows; r++) {
+    const long h = hk * x.g + r / s.L, i = r % s.L, bh = b * s.H + h;
+    widen_row(qb + r * Dp, x.q, b * s.sq[0] + h * s.sq[1] + i * s.sq[2], s.D, s.dt);
+    fill(qb + r * Dp + s.D, qb + (r + 1) * Dp, 0.f);
+    const long ds = b * x.sdo[0] + h * x.sdo[1] + i * x.sdo[2];
+    float* dr = dob + r * Dvp;
+    if (sdl == 1)
+      widen_row(dr, x.dout, ds, s.Dv, s.dt);
+    else
+      for (long d = 0; d < s.Dv; d++) dr[d] = widen1(x.dout, ds + d * sdl, s.dt);
+    fill(dr + s.Dv, dr + Dvp, 0.f);
+    const float* o = x.out + (bh * s.L + i) * s.Dv;
+    float acc = 0.f;  // delta = rowsum(dO * O) - dlse, summed as the key-tile backward sums it
+    for (long d = 0; d < s.Dv; d++) acc += dr[d] * o[d];
+    delta[r] = acc - (x.dlse ? x.dlse[bh * s.L + i] : 0.f);
+    lse[r] = x.lse[bh * s.L + i];
+    const long at = b * s.lob + i;
+    lo[r] = mx2<int32_t>(s.lo[at], 0), hi[r] = mn<int32_t>(s.hi[at], (int32_t)s.S);
+  }
+  fill(dqs, dqs + rows * Dp, 0.f);
+  const long ka = c * x.chunk, ke = mn<long>(s.S, ka + x.chunk);
+  const char* kbase = (const char*)x.k + (b * s.sk[0] + hk * s.sk[1]) * esz;
+  const char* vbase = (const char*)x.v + (b * s.sv[0] + hk * s.sv[1]) * esz;
+  const Ahead none{nullptr, nullptr, 0, 0, 0, 0, 0};
+  const vf scv = splat(s.scale), l2e = splat(LOG2E);
+  const bool ab = s.alibi != nullptr;
+  for (long j0 = ka; j0 < ke; j0 += BN) {
+    const long n = mn<long>(BN, ke - j0);
+    const long dko = ((b * s.Hkv + hk) * s.S + j0) * s.D, dvo = ((b * s.Hkv + hk) * s.S + j0) * s.Dv;
+    bool any = false;
+    for (long r = 0; r < rows && !any; r++) any = lo[r] < j0 + n && hi[r] > j0 && lo[r] < hi[r] && lse[r] != NEG_INF;
+    if (!any) {  // no row sees these keys: their gradients are 0
+      zero_row(x.dk, dko, n * s.D, x.gdt);
+      zero_row(x.dv, dvo, n * s.Dv, x.gdt);
+      continue;
+    }
+    const char* kr = kbase + j0 * s.sk[2] * esz;
+    const char* vr = vbase + j0 * s.sv[2] * esz;
+    dots<DT>(false, rows, n, s.D, qb, Dp, kr, s.sk[2], p, none, kb, x.Dm);
+    dots<DT>(false, rows, n, s.Dv, dob, Dvp, vr, s.sv[2], dp, none, kb, x.Dm);
+    for (long r = 0; r < rows; r++) {
+      float* pr = p + r * BN;
+      float* dsr = dp + r * BN;
+      const int32_t a = mx2<int32_t>(lo[r], (int32_t)j0), e = mn<int32_t>(hi[r], (int32_t)(j0 + n));
+      if (lse[r] == NEG_INF || a >= e) {  // this row sees no key of the tile (or none at all): P = dS = 0
+        fill(pr, pr + BN, 0.f);
+        fill(dsr, dsr + BN, 0.f);
+        continue;
+      }
+      const long h = hk * x.g + r / s.L, i = r % s.L;
+      const vf lv = splat(lse[r]), sl = splat(ab ? s.alibi[h] : 0.f), dl = splat(delta[r]);
+      const vi av = splati(a), ev = splati(e), qi = splati((int32_t)i);
+      for (long j = 0; j < BN; j += VW) {
+        const vi jj = splati((int32_t)(j0 + j)) + iota();
+        const vf xs = scored(load(pr + j), scv, ab, sl, jj - qi);
+        const vf pv = (jj >= av) & (jj < ev) ? exp2v((xs - lv) * l2e) : splat(0.f);
+        store(pr + j, pv);
+        const vf dsv = pv * (load(dsr + j) - dl);
+        store(dsr + j, pv == splat(0.f) ? splat(0.f) : dsv);  // where P is 0, dS is 0 (never 0 * garbage)
+      }
+    }
+    // dV = P^T dO and dK = dS^T Q over the unit's rows (the softmax scale applied to dK once, as it is written)
+    gemm<true>((int)n, (int)Dvp, (int)rows, p, 1, BN, dob, Dvp, dva, Dvp);
+    gemm<true>((int)n, (int)Dp, (int)rows, dp, 1, BN, qb, Dp, dka, Dp);
+    for (long j = 0; j < n; j++) {
+      float* kj = dka + j * Dp;
+      for (long d = 0; d < s.D; d++) kj[d] *= s.scale;
+      narrow_row(x.dk, dko + j * s.D, kj, s.D, x.gdt);
+      narrow_row(x.dv, dvo + j * s.Dv, dva + j * Dvp, s.Dv, x.gdt);
+    }
+    // dQ share += dS K (K rows in place where fp32 and D a multiple of VW; else widened / padded)
+    const float* kf = (const float*)kr;
+    long ldk = s.sk[2];
+    if (DT != AK_F32 || Dp != s.D) {
+      for (long j = 0; j < n; j++) {
+        widen_row(kp + j * Dp, x.k, (b * s.sk[0] + hk * s.sk[1] + (j0 + j) * s.sk[2]), s.D, s.dt);
+        fill(kp + j * Dp + s.D, kp + (j + 1) * Dp, 0.f);
+      }
+      kf = kp, ldk = Dp;
+    }
+    gemm((int)rows, (int)Dp, (int)n, dp, BN, 1, kf, ldk, dqs, Dp);
+  }
+}
+
+template <int DT>
+static int rows_backward(const Shape& s, const void* q, const void* k, const void* v, const void* dout,
+                         const long* sdo, const float* out, const float* lse, const float* dlse, void* dq, void* dk,
+                         void* dv, bool rounded) {
+  RowsBwd x;
+  x.s = &s, x.q = q, x.k = k, x.v = v, x.dout = dout, x.sdo = sdo, x.out = out, x.lse = lse, x.dlse = dlse;
+  x.dk = dk, x.dv = dv, x.gdt = rounded ? s.dt : AK_F32;
+  x.g = s.H / s.Hkv, x.rows = x.g * s.L;
+  x.Dp = round_up(s.D, VW), x.Dvp = round_up(s.Dv, VW), x.Dm = mx2<long>(x.Dp, x.Dvp);
+  // S keys in at most 64 chunks of at least 256 (a multiple of BN): from S alone, so the bits never depend on the
+  // thread count
+  x.chunk = mx2<long>(256, round_up((s.S + 63) / 64, BN));
+  x.nc = s.S > 0 ? (s.S + x.chunk - 1) / x.chunk : 0;
+  const long units = s.B * s.Hkv, items = units * x.nc, share = x.rows * x.Dp;
+  float* part = scratch<float>(3, items * share);
+  if (!part) return AK_E_NOMEM;
+  const long nbuf = BM * x.Dp + BM * x.Dvp + 2 * BM * BN + 2 * BN * x.Dp + BN * x.Dvp + VW * x.Dm + 4 * BM;
+  // a small call runs on the calling thread (starting the team costs more than it saves)
+  const long work = units * s.S * (s.D + s.Dv) * x.rows;
+  const int threads = work >= (1L << 16) ? s.threads : 1;
+  int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+  {
+    float* buf = scratch<float>(5, nbuf);
+    if (!buf) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(dynamic, 1)
+    for (long it = 0; it < items; it++)
+      if (buf) rows_bwd_item<DT>(x, it / x.nc, it % x.nc, part + it * share, buf);
+    // dQ = scale * the chunks' shares, added in chunk order
+#pragma omp for schedule(static)
+    for (long u = 0; u < units; u++) {
+      if (!buf) continue;
+      const long b = u / s.Hkv, hk = u % s.Hkv;
+      for (long r = 0; r < x.rows; r++) {
+        const long h = hk * x.g + r / s.L, i = r % s.L;
+        float* row = buf;  // (this thread's buffer: its items are done)
+        fill(row, row + s.D, 0.f);
+        for (long c = 0; c < x.nc; c++) {
+          const float* sh = part + (u * x.nc + c) * share + r * x.Dp;
+          for (long d = 0; d < s.D; d++) row[d] += sh[d];
+        }
+        for (long d = 0; d < s.D; d++) row[d] *= s.scale;
+        narrow_row(dq, ((b * s.H + h) * s.L + i) * s.D, row, s.D, x.gdt);
+      }
+    }
+  }
+  return failed ? AK_E_NOMEM : AK_OK;
+}
+
+// whether rows_backward takes the call
+static bool rows_backward_fits(const Shape& s) {
+  return !s.tkind && !s.prog && s.L >= 1 && s.L <= FEW_BWD_L && s.H % s.Hkv == 0 && (s.H / s.Hkv) * s.L <= BM &&
+         s.S >= 1;
+}
+
 int run_decode(const AkCall* c) {
   if (c->L < 1 || c->L > BM || c->H % c->Hkv != 0 || c->dtype < AK_F32 || c->dtype > AK_F16 ||
       (c->chunk != 0 && (c->chunk < 0 || c->chunk % BN != 0)) || c->nst < 0 || c->nst > AK_MAX_STRETCHES ||
