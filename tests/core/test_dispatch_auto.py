@@ -262,6 +262,36 @@ def test_bf16_with_gradients_where_sdpa_keeps_it_runs_sdpa_in_fp32_on_widened_co
     assert attnkit.dispatch(q, k, v, **kw).kernel.name == "sdpa"
 
 
+def test_bf16_grads_at_a_few_rows_go_to_the_kernel_from_its_score_floor(monkeypatch):
+    """bf16 with gradients at a few query rows (the kernel's few-rows backward: row intervals, no score_mod program)
+    runs the compiled kernel from FEW_ROWS_BF16_GRAD_MIN_SCORES scores on a CPU without bf16 instructions — its
+    output the kernel's own bits, its gradients within bf16's budget of float64 — and stays widened below the floor,
+    with a mask the few-rows backward does not take (a tile map), and SDPA's with bf16 instructions."""
+    from attnkit.backends import native, sdpa
+
+    monkeypatch.setattr(native, "_BF16_HW", False)
+    q, k, v = rand_qkv(1, 8, 2, 1, 2048, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert 8 * 2048 >= sdpa.FEW_ROWS_BF16_GRAD_MIN_SCORES and 2048 < sdpa.GRAD_BF16_MIN_LS
+    for kw in ({"causal": True}, {"mask": M.sliding_window(700)}):
+        d = attnkit.dispatch(q, k, v, **kw)
+        assert d.kernel.name == "native", (kw, d)
+        out = attnkit.attention(q, k, v, **kw)
+        assert torch.equal(out, attnkit.attention(q, k, v, backend="tiled", **kw))
+        go = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), go)
+        q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        want = torch.autograd.grad(attnkit.attention(q2, k2, v2, backend="eager", **kw), (q2, k2, v2), go.double())
+        for name, a, b in zip("qkv", grads, want, strict=True):
+            assert a.dtype == torch.bfloat16
+            assert_close(a, b, 2.0 ** -6 * max(1.0, b.abs().max().item()), f"{kw} d{name}")
+    short = k[:, :, :512].detach().requires_grad_(), v[:, :, :512].detach().requires_grad_()
+    assert attnkit.dispatch(q, *short, causal=True).kernel.name == "sdpa-fp32"  # 4096 scores: below the floor
+    tile_map = {"mask": lambda b, h, qi, kv: (kv % 3) != 0}  # rows of many stretches: the key-tile backward
+    assert attnkit.dispatch(q, k, v, **tile_map).kernel.name != "native"
+    monkeypatch.setattr(native, "_BF16_HW", True)
+    assert attnkit.dispatch(q, k, v, causal=True).kernel.name == "sdpa"
+
+
 def test_widened_sdpa_keeps_nan_where_fp32_has_it(monkeypatch):
     """NaN in a bf16 query row on the sdpa-fp32 row: NaN on that row's output, the rest finite (as fp32)."""
     from attnkit.backends import native

@@ -951,6 +951,20 @@ def native_unfit(req: Request) -> str | None:
     return why[0] if why else None
 
 
+# The kernel's backward of a few query rows (csrc/attn_decode.h, rows_backward): the g * L rows of a kv head as one
+# unit, for L <= FEW_ROWS_GRAD_L and g * L <= 64, a mask of row intervals and no score_mod program (those run the
+# key-tile backward)
+FEW_ROWS_GRAD_L = 16
+
+
+def few_rows_backward(req: Request) -> bool:
+    """Whether the kernel's backward of ``req`` (once :meth:`Native.not_supported` has passed it) is its few-rows
+    one (the rule of ``rows_backward_fits`` in csrc/attn_decode.h)."""
+    H, L, Hkv = req.q.shape[1], req.q.shape[2], req.k.shape[1]
+    return (1 <= L <= FEW_ROWS_GRAD_L and H % Hkv == 0 and H // Hkv * L <= 64 and "row_intervals" in req.memo
+            and "tile_bits" not in req.memo and req.memo.get("score_prog") is None)
+
+
 def _mask_of(req: Request):
     """(lo, hi, tile map or None) for the kernel: the mask's row intervals, or every key [0, S) bounded by
     its tile map."""
