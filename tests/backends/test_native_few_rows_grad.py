@@ -1,8 +1,9 @@
 """The compiled kernel with gradients at a few query rows (L <= 16): the forward runs on the decode entry (the g query
-heads of a kv head packed as rows, K / V read once per group), the backward on the key tiles as before. Every case
-against float64 (outputs, lse, dq / dk / dv, a learnable table's gradient), within the fp32 budget; the route itself
-(the decode entry, not the forward's query block of 64 columns) checked by counting the kernel's calls; the forward's
-own blocks of fewer than 64 rows (L = 17 and the last block of L = 70) against float64 too."""
+heads of a kv head packed as rows, K / V read once per group), the backward on those rows as one unit per kv head
+(csrc/attn_decode.h's rows_backward; a learnable table of a score_mod keeps the key-tile backward). Every case
+against float64 (outputs, lse, dq / dk / dv, a learnable table's gradient; score_mods as the kernel's programs), within
+the fp32 budget; the route itself (the decode entry, not the forward's query block of 64 columns) checked by counting
+the kernel's calls; the forward's own blocks of fewer than 64 rows (L = 17 and the last block of L = 70) too."""
 
 from __future__ import annotations
 
@@ -97,9 +98,30 @@ def test_score_mods_alibi_and_a_learnable_table(calls):
     q, k, v = rand_qkv(1, H, 2, L, S, 16, requires_grad=True, scale=2.0)
     _check(q, k, v, causal=True, score_mod=SM.softcap(1.7))
     _check(q, k, v, causal=True, score_mod=SM.alibi(torch.rand(H)))
-    table = torch.randn(H, 9, requires_grad=True)
+    table = torch.randn(H, 9, requires_grad=True)  # a learnable table: the key-tile backward sums its gradient
     _check(q, k, v, mask=M.sliding_window(60), score_mod=SM.relative_bias(table), leaves=(table,))
-    assert calls["decode"] == 3 and calls["forward"] == 0, calls
+    fixed = torch.randn(H, 9)  # a table without a gradient, a user's lambda: the few-rows backward runs the program
+    _check(q, k, v, mask=M.sliding_window(60), score_mod=SM.relative_bias(fixed))
+    _check(q, k, v, causal=True, score_mod=lambda s, b, h, qi, kv: s * torch.tanh(s) + 0.01 * (h * (kv - qi)))
+    assert calls["decode"] == 5 and calls["forward"] == 0, calls
+
+
+def test_score_mod_programs_at_every_instruction_set_and_in_bf16():
+    """The few-rows backward's pass through a program (scaled scores kept, the program run, then its reverse mode)
+    at each instruction set, and in bf16 against the fp32 kernel's gradients within bf16's budget."""
+    q, k, v = rand_qkv(1, 8, 2, 2, 300, 24, requires_grad=True, scale=2.0)
+    cap = SM.softcap(3.0)
+    for isa in ("base", "avx2"):
+        with instruction_set(isa):
+            _check(q, k, v, mask=M.sliding_window(100), score_mod=cap)
+    ql, kl, vl = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    got = torch.autograd.grad(attnkit.attention(ql, kl, vl, causal=True, score_mod=cap, backend="tiled").sum(),
+                              (ql, kl, vl))
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (ql, kl, vl))
+    want = torch.autograd.grad(attnkit.attention(qf, kf, vf, causal=True, score_mod=cap, backend="tiled").sum(),
+                               (qf, kf, vf))
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert_close(a.float(), b, 4 * torch.finfo(torch.bfloat16).eps * max(1.0, b.abs().max().item()), f"d{name}")
 
 
 def test_huge_negative_rows_and_nan_as_the_forward():

@@ -952,8 +952,8 @@ def native_unfit(req: Request) -> str | None:
 
 
 # The kernel's backward of a few query rows (csrc/attn_decode.h, rows_backward): the g * L rows of a kv head as one
-# unit, for L <= FEW_ROWS_GRAD_L and g * L <= 64, a mask of row intervals and no score_mod program (those run the
-# key-tile backward)
+# unit, for L <= FEW_ROWS_GRAD_L and g * L <= 64, a mask of row intervals, no score_mod program whose tables want a
+# gradient (those run the key-tile backward)
 FEW_ROWS_GRAD_L = 16
 
 
@@ -962,7 +962,7 @@ def few_rows_backward(req: Request) -> bool:
     one (the rule of ``rows_backward_fits`` in csrc/attn_decode.h)."""
     H, L, Hkv = req.q.shape[1], req.q.shape[2], req.k.shape[1]
     return (1 <= L <= FEW_ROWS_GRAD_L and H % Hkv == 0 and H // Hkv * L <= 64 and "row_intervals" in req.memo
-            and "tile_bits" not in req.memo and req.memo.get("score_prog") is None)
+            and "tile_bits" not in req.memo and not getattr(req.memo.get("score_prog"), "wants_grads", False))
 
 
 def _mask_of(req: Request):

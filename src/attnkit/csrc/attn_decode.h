@@ -596,7 +596,8 @@ static int decode_t(Dec& s, void* out, float* lse, bool ort) {
 // Work: (unit, chunk of keys) items, the chunks (a multiple of BN keys) from S alone; an item writes dK and dV of
 // its keys (each key is one item's; keys no row sees get 0) and leaves its rows' dQ share in scratch; the shares
 // are added in chunk order at the end: the same bits on every run and at any thread count.
-// Intervals only (no tile map), ALiBi's slopes; no score_mod program (the key-tile backward runs those).
+// Intervals only (no tile map), ALiBi's slopes or a score_mod's program whose tables take no gradient (the key-tile
+// backward runs learnable tables: their gradients are summed item by item in its order).
 // ---------------------------------------------------------------------------------------------------
 constexpr long FEW_BWD_L = 16;
 
@@ -628,6 +629,10 @@ static void rows_bwd_item(const RowsBwd& x, long u, long c, float* dqs, float* b
   float* delta = lse + BM;           // rows
   int32_t* lo = (int32_t*)(delta + BM);
   int32_t* hi = lo + BM;
+  float* sraw = (float*)(hi + BM);   // rows x BN: the scaled scores a score_mod's program reads (with a program)
+  float* dsrow = sraw + BM * BN;     // SL: one row's dL/d(score) through the program
+  float* G = dsrow + SL;             // regs x SL: the program's adjoints
+  int32_t* regs = (int32_t*)(G + (s.prog ? s.prog->regs * SL : 0));  // regs x SL: its registers
   for (long r = 0; r < rows; r++) {
     const long h = hk * x.g + r / s.L, i = r % s.L, bh = b * s.H + h;
     widen_row(qb + r * Dp, x.q, b * s.sq[0] + h * s.sq[1] + i * s.sq[2], s.D, s.dt);
@@ -680,13 +685,25 @@ static void rows_bwd_item(const RowsBwd& x, long u, long c, float* dqs, float* b
       const long h = hk * x.g + r / s.L, i = r % s.L;
       const vf lv = splat(lse[r]), sl = splat(ab ? s.alibi[h] : 0.f), dl = splat(delta[r]);
       const vi av = splati(a), ev = splati(e), qi = splati((int32_t)i);
+      float* raw = sraw + r * BN;
+      if (s.prog) {  // scale, keep the scaled row for the backward through the program, run the program (lanes
+        // past n hold key n - 1's score, their kv index clamped to S - 1 by prog_run: masked below)
+        for (long j = 0; j < BN; j += VW) store(raw + j, load(pr + j) * scv);
+        std::memcpy(pr, prog_run(*s.prog, regs, raw, b, h, i, 0, s.L - 1, j0, 1, s.S - 1), BN * 4);
+      }
       for (long j = 0; j < BN; j += VW) {
         const vi jj = splati((int32_t)(j0 + j)) + iota();
-        const vf xs = scored(load(pr + j), scv, ab, sl, jj - qi);
+        const vf xs = s.prog ? load(pr + j) : scored(load(pr + j), scv, ab, sl, jj - qi);
         const vf pv = (jj >= av) & (jj < ev) ? exp2v((xs - lv) * l2e) : splat(0.f);
         store(pr + j, pv);
         const vf dsv = pv * (load(dsr + j) - dl);
         store(dsr + j, pv == splat(0.f) ? splat(0.f) : dsv);  // where P is 0, dS is 0 (never 0 * garbage)
+      }
+      if (s.prog) {  // through the score_mod: dS = dS(after) * d(mod)/d(score) by the program's reverse mode over
+        // the registers its run on this row left (no table takes a gradient here: rows_backward_fits)
+        prog_grad(*s.prog, regs, G, dsr, dsrow, nullptr);
+        for (long j = 0; j < BN; j += VW)  // where P is 0 the gradient is 0 (never 0 * inf from the program)
+          store(dsr + j, load(pr + j) == splat(0.f) ? splat(0.f) : load(dsrow + j));
       }
     }
     // dV = P^T dO and dK = dS^T Q over the unit's rows (the softmax scale applied to dK once, as it is written)
@@ -728,7 +745,8 @@ static int rows_backward(const Shape& s, const void* q, const void* k, const voi
   const long units = s.B * s.Hkv, items = units * x.nc, share = x.rows * x.Dp;
   float* part = scratch<float>(3, items * share);
   if (!part) return AK_E_NOMEM;
-  const long nbuf = BM * x.Dp + BM * x.Dvp + 2 * BM * BN + 2 * BN * x.Dp + BN * x.Dvp + VW * x.Dm + 4 * BM;
+  const long nbuf = BM * x.Dp + BM * x.Dvp + 2 * BM * BN + 2 * BN * x.Dp + BN * x.Dvp + VW * x.Dm + 4 * BM +
+                    (s.prog ? BM * BN + SL + 2 * s.prog->regs * SL : 0);
   // a small call runs on the calling thread (starting the team costs more than it saves)
   const long work = units * s.S * (s.D + s.Dv) * x.rows;
   const int threads = work >= (1L << 16) ? s.threads : 1;
@@ -761,9 +779,16 @@ static int rows_backward(const Shape& s, const void* q, const void* k, const voi
   return failed ? AK_E_NOMEM : AK_OK;
 }
 
+// whether a score_mod's program wants gradients into any of its tables
+static bool prog_table_grads(const Prog& p) {
+  for (long t = 0; p.tgrad && t < p.ntables && t < MAX_GRAD_TABLES; t++)
+    if (p.tgrad[t]) return true;
+  return false;
+}
+
 // whether rows_backward takes the call
 static bool rows_backward_fits(const Shape& s) {
-  return !s.tkind && !s.prog && s.L >= 1 && s.L <= FEW_BWD_L && s.H % s.Hkv == 0 && (s.H / s.Hkv) * s.L <= BM &&
+  return !s.tkind && !(s.prog && prog_table_grads(*s.prog)) && s.L >= 1 && s.L <= FEW_BWD_L && s.H % s.Hkv == 0 && (s.H / s.Hkv) * s.L <= BM &&
          s.S >= 1;
 }
 
