@@ -135,6 +135,12 @@ template <int NV, bool ZERO>
 static inline void gemm_cols(int M, int K, const float* A, long sai, long sak, const float* B, long ldb, float* C,
                              long ldc) {
   int i = 0;
+#if AK_VW == 8
+  // AVX2 (16 ymm registers): 6 rows x 2 vectors = 12 independent accumulators (4 x 2 left 8, two FMA units at 4
+  // cycles of latency each need 8 in flight: no slack for the loads)
+  if (NV == 2)
+    for (; i + 6 <= M; i += 6) mk<6, NV, ZERO>(K, A + i * sai, sai, sak, B, ldb, C + i * ldc, ldc);
+#endif
   for (; i + R <= M; i += R) mk<R, NV, ZERO>(K, A + i * sai, sai, sak, B, ldb, C + i * ldc, ldc);
   for (; i < M; i++) mk<1, NV, ZERO>(K, A + i * sai, sai, sak, B, ldb, C + i * ldc, ldc);
 }
