@@ -152,6 +152,25 @@ def test_strided_layouts_read_in_place_or_copied():
     _check(q, k, v, M.causal() & M.padding([S, 40, 71]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L,D", [(70, 67), (13, 16), (64, 5)])
+def test_query_blocks_packed_at_any_stride_and_dtype_give_the_same_bits(dtype, L, D):
+    """The forward packs each query block transposed (8 x 8 blocks in registers at AVX2, then a row or column at a
+    time for what is left): a strided view gives the bits of its contiguous copy, and bf16 / fp16 inputs the bits
+    of the fp32 kernel on their widened copies (the same sums: only the packing differs)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, L, 3, D, generator=g).to(dtype).transpose(1, 2)  # rows 3 * D apart
+    k, v = (torch.randn(2, 3, 90, D, generator=g).to(dtype) for _ in range(2))
+    lo = torch.zeros(1, L, dtype=torch.int32)
+    hi = torch.full((1, L), 90, dtype=torch.int32)
+    out, lse, _ = _native.forward(q, k, v, lo, hi, 0.3)
+    out2, lse2, _ = _native.forward(q.contiguous(), k, v, lo, hi, 0.3)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    if dtype is not torch.float32:
+        out3, lse3, _ = _native.forward(q.float(), k.float(), v.float(), lo, hi, 0.3)
+        assert torch.equal(out, out3) and torch.equal(lse, lse3)
+
+
 @pytest.mark.parametrize("L,S", [(64, 64), (130, 130), (37, 200), (200, 37)])
 def test_alibi_is_added_inside_the_kernel(L, S):
     """ALiBi (score + slope[h]·(kv − q), the offset taken in integers) runs on the compiled kernel with any

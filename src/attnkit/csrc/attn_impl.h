@@ -331,8 +331,48 @@ static inline void mask_bits_row(float* srow, const uint32_t* bits, long i) {
 }
 
 // Q^T of a query block (D x BM) from the rows at src + off (type dt), zero in the padding columns
+#if AK_VW == 8 && AK_X86_INTRIN
+// the 8 x 8 block r (rows) transposed in registers: r[c] holds what was column c
+static inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// 8 elements of type dt at src + off, widened
+static inline __m256 load8(const void* src, long off, int dt) {
+  return dt == AK_F32 ? _mm256_loadu_ps((const float*)src + off)
+                      : (__m256)(dt == AK_BF16 ? ld<AK_BF16>(src, off) : ld<AK_F16>(src, off));
+}
+#endif
+
 static inline void pack_t(float* dst, const void* src, long off, long stride, long m, long D, int dt) {
-  for (long i = 0; i < m; i++) {
+  long i0 = 0;
+#if AK_VW == 8 && AK_X86_INTRIN
+  // 8 rows at a time: 8 x 8 blocks widened, transposed in registers, stored as whole vectors (the scalar
+  // transpose below — and bf16's widening through a stack row — was up to a tenth of a short call's forward)
+  const long D8 = D / 8 * 8;
+  for (; i0 + 8 <= m; i0 += 8) {
+    for (long d = 0; d < D8; d += 8) {
+      __m256 r[8];
+      for (int t = 0; t < 8; t++) r[t] = load8(src, off + (i0 + t) * stride + d, dt);
+      transpose8(r);
+      for (int c = 0; c < 8; c++) _mm256_storeu_ps(dst + (d + c) * BM + i0, r[c]);
+    }
+    for (long d = D8; d < D; d++)
+      for (long t = 0; t < 8; t++) dst[d * BM + i0 + t] = widen1(src, off + (i0 + t) * stride + d, dt);
+  }
+#endif
+  for (long i = i0; i < m; i++) {
     if (dt == AK_F32) {
       const float* r = (const float*)src + off + i * stride;
       for (long d = 0; d < D; d++) dst[d * BM + i] = r[d];
