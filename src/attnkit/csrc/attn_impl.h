@@ -39,6 +39,7 @@ typedef int32_t vi_u __attribute__((vector_size(VW * 4), aligned(4)));
 
 constexpr int BM = 64;  // query rows per block
 constexpr int BN = 64;  // keys per tile (a multiple of every VW)
+static_assert(BN == BM, "pack_t transposes query blocks and the backward's key tiles alike (leading dim BM)");
 // packed K / V tiles a forward thread keeps: at least TC_MIN, and every tile of a kv head where they fit in
 // TC_BYTES (a causal block reads all the tiles below it: each is then widened about once per thread and head)
 constexpr long TC_MIN = 8, TC_BYTES = 4L << 20;
@@ -878,20 +879,14 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void*
       const bool full = !tm.bits && n == BN && j0 >= bl.flo && j0 + n <= bl.fhi;
       const bool meets = tm.kind != T_EMPTY && (full || tile_touched(w.lo.p, w.hi.p, m, j0, j0 + n));
       if (meets) {
-        if (!packed) {  // this tile's K^T and V^T (zero beyond n keys), and K rows padded if needed
-          fill(w.kt.p, w.kt.p + s.D * BN, 0.f);
-          fill(w.vt.p, w.vt.p + s.Dv * BN, 0.f);
-          if (Dp != s.D || !f32) {  // K rows widened / padded once; K^T from them
+        if (!packed) {  // this tile's K^T and V^T (zero beyond n keys; pack_t: BN == BM), K rows padded if needed
+          if (Dp != s.D || !f32) {  // K rows widened / padded once (dQ's right-hand side)
             fill(w.kp.p, w.kp.p + BN * Dp, 0.f);
             pack_rows(w.kp.p, k, kro, s.sk[2], n, s.D, Dp, s.dt);
             kb = w.kp.p, ldk = Dp;
           }
-          for (long j = 0; j < n; j++) {
-            for (long d = 0; d < s.D; d++) w.kt[d * BN + j] = kb[j * ldk + d];
-            const float* vj = (const float*)v + vro + j * s.sv[2];
-            if (!f32) widen_row(w.row.p, v, vro + j * s.sv[2], s.Dv, s.dt), vj = w.row.p;
-            for (long d = 0; d < s.Dv; d++) w.vt[d * BN + j] = vj[d];
-          }
+          pack_t(w.kt.p, k, kro, s.sk[2], n, s.D, s.dt);
+          pack_t(w.vt.p, v, vro, s.sv[2], n, s.Dv, s.dt);
           packed = true;
         }
         const long qs = b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
