@@ -616,10 +616,10 @@ template <int DT>
 static void rows_bwd_item(const RowsBwd& x, long u, long c, float* dqs, float* buf) {
   const Shape& s = *x.s;
   const long b = u / s.Hkv, hk = u % s.Hkv, rows = x.rows, Dp = x.Dp, Dvp = x.Dvp;
-  const long esz = DT == AK_F32 ? 4 : 2, sdl = x.sdo[3];
+  const long esz = DT == AK_F32 ? 4 : 2;
   float* qb = buf;                   // rows x Dp: q rows, widened, zero-padded
   float* dob = qb + BM * Dp;         // rows x Dvp: dO rows
-  float* p = dob + BM * Dvp;         // rows x BN: P, then (in place) nothing else
+  float* p = dob + BM * Dvp;         // rows x BN: scores, then P (in place)
   float* dp = p + BM * BN;           // rows x BN: dP, then dS
   float* dka = dp + BM * BN;         // BN x Dp
   float* dva = dka + BN * Dp;        // BN x Dvp
@@ -637,17 +637,10 @@ static void rows_bwd_item(const RowsBwd& x, long u, long c, float* dqs, float* b
     const long h = hk * x.g + r / s.L, i = r % s.L, bh = b * s.H + h;
     widen_row(qb + r * Dp, x.q, b * s.sq[0] + h * s.sq[1] + i * s.sq[2], s.D, s.dt);
     fill(qb + r * Dp + s.D, qb + (r + 1) * Dp, 0.f);
-    const long ds = b * x.sdo[0] + h * x.sdo[1] + i * x.sdo[2];
     float* dr = dob + r * Dvp;
-    if (sdl == 1)
-      widen_row(dr, x.dout, ds, s.Dv, s.dt);
-    else
-      for (long d = 0; d < s.Dv; d++) dr[d] = widen1(x.dout, ds + d * sdl, s.dt);
+    widen_strided(dr, x.dout, b * x.sdo[0] + h * x.sdo[1] + i * x.sdo[2], s.Dv, x.sdo[3], s.dt);
     fill(dr + s.Dv, dr + Dvp, 0.f);
-    const float* o = x.out + (bh * s.L + i) * s.Dv;
-    float acc = 0.f;  // delta = rowsum(dO * O) - dlse, summed as the key-tile backward sums it
-    for (long d = 0; d < s.Dv; d++) acc += dr[d] * o[d];
-    delta[r] = acc - (x.dlse ? x.dlse[bh * s.L + i] : 0.f);
+    delta[r] = delta_of(dr, x.out + (bh * s.L + i) * s.Dv, s.Dv, x.dlse ? x.dlse[bh * s.L + i] : 0.f);
     lse[r] = x.lse[bh * s.L + i];
     const long at = b * s.lob + i;
     lo[r] = mx2<int32_t>(s.lo[at], 0), hi[r] = mn<int32_t>(s.hi[at], (int32_t)s.S);
@@ -719,10 +712,7 @@ static void rows_bwd_item(const RowsBwd& x, long u, long c, float* dqs, float* b
     const float* kf = (const float*)kr;
     long ldk = s.sk[2];
     if (DT != AK_F32 || Dp != s.D) {
-      for (long j = 0; j < n; j++) {
-        widen_row(kp + j * Dp, x.k, (b * s.sk[0] + hk * s.sk[1] + (j0 + j) * s.sk[2]), s.D, s.dt);
-        fill(kp + j * Dp + s.D, kp + (j + 1) * Dp, 0.f);
-      }
+      pack_rows(kp, x.k, b * s.sk[0] + hk * s.sk[1] + j0 * s.sk[2], s.sk[2], n, s.D, Dp, s.dt);
       kf = kp, ldk = Dp;
     }
     gemm((int)rows, (int)Dp, (int)n, dp, BN, 1, kf, ldk, dqs, Dp);
@@ -741,7 +731,7 @@ static int rows_backward(const Shape& s, const void* q, const void* k, const voi
   // S keys in at most 64 chunks of at least 256 (a multiple of BN): from S alone, so the bits never depend on the
   // thread count
   x.chunk = mx2<long>(256, round_up((s.S + 63) / 64, BN));
-  x.nc = s.S > 0 ? (s.S + x.chunk - 1) / x.chunk : 0;
+  x.nc = (s.S + x.chunk - 1) / x.chunk;  // (S >= 1: rows_backward_fits)
   const long units = s.B * s.Hkv, items = units * x.nc, share = x.rows * x.Dp;
   float* part = scratch<float>(3, items * share);
   if (!part) return AK_E_NOMEM;
@@ -788,8 +778,8 @@ static bool prog_table_grads(const Prog& p) {
 
 // whether rows_backward takes the call
 static bool rows_backward_fits(const Shape& s) {
-  return !s.tkind && !(s.prog && prog_table_grads(*s.prog)) && s.L >= 1 && s.L <= FEW_BWD_L && s.H % s.Hkv == 0 && (s.H / s.Hkv) * s.L <= BM &&
-         s.S >= 1;
+  return !s.tkind && !(s.prog && prog_table_grads(*s.prog)) && s.L >= 1 && s.L <= FEW_BWD_L && s.S >= 1 &&
+         s.H % s.Hkv == 0 && (s.H / s.Hkv) * s.L <= BM;
 }
 
 int run_decode(const AkCall* c) {

@@ -669,6 +669,13 @@ static inline void mask_row(float* srow, int32_t lo, int32_t hi, long j0, long n
 
 // The backward's steps, one function each; `backward` below strings them together.
 
+// delta of one row: rowsum(dO * O) - dlse, summed in order (every backward path alike: the same bits)
+static inline float delta_of(const float* dor, const float* o, long Dv, float dlse) {
+  float acc = 0.f;
+  for (long d = 0; d < Dv; d++) acc += dor[d] * o[d];
+  return acc - dlse;
+}
+
 // delta = rowsum(dO * O) - dlse for every row, and dq = 0 (dQ shares are added into it in key-tile order)
 static void prepare_rows(const Shape& s, const void* dout, const long* sdo, const float* out, const float* dlse,
                          float* delta, float* dq) {
@@ -683,13 +690,8 @@ static void prepare_rows(const Shape& s, const void* dout, const long* sdo, cons
       const long ds = b * sdo[0] + h * sdo[1] + i0 * sdo[2];
       const float* o = out + (bh * s.L + i0) * s.Dv;
       for (long i = 0; i < m; i++) {
-        if (sdl == 1)
-          widen_row(row.p, dout, ds + i * sdo[2], s.Dv, s.dt);
-        else
-          for (long d = 0; d < s.Dv; d++) row[d] = widen1(dout, ds + i * sdo[2] + d * sdl, s.dt);
-        float acc = 0.f;
-        for (long d = 0; d < s.Dv; d++) acc += row[d] * o[i * s.Dv + d];
-        delta[bh * s.L + i0 + i] = acc - (dlse ? dlse[bh * s.L + i0 + i] : 0.f);
+        widen_strided(row.p, dout, ds + i * sdo[2], s.Dv, sdl, s.dt);
+        delta[bh * s.L + i0 + i] = delta_of(row.p, o + i * s.Dv, s.Dv, dlse ? dlse[bh * s.L + i0 + i] : 0.f);
       }
       fill(dq + (bh * s.L + i0) * s.D, dq + (bh * s.L + i0 + m) * s.D, 0.f);
     }
@@ -901,10 +903,7 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void*
         long lddo = sdo[2];
         if (Dvp != s.Dv || sdl != 1 || !f32) {
           for (long i = 0; i < m; i++) {
-            if (sdl == 1)
-              widen_row(w.dor.p + i * Dvp, dout, ds + i * sdo[2], s.Dv, s.dt);
-            else
-              for (long d = 0; d < s.Dv; d++) w.dor[i * Dvp + d] = widen1(dout, ds + i * sdo[2] + d * sdl, s.dt);
+            widen_strided(w.dor.p + i * Dvp, dout, ds + i * sdo[2], s.Dv, sdl, s.dt);
             fill(w.dor.p + i * Dvp + s.Dv, w.dor.p + (i + 1) * Dvp, 0.f);
           }
           do_rows = w.dor.p, lddo = Dvp;

@@ -88,6 +88,15 @@ static inline float widen1(const void* p, long off, int dt) {
   return dt == AK_F32 ? ((const float*)p)[off] : dt == AK_BF16 ? ld1<AK_BF16>(p, off) : ld1<AK_F16>(p, off);
 }
 
+// n elements of type dt at p + off, `step` elements apart (a row of dO at any last-dim stride: 0 for an expanded
+// gradient), widened into dst
+static inline void widen_strided(float* __restrict dst, const void* p, long off, long n, long step, int dt) {
+  if (step == 1)
+    widen_row(dst, p, off, n, dt);
+  else
+    for (long d = 0; d < n; d++) dst[d] = widen1(p, off + d * step, dt);
+}
+
 // ---- fp32 -> bf16 / fp16, rounded to nearest even (as torch's .to() rounds; the outputs of a low-precision call) ----
 
 // bf16: the upper half of the fp32 bits after adding half an ulp (ties to even); a NaN becomes 0xffff, as torch's
