@@ -183,10 +183,11 @@ NATIVE_DENSE_MIN_LS = _calibrate.DEFAULT_NATIVE_DENSE_MIN_LS
 # L = 16, S = 1024: widened 1.10x, kernel 1.04x; L = S = 256: torch's 4.24x, kernel 0.93-1.12x
 GRAD_BF16_MIN_LS = 128 * 64
 # bf16 with gradients at a few query rows (the kernel's few-rows backward: native.few_rows_backward) goes to the
-# compiled kernel from this many scores (B·H·L·S) too, where L·S is below GRAD_BF16_MIN_LS. A 2-core AMD EPYC, forward +
-# backward, 8 heads over 2 kv heads, D = 64, bf16 against fp32 through auto (the sixteenth session,
-# benchmarks/bf16_small.py): L = 1, S = 2048 (16384 scores): widened 1.15x, kernel 0.97x; L = 4, S = 1024: 1.02x /
-# 0.93x; L = 1, S = 512 (4096): 1.21x / 1.58x; L = 1, S = 128: 1.14x / 1.79x (its fixed costs)
+# compiled kernel from this many scores (B·H·L·S) too, where L·S is below GRAD_BF16_MIN_LS. A default measured on one
+# CPU (a 2-core AMD EPYC, AVX2, the sixteenth session), forward + backward, 8 heads over 2 kv heads, D = 64, bf16
+# against fp32 through auto: L = 1, S = 2048 (16384 scores) widened 1.20-1.30x, kernel 0.87-0.91x
+# (`benchmarks/bf16_small.py`, its decode row + backward, before / after this rule); where the floor sits, from a
+# throwaway script of the same calls: L = 1, S = 512 (4096 scores) widened 1.21x, kernel 1.58x (its fixed costs)
 FEW_ROWS_BF16_GRAD_MIN_SCORES = 16384
 # the sdpa-fp32 row from this many scores (B·H·L·S) on: below, the four casts cost more than torch's bf16 kernel
 # loses (see GRAD_BF16_MIN_LS's numbers: 8 heads over 128 keys lose, over 512 win)
@@ -213,17 +214,18 @@ def _small_to_kernel(req: Request, x) -> str | None:
     return x.small_to_kernel(req.q.dtype, _bf16_hardware)
 
 
-def _bf16_grad_size(req: Request) -> bool:
-    """Whether a bf16 call with gradients is big enough for the compiled kernel's backward to beat torch's: L·S
-    from GRAD_BF16_MIN_LS, or a few query rows from FEW_ROWS_BF16_GRAD_MIN_SCORES scores."""
+def _bf16_grads_fit_kernel(req: Request) -> bool:
+    """Whether a bf16 call with gradients is one the compiled kernel's backward beats torch's at: from L·S =
+    GRAD_BF16_MIN_LS, or a few query rows (its few-rows backward) from FEW_ROWS_BF16_GRAD_MIN_SCORES scores B·H·L·S —
+    and the kernel runs it (asked only past the sizes: that check reads the mask)."""
     B, H, L, S = req.q.shape[0], req.q.shape[1], req.q.shape[2], req.k.shape[2]
-    return L * S >= GRAD_BF16_MIN_LS or B * H * L * S >= FEW_ROWS_BF16_GRAD_MIN_SCORES
-
-
-def _few_rows_backward(req: Request) -> bool:
+    if L * S >= GRAD_BF16_MIN_LS:
+        return _native_runs(req)
+    if B * H * L * S < FEW_ROWS_BF16_GRAD_MIN_SCORES or not _native_runs(req):
+        return False
     from .native import few_rows_backward
 
-    return few_rows_backward(req)
+    return few_rows_backward(req)  # (its rule reads the mask's rows that _native_runs left in req.memo)
 
 
 def _native_runs(req: Request) -> bool:
@@ -266,8 +268,7 @@ class Fused(Kernel):
     def _declines_cpu(req: Request) -> str | None:
         L, S = req.q.shape[2], req.k.shape[2]
         x = _calibrate.crossovers()
-        if req.q.dtype == torch.bfloat16 and req.requires_grad() and _bf16_grad_size(req) and _native_runs(req) and \
-                (L * S >= GRAD_BF16_MIN_LS or _few_rows_backward(req)):
+        if req.q.dtype == torch.bfloat16 and req.requires_grad() and _bf16_grads_fit_kernel(req):
             from .native import _bf16_hardware
 
             why = x.grad_to_kernel(req.q.dtype, _bf16_hardware)
