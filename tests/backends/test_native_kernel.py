@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_close, budget, golden, low_precision_error, rand_qkv
+from conftest import assert_close, budget, golden, low_precision_error, rand_qkv, require_kernel
 
 import attnkit
 from attnkit import masks as M
@@ -125,7 +125,25 @@ def instruction_set(isa: str):
         assert got == {"base": "portable", "avx2": "AVX2", "avx512": "AVX-512"}[isa]
         yield
     finally:
-        _native.set_isa({"portable": "base", "AVX2": "avx2", "AVX-512": "avx512"}[best])
+        assert _native.set_isa(best) == best  # (the names isa() returns are taken back)
+
+
+def test_set_isa_takes_its_own_names_and_refuses_others():
+    """set_isa takes the names isa() returns (any case, the hyphen optional) as well as its own, and a name it does
+    not know is a ValueError naming the argument and the choices; the CPU's best is restored."""
+    require_kernel()
+    best = _native.isa()
+    try:
+        assert _native.set_isa("portable") == "portable" == _native.set_isa("Base")
+        for name in (best, best.lower(), best.upper()):
+            assert _native.set_isa(name) == best
+        with pytest.raises(ValueError, match=r"name: expected an instruction set.*got 'sse4'"):
+            _native.set_isa("sse4")
+        with pytest.raises(ValueError, match="got 2"):
+            _native.set_isa(2)  # type: ignore[arg-type]
+    finally:
+        _native.set_isa(best)
+    assert _native.isa() == best
 
 
 @pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])

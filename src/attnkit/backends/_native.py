@@ -47,6 +47,16 @@ ISA_NAMES = {0: "portable", 1: "AVX2", 2: "AVX-512"}
 TILE = 64  # the kernel's tile: 64 query rows x 64 keys (BM, BN in csrc/attn_impl.h); tile maps use it
 _ISA_ENV = {"base": 0, "portable": 0, "avx2": 1, "avx512": 2}
 
+
+def _isa_level(name, arg: str) -> int:
+    """The level of an instruction set named as :func:`set_isa` / ``ATTNKIT_NATIVE_ISA`` take it, or as
+    :func:`isa` prints it ("AVX-512" = "avx512"): case and a hyphen ignored."""
+    key = name.lower().replace("-", "") if isinstance(name, str) else None
+    if key not in _ISA_ENV:
+        raise ValueError(f"{arg}: expected an instruction set, one of {sorted(_ISA_ENV)} (or a name isa() returns: "
+                         f"{sorted(ISA_NAMES.values())}), got {name!r}.")
+    return _ISA_ENV[key]
+
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _loaded = False
@@ -120,11 +130,9 @@ def _load() -> None:
     except ImportError:  # (loaded above by ctypes: a failure here is not expected; the ctypes entries serve)
         mod = None
     _ext = mod if hasattr(mod, "step") and hasattr(mod, "zero_first") else None
-    forced = os.environ.get("ATTNKIT_NATIVE_ISA", "").lower()
+    forced = os.environ.get("ATTNKIT_NATIVE_ISA", "")
     if forced:
-        if forced not in _ISA_ENV:
-            raise ValueError(f"ATTNKIT_NATIVE_ISA: expected one of {sorted(_ISA_ENV)}, got {forced!r}.")
-        lib.ak_set_isa(_ISA_ENV[forced])
+        lib.ak_set_isa(_isa_level(forced, "ATTNKIT_NATIVE_ISA"))
     _lib = lib
 
 
@@ -163,11 +171,12 @@ def status() -> str:
 
 
 def set_isa(name: str) -> str:
-    """Force a lower instruction set (``"base"``, ``"avx2"``, ``"avx512"``: the best this CPU has at most)."""
+    """Force a lower instruction set (``"base"``, ``"avx2"``, ``"avx512"``, or a name :func:`isa` returns: the best
+    this CPU has at most); returns the one now in use, as :func:`isa` names it (so ``set_isa(isa())`` restores)."""
     _load()
     if _lib is None:
         raise RuntimeError(unavailable_reason())
-    _lib.ak_set_isa(_ISA_ENV[name])
+    _lib.ak_set_isa(_isa_level(name, "name"))
     return isa()
 
 
