@@ -1,0 +1,130 @@
+// Can this machine overlap a decode step's arithmetic with reading its K and V cache? A synthetic kernel with the
+// decode entry's access pattern and no attention in it, against reading K and V once (BENCHMARKS.md, seventeenth
+// session, "Long-cache GQA decode").
+//
+// K and V: Hkv = 8 heads x S = 65 536 keys x D = 128 fp32 each (268 MB each, from memory). Work items are (head,
+// chunk of 1024 keys), split over the OpenMP threads as the decode entry splits its (unit, chunk) items; per tile of
+// 64 keys, the tile's 64 K rows are read in turn, then its 64 V rows (memory order), each row's next-tile twin
+// prefetched into L2 as it is read (the decode entry's prefetch: one tile ahead). Each loaded 8-float vector takes F
+// fused multiply-adds into F register accumulators (no stores): F = 4 is the multiply-adds a GQA group of 4 query
+// rows spends on each of its K and V vectors (q . k for 4 rows, then p v for 4 rows). Printed, best of 5 (ms):
+//
+//   read             K summed, then V summed, each split over the threads (what `k.sum(), v.sum()` does)
+//   F = 1, 2, 4, 8   the synthetic kernel over K and V from memory
+//   ... in L3        the same number of keys over a 1024-key cache (8 MB: in L3), 64 calls: the arithmetic alone
+//
+// If "F = 4" is near "read" while "F = 4 in L3" is well below it, the machine overlaps that much arithmetic with the
+// reads, and a decode step slower than its read is slow by its own inner structure, not by the hardware.
+//
+//   g++ -O2 -mavx2 -mfma -fopenmp benchmarks/stream_overlap.cpp -o /tmp/stream_overlap
+//   OMP_NUM_THREADS=2 /tmp/stream_overlap
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+static const long D = 128, HKV = 8, S = 65536, CHUNK = 1024, BN = 64;
+
+template <int F>
+static inline void row(const float* r, __m256* acc, const __m256* q) {
+  for (int d = 0; d < D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(r + d);
+#pragma GCC unroll 8
+    for (int i = 0; i < F; i++) acc[i] = _mm256_fmadd_ps(x, q[i], acc[i]);
+  }
+}
+
+// the synthetic kernel over the first s keys of each head (K and V: HKV x s x D), seconds
+template <int F>
+static double synthetic(const float* K, const float* V, long s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const long per = s / CHUNK, items = HKV * per;
+  double sink = 0;
+#pragma omp parallel for reduction(+ : sink) schedule(static)
+  for (long it = 0; it < items; it++) {
+    const long h = it / per, c = it % per;
+    const float* kb = K + (h * s + c * CHUNK) * D;
+    const float* vb = V + (h * s + c * CHUNK) * D;
+    __m256 acc[8], q[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps(), q[i] = _mm256_set1_ps(0.5f + i);
+    for (long j0 = 0; j0 < CHUNK; j0 += BN) {
+      const bool next = j0 + BN < CHUNK;
+      for (long j = j0; j < j0 + BN; j++) {
+        if (next)
+          for (long x = 0; x < D * 4; x += 64) __builtin_prefetch((const char*)(kb + (j + BN) * D) + x, 0, 2);
+        row<F>(kb + j * D, acc, q);
+      }
+      for (long j = j0; j < j0 + BN; j++) {
+        if (next)
+          for (long x = 0; x < D * 4; x += 64) __builtin_prefetch((const char*)(vb + (j + BN) * D) + x, 0, 2);
+        row<F>(vb + j * D, acc, q);
+      }
+    }
+    __m256 a = acc[0];
+    for (int i = 1; i < 8; i++) a = _mm256_add_ps(a, acc[i]);
+    float t[8];
+    _mm256_storeu_ps(t, a);
+    sink += t[0];
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  if (sink == 1.2345) std::printf(" ");  // (the sums are used)
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+static double read(const float* K, const float* V) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const long n = HKV * S * D;
+  double sink = 0;
+  for (const float* X : {K, V}) {
+#pragma omp parallel for reduction(+ : sink) schedule(static)
+    for (long i = 0; i < n; i += 64) {
+      __m256 a = _mm256_setzero_ps();
+      for (int j = 0; j < 64; j += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(X + i + j));
+      float t[8];
+      _mm256_storeu_ps(t, a);
+      sink += t[0];
+    }
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  if (sink == 1.2345) std::printf(" ");
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+template <class Fn>
+static double best_ms(Fn f) {
+  std::vector<double> t;
+  for (int r = 0; r < 5; r++) t.push_back(f());
+  return *std::min_element(t.begin(), t.end()) * 1e3;
+}
+
+template <int F>
+static void line(const float* K, const float* V) {
+  const double mem = best_ms([&] { return synthetic<F>(K, V, S); });
+  const double l3 = best_ms([&] {
+    double t = 0;
+    for (int i = 0; i < S / 1024; i++) t += synthetic<F>(K, V, 1024);
+    return t;
+  });
+  std::printf("F = %d: %.2f ms from memory, %.2f ms in L3\n", F, mem, l3);
+}
+
+int main() {
+  const size_t n = HKV * S * D;
+  float* K = (float*)std::aligned_alloc(64, n * 4);
+  float* V = (float*)std::aligned_alloc(64, n * 4);
+  for (size_t i = 0; i < n; i++) K[i] = V[i] = (float)(i % 7) * 0.1f;
+  std::printf("%d threads; K and V %.0f MB each\n", omp_get_max_threads(), n * 4 / 1e6);
+  for (int rep = 0; rep < 2; rep++) {
+    std::printf("read: %.2f ms\n", best_ms([&] { return read(K, V); }));
+    line<1>(K, V);
+    line<2>(K, V);
+    line<4>(K, V);
+    line<8>(K, V);
+  }
+  std::free(K);
+  std::free(V);
+}
