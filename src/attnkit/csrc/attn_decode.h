@@ -57,7 +57,7 @@ static inline vf reduce_lanes(const vf* a) {
 
 // A call whose K and V hold at least STREAM_BYTES, in units of at most FEW_ROWS rows (one query row of MHA, a GQA
 // group of up to 8 heads), reads K and V in memory order (dots_keys, pv_keys); smaller calls and more rows use the
-// register-blocked dots_block / pv_block (fewer loads and stores per multiply-add: faster where K and V sit in
+// register-blocked dots_block / pv_block (but a bf16 / fp16 cache's scores at up to 8 rows: dots_keys, see dots) (fewer loads and stores per multiply-add: faster where K and V sit in
 // cache, slower where they stream from memory). On a 2-core AMD EPYC (Zen 3), one query over 65 536 keys, MHA:
 // 1.57-1.61 -> 1.22-1.28x the time of reading K and V once in fp32, 1.71-1.72 -> 1.26x in bf16; GQA 32 / 8 fp32 stays
 // 1.85x, its arithmetic not overlapping the reading (benchmarks/decode_splitk.py, BENCHMARKS.md); the orders cross at
@@ -214,8 +214,9 @@ static inline bool dots_few(long rows, long D, const float* qb, long ldq, const 
 // fp16 key block read by at most FEW_ROWS rows takes the memory-order dot products in any call (dots_keys: each key
 // vector widened once in a register and multiplied into every row there) rather than widened into kbuf and read
 // back (a store and a load more per vector): on a 2-core AMD EPYC (Zen 3, AVX2), decode of one query over 8 heads
-// / 2 kv heads, D = 64, bf16 against fp32 through `auto` (`benchmarks/bf16_small.py`) 1.07-1.11 -> 1.01-1.05 at 128
-// keys, 1.08-1.16 -> 1.01-1.06 at 2048. fp32 keeps the register-blocked order below STREAM_BYTES (nothing to widen).
+// / 2 kv heads, D = 64, bf16 against fp32 through `auto` (`benchmarks/bf16_small.py --only decode`, BENCHMARKS.md)
+// 1.08, 1.08 -> 1.04, 1.00 at 128 keys, 1.12, 1.21 -> 1.03, 1.03 at 2048. fp32 keeps the register-blocked order
+// below STREAM_BYTES (nothing to widen).
 // The same sums in the same order either way: the same bits.
 template <int DT>
 static void dots(bool stream, long rows, long n, long D, const float* qb, long ldq, const void* kr, long ldk,
