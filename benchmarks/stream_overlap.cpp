@@ -16,7 +16,15 @@
 // If "F = 4" is near "read" while "F = 4 in L3" is well below it, the machine overlaps that much arithmetic with the
 // reads, and a decode step slower than its read is slow by its own inner structure, not by the hardware.
 //
-//   g++ -O2 -mavx2 -mfma -fopenmp benchmarks/stream_overlap.cpp -o /tmp/stream_overlap
+// Then the same multiply-adds (four query rows) in the decode entry's loop shapes (csrc/attn_decode.h), one pass or
+// both replaced:
+//   "dots"   each K tile scored as the decode's dots_keys does: 4 rows x 2 keys of partial sums over D (the q rows
+//            loaded from L1 with each K vector), their lanes reduced per 8 keys (hadd) into a 4 x 64 score tile;
+//   "pv"     each V tile multiplied as its pv_keys does: 2 keys at a time, the 4 rows' output accumulators loaded
+//            and stored around each pair of multiply-adds (4 x D floats in L1).
+// Neither adds arithmetic; a pass in these shapes loads and stores more per multiply-add.
+//
+//   g++ -O3 -mavx2 -mfma -fopenmp benchmarks/stream_overlap.cpp -o /tmp/stream_overlap   (-O3, as the kernel)
 //   OMP_NUM_THREADS=2 /tmp/stream_overlap
 #include <immintrin.h>
 #include <omp.h>
@@ -38,8 +46,64 @@ static inline void row(const float* r, __m256* acc, const __m256* q) {
   }
 }
 
-// the synthetic kernel over the first s keys of each head (K and V: HKV x s x D), seconds
-template <int F>
+static inline __m256 reduce8(const __m256* a) {  // lane c: the sum of a[c]'s lanes
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline void prefetch_row(const float* r) {
+  for (long x = 0; x < D * 4; x += 64) __builtin_prefetch((const char*)r + x, 0, 2);
+}
+
+// a K tile (64 rows at kb) scored as dots_keys<4> does: sc[r][j] = q_r . k_j; the next tile's rows prefetched (next)
+static void dots_tile(const float* kb, bool next, const float (*q)[D], float (*sc)[BN]) {
+  for (long g = 0; g < BN; g += 8) {
+    __m256 part[4][8];
+    for (int t = 0; t < 8; t += 2) {
+      const float* k0 = kb + (g + t) * D;
+      const float* k1 = k0 + D;
+      if (next) prefetch_row(k0 + BN * D), prefetch_row(k1 + BN * D);
+      __m256 a[4][2];
+      for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+      for (int d = 0; d < D; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+          const __m256 qv = _mm256_load_ps(&q[r][d]);
+          a[r][0] = _mm256_fmadd_ps(qv, x0, a[r][0]), a[r][1] = _mm256_fmadd_ps(qv, x1, a[r][1]);
+        }
+      }
+      for (int r = 0; r < 4; r++) part[r][t] = a[r][0], part[r][t + 1] = a[r][1];
+    }
+    for (int r = 0; r < 4; r++) _mm256_store_ps(&sc[r][g], reduce8(part[r]));
+  }
+}
+
+// a V tile (64 rows at vb) multiplied as pv_keys<4> does: acc[r] += sum_j p[r][j] v_j, 2 keys at a time
+static void pv_tile(const float* vb, bool next, const float (*p)[BN], float (*acc)[D]) {
+  for (long j = 0; j < BN; j += 2) {
+    const float* v0 = vb + j * D;
+    const float* v1 = v0 + D;
+    if (next) prefetch_row(v0 + BN * D), prefetch_row(v1 + BN * D);
+    __m256 pr[4][2];
+    for (int r = 0; r < 4; r++) pr[r][0] = _mm256_set1_ps(p[r][j] * 1e-3f), pr[r][1] = _mm256_set1_ps(p[r][j + 1] * 1e-3f);
+    for (int c = 0; c < D; c += 8) {
+      const __m256 x0 = _mm256_loadu_ps(v0 + c), x1 = _mm256_loadu_ps(v1 + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; r++) {
+        __m256 a = _mm256_load_ps(&acc[r][c]);
+        a = _mm256_fmadd_ps(pr[r][0], x0, a), a = _mm256_fmadd_ps(pr[r][1], x1, a);
+        _mm256_store_ps(&acc[r][c], a);
+      }
+    }
+  }
+}
+
+// the synthetic kernel over the first s keys of each head (K and V: HKV x s x D), seconds. MODE: 0 register FMAs
+// on both passes (F per vector), 1 the K pass as "dots", 2 the V pass as "pv", 3 both (F = 4 then)
+template <int F, int MODE = 0>
 static double synthetic(const float* K, const float* V, long s) {
   const auto t0 = std::chrono::steady_clock::now();
   const long per = s / CHUNK, items = HKV * per;
@@ -51,13 +115,23 @@ static double synthetic(const float* K, const float* V, long s) {
     const float* vb = V + (h * s + c * CHUNK) * D;
     __m256 acc[8], q[8];
     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps(), q[i] = _mm256_set1_ps(0.5f + i);
+    alignas(64) float qr[4][D], sc[4][BN], out[4][D];
+    for (int r = 0; r < 4; r++)
+      for (int d = 0; d < D; d++) qr[r][d] = 0.01f * (float)(r + d % 5), out[r][d] = 0.f;
+    for (int r = 0; r < 4; r++)
+      for (int j = 0; j < BN; j++) sc[r][j] = 0.001f * (float)j;
     for (long j0 = 0; j0 < CHUNK; j0 += BN) {
       const bool next = j0 + BN < CHUNK;
+      if (MODE & 1) dots_tile(kb + j0 * D, next, qr, sc);
+      if (MODE & 2) pv_tile(vb + j0 * D, next, sc, out);
+      if (MODE & 1) goto v_pass;
       for (long j = j0; j < j0 + BN; j++) {
         if (next)
           for (long x = 0; x < D * 4; x += 64) __builtin_prefetch((const char*)(kb + (j + BN) * D) + x, 0, 2);
         row<F>(kb + j * D, acc, q);
       }
+    v_pass:
+      if (MODE & 2) continue;
       for (long j = j0; j < j0 + BN; j++) {
         if (next)
           for (long x = 0; x < D * 4; x += 64) __builtin_prefetch((const char*)(vb + (j + BN) * D) + x, 0, 2);
@@ -68,7 +142,7 @@ static double synthetic(const float* K, const float* V, long s) {
     for (int i = 1; i < 8; i++) a = _mm256_add_ps(a, acc[i]);
     float t[8];
     _mm256_storeu_ps(t, a);
-    sink += t[0];
+    sink += t[0] + sc[1][3] + out[2][5];
   }
   const auto t1 = std::chrono::steady_clock::now();
   if (sink == 1.2345) std::printf(" ");  // (the sums are used)
@@ -101,15 +175,16 @@ static double best_ms(Fn f) {
   return *std::min_element(t.begin(), t.end()) * 1e3;
 }
 
-template <int F>
+template <int F, int MODE = 0>
 static void line(const float* K, const float* V) {
-  const double mem = best_ms([&] { return synthetic<F>(K, V, S); });
+  const double mem = best_ms([&] { return synthetic<F, MODE>(K, V, S); });
   const double l3 = best_ms([&] {
     double t = 0;
-    for (int i = 0; i < S / 1024; i++) t += synthetic<F>(K, V, 1024);
+    for (int i = 0; i < S / 1024; i++) t += synthetic<F, MODE>(K, V, 1024);
     return t;
   });
-  std::printf("F = %d: %.2f ms from memory, %.2f ms in L3\n", F, mem, l3);
+  static const char* names[] = {"", ", K pass as dots", ", V pass as pv", ", dots and pv"};
+  std::printf("F = %d%s: %.2f ms from memory, %.2f ms in L3\n", F, names[MODE], mem, l3);
 }
 
 int main() {
@@ -124,6 +199,9 @@ int main() {
     line<2>(K, V);
     line<4>(K, V);
     line<8>(K, V);
+    line<4, 1>(K, V);
+    line<4, 2>(K, V);
+    line<4, 3>(K, V);
   }
   std::free(K);
   std::free(V);
