@@ -127,6 +127,28 @@ def test_both_read_orders_give_the_same_bits_at_every_unit_size(rows, dtype):
         assert torch.equal(blocked[0], streamed[0]) and torch.equal(blocked[1], streamed[1]), (rows, D, dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 8, 9])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_caches_give_the_fp32_bits_of_their_widened_values(rows, dtype):
+    """A bf16 / fp16 cache below the memory-order size: its scores at up to 8 rows a unit are the memory-order dot
+    products (each key vector widened in a register), at 9 the register-blocked ones on a widened key block; either
+    way the output and lse are the fp32 call's on the widened values, bit for bit (the same sums in the same order),
+    in both read orders, with a head dim off the vector width and a strided cache."""
+    H, L = (rows, 1) if rows % 2 else (rows // 2, 2)
+    for D in (33, 64):
+        q, k, v = _qkv(2, H, 1, L, 700, D, dtype=dtype)
+        big_k = torch.zeros(2, 1, 800, D + 5, dtype=dtype)
+        big_k[:, :, :700, :D] = k
+        k = big_k[:, :, :700, :D]  # a view into a bigger cache
+        lo, hi = _intervals("window_padding", 2, L, 700)
+        wide = _native.decode(q.float(), k.float(), v.float(), lo, hi, D ** -0.5)
+        for order in (0, 1):
+            with _order(order):
+                got = _native.decode(q, k, v, lo, hi, D ** -0.5)
+            what = (rows, D, dtype, order)
+            assert torch.equal(got[0], wide[0]) and torch.equal(got[1], wide[1]), what
+
+
 @pytest.mark.parametrize("D,Dv", [(8, 8), (33, 17), (64, 64), (80, 96), (128, 128)])
 def test_head_dims(D, Dv):
     """Head dims off the vector width: the score's tail summed per key, V tiles padded per tile."""
