@@ -146,6 +146,24 @@ def test_set_isa_takes_its_own_names_and_refuses_others():
     assert _native.isa() == best
 
 
+def test_a_bad_isa_environment_variable_is_refused_at_every_call():
+    """A bad ATTNKIT_NATIVE_ISA (read by the rule set_isa uses, so "Portable" would be taken: another process, once
+    with each value) is a ValueError naming the variable at the first call and again at the next — never a kernel
+    quietly switched off."""
+    require_kernel()
+    code = ("from attnkit.backends import _native\n"
+            "for _ in range(2):\n"
+            "    try:\n"
+            "        print(_native.isa(), _native.available())\n"
+            "    except ValueError as e:\n"
+            "        print('ValueError', e)\n")
+    for value, want in (("sse4", "ValueError ATTNKIT_NATIVE_ISA: expected"),):
+        env = dict(os.environ, ATTNKIT_NATIVE_ISA=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        lines = out.stdout.strip().splitlines()
+        assert len(lines) == 2 and all(line.startswith(want) for line in lines), (value, out.stdout, out.stderr)
+
+
 @pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
 def test_every_instruction_set(isa):
     with instruction_set(isa):

@@ -50,11 +50,12 @@ _ISA_ENV = {"base": 0, "portable": 0, "avx2": 1, "avx512": 2}
 
 def _isa_level(name, arg: str) -> int:
     """The level of an instruction set named as :func:`set_isa` / ``ATTNKIT_NATIVE_ISA`` take it, or as
-    :func:`isa` prints it ("AVX-512" = "avx512"): case and a hyphen ignored."""
+    :func:`isa` prints it ("AVX-512" = "avx512"): case and hyphens ignored."""
     key = name.lower().replace("-", "") if isinstance(name, str) else None
     if key not in _ISA_ENV:
         raise ValueError(f"{arg}: expected an instruction set, one of {sorted(_ISA_ENV)} (or a name isa() returns: "
-                         f"{sorted(ISA_NAMES.values())}), got {name!r}.")
+                         f"{sorted(ISA_NAMES.values())}), got {name!r}. Use one of those, or leave it unset for "
+                         "the best this CPU has.")
     return _ISA_ENV[key]
 
 _lib: ctypes.CDLL | None = None
@@ -96,6 +97,10 @@ def _load() -> None:
     global _lib, _why, _loaded
     if _loaded:
         return
+    # a bad ATTNKIT_NATIVE_ISA is refused before anything is marked loaded: every call says so (marked first, the
+    # second call found the kernel "unavailable" with no reason and ran torch's kernels without a word)
+    forced = os.environ.get("ATTNKIT_NATIVE_ISA", "")
+    level = _isa_level(forced, "ATTNKIT_NATIVE_ISA") if forced else None
     _loaded = True
     if os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"):
         _why = "switched off by ATTNKIT_NATIVE=0"
@@ -130,9 +135,8 @@ def _load() -> None:
     except ImportError:  # (loaded above by ctypes: a failure here is not expected; the ctypes entries serve)
         mod = None
     _ext = mod if hasattr(mod, "step") and hasattr(mod, "zero_first") else None
-    forced = os.environ.get("ATTNKIT_NATIVE_ISA", "")
-    if forced:
-        lib.ak_set_isa(_isa_level(forced, "ATTNKIT_NATIVE_ISA"))
+    if level is not None:
+        lib.ak_set_isa(level)
     _lib = lib
 
 
