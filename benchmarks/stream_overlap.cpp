@@ -3,11 +3,12 @@
 // session, "Long-cache GQA decode").
 //
 // K and V: Hkv = 8 heads x S = 65 536 keys x D = 128 fp32 each (268 MB each, from memory). Work items are (head,
-// chunk of 1024 keys), split over the OpenMP threads as the decode entry splits its (unit, chunk) items; per tile of
-// 64 keys, the tile's 64 K rows are read in turn, then its 64 V rows (memory order), each row's next-tile twin
-// prefetched into L2 as it is read (the decode entry's prefetch: one tile ahead). Each loaded 8-float vector takes F
-// fused multiply-adds into F register accumulators (no stores): F = 4 is the multiply-adds a GQA group of 4 query
-// rows spends on each of its K and V vectors (q . k for 4 rows, then p v for 4 rows). Printed, best of 5 (ms):
+// chunk of 1024 keys), handed to the OpenMP threads one at a time as the decode entry hands out its (unit, chunk)
+// items (schedule(dynamic, 1)); per tile of 64 keys, the tile's 64 K rows are read in turn, then its 64 V rows
+// (memory order), each row's next-tile twin prefetched into L2 as it is read (the decode entry's prefetch: one tile
+// ahead). Each loaded 8-float vector takes F fused multiply-adds into F register accumulators (no stores): F = 4 is
+// the multiply-adds a GQA group of 4 query rows spends on each of its K and V vectors (q . k for 4 rows, then p v
+// for 4 rows). Printed, best of 5 (ms):
 //
 //   read             K summed, then V summed, each split over the threads (what `k.sum(), v.sum()` does)
 //   F = 1, 2, 4, 8   the synthetic kernel over K and V from memory
@@ -22,7 +23,8 @@
 //            loaded from L1 with each K vector), their lanes reduced per 8 keys (hadd) into a 4 x 64 score tile;
 //   "pv"     each V tile multiplied as its pv_keys does: 2 keys at a time, the 4 rows' output accumulators loaded
 //            and stored around each pair of multiply-adds (4 x D floats in L1).
-// Neither adds arithmetic; a pass in these shapes loads and stores more per multiply-add.
+// Neither adds multiply-adds (the dot products add their lanes' reduction, P.V a scaling of each p); a pass in
+// these shapes loads and stores more per multiply-add.
 //
 //   g++ -O3 -mavx2 -mfma -fopenmp benchmarks/stream_overlap.cpp -o /tmp/stream_overlap   (-O3, as the kernel)
 //   OMP_NUM_THREADS=2 /tmp/stream_overlap
@@ -88,7 +90,8 @@ static void pv_tile(const float* vb, bool next, const float (*p)[BN], float (*ac
     const float* v1 = v0 + D;
     if (next) prefetch_row(v0 + BN * D), prefetch_row(v1 + BN * D);
     __m256 pr[4][2];
-    for (int r = 0; r < 4; r++) pr[r][0] = _mm256_set1_ps(p[r][j] * 1e-3f), pr[r][1] = _mm256_set1_ps(p[r][j + 1] * 1e-3f);
+    for (int r = 0; r < 4; r++)
+      pr[r][0] = _mm256_set1_ps(p[r][j] * 1e-3f), pr[r][1] = _mm256_set1_ps(p[r][j + 1] * 1e-3f);
     for (int c = 0; c < D; c += 8) {
       const __m256 x0 = _mm256_loadu_ps(v0 + c), x1 = _mm256_loadu_ps(v1 + c);
 #pragma GCC unroll 4
@@ -108,7 +111,7 @@ static double synthetic(const float* K, const float* V, long s) {
   const auto t0 = std::chrono::steady_clock::now();
   const long per = s / CHUNK, items = HKV * per;
   double sink = 0;
-#pragma omp parallel for reduction(+ : sink) schedule(static)
+#pragma omp parallel for reduction(+ : sink) schedule(dynamic, 1)
   for (long it = 0; it < items; it++) {
     const long h = it / per, c = it % per;
     const float* kb = K + (h * s + c * CHUNK) * D;
@@ -122,20 +125,21 @@ static double synthetic(const float* K, const float* V, long s) {
       for (int j = 0; j < BN; j++) sc[r][j] = 0.001f * (float)j;
     for (long j0 = 0; j0 < CHUNK; j0 += BN) {
       const bool next = j0 + BN < CHUNK;
-      if (MODE & 1) dots_tile(kb + j0 * D, next, qr, sc);
-      if (MODE & 2) pv_tile(vb + j0 * D, next, sc, out);
-      if (MODE & 1) goto v_pass;
-      for (long j = j0; j < j0 + BN; j++) {
-        if (next)
-          for (long x = 0; x < D * 4; x += 64) __builtin_prefetch((const char*)(kb + (j + BN) * D) + x, 0, 2);
-        row<F>(kb + j * D, acc, q);
+      if (MODE & 1) {  // the K pass, then the V pass, in every mode
+        dots_tile(kb + j0 * D, next, qr, sc);
+      } else {
+        for (long j = j0; j < j0 + BN; j++) {
+          if (next) prefetch_row(kb + (j + BN) * D);
+          row<F>(kb + j * D, acc, q);
+        }
       }
-    v_pass:
-      if (MODE & 2) continue;
-      for (long j = j0; j < j0 + BN; j++) {
-        if (next)
-          for (long x = 0; x < D * 4; x += 64) __builtin_prefetch((const char*)(vb + (j + BN) * D) + x, 0, 2);
-        row<F>(vb + j * D, acc, q);
+      if (MODE & 2) {
+        pv_tile(vb + j0 * D, next, sc, out);
+      } else {
+        for (long j = j0; j < j0 + BN; j++) {
+          if (next) prefetch_row(vb + (j + BN) * D);
+          row<F>(vb + j * D, acc, q);
+        }
       }
     }
     __m256 a = acc[0];
