@@ -12,11 +12,11 @@
 // depends on S only (never on the thread count), so the result is the same bits at any thread count.
 //
 // Per item, key tiles of 64: scores q . k by dot products (VW keys at a time, the VW partial sums reduced in
-// registers), scaled (then ALiBi's bias or a score_mod's program, as the forward), masked to each row's interval, online softmax per row, then acc += P V with V rows
-// broadcast-free (P broadcast, V rows read in place). In a call of at least STREAM_BYTES, a unit of up to FEW_ROWS
-// rows reads each key's and value's row through in turn (memory order: the hardware prefetcher follows the
-// stream, so reading overlaps the arithmetic; the register-blocked column order leaves it a stride it does not
-// follow): the same sums in the same order either way, so the same bits. K and V are read in place at any
+// registers), scaled (then ALiBi's bias or a score_mod's program, as the forward), masked to each row's interval,
+// online softmax per row, then acc += P V with V rows broadcast-free (P broadcast, V rows read in place). In a call
+// of at least STREAM_BYTES, a unit of up to FEW_ROWS rows reads each key's and value's row through in turn (memory
+// order: the hardware prefetcher follows the stream, so reading overlaps the arithmetic; the register-blocked column
+// order leaves it a stride it does not follow): the same sums in the same order either way, so the same bits. K and V are read in place at any
 // batch / head / row strides (last dim contiguous); bf16 and fp16 caches are widened to fp32 per vector in
 // registers (bf16: shift left 16; fp16: F16C in the AVX2 / AVX-512 builds, a portable bit conversion in the base
 // build).
@@ -57,10 +57,12 @@ static inline vf reduce_lanes(const vf* a) {
 
 // A call whose K and V hold at least STREAM_BYTES, in units of at most FEW_ROWS rows (one query row of MHA, a GQA
 // group of up to 8 heads), reads K and V in memory order (dots_keys, pv_keys); smaller calls and more rows use the
-// register-blocked dots_block / pv_block (but a bf16 / fp16 cache's scores at up to 8 rows: dots_keys, see dots) (fewer loads and stores per multiply-add: faster where K and V sit in
-// cache, slower where they stream from memory). On a 2-core AMD EPYC (Zen 3), one query over 65 536 keys, MHA:
+// register-blocked dots_block / pv_block (fewer loads and stores per multiply-add: faster where K and V sit in
+// cache, slower where they stream from memory) — but a bf16 / fp16 cache's scores at up to FEW_ROWS rows take
+// dots_keys at any size (see dots). On a 2-core AMD EPYC (Zen 3), one query over 65 536 keys, MHA:
 // 1.57-1.61 -> 1.22-1.28x the time of reading K and V once in fp32, 1.71-1.72 -> 1.26x in bf16; GQA 32 / 8 fp32 stays
-// 1.85x, its arithmetic not overlapping the reading (benchmarks/decode_splitk.py, BENCHMARKS.md); the orders cross at
+// 1.65-2.3x, its arithmetic not overlapping the reading (benchmarks/decode_splitk.py; the seventeenth session's
+// benchmarks/stream_overlap.cpp: the same reads and multiply-adds in plainer loops do overlap); the orders cross at
 // K + V = 16 MiB of a call repeated on the same cache (below it the cache still holds them), and a model's decode
 // step reads each layer's cache after every other layer's, from memory: 8 MiB. The same sums in the same order
 // either way: the same bits.
@@ -210,13 +212,13 @@ static inline bool dots_few(long rows, long D, const float* qb, long ldq, const 
   }
 }
 
-// kbuf: VW x Dp floats, for widening a bf16 / fp16 key block once when more than FEW_ROWS rows read it. A bf16 /
-// fp16 key block read by at most FEW_ROWS rows takes the memory-order dot products in any call (dots_keys: each key
-// vector widened once in a register and multiplied into every row there) rather than widened into kbuf and read
-// back (a store and a load more per vector): on a 2-core AMD EPYC (Zen 3, AVX2), decode of one query over 8 heads
-// / 2 kv heads, D = 64, bf16 against fp32 through `auto` (`benchmarks/bf16_small.py --only decode`, BENCHMARKS.md)
-// 1.08, 1.08 -> 1.04, 1.00 at 128 keys, 1.12, 1.21 -> 1.03, 1.03 at 2048. fp32 keeps the register-blocked order
-// below STREAM_BYTES (nothing to widen).
+// kbuf: VW x Dp floats, for widening a bf16 / fp16 block of VW keys once when more than FEW_ROWS rows read it. A
+// bf16 / fp16 key block read by 2 to FEW_ROWS rows takes the memory-order dot products in any call (dots_keys: each
+// key vector widened once in a register and multiplied into every row there) rather than widened into kbuf and read
+// back (a store and a load more per vector; one row read it widened in registers already): on a 2-core AMD EPYC
+// (Zen 3, AVX2), decode of one query over 8 heads / 2 kv heads, D = 64, bf16 against fp32 through `auto`
+// (`benchmarks/bf16_small.py --only decode`, BENCHMARKS.md) 1.08, 1.08 -> 1.04, 1.00 at 128 keys, 1.12, 1.21 ->
+// 1.03, 1.03 at 2048. fp32 keeps the register-blocked order below STREAM_BYTES (nothing to widen).
 // The same sums in the same order either way: the same bits.
 template <int DT>
 static void dots(bool stream, long rows, long n, long D, const float* qb, long ldq, const void* kr, long ldk,
@@ -343,7 +345,7 @@ static void pv(bool stream, long rows, long n, long N, const float* P, const voi
 }
 
 // One thread's buffers: q rows (fp32), scores / probabilities, a converted V tile (only when V cannot be
-// read in place: Dv not a multiple of VW), a widened key block (bf16 / fp16, several rows), the rows'
+// read in place: Dv not a multiple of VW), a widened key block (bf16 / fp16, more than FEW_ROWS rows), the rows'
 // intervals. Kept between calls (thread_local arena).
 struct DecBufs {
   float *qb, *sc, *vt, *kb;
@@ -631,7 +633,7 @@ static void rows_bwd_item(const RowsBwd& x, long u, long c, float* dqs, float* b
   float* dka = dp + BM * BN;         // BN x Dp
   float* dva = dka + BN * Dp;        // BN x Dvp
   float* kp = dva + BN * Dvp;        // BN x Dp: K rows widened / padded (dQ's right-hand side)
-  float* kb = kp + BN * Dp;          // VW x Dm: the dot products' widened key block
+  float* kb = kp + BN * Dp;          // VW x Dm: the dot products' widened key block (more than FEW_ROWS rows)
   float* lse = kb + VW * x.Dm;       // rows
   float* delta = lse + BM;           // rows
   int32_t* lo = (int32_t*)(delta + BM);
