@@ -16,10 +16,10 @@
 // online softmax per row, then acc += P V with V rows broadcast-free (P broadcast, V rows read in place). In a call
 // of at least STREAM_BYTES, a unit of up to FEW_ROWS rows reads each key's and value's row through in turn (memory
 // order: the hardware prefetcher follows the stream, so reading overlaps the arithmetic; the register-blocked column
-// order leaves it a stride it does not follow): the same sums in the same order either way, so the same bits. K and V are read in place at any
-// batch / head / row strides (last dim contiguous); bf16 and fp16 caches are widened to fp32 per vector in
-// registers (bf16: shift left 16; fp16: F16C in the AVX2 / AVX-512 builds, a portable bit conversion in the base
-// build).
+// order leaves it a stride it does not follow): the same sums in the same order either way, so the same bits. K and
+// V are read in place at any batch / head / row strides (last dim contiguous); bf16 and fp16 caches are widened to
+// fp32 per vector in registers (bf16: shift left 16; fp16: F16C in the AVX2 / AVX-512 builds, a portable bit
+// conversion in the base build).
 // A row may see a few stretches of keys (attention sinks and a window: nst of them, their union): a tile's lanes
 // outside every stretch are masked, a tile no row's stretch meets skipped, in one pass over the keys (one online
 // softmax, one read of K and V) whatever the stretch count.
