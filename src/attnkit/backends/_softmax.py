@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 __all__ = ["guard", "online_step", "online_finish", "merge", "softmax_lse", "lse_for_backward", "weights_from_lse",
-           "inexact_rows", "any_inexact", "LSE_EXACT_MAX", "add_sink"]
+           "inexact_rows", "any_inexact", "split_inexact", "LSE_EXACT_MAX", "add_sink"]
 
 # Above this |lse|, exp(s - lse) is not trusted. Error budget: rounding lse costs a relative
 # error of at most |lse|·u in every weight rebuilt from it; at 2^8 that is 2^8·u = 2^-16 ≈ 1.5e-5
@@ -137,6 +137,17 @@ def any_inexact(lse: torch.Tensor) -> bool:
             return False
         return bool(((a > LSE_EXACT_MAX) & (a != np.inf)).any())  # (NaN: neither)
     return bool(inexact_rows(lse).any())
+
+
+def split_inexact(lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None):
+    """``(rows, dout, dlse)`` for a backward: the query rows ``(L,)`` where some (batch, head) row of ``lse (B, H,
+    L)`` is one of :func:`inexact_rows` — None where there is none (one NumPy reduction: :func:`any_inexact`) — and
+    ``dout`` / ``dlse`` with those rows zeroed, so a worker's share there is exactly 0 (the caller adds the exact one:
+    ``_tiles.exact_rows_backward``); ``dout`` / ``dlse`` as given where ``rows`` is None."""
+    if not any_inexact(lse):
+        return None, dout, dlse
+    rows = inexact_rows(lse).flatten(0, 1).any(0)
+    return rows, dout.masked_fill(rows.unsqueeze(-1), 0), None if dlse is None else dlse.masked_fill(rows, 0)
 
 
 def weights_from_lse(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

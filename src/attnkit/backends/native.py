@@ -1010,12 +1010,9 @@ class _NativeAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         # Rows where exp(s - lse) is not exact (scores all at finfo.min / -1e9: issue 18) leave the kernel:
         # their dout and dlse are zeroed, so its share there is exactly 0, and exact_rows_backward adds theirs.
-        fix = _softmax.any_inexact(lse)
-        if fix:
-            rows = _softmax.inexact_rows(lse).flatten(0, 1).any(0)  # (L,)
-            dout_all, dlse_all = dout, dlse
-            dout = dout.masked_fill(rows.unsqueeze(-1), 0)
-            dlse = None if dlse is None else dlse.masked_fill(rows, 0)
+        dout_all, dlse_all = dout, dlse
+        rows, dout, dlse = _softmax.split_inexact(lse, dout, dlse)
+        fix = rows is not None
         lo, hi, tiles = _mask_of(req)
         prog = req.memo.get("score_prog")
         # grads in q's dtype from the kernel (rounded once) unless the exact-rows fix adds to them in fp32 first

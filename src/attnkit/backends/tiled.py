@@ -247,12 +247,9 @@ class _TiledAttention(torch.autograd.Function):
         # Rows where exp(s - lse) is not exact (scores all at finfo.min / -1e9: issue 18) leave
         # the workers (torch's kernel has the flaw inside): their dout and dlse are zeroed, so the
         # workers' share there is exactly 0, and exact_rows_backward adds theirs. O(L) to find.
-        fix = _softmax.any_inexact(lse)
-        if fix:
-            rows = _softmax.inexact_rows(lse).flatten(0, 1).any(0)  # (L,)
-            dout_all, dlse_all = dout, dlse
-            dout = dout.masked_fill(rows.unsqueeze(-1), 0)
-            dlse = None if dlse is None else dlse.masked_fill(rows, 0)
+        dout_all, dlse_all = dout, dlse
+        rows, dout, dlse = _softmax.split_inexact(lse, dout, dlse)
+        fix = rows is not None
         if c.fused and dlse is None:
             bwd = _tiled_fused.causal_backward if c.causal else _tiled_fused.backward
             kd = c.kernel_dtype
