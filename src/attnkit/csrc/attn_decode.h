@@ -728,7 +728,6 @@ static void rows_bwd_item(const RowsBwd& x, long u, long c, float* dqs, float* b
   }
 }
 
-template <int DT>
 static int rows_backward(const Shape& s, const void* q, const void* k, const void* v, const void* dout,
                          const long* sdo, const float* out, const float* lse, const float* dlse, void* dq, void* dk,
                          void* dv, bool rounded) {
@@ -749,6 +748,8 @@ static int rows_backward(const Shape& s, const void* q, const void* k, const voi
   // a small call runs on the calling thread (starting the team costs more than it saves)
   const long work = units * s.S * (s.D + s.Dv) * x.rows;
   const int threads = work >= (1L << 16) ? s.threads : 1;
+  void (*const item)(const RowsBwd&, long, long, float*, float*) =
+      s.dt == AK_BF16 ? rows_bwd_item<AK_BF16> : s.dt == AK_F16 ? rows_bwd_item<AK_F16> : rows_bwd_item<AK_F32>;
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
   {
@@ -756,7 +757,7 @@ static int rows_backward(const Shape& s, const void* q, const void* k, const voi
     if (!buf) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++)
-      if (buf) rows_bwd_item<DT>(x, it / x.nc, it % x.nc, part + it * share, buf);
+      if (buf) item(x, it / x.nc, it % x.nc, part + it * share, buf);
     // dQ = scale * the chunks' shares, added in chunk order
 #pragma omp for schedule(static)
     for (long u = 0; u < units; u++) {

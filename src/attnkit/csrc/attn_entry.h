@@ -37,19 +37,9 @@ int run_backward(const AkCall* c) {
   const long sd[4] = {(long)c->sdo[0], (long)c->sdo[1], (long)c->sdo[2], (long)c->sdo[3]};
   Prog prog;
   const Shape s = shape_of(c, &prog);
-  if (rows_backward_fits(s)) {  // a few query rows: the rows of a kv head as one unit (attn_decode.h)
-    switch (s.dt) {
-      case AK_BF16:
-        return rows_backward<AK_BF16>(s, c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq,
-                                      c->dk, c->dv, c->grads_r != 0);
-      case AK_F16:
-        return rows_backward<AK_F16>(s, c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq,
-                                     c->dk, c->dv, c->grads_r != 0);
-      default:
-        return rows_backward<AK_F32>(s, c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq,
-                                     c->dk, c->dv, c->grads_r != 0);
-    }
-  }
+  if (rows_backward_fits(s))  // a few query rows: the rows of a kv head as one unit (attn_decode.h)
+    return rows_backward(s, c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq, c->dk, c->dv,
+                         c->grads_r != 0);
   return backward(s, c->q, c->k, c->v, c->dout, sd, c->fwd_out, c->fwd_lse, c->dlse, c->dq, c->dk, c->dv,
                   c->grads_r != 0);
 }
