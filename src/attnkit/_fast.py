@@ -19,7 +19,8 @@ keys each, read off that call's mask; a mask it refused for its values is asked 
 serves one it would now take), ``causal``, the kind of ``scale``, the thread
 count and the switches tests flip (``tiled.NATIVE`` / ``tiled.FUSED``). A replayed call returns
 ``None`` where the full path must look closer (an all-zero output row: torch's CPU kernel writes
-zeros where a row's scores hold NaN/inf) and the caller then takes the full path.
+zeros where a row's scores hold NaN/inf; a NaN row: an inf in a key the mask hides reaches the row
+there) and the caller then takes the full path.
 
 A decode loop makes every step a new signature (the cache is one key longer): where the chosen kernel's decision
 does not read the key count S (the decode entry's ``replay_family``), one prepared call serves the signature

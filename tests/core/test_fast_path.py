@@ -400,22 +400,24 @@ def test_replayed_compiled_kernel_call_without_gradients_is_the_full_paths(dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_zero_row_check_reads_the_first_column_at_any_strides(dtype):
-    """``may_hide_nan`` (read in C where the kernel is loaded): true iff some row's first element is +0 or -0;
-    NaN and tiny numbers are not zero; any strides (SDPA hands back (B, L, H, D) memory viewed as (B, H, L, D))."""
+    """``may_hide_nan`` (read in C where the kernel is loaded): true iff some row's first element is +0, -0 or NaN
+    (a row of zeros where torch's kernel hid a NaN; a NaN row an inf in a hidden key may have made); inf and tiny
+    numbers are neither; any strides (SDPA hands back (B, L, H, D) memory viewed as (B, H, L, D))."""
     from attnkit.backends import _native, sdpa
 
     g = torch.Generator().manual_seed(12)
     base = torch.randn(3, 70, 5, 9, generator=g).to(dtype) + 10  # no zeros
     for out in (base, base.transpose(1, 2), base[:, ::3, 1:], base.transpose(1, 2)[..., 2:]):
         assert sdpa.may_hide_nan(out) is False
-        for value in (0.0, -0.0, float("nan"), 1e-30, torch.finfo(dtype).tiny):  # 1e-30 is 0 in fp16
-            w = out.clone()
+        for value in (0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-30, torch.finfo(dtype).tiny):
+            w = out.clone()  # (1e-30 is 0 in fp16)
             w[2, -1, 1, 0] = value
-            expect = w[2, -1, 1, 0].item() == 0.0
+            x = w[2, -1, 1, 0].item()
+            expect = x == 0.0 or x != x
             assert sdpa.may_hide_nan(w) is expect, (value, w.stride())
-            assert (not w.select(-1, 0).all().item()) is expect
+            assert sdpa._reduce_check(w) is expect, (value, w.stride())  # (the check without the kernel)
     if _native.available():
-        assert _native.zero_first_fn() is not None
+        assert _native.zero_or_nan_first_fn() is not None
 
 
 def test_a_mask_without_a_key_is_never_replayed_as_no_mask(spy):
@@ -1362,22 +1364,23 @@ def test_a_decode_mods_0d_or_1d_result_runs_exactly(L, S):
 
 
 def test_the_zero_row_check_through_ctypes_as_through_the_vectorcall(monkeypatch):
-    """A build without the extension's ``zero_first`` vectorcall checks through ctypes' ``ak_zero_first``: the
-    same answers."""
+    """A build without the extension's ``zero_or_nan_first`` vectorcall checks through ctypes'
+    ``ak_zero_or_nan_first``: the same answers."""
     from attnkit.backends import _native
 
     require_kernel()
     out = torch.randn(2, 3, 40, 8) + 10
-    fast = _native.zero_first_fn()
-    monkeypatch.setattr(_native, "_zero_first", None)
+    fast = _native.zero_or_nan_first_fn()
+    monkeypatch.setattr(_native, "_zero_or_nan_first", None)
     monkeypatch.setattr(_native, "_ext", None)
-    slow = _native.zero_first_fn()
+    slow = _native.zero_or_nan_first_fn()
     assert slow is not fast
     for w in (out, out.transpose(1, 2)):
         assert fast(w) is slow(w) is False
-        z = w.clone()
-        z[1, 2, 2, 0] = -0.0
-        assert fast(z) is slow(z) is True
+        for value in (-0.0, float("nan")):
+            z = w.clone()
+            z[1, 2, 2, 0] = value
+            assert fast(z) is slow(z) is True
 
 
 def _bool_rows(B, L, S, lo, hi, shape):

@@ -18,8 +18,8 @@ overlapping rows) is read correctly and passed through without a copy.
 
 * a row with no visible key (its mask row all ``-inf``) gets lse ``0``, not ``-inf``:
   :func:`forward` patches such rows to ``-inf`` (its output is already 0);
-* a row whose scores hold NaN comes out as zeros (NaN hidden): callers that promise
-  NaN propagation route NaN inputs to a plain-op path (:func:`has_nan`);
+* a row whose scores hold NaN (or an inf) may come out as zeros (NaN hidden): callers that
+  promise NaN propagation route NaN / inf inputs to a plain-op path (:func:`has_nonfinite`);
 * no GQA switch: K/V heads must equal the query heads of the call (callers fold the
   ``g`` query heads of a kv head into the rows, so nothing is copied).
 
@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-__all__ = ["available", "forward", "backward", "fit", "has_nan"]
+__all__ = ["available", "forward", "backward", "fit", "has_nonfinite"]
 
 _FWD_NAME = "_scaled_dot_product_flash_attention_for_cpu"
 _BWD_NAME = "_scaled_dot_product_flash_attention_for_cpu_backward"
@@ -127,12 +127,13 @@ def backward(dout, q, k, v, out, lse, *, attn_mask=None, is_causal: bool = False
                attn_mask=fit(attn_mask), scale=scale)
 
 
-def has_nan(*tensors: torch.Tensor) -> bool:
-    """Whether any input holds NaN (the kernel would silently output 0 for its rows).
+def has_nonfinite(*tensors: torch.Tensor) -> bool:
+    """Whether any input holds NaN or inf (torch's kernel would silently output 0 for a row whose scores hold
+    them, or let an inf in a hidden key reach a row).
 
-    One reduction per tensor: a NaN makes the sum NaN (so can inf - inf, a harmless false
-    positive that only costs the slower, still exact, path)."""
+    One reduction per tensor: a NaN or an inf makes the sum NaN or inf (so can a sum of huge finite values
+    that overflows, a harmless false positive that only costs the slower, still exact, path)."""
     total: torch.Tensor | float = 0.0
     for t in tensors:
         total = total + t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None)
-    return bool(torch.isnan(torch.as_tensor(total)))
+    return not bool(torch.isfinite(torch.as_tensor(total)))

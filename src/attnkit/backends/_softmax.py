@@ -107,7 +107,7 @@ def softmax_lse(s: torch.Tensor):
     m_i = guard(s.detach().amax(dim=-1, keepdim=True))
     p = torch.exp(s - m_i)  # s - m_i is exact near the max, even at finfo.min: weights exact on any row
     l_i = p.sum(dim=-1, keepdim=True)
-    live = l_i > 0
+    live = ~(l_i <= 0)  # a NaN sum (NaN or +inf in the scores) is live: the row's weights, lse and gradients NaN
     safe = torch.where(live, l_i, torch.ones_like(l_i))  # log(0)'s gradient would be NaN, even masked
     lse = torch.where(live, m_i + torch.log(safe), torch.full_like(m_i, float("-inf")))
     return p / safe, lse.squeeze(-1)

@@ -13,9 +13,9 @@ from .. import _mods
 from .. import score_mods as _score_mods
 from . import _softmax
 from ._base import Request
-from ._flash_cpu import has_nan
+from ._flash_cpu import has_nonfinite
 
-__all__ = ["has_nan", "index_grid", "tile_of", "apply_score_mod", "modify_scores", "allowed_tile",
+__all__ = ["has_nonfinite", "index_grid", "tile_of", "apply_score_mod", "modify_scores", "allowed_tile",
            "weights_from_lse", "exact_rows_backward"]
 
 # Largest (B·H·rows × S) score block exact_rows_backward holds at once.

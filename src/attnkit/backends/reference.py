@@ -124,14 +124,16 @@ def trace(req: Request) -> Trace:
         allowed &= np.broadcast_to(host_array(req.dense_mask.cpu()), (B, H, L, S))
     masked = np.where(allowed, masked, -np.inf)
 
-    # Stable softmax: subtract the row max (0 for a row with no finite score).
+    # Stable softmax: subtract the row max (0 for a row that sees no key). A row whose scores hold NaN, or +inf
+    # (inf - inf), has a NaN sum: its weights and lse are NaN throughout, as torch.softmax's.
     m = masked.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(masked - m)
+    m = np.where(np.isneginf(m), 0.0, m)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(masked - m)
     denom = e.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):
         lse = (m + np.log(denom))[..., 0]
-    weights = e / np.where(denom > 0, denom, 1.0)
+        weights = e / np.where(denom == 0, 1.0, denom)
     output = weights @ v
     return Trace(q=q, k=k, v=v, scale=req.scale, scores=scores, scaled=scaled, masked=masked,
                  allowed=allowed, weights=weights, output=output, lse=lse, has_mask=req.has_mask)

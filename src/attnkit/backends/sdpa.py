@@ -8,10 +8,12 @@ the CPU flash kernel directly (the public function does not return lse) and sets
 lse to -inf on fully masked rows (the kernel reports 0 there).
 
 NaN: torch's CPU kernel turns some rows whose scores contain NaN (or inf) into zeros,
-hiding the NaN. attnkit documents that NaN propagates to the rows it touches, so an
-output with an all-zero row that the mask does not empty has its inputs scanned for
-NaN (an O(B·H·S·D) pass, done only then), and if they hold any the call is recomputed
-by the math path of ``eager``.
+hiding the NaN, and an inf in a key the mask hides reaches the row (inf + -inf: NaN
+where the formula, which never reads a hidden key, has a number). attnkit documents that
+NaN propagates to the rows it touches and only to them, so an output with an all-zero row
+that the mask does not empty, or a NaN row, has its inputs scanned for NaN and inf (an
+O(B·H·S·D) pass, done only then), and if they hold any the call is recomputed by the math
+path of ``eager``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .. import masks as _masks
 from . import _decode, _flash_cpu, _native, eager
 from ._base import Request
 from ._kernel import Kernel
-from ._tiles import allowed_tile, has_nan, tile_of
+from ._tiles import allowed_tile, has_nonfinite, tile_of
 
 __all__ = ["NAME", "FUSED", "WIDENED", "MATH", "unsupported", "backward_flaw", "run", "may_hide_nan"]
 
@@ -115,14 +117,16 @@ def _with_bias(req: Request, allowed, j0: int, j1: int):
 
 def may_hide_nan(out: torch.Tensor) -> bool:
     """Whether the fused output may have an all-zero row (where torch's CPU kernel may have
-    hidden a NaN/inf; the caller then looks closer). Conservative and cheap: a zero row has a
-    zero first element, so only the first column is read (1/Dv of the output): in C where the
-    compiled kernel is loaded (a CPU (B, H, L, Dv) output of its dtypes), else one reduction."""
+    hidden a NaN/inf) or a NaN row (which may come from an inf in a key the mask hides); the
+    caller then looks closer. Conservative and cheap: such a row has a zero or NaN first
+    element, so only the first column is read (1/Dv of the output): in C where the compiled
+    kernel is loaded (a CPU (B, H, L, Dv) output of its dtypes), else one reduction."""
     return _nan_check(out.device, out.dtype, out.dim())(out)
 
 
 def _reduce_check(out: torch.Tensor) -> bool:
-    return not out.select(-1, 0).all()
+    first = out.select(-1, 0)
+    return not first.all() or bool(first.isnan().any())
 
 
 def _decode_would_take(req: Request, user_mask: torch.Tensor):
@@ -143,7 +147,7 @@ def _decode_would_take(req: Request, user_mask: torch.Tensor):
 def _nan_check(device: torch.device, dtype: torch.dtype, dim: int):
     """:func:`may_hide_nan` for outputs of this device, dtype and rank (chosen once per replayed signature)."""
     if device.type == "cpu" and dim == 4 and dtype in (torch.float32, torch.bfloat16, torch.float16):
-        f = _native.zero_first_fn()
+        f = _native.zero_or_nan_first_fn()
         if f is not None:
             return f
     return _reduce_check
@@ -552,13 +556,13 @@ def run(req: Request, worker: str = "fused"):
         return out, (lse if req.need_lse else None)
     out, lse, attn_mask = _fused(req)
     out = zero_dead_rows(out, attn_mask)
-    if may_hide_nan(out):  # cheap; then: an all-zero row the mask does not empty -> NaN scan
+    if may_hide_nan(out):  # cheap; then: an all-zero row the mask does not empty, or a NaN row -> NaN / inf scan
         zero_rows = (out == 0).all(dim=-1)  # (B, H, L)
         if attn_mask is not None:  # only rows the mask leaves some key
             zero_rows = zero_rows & ~dead_rows(attn_mask)
-        inputs = (req.q, req.k, req.v) + (() if req.bias is None else (req.bias,))
-        if bool(zero_rows.any()) and has_nan(*inputs):
-            return run(req, "math")  # the kernel hid a NaN (see Fused.why)
+        if bool((zero_rows | out.isnan().any(dim=-1)).any()) and (has_nonfinite(req.q, req.k, req.v) or (
+                req.bias is not None and bool((req.bias.isnan() | req.bias.isposinf()).any()))):  # (-inf: masked)
+            return run(req, "math")  # the kernel hid a NaN or let a hidden key's inf in (see the module's note)
     return out, lse
 
 

@@ -52,7 +52,7 @@ from . import _flash_cpu, _softmax, _tiled_fused, _tiled_plain, _tiles, _worklis
 from ._base import Request
 from ._kernel import Kernel
 from ._tiled_ctx import TileContext, additive_mod
-from ._tiles import has_nan
+from ._tiles import has_nonfinite
 
 __all__ = ["NAME", "FLASH_RUNS", "PLAIN", "auto_reason", "unsupported", "partial_fraction", "run", "block_sizes",
            "context"]
@@ -156,9 +156,9 @@ class FlashRuns(_Tiled):
             why.append("gradients into a float mask or score_mod tensors (differentiated tile by tile)")
         if not _flash_cpu.available():
             why.append(f"torch's private CPU flash kernel is unavailable ({_flash_cpu.unavailable_reason()})")
-        if not why and has_nan(req.q, req.k, req.v):
-            # the kernel outputs 0 on a row whose scores hold NaN; the plain worker propagates NaN
-            why.append("NaN in q, k or v (the fused kernel would hide it)")
+        if not why and has_nonfinite(req.q, req.k, req.v):
+            # the kernel may output 0 on a row whose scores hold NaN or inf; the plain worker propagates NaN
+            why.append("NaN or inf in q, k or v (the fused kernel could hide a NaN)")
         return why
 
     def why(self, req: Request) -> str:

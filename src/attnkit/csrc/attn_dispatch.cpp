@@ -1,8 +1,8 @@
 // The C ABI of attnkit's CPU kernel (loaded with ctypes by attnkit/backends/_native.py) and the
 // run-time choice of instruction set. Also a Python extension module (setuptools builds and installs it like any
 // other) whose two functions are the per-call hot path of a replayed call: `step` (write a call record's per-call
-// slots and run an entry, the GIL released) and `zero_first`, each a vectorcall taking Python ints, a fraction of
-// a ctypes call's argument conversion (about 0.2 µs an argument).
+// slots and run an entry, the GIL released) and `zero_or_nan_first`, each a vectorcall taking Python ints, a
+// fraction of a ctypes call's argument conversion (about 0.2 µs an argument).
 #include <Python.h>
 
 #include "attn_common.h"
@@ -114,23 +114,30 @@ AK_API int ak_decode(const AkCall* c) {
   }
 }
 
-// Whether any row of a (n0, n1, n2, ·) array (element strides s0, s1, s2) has a zero first element (+0 or -0): the
-// cheap check that torch's fused CPU kernel may have hidden a NaN / inf (it writes an all-zero row there). dtype: 0
-// fp32, 1 bf16, 2 fp16 (the bits are compared: no float arithmetic, any NaN counts as nonzero). A plain loop: the
-// caller's output is small where this check costs anything (one element per row).
-AK_API int ak_zero_first(const void* p, int dtype, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
-                         int64_t s2) {
+// Whether any row of a (n0, n1, n2, ·) array (element strides s0, s1, s2) has a first element that is zero (+0 or
+// -0) or NaN: the cheap check that torch's fused CPU kernel may have hidden a NaN / inf (it writes an all-zero row
+// there) or let an inf in a key the mask hides reach a row (a NaN row the formula does not have). dtype: 0 fp32, 1
+// bf16, 2 fp16 (the bits are compared, no float arithmetic: zero is all bits but the sign clear, NaN is an all-ones
+// exponent with a nonzero fraction). A plain loop: the caller's output is small where this check costs anything (one
+// element per row).
+AK_API int ak_zero_or_nan_first(const void* p, int dtype, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
+                                int64_t s2) {
+  const uint32_t inf16 = dtype == 1 ? 0x7f80u : 0x7c00u;  // bf16's / fp16's +inf bits
   for (int64_t a = 0; a < n0; ++a)
     for (int64_t b = 0; b < n1; ++b) {
       const int64_t base = a * s0 + b * s1;
       if (dtype == 0) {
         const uint32_t* x = static_cast<const uint32_t*>(p) + base;
-        for (int64_t i = 0; i < n2; ++i)
-          if ((x[i * s2] & 0x7fffffffu) == 0) return 1;
+        for (int64_t i = 0; i < n2; ++i) {
+          const uint32_t m = x[i * s2] & 0x7fffffffu;
+          if (m == 0 || m > 0x7f800000u) return 1;
+        }
       } else {
         const uint16_t* x = static_cast<const uint16_t*>(p) + base;
-        for (int64_t i = 0; i < n2; ++i)
-          if ((x[i * s2] & 0x7fffu) == 0) return 1;
+        for (int64_t i = 0; i < n2; ++i) {
+          const uint32_t m = x[i * s2] & 0x7fffu;
+          if (m == 0 || m > inf16) return 1;
+        }
       }
     }
   return 0;
@@ -181,24 +188,25 @@ static PyObject* py_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLong(rc);
 }
 
-// zero_first(ptr, dtype, n0, n1, n2, s0, s1, s2) -> bool: ak_zero_first
-static PyObject* py_zero_first(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// zero_or_nan_first(ptr, dtype, n0, n1, n2, s0, s1, s2) -> bool: ak_zero_or_nan_first
+static PyObject* py_zero_or_nan_first(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t v[8];
   if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError, "zero_first(ptr, dtype, n0, n1, n2, s0, s1, s2): 8 ints");
+    PyErr_SetString(PyExc_TypeError, "zero_or_nan_first(ptr, dtype, n0, n1, n2, s0, s1, s2): 8 ints");
     return nullptr;
   }
   if (!int64s(args, 8, v)) return nullptr;
-  return PyBool_FromLong(ak_zero_first(reinterpret_cast<const void*>((intptr_t)v[0]), (int)v[1], v[2], v[3], v[4],
-                                       v[5], v[6], v[7]));
+  return PyBool_FromLong(ak_zero_or_nan_first(reinterpret_cast<const void*>((intptr_t)v[0]), (int)v[1], v[2], v[3],
+                                              v[4], v[5], v[6], v[7]));
 }
 
 static PyMethodDef methods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_step)), METH_FASTCALL,
      "step(entry, record, first, *values) -> int: fill a call record's per-call slots and run entry 0 (forward) or "
      "2 (decode), the GIL released. Internal (attnkit.backends._native)."},
-    {"zero_first", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_zero_first)), METH_FASTCALL,
-     "zero_first(ptr, dtype, n0, n1, n2, s0, s1, s2) -> bool: ak_zero_first. Internal."},
+    {"zero_or_nan_first", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_zero_or_nan_first)),
+     METH_FASTCALL,
+     "zero_or_nan_first(ptr, dtype, n0, n1, n2, s0, s1, s2) -> bool: ak_zero_or_nan_first. Internal."},
     {nullptr, nullptr, 0, nullptr}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",

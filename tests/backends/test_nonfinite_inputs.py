@@ -1,0 +1,143 @@
+"""NaN and inf in q, k or v, on every route ``auto`` takes at the shapes models run (decode, short prompts,
+a bool mask of one tile, a window, a user's mask_mod, a soft cap), in fp32 and bf16.
+
+What the answer is. A NaN or an inf reaches the rows whose scores it touches, and only them: NaN in q row i
+makes row i NaN; an inf in key j makes NaN every row that *sees* key j with a +inf score (inf - inf in the
+softmax); a -inf score is a weight of 0; a key the mask hides is never read, so its inf reaches no row. The
+golden is the NumPy float64 reference (``backend="reference"``) on the same values (bf16 inputs: their bf16
+values), compared as NaN patterns of the output and of lse (a NaN row's lse is NaN on every backend).
+
+Two faults these tests were written on (2026-11-28): torch's CPU flash kernel wrote an all-zero row where an
+inf (not a NaN) in a key made the row NaN, and the check that re-runs such calls looked for NaN in the inputs
+only (bf16 at L = S = 300 with a bool mask: 95 rows of zeros where the formula has NaN, silently); and with a
+bool mask torch's kernel adds -inf to the scores of hidden keys, so an inf in a hidden key made its rows NaN
+(fp32: 139 NaN rows where the formula has 95).
+
+Gradients: where the calls of the two dtypes take different routes (fp32 with gradients on torch's SDPA, bf16
+on attnkit's kernel or SDPA in fp32), bf16's gradients hold NaN exactly where fp32's do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit.backends._tiles import has_nonfinite
+
+# name: (B, H, Hkv, L, S, D, keyword arguments of attention); the mask is built per case
+CASES = {
+    "decode-128": (1, 8, 2, 1, 128, 64, {}),
+    "decode-2048": (1, 8, 2, 1, 2048, 64, {}),
+    "prefill-64-causal": (2, 4, 4, 64, 64, 16, {"causal": True}),
+    "L200-causal-gqa": (1, 4, 2, 200, 200, 64, {"causal": True}),
+    "L300-no-mask": (1, 2, 2, 300, 300, 32, {}),
+    "bool-64": (1, 8, 8, 64, 64, 64, {"mask": "bool"}),
+    "bool-300": (1, 2, 2, 300, 300, 32, {"mask": "bool"}),
+    "window-512": (1, 2, 2, 512, 512, 32, {"mask": "window"}),
+    "mask_mod-96": (1, 2, 1, 96, 96, 32, {"mask": "mod"}),
+    "softcap-decode-256": (1, 4, 2, 1, 256, 32, {"causal": True, "score_mod": "cap"}),
+}
+WHERE = ["q", "k", "v"]
+VALUES = [float("inf"), float("-inf"), float("nan")]
+
+
+def _inputs(case, where, value):
+    B, H, Hkv, L, S, D, kw = CASES[case]
+    g = torch.Generator().manual_seed(7)
+    # bf16 values, held in fp32: both dtypes see the same numbers
+    q, k, v = (torch.randn(B, h, n, D, generator=g).bfloat16().float() for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    t = {"q": q, "k": k, "v": v}[where]
+    t[0, 0, min(3, t.shape[2] - 1), 5] = value
+    kw = dict(kw)
+    if kw.get("mask") == "bool":
+        kw["mask"] = torch.rand(L, S, generator=g) > 0.3
+    elif kw.get("mask") == "window":
+        i = torch.arange(L)[:, None]
+        j = torch.arange(S)[None, :]
+        kw["mask"] = (j <= i) & (j > i - 64)
+    elif kw.get("mask") == "mod":
+        kw["mask"] = masks.from_mod(lambda b, h, qi, ki: (ki <= qi) & ((qi - ki) % 3 != 1))
+    if kw.get("score_mod") == "cap":
+        kw["score_mod"] = lambda s, b, h, qi, ki: 20.0 * torch.tanh(s / 20.0)
+    return q, k, v, kw
+
+
+def _nan(x) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x)).isnan()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("value", VALUES, ids=["inf", "-inf", "nan"])
+def test_forward_nan_where_the_formula_has_it(case, where, value):
+    q, k, v, kw = _inputs(case, where, value)
+    ref_out, ref_lse = attnkit.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(),
+                                         backend="reference", return_lse=True, **kw)
+    if value != value:  # (an inf may make no NaN: a soft cap's tanh(inf) = 1, a row whose scores are all -inf)
+        assert _nan(ref_out).any(), "the case must make some row NaN"
+    for dtype in (torch.float32, torch.bfloat16):
+        a = [x.to(dtype) for x in (q, k, v)]
+        for _ in range(2):  # the second call is the replayed one where the fast path replays this signature
+            out = attnkit.attention(*a, **kw)
+            assert torch.equal(out.isnan(), _nan(ref_out)), (dtype, attnkit.dispatch(*a, **kw))
+        out, lse = attnkit.attention(*a, return_lse=True, **kw)
+        assert torch.equal(out.isnan(), _nan(ref_out)), dtype
+        assert torch.equal(lse.isnan(), _nan(ref_lse)), dtype
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("value", VALUES, ids=["inf", "-inf", "nan"])
+def test_forward_a_nonfinite_value_bf16_as_fp32(case, value):
+    """A NaN or inf in V: the rows that weigh it get NaN or inf, in bf16 exactly where in fp32. (Not compared
+    with the reference's: its ``weights @ v`` reads every key's value, a hidden one at weight 0, and 0 · inf is
+    NaN; the kernels never read a tile the mask hides.)"""
+    q, k, v, kw = _inputs(case, "v", value)
+    got = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = [x.to(dtype) for x in (q, k, v)]
+        out = attnkit.attention(*a, **kw)
+        got[dtype] = (out.isnan(), out.isposinf(), out.isneginf())
+    assert got[torch.float32][0].any() or got[torch.float32][1].any() or got[torch.float32][2].any()
+    for f, b in zip(got[torch.float32], got[torch.bfloat16], strict=True):
+        assert torch.equal(f, b)
+
+
+@pytest.mark.parametrize("case", ["decode-128", "decode-2048", "L300-no-mask", "bool-64", "bool-300"])
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("value", VALUES, ids=["inf", "-inf", "nan"])
+def test_bf16_gradients_nan_where_fp32_has_them(case, where, value):
+    q, k, v, kw = _inputs(case, where, value)
+    grads = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = attnkit.attention(*a, **kw)
+        grads[dtype] = [out.isnan(), *torch.autograd.grad(out.float().sum(), a)]
+    for name, f, b in zip(["out", "dq", "dk", "dv"], grads[torch.float32], grads[torch.bfloat16], strict=True):
+        assert torch.equal(f.isnan(), b.isnan()), name
+
+
+def test_a_finite_replayed_signature_then_an_inf_key():
+    """A signature replayed with finite inputs, then the same call with an inf in a key the bool mask hides
+    from some rows: the replay's check sends it to the full path, which gives the formula's NaN rows."""
+    q, k, v, kw = _inputs("bool-300", "k", float("inf"))
+    finite_k = k.clone()
+    finite_k[0, 0, 3, 5] = 0.5
+    for _ in range(3):
+        attnkit.attention(q.bfloat16(), finite_k.bfloat16(), v.bfloat16(), **kw)
+    ref = attnkit.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), backend="reference", **kw)
+    out = attnkit.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kw)
+    assert torch.equal(out.isnan(), _nan(ref))
+    assert not (out.float() == 0).all(-1).any(), "a row of zeros where the formula has NaN"
+
+
+def test_has_nonfinite_sees_a_lone_inf():
+    x = torch.zeros(4, 4)
+    assert not has_nonfinite(x, x)
+    for value in VALUES:
+        y = x.clone()
+        y[1, 2] = value
+        assert has_nonfinite(x, y), value
+        assert has_nonfinite(y.bfloat16()), value
