@@ -1,11 +1,12 @@
 """NaN and inf in q, k or v, on every route ``auto`` takes at the shapes models run (decode, short prompts,
-a bool mask of one tile, a window, a user's mask_mod, a soft cap), in fp32 and bf16.
+a bool mask of one tile, a window, a user's mask_mod, a soft cap), in fp32, bf16 and fp16.
 
 What the answer is. A NaN or an inf reaches the rows whose scores it touches, and only them: NaN in q row i
 makes row i NaN; an inf in key j makes NaN every row that *sees* key j with a +inf score (inf - inf in the
 softmax); a -inf score is a weight of 0; a key the mask hides is never read, so its inf reaches no row. The
-golden is the NumPy float64 reference (``backend="reference"``) on the same values (bf16 inputs: their bf16
-values), compared as NaN patterns of the output and of lse (a NaN row's lse is NaN on every backend).
+golden is the NumPy float64 reference (``backend="reference"``) on the same values (every input is a bf16
+value, so each dtype holds the same numbers), compared as NaN patterns of the output and of lse (a NaN row's
+lse is NaN on every backend).
 
 Two faults these tests were written on (2026-11-28): torch's CPU flash kernel wrote an all-zero row where an
 inf (not a NaN) in a key made the row NaN, and the check that re-runs such calls looked for NaN in the inputs
@@ -78,7 +79,7 @@ def test_forward_nan_where_the_formula_has_it(case, where, value):
                                          backend="reference", return_lse=True, **kw)
     if value != value:  # (an inf may make no NaN: a soft cap's tanh(inf) = 1, a row whose scores are all -inf)
         assert _nan(ref_out).any(), "the case must make some row NaN"
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a = [x.to(dtype) for x in (q, k, v)]
         for _ in range(2):  # the second call is the replayed one where the fast path replays this signature
             out = attnkit.attention(*a, **kw)
@@ -96,19 +97,24 @@ def test_forward_a_nonfinite_value_bf16_as_fp32(case, value):
     NaN; the kernels never read a tile the mask hides.)"""
     q, k, v, kw = _inputs(case, "v", value)
     got = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a = [x.to(dtype) for x in (q, k, v)]
         out = attnkit.attention(*a, **kw)
         got[dtype] = (out.isnan(), out.isposinf(), out.isneginf())
     assert got[torch.float32][0].any() or got[torch.float32][1].any() or got[torch.float32][2].any()
-    for f, b in zip(got[torch.float32], got[torch.bfloat16], strict=True):
-        assert torch.equal(f, b)
+    for low in (torch.bfloat16, torch.float16):
+        for f, b in zip(got[torch.float32], got[low], strict=True):
+            assert torch.equal(f, b), low
 
 
 @pytest.mark.parametrize("case", ["decode-128", "decode-2048", "L300-no-mask", "bool-64", "bool-300"])
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("value", VALUES, ids=["inf", "-inf", "nan"])
 def test_bf16_gradients_nan_where_fp32_has_them(case, where, value):
+    """At these shapes fp32 with gradients runs on torch's SDPA (the formula in plain ops once a NaN shows) and
+    bf16 on attnkit's kernel or SDPA in fp32: the same NaN in the output and the three gradients. (fp16 with a
+    bool mask runs on the tiled engine's plain worker, whose gradients also turn NaN at keys the mask hides
+    from a NaN row: not held to fp32's here.)"""
     q, k, v, kw = _inputs(case, where, value)
     grads = {}
     for dtype in (torch.float32, torch.bfloat16):
