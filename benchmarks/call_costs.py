@@ -38,14 +38,14 @@ def main(argv=None) -> int:
     q = torch.randn(1, 8, 1, 64, generator=g)
     k, v = torch.randn(1, 2, 128, 64, generator=g), torch.randn(1, 2, 128, 64, generator=g)
     lo, hi = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), 128, dtype=torch.int32)
-    fast_zero = _native.zero_or_nan_first_fn()
+    fast_zero = _native.suspect_rows_fn()
     fast_step = _native.decode_step(q, k, v, lo, hi)
-    _native._ext, _native._zero_or_nan_first = None, None  # the ctypes entries, as a build without the vectorcalls
+    _native._ext, _native._suspect_rows = None, None  # the ctypes entries, as a build without the vectorcalls
     try:
-        slow_zero = _native.zero_or_nan_first_fn()
+        slow_zero = _native.suspect_rows_fn()
         slow_step = _native.decode_step(q, k, v, lo, hi)
     finally:
-        _native._ext, _native._zero_or_nan_first = ext, fast_zero
+        _native._ext, _native._suspect_rows = ext, fast_zero
     pairs = {
         "zero-row check of a (1, 8, 1, 64) output": (lambda: fast_zero(out), lambda: slow_zero(out)),
         "replayed decode step, 128 keys (kernel included)": (lambda: fast_step(q, k, v, 0.125),

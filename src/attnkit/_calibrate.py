@@ -469,7 +469,7 @@ def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: floa
     # an all-zero row where a NaN / inf should show: backends/sdpa.py may_hide_nan); the kernel path has no such
     # check. Measured with it, the crossover compares the two paths attnkit runs, not the bare kernels (at L = 64
     # on a 2-core AMD EPYC the bare kernels tie, and the check decides)
-    hides_nan = _native.zero_or_nan_first_fn()
+    hides_nan = _native.suspect_rows_fn()
 
     def sdpa():
         if backward:

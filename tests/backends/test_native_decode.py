@@ -367,10 +367,10 @@ def test_the_vectorcalls_refuse_a_bad_record_or_entry():
         ext.step(0, 8, 10_000, 1)
     with pytest.raises(TypeError, match="3 to 35 ints"):
         ext.step(0)
-    with pytest.raises(TypeError, match="8 ints"):
-        ext.zero_or_nan_first(0, 0)
+    with pytest.raises(TypeError, match="11 ints"):
+        ext.suspect_rows(0, 0)
     with pytest.raises(TypeError):
-        ext.zero_or_nan_first(*([None] * 8))
+        ext.suspect_rows(*([None] * 11))
 
 
 def test_step_refuses_slots_past_the_record_even_where_the_sum_overflows():

@@ -438,14 +438,14 @@ def test_the_sdpa_side_is_timed_with_the_check_attnkit_runs_after_it(monkeypatch
         with pytest.raises(C._NoKernel, match="the compiled kernel is not available here"):
             C._measure_point("causal", "float32", 64, backward, deadline=1e9, clock=lambda: 0.0)
         return
-    real = _native.zero_or_nan_first_fn()
+    real = _native.suspect_rows_fn()
     seen: list[tuple] = []
 
     def counting(out):
         seen.append(tuple(out.shape))
         return real(out)
 
-    monkeypatch.setattr(_native, "zero_or_nan_first_fn", lambda: counting)
+    monkeypatch.setattr(_native, "suspect_rows_fn", lambda: counting)
     clock = iter(float(i) * 1e-3 for i in range(10_000))
     got = C._measure_point("causal", "float32", 64, backward, deadline=1e9, clock=lambda: next(clock))
     assert got is not None

@@ -416,8 +416,20 @@ def test_the_zero_row_check_reads_the_first_column_at_any_strides(dtype):
             expect = x == 0.0 or x != x
             assert sdpa.may_hide_nan(w) is expect, (value, w.stride())
             assert sdpa._reduce_check(w) is expect, (value, w.stride())  # (the check without the kernel)
+            assert sdpa.may_hide_nan(w, masked=True) is expect, (value, w.stride())
+    # under a mask, a NaN anywhere in a row (a NaN value at a key the mask hides, read at weight 0): the whole
+    # output is read, at any strides of the last dim too
+    views = (lambda t: t, lambda t: t.transpose(1, 2), lambda t: t[..., ::2], lambda t: t.transpose(1, 3)[:, :4])
+    for view in views:
+        for col in (1, view(base).shape[-1] // 2, -1):
+            for value, flagged in ((float("nan"), True), (float("inf"), False), (0.0, False)):
+                w = view(base.clone())  # (a view: its strides as they are, the last dim's too)
+                w[1, -1, 2, col] = value
+                assert sdpa.may_hide_nan(w, masked=True) is flagged, (value, col, w.stride())
+                assert sdpa._reduce_check(w, True) is flagged, (value, col, w.stride())
+                assert sdpa.may_hide_nan(w) is False, (value, col, w.stride())  # the first column alone
     if _native.available():
-        assert _native.zero_or_nan_first_fn() is not None
+        assert _native.suspect_rows_fn() is not None
 
 
 def test_a_mask_without_a_key_is_never_replayed_as_no_mask(spy):
@@ -1364,16 +1376,16 @@ def test_a_decode_mods_0d_or_1d_result_runs_exactly(L, S):
 
 
 def test_the_zero_row_check_through_ctypes_as_through_the_vectorcall(monkeypatch):
-    """A build without the extension's ``zero_or_nan_first`` vectorcall checks through ctypes'
-    ``ak_zero_or_nan_first``: the same answers."""
+    """A build without the extension's ``suspect_rows`` vectorcall checks through ctypes'
+    ``ak_suspect_rows``: the same answers."""
     from attnkit.backends import _native
 
     require_kernel()
     out = torch.randn(2, 3, 40, 8) + 10
-    fast = _native.zero_or_nan_first_fn()
-    monkeypatch.setattr(_native, "_zero_or_nan_first", None)
+    fast = _native.suspect_rows_fn()
+    monkeypatch.setattr(_native, "_suspect_rows", None)
     monkeypatch.setattr(_native, "_ext", None)
-    slow = _native.zero_or_nan_first_fn()
+    slow = _native.suspect_rows_fn()
     assert slow is not fast
     for w in (out, out.transpose(1, 2)):
         assert fast(w) is slow(w) is False

@@ -61,7 +61,7 @@ def _isa_level(name, arg: str) -> int:
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _loaded = False
-# the same .so imported as a Python module: its vectorcalls `step` and `zero_or_nan_first` (a replayed call's hot path,
+# the same .so imported as a Python module: its vectorcalls `step` and `suspect_rows` (a replayed call's hot path,
 # without ctypes' per-argument conversion), or None (a build from before them: the ctypes entries instead)
 _ext = None
 _ENTRY = {"ak_forward": 0, "ak_decode": 2}
@@ -126,15 +126,15 @@ def _load() -> None:
     lib.ak_forward.restype = lib.ak_backward.restype = lib.ak_decode.restype = ctypes.c_int
     lib.ak_forward.argtypes = lib.ak_backward.argtypes = lib.ak_decode.argtypes = (ctypes.POINTER(_Call),)
     lib.ak_release_scratch.restype = None
-    if hasattr(lib, "ak_zero_or_nan_first"):  # (a build from before it: the caller's torch reduction instead)
-        lib.ak_zero_or_nan_first.restype = ctypes.c_int
-        lib.ak_zero_or_nan_first.argtypes = (ctypes.c_void_p, ctypes.c_int, *([ctypes.c_int64] * 6))
+    if hasattr(lib, "ak_suspect_rows"):  # (a build from before it: the caller's torch reduction instead)
+        lib.ak_suspect_rows.restype = ctypes.c_int
+        lib.ak_suspect_rows.argtypes = (ctypes.c_void_p, ctypes.c_int, *([ctypes.c_int64] * 8), ctypes.c_int)
     global _ext
     try:
         mod = importlib.import_module("attnkit._native")
     except ImportError:  # (loaded above by ctypes: a failure here is not expected; the ctypes entries serve)
         mod = None
-    _ext = mod if hasattr(mod, "step") and hasattr(mod, "zero_or_nan_first") else None
+    _ext = mod if hasattr(mod, "step") and hasattr(mod, "suspect_rows") else None
     if level is not None:
         lib.ak_set_isa(level)
     _lib = lib
@@ -588,31 +588,31 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
     return out, lse
 
 
-_zero_or_nan_first = None
+_suspect_rows = None
 
 
-def zero_or_nan_first_fn():
-    """``f(out) -> bool``: whether a CPU (B, H, L, Dv) fp32 / bf16 / fp16 tensor (any strides) has a row whose
-    first element is zero or NaN, read in C (one element per row, no tensor op; on a 2-core AMD EPYC 3.6 µs a call
-    against 8-17 µs for ``not out.select(-1, 0).all()``: BENCHMARKS.md; through the extension's vectorcall
-    0.8 µs against ctypes' 2.3 for a (1, 8, 1, 64) output: ``benchmarks/call_costs.py``); None when the kernel is
-    not loaded."""
-    global _zero_or_nan_first
-    if _zero_or_nan_first is not None:
-        return _zero_or_nan_first
+def suspect_rows_fn():
+    """``f(out, whole=False) -> bool``: whether a CPU (B, H, L, Dv) fp32 / bf16 / fp16 tensor (any strides) has a
+    row whose first element is zero or NaN, or (``whole``) a NaN anywhere, read in C (no tensor op; the first
+    element alone: on a 2-core AMD EPYC 3.6 µs a call against 8-17 µs for ``not out.select(-1, 0).all()``:
+    BENCHMARKS.md; through the extension's vectorcall 0.8 µs against ctypes' 2.3 for a (1, 8, 1, 64) output:
+    ``benchmarks/call_costs.py``); None when the kernel is not loaded."""
+    global _suspect_rows
+    if _suspect_rows is not None:
+        return _suspect_rows
     _load()
-    f = _ext.zero_or_nan_first if _ext is not None else getattr(_lib, "ak_zero_or_nan_first", None)
+    f = _ext.suspect_rows if _ext is not None else getattr(_lib, "ak_suspect_rows", None)
     if f is None:
         return None
     codes = _DTYPE_CODE
 
-    def zero_or_nan_first(out: torch.Tensor) -> bool:
-        n0, n1, n2, _ = out.shape
-        s0, s1, s2, _ = out.stride()
-        return bool(f(out.data_ptr(), codes[out.dtype], n0, n1, n2, s0, s1, s2))
+    def suspect_rows(out: torch.Tensor, whole: bool = False) -> bool:
+        n0, n1, n2, n3 = out.shape
+        s0, s1, s2, s3 = out.stride()
+        return bool(f(out.data_ptr(), codes[out.dtype], n0, n1, n2, n3, s0, s1, s2, s3, int(whole)))
 
-    _zero_or_nan_first = zero_or_nan_first
-    return zero_or_nan_first
+    _suspect_rows = suspect_rows
+    return suspect_rows
 
 
 def release_scratch() -> None:

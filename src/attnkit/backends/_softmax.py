@@ -48,8 +48,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["guard", "online_step", "online_finish", "merge", "softmax_lse", "lse_for_backward", "weights_from_lse",
-           "inexact_rows", "any_inexact", "split_inexact", "LSE_EXACT_MAX", "add_sink"]
+__all__ = ["guard", "weigh_values", "online_step", "online_finish", "merge", "softmax_lse", "lse_for_backward",
+           "weights_from_lse", "inexact_rows", "any_inexact", "split_inexact", "LSE_EXACT_MAX", "add_sink"]
 
 # Above this |lse|, exp(s - lse) is not trusted. Error budget: rounding lse costs a relative
 # error of at most |lse|·u in every weight rebuilt from it; at 2^8 that is 2^8·u = 2^-16 ≈ 1.5e-5
@@ -64,15 +64,45 @@ def guard(m: torch.Tensor) -> torch.Tensor:
     return m.clamp_min(torch.finfo(m.dtype).min)
 
 
-def online_step(m_i, l_i, acc, s: torch.Tensor, v: torch.Tensor):
+def weigh_values(p: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """``p @ v`` (``p (…, rows, n)``, ``v (…, n, Dv)``), where a value the mask hides from a row (``hidden``, bool,
+    broadcastable to ``p``) is never read: a NaN or inf in V at a key hidden from a row does not reach it, as in
+    the compiled kernel, which never reads a hidden key (the matmul alone would give ``0 · NaN = NaN``). Nor does
+    its gradient (no ``0 · NaN`` in the backward either). One matmul where V is finite or nothing is hidden;
+    else the finite part by one matmul and the keys holding NaN / inf added in chunks no larger than ``p``.
+    ::
+
+        hidden row i, key j (·):   p_ij = 0,  v_j = NaN   →   p @ v: row i NaN;   here: row i untouched
+    """
+    if hidden is None:
+        return torch.matmul(p, v)
+    fin = torch.isfinite(v)
+    if bool(fin.all()):
+        return torch.matmul(p, v)
+    n, dv = v.shape[-2], v.shape[-1]
+    out = torch.matmul(p, torch.where(fin, v, torch.zeros((), dtype=v.dtype, device=v.device)))
+    bad = torch.where(fin, torch.zeros((), dtype=v.dtype, device=v.device), v)  # only the NaN / inf entries
+    keys = (~fin).any(-1).reshape(-1, n).any(0).nonzero().flatten()
+    step = max(1, n // max(1, dv))
+    for c in range(0, keys.numel(), step):
+        j = keys[c:c + step]
+        hj = hidden.index_select(-1, j).unsqueeze(-1)  # (…, rows, c, 1)
+        vj = bad.index_select(-2, j).unsqueeze(-3)  # (…, 1, c, Dv)
+        zero = torch.zeros((), dtype=v.dtype, device=v.device)
+        out = out + (p.index_select(-1, j).unsqueeze(-1) * torch.where(hj, zero, vj)).sum(-2)
+    return out
+
+
+def online_step(m_i, l_i, acc, s: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None = None):
     """Fold one run of scores ``s (…, rows, n)`` (consumed in place) and values ``v (…, n, Dv)``
-    into the running ``(m_i, l_i, acc)`` (all None before the first run)."""
+    into the running ``(m_i, l_i, acc)`` (all None before the first run); ``hidden``: the points the mask
+    hides, whose values are not read (:func:`weigh_values`; None: V is finite, or nothing hidden)."""
     m_new = s.amax(dim=-1, keepdim=True)
     if m_i is not None:
         m_new = torch.maximum(m_i, m_new)
     m_use = guard(m_new)
     p = s.sub_(m_use).exp_()
-    pv = torch.matmul(p, v)
+    pv = weigh_values(p, v, hidden)
     if m_i is None:
         return m_new, p.sum(dim=-1, keepdim=True), pv
     alpha = (m_i - m_use).exp_()

@@ -36,11 +36,12 @@ def prepare(c: TileContext, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.
     return (q.to(c.cd) * c.req.scale).contiguous(), k.to(c.cd), v.to(c.cd)
 
 
-def _scores(c: TileContext, qb, k, i0, i1, j0, j1, spans, track=False):
+def _scores(c: TileContext, qb, k, i0, i1, j0, j1, spans, track=False, hidden=None):
     """Scaled, modified and masked scores of one run ``(B, Hkv, g·l, n)``.
 
     With ``track`` also returns what the backward needs to go through the score_mod:
-    ``("dscore", ∂mod/∂s)`` or ``(s_raw, s_mod)`` with an autograd graph.
+    ``("dscore", ∂mod/∂s)`` or ``(s_raw, s_mod)`` with an autograd graph. ``hidden``: a ``(B, H, l, n)``
+    bool tensor (False) that gets the points the mask hides (for a V holding NaN or inf: not read there).
     """
     req = c.req
     l, n = i1 - i0, j1 - j0
@@ -69,7 +70,17 @@ def _scores(c: TileContext, qb, k, i0, i1, j0, j1, spans, track=False):
         allowed = allowed_tile(req, i0, l, a, b_ - a)
         if allowed is not None:  # a span is partial only under a mask, so this is the rule
             s4[..., a - j0:b_ - j0].masked_fill_(~allowed, float("-inf"))
+            if hidden is not None:
+                hidden[..., a - j0:b_ - j0] = ~allowed
     return s4.reshape(c.B, c.Hkv, c.g * l, n), graph
+
+
+def _hidden(c: TileContext, v_run: torch.Tensor, l: int, spans) -> torch.Tensor | None:
+    """A ``(B, H, l, n)`` bool tensor for :func:`_scores` to fill where this run's V holds NaN / inf and a span
+    is partial (else None: nothing the matmul could read wrongly)."""
+    if not any(a != b_ for a, b_ in spans) or bool(torch.isfinite(v_run).all()):
+        return None
+    return torch.zeros(c.B, c.H, l, v_run.shape[-2], dtype=torch.bool, device=v_run.device)
 
 
 def forward(c: TileContext, qs, k, v):
@@ -78,14 +89,17 @@ def forward(c: TileContext, qs, k, v):
     qs5 = qs.view(B, Hkv, g, L, qs.shape[-1])
     out = torch.zeros(B, Hkv, g, L, Dv, dtype=c.cd, device=qs.device)
     lse = torch.full((B, Hkv, g, L), float("-inf"), dtype=c.cd, device=qs.device)
+    v_bad = not bool(torch.isfinite(v).all())  # NaN / inf in V: a value the mask hides is not read
     assert c.plan is not None  # set by the launcher
     for i0, i1, runs in c.plan.groups:
         l = i1 - i0
         qb = c.q_block(qs5, i0, i1)
         m_i = l_i = acc = None
         for j0, j1, spans in runs:
-            s, _ = _scores(c, qb, k, i0, i1, j0, j1, spans)
-            m_i, l_i, acc = _softmax.online_step(m_i, l_i, acc, s, v[:, :, j0:j1])
+            hid = _hidden(c, v[:, :, j0:j1], l, spans) if v_bad else None
+            s, _ = _scores(c, qb, k, i0, i1, j0, j1, spans, hidden=hid)
+            m_i, l_i, acc = _softmax.online_step(m_i, l_i, acc, s, v[:, :, j0:j1],
+                                                 None if hid is None else hid.view(B, Hkv, g * l, -1))
         o_b, lse_b = _softmax.online_finish(m_i, l_i, acc)
         out[:, :, :, i0:i1] = o_b.view(B, Hkv, g, l, Dv)
         lse[:, :, :, i0:i1] = lse_b.view(B, Hkv, g, l)
@@ -104,6 +118,7 @@ def backward(c: TileContext, qs, k, v, out, lse, dout, dlse):
         delta = delta - dlse.to(c.cd)  # d lse / d s = p, folded into the same term
     delta5 = delta.view(B, Hkv, g, L)
     lse5 = _softmax.lse_for_backward(lse.to(c.cd)).view(B, Hkv, g, L)
+    v_bad = not bool(torch.isfinite(v).all())
     dq = torch.zeros(B, Hkv, g, L, D, dtype=c.cd, device=qs.device)
     dk = torch.zeros(B, Hkv, c.S, D, dtype=c.cd, device=qs.device)
     dv = torch.zeros(B, Hkv, c.S, Dv, dtype=c.cd, device=qs.device)
@@ -120,10 +135,13 @@ def backward(c: TileContext, qs, k, v, out, lse, dout, dlse):
         dqb = None
         for j0, j1, spans in runs:
             n = j1 - j0
-            s, graph = _scores(c, qb, k, i0, i1, j0, j1, spans, track=True)
+            hid = _hidden(c, v[:, :, j0:j1], l, spans) if v_bad else None
+            s, graph = _scores(c, qb, k, i0, i1, j0, j1, spans, track=True, hidden=hid)
             p = s.sub_(lse_b).exp_()  # (B, Hkv, g·l, n) exact weights
             dv[:, :, j0:j1] += torch.matmul(p.transpose(-1, -2), dob)  # sums the g heads too
             dp = torch.matmul(dob, v[:, :, j0:j1].transpose(-1, -2))
+            if hid is not None:  # a NaN / inf value the mask hides reaches no gradient (not 0 · NaN)
+                dp.masked_fill_(hid.view(B, Hkv, g * l, n), 0.0)
             ds = p.mul_(dp.sub_(delta_b))  # p ∘ (dp - delta): gradient of the modified score
             if dbias is not None:  # d bias = ds, summed over the dims the bias broadcasts
                 _accumulate_broadcast(dbias, ds.view(B, c.H, l, n), i0, l, j0, n)

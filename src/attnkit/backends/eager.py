@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from . import _softmax
 from ._base import Request
 from ._kernel import Kernel
-from ._tiles import modify_scores
+from ._tiles import allowed_tile, modify_scores
 
 __all__ = ["NAME", "EAGER", "unsupported", "run", "weights"]
 
@@ -75,8 +75,16 @@ def run(req: Request, worker: str | None = None):
     w, lse = _probs(req)
     if req.dropout_p > 0.0:
         w = F.dropout(w, p=req.dropout_p, training=True)
-    out = torch.matmul(w.reshape(B, Hkv, g, L, S), req.v.to(w.dtype).unsqueeze(2))  # (B, Hkv, g, L, Dv)
-    return out.reshape(B, H, L, Dv).to(req.q.dtype), lse
+    # a NaN / inf in V at a key the mask hides from a row is not read (_softmax.weigh_values); not under a torch.func
+    # transform (vmap's tensors cannot decide a branch: there the matmul reads every value, as torch's kernels do)
+    hidden = None
+    masked = req.mask is not None or req.dense_mask is not None
+    if masked and not torch._C._functorch.is_functorch_wrapped_tensor(req.v) and not bool(torch.isfinite(req.v).all()):
+        allowed = allowed_tile(req, 0, L, 0, S)
+        if allowed is not None:
+            hidden = (~allowed).expand(B, H, L, S).reshape(B, Hkv, g, L, S)
+    out = _softmax.weigh_values(w.reshape(B, Hkv, g, L, S), req.v.to(w.dtype).unsqueeze(2), hidden)
+    return out.reshape(B, H, L, Dv).to(req.q.dtype), lse  # (B, Hkv, g, L, Dv) above
 
 
 def graph_backward(req: Request, q, k, v, bias, captured, dout, dlse):

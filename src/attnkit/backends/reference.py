@@ -134,7 +134,14 @@ def trace(req: Request) -> Trace:
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = (m + np.log(denom))[..., 0]
         weights = e / np.where(denom == 0, 1.0, denom)
-    output = weights @ v
+    output = weights @ np.where(np.isfinite(v), v, 0.0)
+    # A NaN or inf in V reaches the rows that see its key (0 · NaN = NaN where a seen key's weight underflowed), and
+    # never a row the mask hides the key from: those entries added key by key, only where the key is allowed.
+    for b_, h_, j in zip(*np.nonzero(~np.isfinite(v).all(axis=-1)), strict=True):
+        seen = allowed[b_, h_, :, j]
+        with np.errstate(invalid="ignore"):
+            output[b_, h_, seen] += np.where(np.isfinite(v[b_, h_, j]), 0.0, weights[b_, h_, seen, j][:, None]
+                                             * v[b_, h_, j])
     return Trace(q=q, k=k, v=v, scale=req.scale, scores=scores, scaled=scaled, masked=masked,
                  allowed=allowed, weights=weights, output=output, lse=lse, has_mask=req.has_mask)
 

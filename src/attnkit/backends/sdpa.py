@@ -8,17 +8,19 @@ the CPU flash kernel directly (the public function does not return lse) and sets
 lse to -inf on fully masked rows (the kernel reports 0 there).
 
 NaN: torch's CPU kernel turns some rows whose scores contain NaN (or inf) into zeros,
-hiding the NaN, and an inf in a key the mask hides reaches the row (inf + -inf: NaN
-where the formula, which never reads a hidden key, has a number). attnkit documents that
-NaN propagates to the rows it touches and only to them, so an output with an all-zero row
-that the mask does not empty, or a NaN row, has its inputs scanned for NaN and inf (an
-O(B·H·S·D) pass, done only then), and if they hold any the call is recomputed by the math
-path of ``eager``.
+hiding the NaN; an inf in a key the mask hides reaches the row (inf + -inf: NaN where the
+formula, which never reads a hidden key, has a number); and a NaN / inf value at a hidden
+key is read at weight 0 (0 · NaN: NaN in that value's columns). attnkit documents that NaN
+propagates to the rows it touches and only to them, so an output with an all-zero row that
+the mask does not empty, or a NaN (in a row's first element; anywhere, under a mask), has
+its inputs scanned for NaN and inf (an O(B·H·S·D) pass, done only then), and if they hold
+any the call is recomputed by the math path of ``eager``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -115,18 +117,23 @@ def _with_bias(req: Request, allowed, j0: int, j1: int):
     return bias
 
 
-def may_hide_nan(out: torch.Tensor) -> bool:
+def may_hide_nan(out: torch.Tensor, masked: bool = False) -> bool:
     """Whether the fused output may have an all-zero row (where torch's CPU kernel may have
-    hidden a NaN/inf) or a NaN row (which may come from an inf in a key the mask hides); the
-    caller then looks closer. Conservative and cheap: such a row has a zero or NaN first
-    element, so only the first column is read (1/Dv of the output): in C where the compiled
-    kernel is loaded (a CPU (B, H, L, Dv) output of its dtypes), else one reduction."""
-    return _nan_check(out.device, out.dtype, out.dim())(out)
+    hidden a NaN/inf) or a NaN row (which may come from an inf in a key the mask hides), or,
+    for a decode step with a mask (``masked``: L <= DECODE_MAX_L), a NaN anywhere (a NaN / inf
+    value at a key the mask hides, read at weight 0: NaN in that value's columns — the unused
+    slots of a cache from ``torch.empty``); the caller then looks closer. Conservative and
+    cheap: the first column alone (1/Dv of the output), or the whole small output of a decode
+    step: in C where the compiled kernel is loaded (a CPU (B, H, L, Dv) output of its dtypes),
+    else a reduction. (A whole 64 x 64 output, 8 heads, costs ~5 µs more on a 2-core AMD EPYC:
+    a prefill's is not read whole; there, as in the compiled kernel's tiles, such a value may
+    make its column NaN — an extra NaN, never a missing one.)"""
+    return _nan_check(out.device, out.dtype, out.dim(), masked)(out)
 
 
-def _reduce_check(out: torch.Tensor) -> bool:
+def _reduce_check(out: torch.Tensor, whole: bool = False) -> bool:
     first = out.select(-1, 0)
-    return not first.all() or bool(first.isnan().any())
+    return not first.all() or bool((out if whole else first).isnan().any())
 
 
 def _decode_would_take(req: Request, user_mask: torch.Tensor):
@@ -144,13 +151,13 @@ def _decode_would_take(req: Request, user_mask: torch.Tensor):
     return lambda m: _bool_row_intervals(m, L, S, spans=True) is not None
 
 
-def _nan_check(device: torch.device, dtype: torch.dtype, dim: int):
-    """:func:`may_hide_nan` for outputs of this device, dtype and rank (chosen once per replayed signature)."""
+def _nan_check(device: torch.device, dtype: torch.dtype, dim: int, masked: bool = False):
+    """:func:`may_hide_nan` for outputs of this device, dtype and rank, of a call with or without a mask (chosen
+    once per replayed signature): ``f(out) -> bool``."""
+    check = _reduce_check
     if device.type == "cpu" and dim == 4 and dtype in (torch.float32, torch.bfloat16, torch.float16):
-        f = _native.zero_or_nan_first_fn()
-        if f is not None:
-            return f
-    return _reduce_check
+        check = _native.suspect_rows_fn() or _reduce_check
+    return functools.partial(check, whole=True) if masked else check
 
 
 def backward_flaw(req: Request) -> str | None:
@@ -381,7 +388,7 @@ class Fused(Kernel):
                 or req.sinks is not None or req.weight_heads is not None):
             return None
         gqa = H != Hkv
-        hides_nan = _nan_check(req.q.device, req.q.dtype, 4)
+        hides_nan_masked = _nan_check(req.q.device, req.q.dtype, 4, masked=L <= DECODE_MAX_L)
         if type(user_mask) is torch.Tensor:  # the call's own tensor, as SDPA takes it (True = attend, or a bias)
             if req.mask is not None or user_mask.dim() < 2 or (req.dense_mask is not None and req.bias is not None):
                 return None
@@ -397,7 +404,7 @@ class Fused(Kernel):
                     return None
                 out = zero_dead_rows(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                                     enable_gqa=gqa), mask)
-                return None if hides_nan(out) else out
+                return None if hides_nan_masked(out) else out
 
             return run_tensor
         is_causal = _is_causal_only(req)
@@ -417,6 +424,8 @@ class Fused(Kernel):
                 allowed = _attn_mask(req, j0, j1)
             else:
                 return None
+        masked = is_causal or allowed is not None
+        hides_nan = hides_nan_masked if masked else _nan_check(req.q.device, req.q.dtype, 4)
         n = j1 - j0
         fold = gqa and _decode.foldable(req.q, req.k[:, :, j0:j1], allowed, is_causal) is None
         if fold and allowed is not None and allowed.shape[-2] != 1:  # the rows of the g heads, repeated once here
@@ -556,7 +565,8 @@ def run(req: Request, worker: str = "fused"):
         return out, (lse if req.need_lse else None)
     out, lse, attn_mask = _fused(req)
     out = zero_dead_rows(out, attn_mask)
-    if may_hide_nan(out):  # cheap; then: an all-zero row the mask does not empty, or a NaN row -> NaN / inf scan
+    # cheap; then: an all-zero row the mask does not empty, a NaN -> input scan
+    if may_hide_nan(out, req.has_mask and req.q.shape[-2] <= DECODE_MAX_L):
         zero_rows = (out == 0).all(dim=-1)  # (B, H, L)
         if attn_mask is not None:  # only rows the mask leaves some key
             zero_rows = zero_rows & ~dead_rows(attn_mask)

@@ -1,7 +1,7 @@
 // The C ABI of attnkit's CPU kernel (loaded with ctypes by attnkit/backends/_native.py) and the
 // run-time choice of instruction set. Also a Python extension module (setuptools builds and installs it like any
 // other) whose two functions are the per-call hot path of a replayed call: `step` (write a call record's per-call
-// slots and run an entry, the GIL released) and `zero_or_nan_first`, each a vectorcall taking Python ints, a
+// slots and run an entry, the GIL released) and `suspect_rows`, each a vectorcall taking Python ints, a
 // fraction of a ctypes call's argument conversion (about 0.2 µs an argument).
 #include <Python.h>
 
@@ -34,6 +34,52 @@ static int best_isa() {
 
 static int isa_in_use = -1;
 int ak_decode_order = -1;
+
+// ak_suspect_rows' loops, by element width (outside the C-linkage block: a template). T: uint32_t (fp32) or
+// uint16_t (bf16 / fp16); `inf`: the +inf bits of the magnitude (a NaN's magnitude is larger). The whole-row scan of
+// a contiguous row is a loop the compiler vectorizes: fp32 compares each value with itself, bf16 / fp16 compare
+// the magnitude bits as int16 (they fit: <= 0x7fff).
+template <typename T>
+static int suspect_rows_of(const T* x, uint32_t inf, int64_t n0, int64_t n1, int64_t n2, int64_t n3, int64_t s0,
+                           int64_t s1, int64_t s2, int64_t s3, bool whole) {
+  constexpr bool f32 = sizeof(T) == 4;
+  constexpr uint32_t abs_bits = f32 ? 0x7fffffffu : 0x7fffu;
+  if (whole && s3 == 1 && s2 == n3 && s1 == n2 * n3 && s0 == n1 * n2 * n3) {  // one block: one flat NaN scan
+    const int64_t n = n0 * n1 * n2 * n3;
+    int nan = 0;
+    if (f32) {
+      const float* r = reinterpret_cast<const float*>(x);
+      for (int64_t d = 0; d < n; ++d) nan |= r[d] != r[d];
+    } else {
+      const int16_t* r = reinterpret_cast<const int16_t*>(x);
+      const int16_t lim = (int16_t)inf;
+      for (int64_t d = 0; d < n; ++d) nan |= (int16_t)(r[d] & 0x7fff) > lim;
+    }
+    if (nan) return 1;
+    whole = false;  // then the first elements' zeros, row by row
+  }
+  for (int64_t a = 0; a < n0; ++a)
+    for (int64_t b = 0; b < n1; ++b)
+      for (int64_t i = 0; i < n2; ++i) {
+        const T* row = x + a * s0 + b * s1 + i * s2;
+        const uint32_t m = row[0] & abs_bits;
+        if (m == 0 || m > inf) return 1;
+        if (!whole) continue;
+        int nan = 0;
+        if (s3 == 1 && f32) {  // (SDPA's outputs)
+          const float* r = reinterpret_cast<const float*>(row);
+          for (int64_t d = 1; d < n3; ++d) nan |= r[d] != r[d];
+        } else if (s3 == 1) {
+          const int16_t* r = reinterpret_cast<const int16_t*>(row);
+          const int16_t lim = (int16_t)inf;
+          for (int64_t d = 1; d < n3; ++d) nan |= (int16_t)(r[d] & 0x7fff) > lim;
+        } else {
+          for (int64_t d = 1; d < n3; ++d) nan |= (row[d * s3] & abs_bits) > inf;
+        }
+        if (nan) return 1;
+      }
+  return 0;
+}
 
 #define AK_API __attribute__((visibility("default")))
 
@@ -114,33 +160,19 @@ AK_API int ak_decode(const AkCall* c) {
   }
 }
 
-// Whether any row of a (n0, n1, n2, ·) array (element strides s0, s1, s2) has a first element that is zero (+0 or
-// -0) or NaN: the cheap check that torch's fused CPU kernel may have hidden a NaN / inf (it writes an all-zero row
-// there) or let an inf in a key the mask hides reach a row (a NaN row the formula does not have). dtype: 0 fp32, 1
-// bf16, 2 fp16 (the bits are compared, no float arithmetic: zero is all bits but the sign clear, NaN is an all-ones
-// exponent with a nonzero fraction). A plain loop: the caller's output is small where this check costs anything (one
-// element per row).
-AK_API int ak_zero_or_nan_first(const void* p, int dtype, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
-                                int64_t s2) {
-  const uint32_t inf16 = dtype == 1 ? 0x7f80u : 0x7c00u;  // bf16's / fp16's +inf bits
-  for (int64_t a = 0; a < n0; ++a)
-    for (int64_t b = 0; b < n1; ++b) {
-      const int64_t base = a * s0 + b * s1;
-      if (dtype == 0) {
-        const uint32_t* x = static_cast<const uint32_t*>(p) + base;
-        for (int64_t i = 0; i < n2; ++i) {
-          const uint32_t m = x[i * s2] & 0x7fffffffu;
-          if (m == 0 || m > 0x7f800000u) return 1;
-        }
-      } else {
-        const uint16_t* x = static_cast<const uint16_t*>(p) + base;
-        for (int64_t i = 0; i < n2; ++i) {
-          const uint32_t m = x[i * s2] & 0x7fffu;
-          if (m == 0 || m > inf16) return 1;
-        }
-      }
-    }
-  return 0;
+// Whether any row of a (n0, n1, n2, n3) array (element strides s0..s3) has a first element that is zero (+0 or -0)
+// or NaN, or (`whole`) a NaN anywhere: the cheap check that torch's fused CPU kernel may have hidden a NaN / inf (it
+// writes an all-zero row there), let an inf in a key the mask hides reach a row (a NaN row the formula does not
+// have), or read a NaN / inf value at a key the mask hides (0 · NaN: NaN in that value's columns only, hence the
+// whole row under a mask). dtype: 0 fp32, 1 bf16, 2 fp16 (the bits are compared, no float arithmetic: zero is all
+// bits but the sign clear, NaN an all-ones exponent with a nonzero fraction). Plain loops: the caller's output is
+// small where this check costs anything.
+AK_API int ak_suspect_rows(const void* p, int dtype, int64_t n0, int64_t n1, int64_t n2, int64_t n3, int64_t s0,
+                           int64_t s1, int64_t s2, int64_t s3, int whole) {
+  if (dtype == 0)
+    return suspect_rows_of(static_cast<const uint32_t*>(p), 0x7f800000u, n0, n1, n2, n3, s0, s1, s2, s3, whole);
+  return suspect_rows_of(static_cast<const uint16_t*>(p), dtype == 1 ? 0x7f80u : 0x7c00u, n0, n1, n2, n3, s0, s1,
+                         s2, s3, whole);
 }
 
 // Frees the scratch memory the backward and the decode keep between calls (on the calling thread; each decode
@@ -188,25 +220,25 @@ static PyObject* py_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLong(rc);
 }
 
-// zero_or_nan_first(ptr, dtype, n0, n1, n2, s0, s1, s2) -> bool: ak_zero_or_nan_first
-static PyObject* py_zero_or_nan_first(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t v[8];
-  if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError, "zero_or_nan_first(ptr, dtype, n0, n1, n2, s0, s1, s2): 8 ints");
+// suspect_rows(ptr, dtype, n0, n1, n2, n3, s0, s1, s2, s3, whole) -> bool: ak_suspect_rows
+static PyObject* py_suspect_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[11];
+  if (nargs != 11) {
+    PyErr_SetString(PyExc_TypeError, "suspect_rows(ptr, dtype, n0, n1, n2, n3, s0, s1, s2, s3, whole): 11 ints");
     return nullptr;
   }
-  if (!int64s(args, 8, v)) return nullptr;
-  return PyBool_FromLong(ak_zero_or_nan_first(reinterpret_cast<const void*>((intptr_t)v[0]), (int)v[1], v[2], v[3],
-                                              v[4], v[5], v[6], v[7]));
+  if (!int64s(args, 11, v)) return nullptr;
+  return PyBool_FromLong(ak_suspect_rows(reinterpret_cast<const void*>((intptr_t)v[0]), (int)v[1], v[2], v[3], v[4],
+                                         v[5], v[6], v[7], v[8], v[9], (int)v[10]));
 }
 
 static PyMethodDef methods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_step)), METH_FASTCALL,
      "step(entry, record, first, *values) -> int: fill a call record's per-call slots and run entry 0 (forward) or "
      "2 (decode), the GIL released. Internal (attnkit.backends._native)."},
-    {"zero_or_nan_first", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_zero_or_nan_first)),
+    {"suspect_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_suspect_rows)),
      METH_FASTCALL,
-     "zero_or_nan_first(ptr, dtype, n0, n1, n2, s0, s1, s2) -> bool: ak_zero_or_nan_first. Internal."},
+     "suspect_rows(ptr, dtype, n0, n1, n2, n3, s0, s1, s2, s3, whole) -> bool: ak_suspect_rows. Internal."},
     {nullptr, nullptr, 0, nullptr}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
