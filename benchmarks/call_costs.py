@@ -1,6 +1,8 @@
 """What one crossing into the compiled kernel costs from Python: its extension module's vectorcalls against the
-ctypes entries they replaced, on the zero-row check (one element per row of a decode step's output) and a replayed
-decode step (one query over 128 keys, GQA 8/2, D = 64: the kernel's own work a few µs).
+ctypes entries they replaced, on the zero-row check (one element per row of a decode step's output; under a mask,
+up to 16 query rows, every element: a NaN a value at a hidden key may have written) and a replayed decode step (one
+query over 128 keys, GQA 8/2, D = 64: the kernel's own work a few µs). The check of a whole 64-row output is timed
+too: why a prefill's is not read whole.
 
     OMP_NUM_THREADS=2 python benchmarks/call_costs.py [--number 20000] [--repeat 7]
 
@@ -46,8 +48,14 @@ def main(argv=None) -> int:
         slow_step = _native.decode_step(q, k, v, lo, hi)
     finally:
         _native._ext, _native._suspect_rows = ext, fast_zero
+    out16, out64 = torch.randn(1, 8, 16, 64, generator=g) + 10, torch.randn(1, 8, 64, 64, generator=g) + 10
     pairs = {
         "zero-row check of a (1, 8, 1, 64) output": (lambda: fast_zero(out), lambda: slow_zero(out)),
+        "the same, every element (a decode step under a mask)": (lambda: fast_zero(out, True),
+                                                                 lambda: slow_zero(out, True)),
+        "every element of a (1, 8, 16, 64) output": (lambda: fast_zero(out16, True), lambda: slow_zero(out16, True)),
+        "every element of a (1, 8, 64, 64) output (not done: a prefill)": (lambda: fast_zero(out64, True),
+                                                                           lambda: slow_zero(out64, True)),
         "replayed decode step, 128 keys (kernel included)": (lambda: fast_step(q, k, v, 0.125),
                                                              lambda: slow_step(q, k, v, 0.125)),
         "a decode step's interval as two ints / as (1, L) tensors built for the call": (
