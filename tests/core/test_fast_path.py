@@ -416,7 +416,7 @@ def test_the_zero_row_check_reads_the_first_column_at_any_strides(dtype):
             expect = x == 0.0 or x != x
             assert sdpa.may_hide_nan(w) is expect, (value, w.stride())
             assert sdpa._reduce_check(w) is expect, (value, w.stride())  # (the check without the kernel)
-            assert sdpa.may_hide_nan(w, masked=True) is expect, (value, w.stride())
+            assert sdpa.may_hide_nan(w, whole=True) is expect, (value, w.stride())
     # under a mask, a NaN anywhere in a row (a NaN value at a key the mask hides, read at weight 0): the whole
     # output is read, at any strides of the last dim too
     views = (lambda t: t, lambda t: t.transpose(1, 2), lambda t: t[..., ::2], lambda t: t.transpose(1, 3)[:, :4])
@@ -425,7 +425,7 @@ def test_the_zero_row_check_reads_the_first_column_at_any_strides(dtype):
             for value, flagged in ((float("nan"), True), (float("inf"), False), (0.0, False)):
                 w = view(base.clone())  # (a view: its strides as they are, the last dim's too)
                 w[1, -1, 2, col] = value
-                assert sdpa.may_hide_nan(w, masked=True) is flagged, (value, col, w.stride())
+                assert sdpa.may_hide_nan(w, whole=True) is flagged, (value, col, w.stride())
                 assert sdpa._reduce_check(w, True) is flagged, (value, col, w.stride())
                 assert sdpa.may_hide_nan(w) is False, (value, col, w.stride())  # the first column alone
     if _native.available():

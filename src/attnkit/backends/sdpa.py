@@ -117,10 +117,10 @@ def _with_bias(req: Request, allowed, j0: int, j1: int):
     return bias
 
 
-def may_hide_nan(out: torch.Tensor, masked: bool = False) -> bool:
+def may_hide_nan(out: torch.Tensor, whole: bool = False) -> bool:
     """Whether the fused output may have an all-zero row (where torch's CPU kernel may have
     hidden a NaN/inf) or a NaN row (which may come from an inf in a key the mask hides), or,
-    for a decode step with a mask (``masked``: L <= DECODE_MAX_L), a NaN anywhere (a NaN / inf
+    for a decode step with a mask (``whole``: :func:`_reads_whole`), a NaN anywhere (a NaN / inf
     value at a key the mask hides, read at weight 0: NaN in that value's columns — the unused
     slots of a cache from ``torch.empty``); the caller then looks closer. Conservative and
     cheap: the first column alone (1/Dv of the output), or the whole small output of a decode
@@ -128,7 +128,14 @@ def may_hide_nan(out: torch.Tensor, masked: bool = False) -> bool:
     else a reduction. (A whole 64 x 64 output, 8 heads, costs ~5 µs more on a 2-core AMD EPYC:
     a prefill's is not read whole; there, as in the compiled kernel's tiles, such a value may
     make its column NaN — an extra NaN, never a missing one.)"""
-    return _nan_check(out.device, out.dtype, out.dim(), masked)(out)
+    return _nan_check(out.device, out.dtype, out.dim(), whole)(out)
+
+
+def _reads_whole(req: Request) -> bool:
+    """Whether the NaN check reads the call's whole output, not its first column: a decode step (L <=
+    DECODE_MAX_L) with a mask, where a NaN / inf value at a key the mask hides (a cache's unused slots) would
+    otherwise reach the output through torch's ``0 · NaN`` (see :func:`may_hide_nan`)."""
+    return req.has_mask and req.q.shape[-2] <= DECODE_MAX_L
 
 
 def _reduce_check(out: torch.Tensor, whole: bool = False) -> bool:
@@ -151,13 +158,13 @@ def _decode_would_take(req: Request, user_mask: torch.Tensor):
     return lambda m: _bool_row_intervals(m, L, S, spans=True) is not None
 
 
-def _nan_check(device: torch.device, dtype: torch.dtype, dim: int, masked: bool = False):
-    """:func:`may_hide_nan` for outputs of this device, dtype and rank, of a call with or without a mask (chosen
-    once per replayed signature): ``f(out) -> bool``."""
+def _nan_check(device: torch.device, dtype: torch.dtype, dim: int, whole: bool = False):
+    """:func:`may_hide_nan` for outputs of this device, dtype and rank, reading them whole or not (chosen once per
+    replayed signature): ``f(out) -> bool``."""
     check = _reduce_check
     if device.type == "cpu" and dim == 4 and dtype in (torch.float32, torch.bfloat16, torch.float16):
         check = _native.suspect_rows_fn() or _reduce_check
-    return functools.partial(check, whole=True) if masked else check
+    return functools.partial(check, whole=True) if whole else check
 
 
 def backward_flaw(req: Request) -> str | None:
@@ -388,7 +395,7 @@ class Fused(Kernel):
                 or req.sinks is not None or req.weight_heads is not None):
             return None
         gqa = H != Hkv
-        hides_nan_masked = _nan_check(req.q.device, req.q.dtype, 4, masked=L <= DECODE_MAX_L)
+        hides_nan = _nan_check(req.q.device, req.q.dtype, 4, whole=_reads_whole(req))
         if type(user_mask) is torch.Tensor:  # the call's own tensor, as SDPA takes it (True = attend, or a bias)
             if req.mask is not None or user_mask.dim() < 2 or (req.dense_mask is not None and req.bias is not None):
                 return None
@@ -404,7 +411,7 @@ class Fused(Kernel):
                     return None
                 out = zero_dead_rows(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                                     enable_gqa=gqa), mask)
-                return None if hides_nan_masked(out) else out
+                return None if hides_nan(out) else out
 
             return run_tensor
         is_causal = _is_causal_only(req)
@@ -424,8 +431,6 @@ class Fused(Kernel):
                 allowed = _attn_mask(req, j0, j1)
             else:
                 return None
-        masked = is_causal or allowed is not None
-        hides_nan = hides_nan_masked if masked else _nan_check(req.q.device, req.q.dtype, 4)
         n = j1 - j0
         fold = gqa and _decode.foldable(req.q, req.k[:, :, j0:j1], allowed, is_causal) is None
         if fold and allowed is not None and allowed.shape[-2] != 1:  # the rows of the g heads, repeated once here
@@ -566,7 +571,7 @@ def run(req: Request, worker: str = "fused"):
     out, lse, attn_mask = _fused(req)
     out = zero_dead_rows(out, attn_mask)
     # cheap; then: an all-zero row the mask does not empty, a NaN -> input scan
-    if may_hide_nan(out, req.has_mask and req.q.shape[-2] <= DECODE_MAX_L):
+    if may_hide_nan(out, _reads_whole(req)):
         zero_rows = (out == 0).all(dim=-1)  # (B, H, L)
         if attn_mask is not None:  # only rows the mask leaves some key
             zero_rows = zero_rows & ~dead_rows(attn_mask)
