@@ -68,27 +68,25 @@ def weigh_values(p: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None =
     """``p @ v`` (``p (…, rows, n)``, ``v (…, n, Dv)``), where a value the mask hides from a row (``hidden``, bool,
     broadcastable to ``p``) is never read: a NaN or inf in V at a key hidden from a row does not reach it, as in
     the compiled kernel, which never reads a hidden key (the matmul alone would give ``0 · NaN = NaN``). Nor does
-    its gradient (no ``0 · NaN`` in the backward either). One matmul where V is finite or nothing is hidden;
-    else the finite part by one matmul and the keys holding NaN / inf added in chunks no larger than ``p``.
+    its gradient (no ``0 · NaN`` in the backward either). One matmul where nothing is hidden (callers pass
+    ``hidden`` only for a V holding NaN / inf); else the finite part by one matmul and the keys holding NaN / inf
+    added in chunks no larger than ``p``.
     ::
 
         hidden row i, key j (·):   p_ij = 0,  v_j = NaN   →   p @ v: row i NaN;   here: row i untouched
     """
     if hidden is None:
         return torch.matmul(p, v)
-    fin = torch.isfinite(v)
-    if bool(fin.all()):
-        return torch.matmul(p, v)
     n, dv = v.shape[-2], v.shape[-1]
-    out = torch.matmul(p, torch.where(fin, v, torch.zeros((), dtype=v.dtype, device=v.device)))
-    bad = torch.where(fin, torch.zeros((), dtype=v.dtype, device=v.device), v)  # only the NaN / inf entries
+    fin, zero = torch.isfinite(v), torch.zeros((), dtype=v.dtype, device=v.device)
+    out = torch.matmul(p, torch.where(fin, v, zero))
+    bad = torch.where(fin, zero, v)  # only the NaN / inf entries
     keys = (~fin).any(-1).reshape(-1, n).any(0).nonzero().flatten()
     step = max(1, n // max(1, dv))
     for c in range(0, keys.numel(), step):
         j = keys[c:c + step]
         hj = hidden.index_select(-1, j).unsqueeze(-1)  # (…, rows, c, 1)
         vj = bad.index_select(-2, j).unsqueeze(-3)  # (…, 1, c, Dv)
-        zero = torch.zeros((), dtype=v.dtype, device=v.device)
         out = out + (p.index_select(-1, j).unsqueeze(-1) * torch.where(hj, zero, vj)).sum(-2)
     return out
 

@@ -19,6 +19,7 @@ gradients); ``dq += ds k·scale``, ``dk += dsᵀ q·scale``.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import torch
@@ -75,12 +76,19 @@ def _scores(c: TileContext, qb, k, i0, i1, j0, j1, spans, track=False, hidden=No
     return s4.reshape(c.B, c.Hkv, c.g * l, n), graph
 
 
-def _hidden(c: TileContext, v_run: torch.Tensor, l: int, spans) -> torch.Tensor | None:
-    """A ``(B, H, l, n)`` bool tensor for :func:`_scores` to fill where this run's V holds NaN / inf and a span
-    is partial (else None: nothing the matmul could read wrongly)."""
-    if not any(a != b_ for a, b_ in spans) or bool(torch.isfinite(v_run).all()):
+def _nonfinite_keys(v: torch.Tensor) -> list[int]:
+    """The keys (sorted) whose value holds NaN or inf in some batch row or kv head: read once a call."""
+    fin = torch.isfinite(v)
+    return [] if bool(fin.all()) else (~fin).any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
+
+
+def _hidden(c: TileContext, bad_keys: list[int], j0: int, j1: int, l: int, spans) -> torch.Tensor | None:
+    """A ``(B, H, l, j1 - j0)`` bool tensor (False) for :func:`_scores` to fill with the points the mask hides,
+    where the run has partial spans and a key of it holds NaN / inf (``bad_keys``: :func:`_nonfinite_keys`); else
+    None (nothing the matmul could read wrongly)."""
+    if not spans or bisect.bisect_left(bad_keys, j0) == bisect.bisect_left(bad_keys, j1):
         return None
-    return torch.zeros(c.B, c.H, l, v_run.shape[-2], dtype=torch.bool, device=v_run.device)
+    return torch.zeros(c.B, c.H, l, j1 - j0, dtype=torch.bool, device=c.req.q.device)
 
 
 def forward(c: TileContext, qs, k, v):
@@ -89,14 +97,14 @@ def forward(c: TileContext, qs, k, v):
     qs5 = qs.view(B, Hkv, g, L, qs.shape[-1])
     out = torch.zeros(B, Hkv, g, L, Dv, dtype=c.cd, device=qs.device)
     lse = torch.full((B, Hkv, g, L), float("-inf"), dtype=c.cd, device=qs.device)
-    v_bad = not bool(torch.isfinite(v).all())  # NaN / inf in V: a value the mask hides is not read
+    bad_keys = _nonfinite_keys(v)  # NaN / inf in V: a value the mask hides is not read there
     assert c.plan is not None  # set by the launcher
     for i0, i1, runs in c.plan.groups:
         l = i1 - i0
         qb = c.q_block(qs5, i0, i1)
         m_i = l_i = acc = None
         for j0, j1, spans in runs:
-            hid = _hidden(c, v[:, :, j0:j1], l, spans) if v_bad else None
+            hid = _hidden(c, bad_keys, j0, j1, l, spans)
             s, _ = _scores(c, qb, k, i0, i1, j0, j1, spans, hidden=hid)
             m_i, l_i, acc = _softmax.online_step(m_i, l_i, acc, s, v[:, :, j0:j1],
                                                  None if hid is None else hid.view(B, Hkv, g * l, -1))
@@ -118,7 +126,7 @@ def backward(c: TileContext, qs, k, v, out, lse, dout, dlse):
         delta = delta - dlse.to(c.cd)  # d lse / d s = p, folded into the same term
     delta5 = delta.view(B, Hkv, g, L)
     lse5 = _softmax.lse_for_backward(lse.to(c.cd)).view(B, Hkv, g, L)
-    v_bad = not bool(torch.isfinite(v).all())
+    bad_keys = _nonfinite_keys(v)
     dq = torch.zeros(B, Hkv, g, L, D, dtype=c.cd, device=qs.device)
     dk = torch.zeros(B, Hkv, c.S, D, dtype=c.cd, device=qs.device)
     dv = torch.zeros(B, Hkv, c.S, Dv, dtype=c.cd, device=qs.device)
@@ -135,7 +143,7 @@ def backward(c: TileContext, qs, k, v, out, lse, dout, dlse):
         dqb = None
         for j0, j1, spans in runs:
             n = j1 - j0
-            hid = _hidden(c, v[:, :, j0:j1], l, spans) if v_bad else None
+            hid = _hidden(c, bad_keys, j0, j1, l, spans)
             s, graph = _scores(c, qb, k, i0, i1, j0, j1, spans, track=True, hidden=hid)
             p = s.sub_(lse_b).exp_()  # (B, Hkv, g·l, n) exact weights
             dv[:, :, j0:j1] += torch.matmul(p.transpose(-1, -2), dob)  # sums the g heads too
