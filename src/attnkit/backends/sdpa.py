@@ -125,7 +125,7 @@ def may_hide_nan(out: torch.Tensor, whole: bool = False) -> bool:
     slots of a cache from ``torch.empty``); the caller then looks closer. Conservative and
     cheap: the first column alone (1/Dv of the output), or the whole small output of a decode
     step: in C where the compiled kernel is loaded (a CPU (B, H, L, Dv) output of its dtypes),
-    else a reduction. (A whole 64 x 64 output, 8 heads, costs ~5 µs more on a 2-core AMD EPYC:
+    else a reduction. (A whole 64 x 64 output, 8 heads, costs ~6 µs more on a 2-core AMD EPYC:
     a prefill's is not read whole; there, as in the compiled kernel's tiles, such a value may
     make its column NaN — an extra NaN, never a missing one.)"""
     return _nan_check(out.device, out.dtype, out.dim(), whole)(out)

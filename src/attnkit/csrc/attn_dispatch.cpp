@@ -35,29 +35,16 @@ static int best_isa() {
 static int isa_in_use = -1;
 int ak_decode_order = -1;
 
-// ak_suspect_rows' loops, by element width (outside the C-linkage block: a template). T: uint32_t (fp32) or
-// uint16_t (bf16 / fp16); `inf`: the +inf bits of the magnitude (a NaN's magnitude is larger). The whole-row scan of
-// a contiguous row is a loop the compiler vectorizes: fp32 compares each value with itself, bf16 / fp16 compare
-// the magnitude bits as int16 (they fit: <= 0x7fff).
+// ak_suspect_rows' loop, by element width (outside the C-linkage block: a template). T: uint32_t (fp32) or uint16_t
+// (bf16 / fp16); `inf`: the +inf bits of the magnitude (a NaN's magnitude is larger). The whole-row scan of a row
+// with unit stride is a loop the compiler vectorizes (SDPA's outputs: rows contiguous, heads and rows strided):
+// fp32 compares each value with itself (x != x only for NaN), bf16 / fp16 compare the magnitude bits as int16
+// (they fit: <= 0x7fff).
 template <typename T>
 static int suspect_rows_of(const T* x, uint32_t inf, int64_t n0, int64_t n1, int64_t n2, int64_t n3, int64_t s0,
                            int64_t s1, int64_t s2, int64_t s3, bool whole) {
   constexpr bool f32 = sizeof(T) == 4;
   constexpr uint32_t abs_bits = f32 ? 0x7fffffffu : 0x7fffu;
-  if (whole && s3 == 1 && s2 == n3 && s1 == n2 * n3 && s0 == n1 * n2 * n3) {  // one block: one flat NaN scan
-    const int64_t n = n0 * n1 * n2 * n3;
-    int nan = 0;
-    if (f32) {
-      const float* r = reinterpret_cast<const float*>(x);
-      for (int64_t d = 0; d < n; ++d) nan |= r[d] != r[d];
-    } else {
-      const int16_t* r = reinterpret_cast<const int16_t*>(x);
-      const int16_t lim = (int16_t)inf;
-      for (int64_t d = 0; d < n; ++d) nan |= (int16_t)(r[d] & 0x7fff) > lim;
-    }
-    if (nan) return 1;
-    whole = false;  // then the first elements' zeros, row by row
-  }
   for (int64_t a = 0; a < n0; ++a)
     for (int64_t b = 0; b < n1; ++b)
       for (int64_t i = 0; i < n2; ++i) {
@@ -164,9 +151,9 @@ AK_API int ak_decode(const AkCall* c) {
 // or NaN, or (`whole`) a NaN anywhere: the cheap check that torch's fused CPU kernel may have hidden a NaN / inf (it
 // writes an all-zero row there), let an inf in a key the mask hides reach a row (a NaN row the formula does not
 // have), or read a NaN / inf value at a key the mask hides (0 · NaN: NaN in that value's columns only, hence the
-// whole row under a mask). dtype: 0 fp32, 1 bf16, 2 fp16 (the bits are compared, no float arithmetic: zero is all
-// bits but the sign clear, NaN an all-ones exponent with a nonzero fraction). Plain loops: the caller's output is
-// small where this check costs anything.
+// whole row under a mask). dtype: 0 fp32, 1 bf16, 2 fp16 (zero is all bits but the sign clear, NaN an all-ones
+// exponent with a nonzero fraction). Plain loops: the caller's output is small where this check costs anything (a
+// decode step's, where it is read whole).
 AK_API int ak_suspect_rows(const void* p, int dtype, int64_t n0, int64_t n1, int64_t n2, int64_t n3, int64_t s0,
                            int64_t s1, int64_t s2, int64_t s3, int whole) {
   if (dtype == 0)
