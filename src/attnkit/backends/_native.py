@@ -384,7 +384,8 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
         prepared ones."""
         if q.dtype is not dt or k.dtype is not dt or v.dtype is not dt:  # the signature fixes them: a misuse
             raise TypeError(f"attnkit's compiled kernel: prepared for {dt}; got {q.dtype}, {k.dtype}, {v.dtype}")
-        if (k.shape[2] != S and not any_s) or v.shape[2] != k.shape[2]:  # the forward's tile map is for S keys
+        sk = k.shape[2]
+        if (sk != S and not any_s) or v.shape[2] != sk:  # the forward's tile map is for S keys
             raise ValueError(f"attnkit's compiled kernel: prepared for S = {S} keys (k and v alike); got k "
                              f"{tuple(k.shape)}, v {tuple(v.shape)}")
         qs, ks, vs = q.stride(), k.stride(), v.stride()
@@ -396,8 +397,8 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
         except AttributeError:
             slots, ref, c, err, addr = record()
         c.scale = scale
-        out = torch.empty(oshape, dtype=odt)
-        lse = torch.empty(lshape) if need_lse else None
+        out = torch.empty(*oshape, dtype=odt)  # (the sizes as arguments: parsed faster than one tuple)
+        lse = torch.empty(*lshape) if need_lse else None
         if err is not None:
             err.value = 0
         if lo is None:
@@ -414,11 +415,11 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
                                  f"{rows}; got {lo.dtype} {tuple(lo.shape)}, {hi.dtype} {tuple(hi.shape)}")
             lp, hp = lo.data_ptr(), hi.data_ptr()
         if step is not None:
-            rc = step(code, addr, first, qs[0], qs[1], qs[2], k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            rc = step(code, addr, first, qs[0], qs[1], qs[2], sk, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                       q.data_ptr(), k.data_ptr(), v.data_ptr(), lp, hp, out.data_ptr(),
                       0 if lse is None else lse.data_ptr())
         else:
-            slots[first:first + 17] = (qs[0], qs[1], qs[2], k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            slots[first:first + 17] = (qs[0], qs[1], qs[2], sk, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                                        q.data_ptr(), k.data_ptr(), v.data_ptr(), lp, hp, out.data_ptr(),
                                        0 if lse is None else lse.data_ptr())
             rc = entry(ref)
@@ -578,8 +579,8 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
         raise ValueError(f"decode: q, k, v must be CPU tensors, k and v holding the same S keys with a contiguous "
                          f"last dim, lo / hi contiguous; got k {tuple(ksh)} strides {ks} on {k.device}, v "
                          f"{tuple(vsh)} strides {vs}")
-    out = torch.empty(oshape, dtype=q.dtype if ort else torch.float32)
-    lse = torch.empty(lshape) if need_lse else None
+    out = torch.empty(*oshape, dtype=q.dtype if ort else torch.float32)
+    lse = torch.empty(*lshape) if need_lse else None
     f[_STEP:_STEP + 14] = (S, *ks[:3], *vs[:3], q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
                            hi.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
     rc = _lib.ak_decode(ref)  # type: ignore[union-attr]  # loaded: the record above was built by _decode_record

@@ -255,10 +255,13 @@ static inline void pv_block(long n, const float* P, const void* vr, long ldv, lo
   for (int r = 0; r < RR; r++)
 #pragma GCC unroll 4
     for (int c = 0; c < NV; c++) a[r][c] = load(acc + r * lda + col + c * VW);
-  const long esz = DT == AK_F32 ? 4 : 2, span = NV * VW * esz;
-  for (long j = 0; j < n; j++) {
-    if (ahead && j < ahead->nk)
-      for (long x = 0; x < span; x += 64) __builtin_prefetch(ahead->pv + j * ahead->ldv + col * esz + x, 0, 2);
+  constexpr long esz = DT == AK_F32 ? 4 : 2, span = NV * VW * esz;
+  // keys [0, np) prefetch their twin in the next tile; the rest do not (the test out of the key loop: it cost as
+  // many instructions as the multiply-adds' broadcasts in a small call)
+  const long np = ahead ? mn<long>(n, ahead->nk) : 0;
+  const char* pf = ahead ? ahead->pv + col * esz : nullptr;
+  const long pld = ahead ? ahead->ldv : 0;
+  auto key = [&](long j) {
     vf b[NV];
 #pragma GCC unroll 4
     for (int c = 0; c < NV; c++) b[c] = ld<DT>(vr, j * ldv + col + c * VW);
@@ -268,7 +271,14 @@ static inline void pv_block(long n, const float* P, const void* vr, long ldv, lo
 #pragma GCC unroll 4
       for (int c = 0; c < NV; c++) a[r][c] += p * b[c];
     }
+  };
+  long j = 0;
+  for (; j < np; j++) {
+#pragma GCC unroll 4
+    for (long x = 0; x < span; x += 64) __builtin_prefetch(pf + j * pld + x, 0, 2);
+    key(j);
   }
+  for (; j < n; j++) key(j);
 #pragma GCC unroll 4
   for (int r = 0; r < RR; r++)
 #pragma GCC unroll 4
