@@ -50,10 +50,8 @@ def _to_torch(name: str, x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
-        if x.dtype.kind == "f" and x.dtype.itemsize in (2, 4, 8):
-            return torch.from_numpy(np.ascontiguousarray(x))
-        if x.dtype == np.bool_:
-            return torch.from_numpy(np.ascontiguousarray(x))
+        if (x.dtype.kind == "f" and x.dtype.itemsize in (2, 4, 8)) or x.dtype == np.bool_:
+            return _from_numpy(x)
         if name == "mask":
             raise TypeError(_int_mask_message(x.dtype))
         raise TypeError(
@@ -61,6 +59,15 @@ def _to_torch(name: str, x) -> torch.Tensor:
             f"Convert explicitly, e.g. {name}.astype(np.float32)."
         )
     raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}.")
+
+
+def _from_numpy(x: np.ndarray) -> torch.Tensor:
+    """The array as a tensor sharing its memory where it is C-contiguous and writable; else a C-contiguous copy. A
+    read-only array (a read-only memmap, ``np.frombuffer`` of bytes, ``np.broadcast_to``) is copied: torch shares
+    it only with a warning the caller can do nothing about (attnkit never writes to an input)."""
+    if not x.flags.writeable:
+        return torch.from_numpy(np.array(x, order="C"))
+    return torch.from_numpy(np.ascontiguousarray(x))
 
 
 def _int_mask_message(dtype) -> str:

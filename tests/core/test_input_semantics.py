@@ -152,6 +152,36 @@ def test_dense_mask_changed_in_place_and_through_numpy():
         arr[:, 50 * (step + 1):] = np.tril(np.ones((L, L), dtype=bool))[:, 50 * (step + 1):]
 
 
+@pytest.mark.parametrize("how", ["flag", "broadcast_to", "frombuffer"])
+def test_read_only_numpy_inputs_and_mask_run_without_a_warning(how, recwarn):
+    """A read-only array (a read-only memmap, ``np.frombuffer`` of bytes, ``np.broadcast_to``) is read as any other;
+    torch's "The given NumPy array is not writable" warning, which the caller can do nothing about, is not raised."""
+    rng = np.random.default_rng(3)
+    L, S, D = 6, 9, 8
+
+    def ro(a):
+        if how == "flag":
+            a = a.copy()
+            a.flags.writeable = False
+            return a
+        if how == "frombuffer":
+            return np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape)
+        return np.broadcast_to(a[:1], a.shape)  # (rows alike: a view of stride 0)
+
+    q, k, v = (rng.standard_normal((1, 2, n, D)).astype(np.float32) for n in (L, S, S))
+    keep = rng.random((L, S)) < 0.7
+    keep[:, 0] = True
+    args = [ro(x) for x in (q, k, v)]
+    mask = ro(keep)
+    assert all(not a.flags.writeable for a in args) and not mask.flags.writeable
+    for backend in ("auto", "tiled", "eager"):
+        out = attnkit.attention(*args, mask=mask, backend=backend)
+        ref, _ = golden(*(np.array(a) for a in args), mask=np.array(mask))
+        assert isinstance(out, np.ndarray)
+        assert_close(torch.from_numpy(out), ref, budget(torch.float32, D, S), backend)
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
 def test_unchanged_builtin_mask_plan_is_reused():
     """Built-in masks stay cached by value (speed): the same object plans once per size."""
     from attnkit.backends import _worklist as _blocks
