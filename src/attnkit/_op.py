@@ -77,7 +77,7 @@ import torch
 from . import _mods
 from . import masks as _m
 from . import score_mods as _sm
-from ._request import _check_sinks, make_request
+from ._request import _check_sinks, _scale_value, make_request
 from .backends import _native, _softmax, native, tiled
 from .backends._tiled_ctx import TileContext
 
@@ -118,9 +118,7 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
     if type(return_lse) is not bool:
         raise TypeError(f"return_lse: expected True or False, got {return_lse!r}.")
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise TypeError(f"scale: expected a finite float (default 1/sqrt(D)), got {scale!r}.")
-        scale = float(scale)
+        scale = _scale_value(scale)
     rank = q.dim()
     if rank not in (2, 3, 4) or k.dim() != rank or v.dim() != rank:
         raise ValueError(f"q, k, v: expected the same rank 2, 3 or 4, got q {tuple(q.shape)}, k {tuple(k.shape)}, "

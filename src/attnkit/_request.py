@@ -70,6 +70,18 @@ def _from_numpy(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
+def _scale_value(scale) -> float:
+    """``scale`` as a Python float: a real number (int, float, or a NumPy scalar of either kind), finite."""
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        hint = (" For a tensor's value pass float(scale); a learnable temperature is a score_mod "
+                "(lambda s, b, h, q, kv: s * t)." if isinstance(scale, torch.Tensor) else "")
+        raise TypeError(f"scale: expected a real number (default 1/sqrt(D)), got {scale!r}.{hint}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}. Leave it out for 1/sqrt(D).")
+    return value
+
+
 def _int_mask_message(dtype) -> str:
     # A 0/1 integer mask means keep/drop; turning it into floats would make it a bias of
     # 0 and 1 (everything attended), so the fix offered is the bool conversion.
@@ -221,10 +233,7 @@ def make_request(
     B, H, L, D = q4.shape
     S = k4.shape[2]
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale: expected a finite float (default 1/sqrt(D)), got {scale!r}.")
+    scale = 1.0 / math.sqrt(D) if scale is None else _scale_value(scale)
     scale = float(scale)
 
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p < 1.0):

@@ -76,7 +76,10 @@ def test_different_devices():
 def test_unknown_backend_and_options():
     raises(ValueError, "backend:", "'flash'", "auto", backend="flash")
     raises(ValueError, "dropout_p", dropout_p=1.5)
-    raises(TypeError, "scale", scale="big")
+    raises(TypeError, "scale", "real number", "'big'", scale="big")
+    raises(TypeError, "scale", "float(scale)", "score_mod", scale=torch.tensor(0.3))
+    raises(ValueError, "scale", "finite", "inf", scale=float("inf"))
+    raises(ValueError, "scale", "finite", "nan", scale=np.float32("nan"))
     raises(TypeError, "score_mod", "5 arguments", "mask_mod", score_mod=lambda b, h, q, kv: q)
     raises(TypeError, "mask_mod", "4 arguments", mask=lambda s, b, h, q, kv: q)
     with pytest.raises(TypeError, match="mask_mod: expected a function of 4 arguments"):  # the same, at from_mod

@@ -300,7 +300,7 @@ def test_replay_follows_what_the_signature_holds(spy, monkeypatch):
             out = attnkit.attention(q, k, v, **kw)
             ref, _ = golden(q, k, v, **kw)
             assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12, kw
-    with pytest.raises(TypeError, match="scale"):
+    with pytest.raises(ValueError, match="scale"):
         attnkit.attention(q, k, v, mask=masks.sliding_window(4), scale=float("inf"))
     monkeypatch.setattr(tiled, "NATIVE", False)
     threads = torch.get_num_threads()

@@ -152,6 +152,18 @@ def test_dense_mask_changed_in_place_and_through_numpy():
         arr[:, 50 * (step + 1):] = np.tril(np.ones((L, L), dtype=bool))[:, 50 * (step + 1):]
 
 
+@pytest.mark.parametrize("scale", [np.float32(0.3), np.float16(0.25), np.float64(0.3), np.int64(2), 3, -0.5, 0])
+@pytest.mark.parametrize("backend", ["auto", "tiled", "sdpa", "eager"])
+def test_scale_any_real_number(scale, backend):
+    """A NumPy scalar (float32 from ``1 / np.sqrt(np.float32(d))``, an integer) is a scale as a Python number is: its
+    exact value, on every backend; the fast path's replay too (called twice)."""
+    q, k, v = rand_qkv(1, 4, 2, 5, 9, 8)
+    ref, _ = golden(q, k, v, scale=float(scale), causal=True)
+    for _ in range(2):
+        out = attnkit.attention(q, k, v, scale=scale, causal=True, backend=backend)
+        assert_close(out, ref, budget(torch.float32, 8, 9), f"{scale!r} {backend}")
+
+
 @pytest.mark.parametrize("how", ["flag", "broadcast_to", "frombuffer"])
 def test_read_only_numpy_inputs_and_mask_run_without_a_warning(how, recwarn):
     """A read-only array (a read-only memmap, ``np.frombuffer`` of bytes, ``np.broadcast_to``) is read as any other;
