@@ -1,6 +1,6 @@
 // The decode entry's arithmetic against its memory reads: ak_decode (the compiled kernel's decode entry, the .so
 // that `make` builds) called directly from C, with no Python around it (BENCHMARKS.md, eighth session, "Long-cache
-// GQA decode"). One query row per head (L = 1), D = Dv = 128, g query heads per kv head (GQA group), fp32 or bf16.
+// GQA decode"). One query row per head (L = 1), D = Dv = 128 (or $D), g query heads per kv head (GQA group), fp32 or bf16.
 //
 //   resident = 1: K and V held in L2 — 256 batch rows read the same 256-key cache (batch stride 0, 256 KB fp32), so
 //                 the time is the arithmetic: printed as ns per key per thread (FMA peak: g * 32 / 2 / GHz ns);
@@ -14,7 +14,7 @@
 //     e.g. /tmp/decode_arith 4 1 256 0 1 1 1 200      (arithmetic, group of 4, fp32, memory order, 1 thread)
 //          /tmp/decode_arith 4 8 65536 0 0 1 2 5      (GQA 32 / 8 over 65536 keys, fp32, 2 threads)
 //   dtype 0 fp32 / 1 bf16; order -1 chosen per call, 0 register-blocked, 1 memory order (ak_set_decode_order);
-//   MIN=1 in the environment prints the fastest repeat instead of the median. The .so links Python's C API for its
+//   MIN=1 in the environment prints the fastest repeat instead of the median; D=64 sets the head dim (default 128). The .so links Python's C API for its
 //   module entry (never called here), hence -lpython.
 #include "attn_common.h"
 #include <dlfcn.h>
@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
   if (!h) { printf("%s\n", dlerror()); return 1; }
   fn_t dec = (fn_t)dlsym(h, "ak_decode"); ord_t so = (ord_t)dlsym(h, "ak_set_decode_order");
   so(order);
-  long D = 128, B = res ? 256 : 1, H = g * Hkv, esz = dt ? 2 : 4;
+  long D = getenv("D") ? atol(getenv("D")) : 128, B = res ? 256 : 1, H = g * Hkv, esz = dt ? 2 : 4;
   size_t n = Hkv * S * D;
   char* K = (char*)aligned_alloc(64, n * esz); char* V = (char*)aligned_alloc(64, n * esz);
   for (size_t i = 0; i < n; i++) {

@@ -528,6 +528,16 @@ def test_masks_draws_prefix_and_document(capsys):
     assert capsys.readouterr().out.splitlines()[-4:] == ["q0 # . . .", "q1 # # . .", "q2 . . # .", "q3 . . # #"]
 
 
+@pytest.mark.parametrize("alias, kind", [("sliding_window", "window"), ("sliding-window", "window"),
+                                         ("prefix_lm", "prefix"), ("causal_top_left", "causal-top-left")])
+def test_masks_takes_the_python_names(capsys, alias, kind):
+    """``attnkit masks sliding_window`` draws what ``attnkit masks window`` draws (attnkit.masks' own names)."""
+    assert cli.main(["masks", alias, "--size", "2", "-L", "4"]) == 0
+    got = capsys.readouterr().out
+    assert cli.main(["masks", kind, "--size", "2", "-L", "4"]) == 0
+    assert got == capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["explain", "--mask", "window:abc"], ["explain", "--q", "missing.npy",
                                                                        "--k", "k.npy", "--v", "v.npy"],
                                   ["masks", "document", "--docs", "x"], ["explain", "--precision", "-1"]])

@@ -7,6 +7,9 @@ import argparse
 __all__ = ["add_arguments", "run"]
 
 _KINDS = ("causal", "causal-top-left", "window", "chunked", "document", "prefix", "padding")
+# the names of attnkit.masks (a user who wrote masks.sliding_window(3) types sliding_window), with - or _
+_ALIASES = {"sliding_window": "window", "sliding-window": "window", "prefix_lm": "prefix", "prefix-lm": "prefix",
+            "causal_top_left": "causal-top-left", "top_left": "causal-top-left", "top-left": "causal-top-left"}
 MAX_DRAW = 64
 
 
@@ -30,8 +33,13 @@ def _count(text: str) -> int:
     return n
 
 
+def _kind(text: str) -> str:
+    return _ALIASES.get(text, text)
+
+
 def add_arguments(p):
-    p.add_argument("kind", choices=_KINDS, help="which mask to draw")
+    p.add_argument("kind", type=_kind, choices=_KINDS,
+                   help="which mask to draw (attnkit.masks' names too: sliding_window, prefix_lm)")
     p.add_argument("-L", type=_size, default=8, help=f"query length, 1..{MAX_DRAW} (default 8)")
     p.add_argument("-S", type=_size, default=None, help=f"key length, 1..{MAX_DRAW} (default: L)")
     p.add_argument("--size", type=_count, default=3,
