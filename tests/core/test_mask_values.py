@@ -78,3 +78,19 @@ def test_numpy_data_is_copied_too():
     m = M.padding(lengths)
     lengths[1] = 3
     assert m.key_lengths.tolist() == [128, 100]
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_score_past_float64s_range_is_minus_inf_on_every_backend_without_a_warning():
+    """float64's ``finfo.min`` added twice (a score_mod's and a float mask's) leaves the range: -inf, as IEEE rounds
+    it in torch's ops; the NumPy reference says so without a RuntimeWarning the caller can do nothing about."""
+    fmin = torch.finfo(torch.float64).min
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (4, 5, 5))
+    bias = torch.zeros(4, 5, dtype=torch.float64)
+    bias[1] = fmin  # row 1: keys 0, 1 at -inf (both added), keys 2-4 at finfo.min (equal: 1/3 each)
+    outs = {b: attnkit.attention(q, k, v, mask=bias, score_mod=lambda s, b, h, qi, kv: torch.where(kv < 2, s + fmin, s),
+                                 backend=b) for b in ("reference", "eager", "tiled", "auto")}
+    assert torch.allclose(outs["reference"][0, :, 1], v[0, :, 2:].mean(1), atol=1e-15, rtol=0)
+    for b, out in outs.items():
+        assert (out - outs["reference"]).abs().max().item() <= 1e-14, b

@@ -109,14 +109,17 @@ def trace(req: Request) -> Trace:
         b, h, qi, kv = index_grid(B, H, 0, L, 0, S, "cpu")
         masked = host_array(apply_score_mod(req, torch.from_numpy(masked), b, h, qi, kv).to(torch.float64))
         masked = np.broadcast_to(masked, (B, H, L, S)).copy()
-    if req.bias is not None:
-        masked = masked + host_array(req.bias.cpu().to(torch.float64))
-    if req.compute_dtype() == torch.float32:
-        # The scores every backend computes for an fp32 (or bf16/fp16) call are fp32 numbers; on a
-        # row at finfo.min or -1e9 fp32 keeps no trace of q·k (finfo.min + q·k == finfo.min), so
-        # the row's softmax is 1/S. Rounded here too, the reference computes that same function
-        # exactly, instead of a float64 one no fp32 computation can match (issue 18).
-        masked = masked.astype(np.float32).astype(np.float64)
+    # (a score past the dtype's range, e.g. float64's finfo.min added to a negative one, is -inf as IEEE rounds it
+    # in every backend: not a warning for the caller)
+    with np.errstate(over="ignore"):
+        if req.bias is not None:
+            masked = masked + host_array(req.bias.cpu().to(torch.float64))
+        if req.compute_dtype() == torch.float32:
+            # The scores every backend computes for an fp32 (or bf16/fp16) call are fp32 numbers; on a
+            # row at finfo.min or -1e9 fp32 keeps no trace of q·k (finfo.min + q·k == finfo.min), so
+            # the row's softmax is 1/S. Rounded here too, the reference computes that same function
+            # exactly, instead of a float64 one no fp32 computation can match.
+            masked = masked.astype(np.float32).astype(np.float64)
     allowed = np.ones((B, H, L, S), dtype=bool)
     if req.mask is not None:
         allowed &= req.mask.materialize(B, H, L, S).cpu().numpy()
