@@ -234,7 +234,6 @@ def make_request(
     S = k4.shape[2]
 
     scale = 1.0 / math.sqrt(D) if scale is None else _scale_value(scale)
-    scale = float(scale)
 
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}.")
