@@ -48,8 +48,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["guard", "weigh_values", "online_step", "online_finish", "merge", "softmax_lse", "lse_for_backward",
-           "weights_from_lse", "inexact_rows", "any_inexact", "split_inexact", "LSE_EXACT_MAX", "add_sink"]
+__all__ = ["guard", "nonfinite_keys", "weigh_values", "online_step", "online_finish", "merge", "softmax_lse",
+           "lse_for_backward", "weights_from_lse", "inexact_rows", "any_inexact", "split_inexact", "LSE_EXACT_MAX",
+           "add_sink"]
 
 # Above this |lse|, exp(s - lse) is not trusted. Error budget: rounding lse costs a relative
 # error of at most |lse|·u in every weight rebuilt from it; at 2^8 that is 2^8·u = 2^-16 ≈ 1.5e-5
@@ -62,6 +63,12 @@ LSE_EXACT_MAX = 2.0 ** 8
 def guard(m: torch.Tensor) -> torch.Tensor:
     """The dead-row guard: a row max safe to subtract (-inf → the dtype's lowest finite value)."""
     return m.clamp_min(torch.finfo(m.dtype).min)
+
+
+def nonfinite_keys(fin: torch.Tensor) -> torch.Tensor:
+    """The keys (dim -2, ascending) whose value holds NaN or inf in some leading row (batch, head), from ``fin =
+    torch.isfinite(v)`` (``v (…, n, Dv)``)."""
+    return (~fin).any(-1).reshape(-1, fin.shape[-2]).any(0).nonzero().flatten()
 
 
 def weigh_values(p: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,7 +88,7 @@ def weigh_values(p: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None =
     fin, zero = torch.isfinite(v), torch.zeros((), dtype=v.dtype, device=v.device)
     out = torch.matmul(p, torch.where(fin, v, zero))
     bad = torch.where(fin, zero, v)  # only the NaN / inf entries
-    keys = (~fin).any(-1).reshape(-1, n).any(0).nonzero().flatten()
+    keys = nonfinite_keys(fin)
     step = max(1, n // max(1, dv))
     for c in range(0, keys.numel(), step):
         j = keys[c:c + step]

@@ -79,7 +79,7 @@ def _scores(c: TileContext, qb, k, i0, i1, j0, j1, spans, track=False, hidden=No
 def _nonfinite_keys(v: torch.Tensor) -> list[int]:
     """The keys (sorted) whose value holds NaN or inf in some batch row or kv head: read once a call."""
     fin = torch.isfinite(v)
-    return [] if bool(fin.all()) else (~fin).any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
+    return [] if bool(fin.all()) else _softmax.nonfinite_keys(fin).tolist()
 
 
 def _hidden(c: TileContext, bad_keys: list[int], j0: int, j1: int, l: int, spans) -> torch.Tensor | None:
