@@ -1,5 +1,5 @@
 """The Makefile's layers (issue 21): `make demo` installs only what the demo runs, `make test` adds the test
-tooling and runs ruff, then mypy, then pytest; every requirement the Makefile installs is pinned; the bundled
+tooling and runs ruff, then mypy beside pytest; every requirement the Makefile installs is pinned; the bundled
 model runs without the packages its metadata pulls (sentence-transformers, scikit-learn, scipy)."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_demo_installs_no_test_or_docs_tooling(tmp_path):
     assert lines[-1].endswith("bin/attnkit demo")
 
 
-def test_test_target_lints_type_checks_then_runs_pytest(tmp_path):
+def test_test_target_lints_then_runs_pytest_with_mypy_beside_it(tmp_path):
     lines = _dry_run("test", tmp_path)
     extras, _ = _installs(lines)
     assert "test" in extras and {"ruff", "mypy"} <= {_name(r) for r in _extras()["test"]}
@@ -87,7 +87,13 @@ def test_test_target_lints_type_checks_then_runs_pytest(tmp_path):
     assert "src tests benchmarks examples tools" in lines[steps[0]]
     assert "tf-next" in lines[steps[3]] and "test_integration_transformers.py" in lines[steps[3]]
     assert steps[-1] == len(lines) - 1 and max(i for i, ln in enumerate(lines) if " install " in ln) < steps[0]
-    assert _dry_run("lint", tmp_path)[-2:] == [lines[steps[0]], lines[steps[1]]]
+    lint = _dry_run("lint", tmp_path)[-2:]
+    assert lint[0] == lines[steps[0]]
+    # mypy runs beside pytest (started in the background, its log printed after pytest's), the same command as
+    # `make lint`'s, and its exit status fails the step as pytest's does
+    assert lines[steps[1]].startswith(lint[1] + " > ") and lines[steps[1]].rstrip(" \\").endswith("mypy=$!;")
+    joined = " ".join(ln.rstrip(" \\") for ln in lines[steps[1]:steps[3]])
+    assert "wait $mypy; types=$?" in joined and "test $tests -eq 0 && test $types -eq 0" in joined, joined
 
 
 
