@@ -111,10 +111,13 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
     kernels = _table.rows(device_type, backend)
     if not kernels:
         raise ValueError(f"backend={backend!r} has no kernel on {device_type}.")
-    if req.shape[2] == 0 or req.shape[0] == 0:  # no query rows (or batch rows): the same empty answer on every
-        e = _table.kernel("eager")  # path (torch's flash kernel and the tile maps divide by L), from torch ops only
-        return Decision(e.backend, "no query rows (L = 0 or B = 0): the empty output", e.worker, e.why(req),
-                        None if device_type == "cuda" else True, ((e.name, "runs"),), e)
+    B, _, L, S = req.shape[:4]
+    if L == 0 or B == 0 or S == 0:  # no query rows (or batch rows), or no key: the same answer on every path
+        e = _table.kernel("eager")  # (torch's flash kernel and the tile maps divide by L and S), from torch ops only
+        what = ("no key (S = 0): every query row sees no key, output 0 and lse -inf as any fully masked row"
+                if L and B else "no query rows (L = 0 or B = 0): the empty output")
+        return Decision(e.backend, what, e.worker, e.why(req), None if device_type == "cuda" else True,
+                        ((e.name, "runs"),), e)
     auto = backend == "auto"
     passed: list[tuple[Kernel, list[str], bool]] = []
     verdicts: list[tuple[str, str]] = []

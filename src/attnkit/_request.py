@@ -185,8 +185,9 @@ def _check_qkv_full(q, k, v):
             f"k: expected a number of key/value heads Hkv that divides H={H}, got Hkv={Hkv}. "
             "For GQA/MQA use Hkv in the divisors of H (query head h uses kv head h // (H // Hkv))."
         )
-    if (S == 0 and L > 0) or D == 0:  # (no query and no key: the empty answer, as for L = 0 alone)
-        raise ValueError(f"k: expected at least one key (S >= 1) and D >= 1, got S={S}, D={D}.")
+    if D == 0:  # (S = 0 is a call: every row sees no key, output 0 and lse -inf as any fully masked row)
+        raise ValueError(f"q: expected a head dimension D >= 1 (the scores are q · k over D; the default scale "
+                         f"1/sqrt(D) divides by it), got D={D}.")
     return q4, k4, v4, rank, numpy_in
 
 
@@ -379,4 +380,6 @@ def _find_score_mod_tensors(req: Request) -> None:
         return
     req.grad_tensors = _mods.captured_grad_tensors(fn)
     B, H, L, S = req.q.shape[0], req.q.shape[1], req.q.shape[2], req.k.shape[2]
-    req.grad_hidden = _mods.reads_uncaptured_grad(fn, req.grad_tensors, (B, H, L, S), req.compute_dtype())
+    # (no score at all — L, S or B of 0 — calls the mod at no point: the probe's point (0, 0, 0, 0) is not one)
+    req.grad_hidden = B * H * L * S > 0 and _mods.reads_uncaptured_grad(fn, req.grad_tensors, (B, H, L, S),
+                                                                      req.compute_dtype())

@@ -84,8 +84,7 @@ def test_no_query_rows_under_torch_compile(name):
 
 @pytest.mark.parametrize("backend", ["auto", "eager", "tiled", "sdpa", "reference"])
 def test_no_queries_and_no_keys_give_the_empty_output(backend):
-    """Self-attention over an empty sequence (L = S = 0): the empty answer; S = 0 under a query row is still
-    refused by name (no key to attend to: SDPA answers NaN there)."""
+    """Self-attention over an empty sequence (L = S = 0): the empty answer."""
     grad = backend != "reference"
     q = torch.randn(B, H, 0, D, requires_grad=grad)
     k, v = torch.randn(B, Hkv, 0, D, requires_grad=grad), torch.randn(B, Hkv, 0, Dv, requires_grad=grad)
@@ -94,8 +93,45 @@ def test_no_queries_and_no_keys_give_the_empty_output(backend):
     if grad:
         out.sum().backward()
         assert q.grad.shape == q.shape and k.grad.shape == k.shape
-    with pytest.raises(ValueError, match=r"k: expected at least one key \(S >= 1\)"):
-        attnkit.attention(torch.randn(B, H, 3, D), k.detach(), v.detach(), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "tiled", "sdpa", "flex", "reference"])
+@pytest.mark.parametrize("name", list(_calls()))
+def test_query_rows_over_no_keys_are_fully_masked_rows(backend, name):
+    """Query rows over no key (S = 0: cross-attention to an empty memory, a retrieval that found nothing): every
+    row is a fully masked row, so the convention for one holds — output 0, lse -inf, zero gradients, never NaN —
+    as torch's SDPA answers too (zeros). (A head dimension of 0 is refused by name: no score to take.)"""
+    kw = _calls()[name]
+    if "mask" in kw and isinstance(kw["mask"], torch.Tensor):
+        kw["mask"] = kw["mask"].new_ones(3, 0) if kw["mask"].dtype == torch.bool else kw["mask"].new_zeros(3, 0)
+    if name == "score_mod":
+        kw["score_mod"] = _rel(torch.randn(H, 0, requires_grad=True))
+    if name == "document":  # queries aligned to the last L keys: L <= S, refused by the mask itself, by name
+        with pytest.raises(ValueError, match=r"document mask: needs L <= S .*got L=3, S=0"):
+            attnkit.attention(torch.randn(B, H, 3, D), torch.randn(B, Hkv, 0, D), torch.randn(B, Hkv, 0, Dv),
+                              backend=backend, mask=M.document(torch.zeros(0, dtype=torch.long)))
+        return
+    if name == "key_padding":
+        kw["mask"] = M.key_padding(torch.ones(B, 0, dtype=torch.bool))
+    grad = backend != "reference"
+    q = torch.randn(B, H, 3, D, requires_grad=grad)
+    k, v = torch.randn(B, Hkv, 0, D, requires_grad=grad), torch.randn(B, Hkv, 0, Dv, requires_grad=grad)
+    got = attnkit.attention(q, k, v, backend=backend, **kw)
+    out, lse = got if isinstance(got, tuple) else (got, None)
+    assert out.shape == (B, H, 3, Dv) and not out.isnan().any() and not out.any()
+    if lse is not None:  # no key: lse -inf
+        assert torch.equal(lse.detach(), torch.full((B, H, 3), -torch.inf))
+    if grad:
+        (out.sum() + (0 if lse is None else lse.clamp(min=-1e4).sum())).backward()
+        assert torch.equal(q.grad, torch.zeros_like(q)) and k.grad.shape == k.shape and v.grad.shape == v.shape
+    if backend == "auto" and name == "none":  # torch's SDPA gives the same zeros
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)), rtol=0, atol=0)
+
+
+def test_a_head_dimension_of_zero_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"q: expected a head dimension D >= 1 .*got D=0"):
+        attnkit.attention(torch.randn(B, H, 3, 0), torch.randn(B, Hkv, 4, 0), torch.randn(B, Hkv, 4, Dv))
 
 
 def test_modules_over_an_empty_sequence():
