@@ -50,7 +50,7 @@ def _to_torch(name: str, x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
-        if (x.dtype.kind == "f" and x.dtype.itemsize in (2, 4, 8)) or x.dtype == np.bool_:
+        if (x.dtype.kind == "f" and x.dtype.itemsize in (2, 4, 8)) or (x.dtype == np.bool_ and name == "mask"):
             return _from_numpy(x)
         if name == "mask":
             raise TypeError(_int_mask_message(x.dtype))
@@ -58,7 +58,9 @@ def _to_torch(name: str, x) -> torch.Tensor:
             f"{name}: expected a floating-point array (float16/32/64), got dtype {x.dtype}. "
             f"Convert explicitly, e.g. {name}.astype(np.float32)."
         )
-    raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}.")
+    dt = "bool" if name == "mask" else "np.float32"  # (a mask's usual kind: True attends)
+    raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}. "
+                    f"Convert it first, e.g. np.asarray({name}, dtype={dt}) or torch.as_tensor({name}).")
 
 
 def _from_numpy(x: np.ndarray) -> torch.Tensor:
@@ -123,7 +125,8 @@ def _check_qkv_full(q, k, v):
     if not kinds <= {"torch", "numpy"}:
         bad = next(n for n, x in (("q", q), ("k", k), ("v", v)) if _kind(x) not in ("torch", "numpy"))
         x = {"q": q, "k": k, "v": v}[bad]
-        raise TypeError(f"{bad}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}.")
+        raise TypeError(f"{bad}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}. "
+                        f"Convert it first, e.g. np.asarray({bad}, dtype=np.float32) or torch.as_tensor({bad}).")
     if len(kinds) > 1:
         raise TypeError(
             f"q, k, v: expected all torch tensors or all NumPy arrays, got q={_kind(q)}, k={_kind(k)}, "

@@ -68,6 +68,18 @@ def test_integer_and_mixed_dtypes():
         attnkit.attention(q, k.numpy(), v)
 
 
+def test_numpy_users_get_numpy_fixes():
+    """A NumPy bool array as q is refused with NumPy's fix (not torch's ``.float()``); a list with how to make an
+    array of it; a bool NumPy mask stays a mask."""
+    a = np.random.default_rng(0).standard_normal((5, 8))
+    raises(TypeError, "q:", "floating-point array", "got dtype bool", "q.astype(np.float32)", qkv=(a > 0, a, a))
+    raises(TypeError, "v:", "got list", "np.asarray(v, dtype=np.float32)", "torch.as_tensor(v)", qkv=(a, a, a.tolist()))
+    raises(TypeError, "k:", "got list", "np.asarray(k, dtype=np.float32)", qkv=(a, a.tolist(), a))
+    out = attnkit.attention(a, a, a, mask=np.tril(np.ones((5, 5), bool)))
+    want = attnkit.attention(a, a, a, causal=True, backend="reference")
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
 def test_different_devices():
     q, k, v = qkv()
     raises(ValueError, "one device", "meta", ".to(device)", qkv=(q, k.to("meta"), v))
