@@ -137,7 +137,7 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 def softmax_lse(s: torch.Tensor):
     """Row softmax of dense scores ``s (…, S)`` and its lse; dead rows give weights 0, lse -inf."""
-    if s.shape[-1] == 0:  # no key (a call with no query either: S = 0 with L > 0 is refused by name)
+    if s.shape[-1] == 0:  # no key (S = 0): every row is a fully masked row
         return s * 0, s.sum(dim=-1) - float("inf")  # (empty weights; lse -inf: no key)
     m_i = guard(s.detach().amax(dim=-1, keepdim=True))
     p = torch.exp(s - m_i)  # s - m_i is exact near the max, even at finfo.min: weights exact on any row
