@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import signal
 import socket
 import sys
 import time
@@ -165,6 +166,10 @@ def main():
     for p in procs:
         p.join()
     ok = report.get(timeout=5) if not report.empty() else False
+    for r, p in enumerate(procs):  # a rank that died says how (a signal: its name), even after rank 0's verdict
+        if p.exitcode != 0:
+            how = signal.Signals(-p.exitcode).name if p.exitcode < 0 else f"exit status {p.exitcode}"
+            print(f"rank {r} ended with {how}", file=sys.stderr)
     sys.exit(0 if ok and all(p.exitcode == 0 for p in procs) else 1)
 
 
