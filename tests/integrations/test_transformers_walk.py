@@ -4,10 +4,10 @@ every family is either exact against ``"eager"`` (forward logits; for causal LMs
 answer, never a crash from deep inside transformers.
 
 The walk itself is ``tools/walk_transformers.py``, a test harness kept out of the wheel (``python
-tools/walk_transformers.py`` prints the whole table, ~600 families in about a minute); this test walks every
-second family (every ``ATTNKIT_WALK_SAMPLE``-th) plus every family the issues name (~300 families, about 70 s of one core). It runs
-on the pinned transformers and, in ``make test``'s second pass, on the newest one. Error budget (float32):
-``|attnkit − eager| ≤ 2e-5 · max(1, max |eager|)`` on every unpadded position.
+tools/walk_transformers.py`` prints the whole table of ~600 families in a few minutes); this test walks every
+second family (every ``ATTNKIT_WALK_SAMPLE``-th) plus every family the issues name: ~300 families, about 70 s of
+one core. It runs on the pinned transformers and, in ``make test``'s second pass, on the newest one.
+Error budget (float32): ``|attnkit − eager| ≤ 2e-5 · max(1, max |eager|)`` on every unpadded position.
 """
 
 from __future__ import annotations
