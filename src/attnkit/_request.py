@@ -58,9 +58,15 @@ def _to_torch(name: str, x) -> torch.Tensor:
             f"{name}: expected a floating-point array (float16/32/64), got dtype {x.dtype}. "
             f"Convert explicitly, e.g. {name}.astype(np.float32)."
         )
+    raise _not_an_array(name, x)
+
+
+def _not_an_array(name: str, x) -> TypeError:
+    """The error for ``name`` given as something that is neither a tensor nor an array (a list, a scalar), with the
+    conversion to make."""
     dt = "bool" if name == "mask" else "np.float32"  # (a mask's usual kind: True attends)
-    raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}. "
-                    f"Convert it first, e.g. np.asarray({name}, dtype={dt}) or torch.as_tensor({name}).")
+    return TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}. "
+                     f"Convert it first, e.g. np.asarray({name}, dtype={dt}) or torch.as_tensor({name}).")
 
 
 def _from_numpy(x: np.ndarray) -> torch.Tensor:
@@ -124,9 +130,7 @@ def _check_qkv_full(q, k, v):
     kinds = {_kind(q), _kind(k), _kind(v)}
     if not kinds <= {"torch", "numpy"}:
         bad = next(n for n, x in (("q", q), ("k", k), ("v", v)) if _kind(x) not in ("torch", "numpy"))
-        x = {"q": q, "k": k, "v": v}[bad]
-        raise TypeError(f"{bad}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}. "
-                        f"Convert it first, e.g. np.asarray({bad}, dtype=np.float32) or torch.as_tensor({bad}).")
+        raise _not_an_array(bad, {"q": q, "k": k, "v": v}[bad])
     if len(kinds) > 1:
         raise TypeError(
             f"q, k, v: expected all torch tensors or all NumPy arrays, got q={_kind(q)}, k={_kind(k)}, "
