@@ -129,6 +129,30 @@ def test_query_rows_over_no_keys_are_fully_masked_rows(backend, name):
             q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)), rtol=0, atol=0)
 
 
+def test_no_keys_under_torch_compile_fullgraph_and_in_a_decode_loop():
+    """S = 0 through the compiled op (fullgraph, with a captured table's gradient, empty) and through the fast
+    path's replay of a decode loop that learned its step at S >= 1: zeros, as on the full path."""
+    table = torch.randn(H, 0, requires_grad=True)
+    mod = _rel(table)
+    f = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=M.sliding_window(2), score_mod=mod),
+                      fullgraph=True, backend="eager")
+    q = torch.randn(B, H, 3, D, requires_grad=True)
+    k, v = torch.randn(B, Hkv, 0, D, requires_grad=True), torch.randn(B, Hkv, 0, Dv, requires_grad=True)
+    out = f(q, k, v)
+    out.sum().backward()
+    assert out.shape == (B, H, 3, Dv) and not out.any() and not out.isnan().any()
+    assert torch.equal(q.grad, torch.zeros_like(q)) and table.grad is not None and table.grad.shape == (H, 0)
+    for S_ in (130, 5, 0, 3, 0):  # one query row over a cache that shrinks to nothing and grows again
+        q1 = torch.randn(1, 8, 1, 64)
+        k1, v1 = torch.randn(1, 2, S_, 64), torch.randn(1, 2, S_, 64)
+        got = attnkit.attention(q1, k1, v1, causal=True)
+        want = attnkit.attention(q1.double(), k1.double(), v1.double(), causal=True, backend="reference")
+        if S_ == 0:
+            assert torch.equal(got, torch.zeros_like(got))
+        else:
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_head_dimension_of_zero_is_refused_by_name():
     with pytest.raises(ValueError, match=r"q: expected a head dimension D >= 1 .*got D=0"):
         attnkit.attention(torch.randn(B, H, 3, 0), torch.randn(B, Hkv, 4, 0), torch.randn(B, Hkv, 4, Dv))
