@@ -38,6 +38,15 @@ CASES = [
     ("decode L=1 S=128 GQA causal", 1, 8, 2, 1, 128, 64, "causal=True", "fwd"),
     ("prefill L=S=64 causal", 2, 4, 4, 64, 64, 16, "causal=True", "fwd"),
     ("prefill L=S=200 GQA causal", 1, 4, 2, 200, 200, 64, "causal=True", "fwd"),
+    # a few query rows with gradients over a long cache (fp32): the compiled kernel's few-rows backward from 4096 keys
+    ("rows: L=1 S=2048 GQA causal fwd+bwd", 1, 8, 2, 1, 2048, 64, "causal=True", "fwdbwd"),
+    ("rows: L=1 S=4096 GQA causal fwd+bwd", 1, 8, 2, 1, 4096, 64, "causal=True", "fwdbwd"),
+    ("rows: L=1 S=16384 GQA causal fwd+bwd", 1, 8, 2, 1, 16384, 64, "causal=True", "fwdbwd"),
+    ("rows: L=4 S=4096 GQA causal fwd+bwd", 1, 8, 2, 4, 4096, 64, "causal=True", "fwdbwd"),
+    ("rows: L=16 S=8192 MHA causal fwd+bwd", 1, 8, 8, 16, 8192, 64, "causal=True", "fwdbwd"),
+    ("rows: L=1 S=8192 MHA mask_mod causal fwd+bwd", 1, 8, 8, 1, 8192, 64, "mask=lambda b, h, i, j: j <= i + 8191",
+     "fwdbwd"),
+    ("rows: L=1 S=8192 GQA window 256 fwd+bwd", 1, 8, 2, 1, 8192, 64, "mask=masks.sliding_window(256)", "fwdbwd"),
 ]
 
 WORKER = r'''

@@ -79,6 +79,7 @@ DENSE_LENGTHS = (256, 512, 1024, 2048)  # L = S; the crossover is in L·S
 DTYPE_LENGTH = 512  # bf16 / fp16: kernel against torch's kernel at this L = S, causal and no mask
 GRAD_LENGTH = 256  # bf16 with gradients: kernel against torch's kernel at this L = S, no mask (SDPA's ground)
 SMALL_LENGTH = 64  # bf16 / fp16 below the fp32 crossovers: kernel against torch's kernel in that dtype, no mask
+ROWS_KEYS = 4096  # fp32 with gradients at a few query rows: one query row over this many keys, no mask ("rows")
 _POINT_TARGET_S = 0.06  # time spent on one point (both peers), rounds in [_MIN_ROUNDS, _MAX_ROUNDS]
 _MIN_ROUNDS, _MAX_ROUNDS = 3, 15
 
@@ -131,6 +132,8 @@ class Crossovers:
     * ``bf16_grad``: ``"kernel"`` (a bf16 call that wants gradients goes to the compiled kernel where SDPA would
       have taken it), ``"torch"`` (SDPA keeps it) or None (today's rule: the kernel where the CPU has no bf16
       instructions);
+    * ``few_rows_grad``: ``"kernel"`` (an fp32 call that wants gradients at a few query rows over a long cache goes
+      to the compiled kernel's few-rows backward), ``"torch"`` (SDPA keeps it) or None (today's rule: the kernel);
     * ``source``: which table decided, in words (``dispatch`` quotes it);
     * ``calibrated``: measured on this machine (else the defaults); ``path``: the file it came from or
       went to; ``points``: the measurements; ``failure``: why a calibration gave the defaults instead.
@@ -143,6 +146,7 @@ class Crossovers:
     bf16_grad: str | None = None
     bf16_small: str | None = None
     fp16_small: str | None = None
+    few_rows_grad: str | None = None
     source: str = "defaults"
     calibrated: bool = False
     path: str | None = None
@@ -201,6 +205,17 @@ class Crossovers:
         return ("bfloat16 with gradients on a CPU without bf16 instructions: torch's bf16 backward converts through "
                 "fp32 (4-5x its fp32 time at L = 256-1024 on a 2-core AMD EPYC); the compiled kernel's costs about "
                 "its fp32 time")
+
+    def few_rows_grad_to_kernel(self, min_keys: int) -> str | None:
+        """Why an fp32 call that wants gradients at a few query rows whose rows reach at least ``min_keys`` keys goes
+        to the compiled kernel rather than torch SDPA (None: SDPA keeps it): the measured choice (one query row over
+        :data:`ROWS_KEYS` keys), else today's rule (the kernel: 0.54-0.90x SDPA's time from 4096 keys on a 2-core AMD
+        EPYC)."""
+        if self.few_rows_grad == "torch":
+            return None
+        where = (f"the compiled kernel measured faster than SDPA here ({self.source})" if self.few_rows_grad == "kernel"
+                 else "the compiled kernel's few-rows backward is faster than SDPA's there (today's rule)")
+        return f"a few query rows with gradients over >= {min_keys} keys: {where}"
 
 
 _MEMO: dict[int, Crossovers] = {}
@@ -404,7 +419,7 @@ def _from_json(data: dict, path: Path) -> Crossovers:
         if not (isinstance(val, int) and not isinstance(val, bool) and val >= 1):
             raise ValueError(f"{name}: expected a whole number >= 1, got {val!r}")
     choice = {}
-    for name in ("bf16", "fp16", "bf16_grad", "bf16_small", "fp16_small"):
+    for name in ("bf16", "fp16", "bf16_grad", "bf16_small", "fp16_small", "few_rows_grad"):
         val = c.get(name)
         if val is not None and val not in _CHOICES:
             raise ValueError(f"{name}: expected one of {_CHOICES} or null, got {val!r}")
@@ -412,7 +427,7 @@ def _from_json(data: dict, path: Path) -> Crossovers:
     points = tuple(Point(**{f.name: p[f.name] for f in dataclasses.fields(Point)}) for p in data.get("points", []))
     key, when = data["key"], str(data.get("created", "?"))[:10]
     return Crossovers(causal, dense, choice["bf16"], choice["fp16"], choice["bf16_grad"], choice["bf16_small"],
-                      choice["fp16_small"],
+                      choice["fp16_small"], choice["few_rows_grad"],
                       source=_source(key, when, path, data.get("defaults_kept", [])), calibrated=True,
                       path=str(path), points=points, elapsed_s=data.get("elapsed_s"))
 
@@ -438,10 +453,11 @@ class _NoKernel(Exception):
 
 
 def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: float,
-                   clock: Callable[[], float]) -> tuple[float, float, int] | None:
-    """The fastest round's seconds (kernel, SDPA) over interleaved rounds at (1, 8, L, 64) L = S; None when even the
-    fewest rounds would not end before ``deadline``. Raises :class:`_NoKernel` when the call would not
-    run on the compiled kernel."""
+                   clock: Callable[[], float], S: int | None = None) -> tuple[float, float, int] | None:
+    """The fastest round's seconds (kernel, SDPA) over interleaved rounds at q (1, 8, L, 64), k / v (1, 8, S, 64)
+    (S = L unless given; ``case`` "rows": no mask, the forward on the kernel's decode entry and its few-rows
+    backward, as ``auto`` runs a few query rows with gradients); None when even the fewest rounds would not end
+    before ``deadline``. Raises :class:`_NoKernel` when the call would not run on the compiled kernel."""
     import torch.nn.functional as F
 
     from . import masks
@@ -450,18 +466,23 @@ def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: floa
     if not _native.available():
         raise _NoKernel(f"the compiled kernel is not available here ({_native.unavailable_reason()})")
     dt = _DTYPES[dtype]
+    S = L if S is None else S
     g = torch.Generator().manual_seed(L)
-    q, k, v = (torch.randn(1, H, L, D, generator=g).to(dt).requires_grad_(backward) for _ in range(3))
+    q = torch.randn(1, H, L, D, generator=g).to(dt).requires_grad_(backward)
+    k, v = (torch.randn(1, H, S, D, generator=g).to(dt).requires_grad_(backward) for _ in range(2))
     go = torch.randn(1, H, L, D, generator=g).to(dt)
     causal = case == "causal"
-    iv = (masks.causal() if causal else masks.full()).row_intervals(1, L, L)
+    iv = (masks.causal() if causal else masks.full()).row_intervals(1, L, S)
     assert iv is not None  # both are one stretch of keys per row
     lo, hi = iv
     scale = D ** -0.5
 
     def kernel():  # what the native kernel runs for such a call: forward (and backward), outputs rounded to dt
         with torch.no_grad():  # by the kernel itself (bf16 / fp16)
-            out, lse, _ = _native.forward(q, k, v, lo, hi, scale, rounded=True)
+            if case == "rows":  # (fp32) a few rows' forward on the decode entry, as backends/native.py runs it
+                out, lse = _native.decode(q, k, v, lo, hi, scale, need_lse=True)
+            else:
+                out, lse, _ = _native.forward(q, k, v, lo, hi, scale, rounded=True)
             if backward:
                 _native.backward(q, k, v, lo, hi, scale, out, lse, go, rounded=True)
 
@@ -511,10 +532,23 @@ def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: floa
     return min(tk), min(ts), len(tk)
 
 
+def _warm_backward() -> None:
+    """One tiny SDPA forward and ``out.backward(grad)``, as the measured SDPA call runs them: torch's first backward
+    given a gradient tensor in a process imports sympy (``torch.autograd`` checks the gradient's shape through
+    torch.fx's symbolic shapes: 3.5-3.8 s on a 2-core AMD EPYC, torch 2.13), which the first measured point would
+    otherwise charge to SDPA and to the budget."""
+    import torch.nn.functional as F
+
+    q = torch.zeros(1, 1, 2, 8, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q).backward(torch.ones(1, 1, 2, 8))
+
+
 def _plan(backward: bool) -> list[tuple[str, str, int, str]]:
     """The points in the order they are measured (most useful first; the budget cuts the tail)."""
     modes = ["fwd", "fwd+bwd"] if backward else ["fwd"]
     pts = [("causal", "float32", L, m) for L in CAUSAL_LENGTHS for m in modes]
+    if backward:  # (cheap: one query row, ~30 ms a round on a 2-core AMD EPYC; after causal 64 and 128)
+        pts.insert(2 * len(modes), ("rows", "float32", 1, "fwd+bwd"))
     pts += [("none", "float32", L, m) for L in DENSE_LENGTHS[:-1] for m in modes]
     pts += [("none", dt, SMALL_LENGTH, "fwd") for dt in ("bfloat16", "float16")]  # (cheap: before the 512s)
     pts += [(c, dt, DTYPE_LENGTH, "fwd") for dt in ("bfloat16", "float16") for c in ("causal", "none")]
@@ -552,9 +586,9 @@ def _dtype_choice(points: list[Point]) -> str | None:
 
 
 def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str]]:
-    """({native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, bf16_small, fp16_small}, what kept its
-    default) from the points of a calibration (``backward``: one that planned forward + backward points)."""
-    f32 = [p for p in points if p.dtype == "float32"]
+    """({native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, bf16_small, fp16_small, few_rows_grad}, what
+    kept its default) from the points of a calibration (``backward``: one that planned forward + backward points)."""
+    f32 = [p for p in points if p.dtype == "float32" and p.case != "rows"]
     causal = _crossover([p for p in f32 if p.case == "causal"], DEFAULT_NATIVE_CAUSAL_MIN, lambda n: n)
     dense = _crossover([p for p in f32 if p.case == "none"], DEFAULT_NATIVE_DENSE_MIN_LS, lambda n: n * n)
 
@@ -566,12 +600,15 @@ def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str
               "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS if dense is None else dense,
               "bf16": choice("bfloat16", "fwd", False), "fp16": choice("float16", "fwd", False),
               "bf16_grad": choice("bfloat16", "fwd+bwd", False),
-              "bf16_small": choice("bfloat16", "fwd", True), "fp16_small": choice("float16", "fwd", True)}
+              "bf16_small": choice("bfloat16", "fwd", True), "fp16_small": choice("float16", "fwd", True),
+              "few_rows_grad": _dtype_choice([p for p in points if p.case == "rows"])}
     kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", values["bf16"]),
                                  ("fp16", values["fp16"]), ("small bf16", values["bf16_small"]),
                                  ("small fp16", values["fp16_small"])) if v is None]
     if values["bf16_grad"] is None and backward:  # (planned with backward only: not "kept" by a forward calibration)
         kept.append("bf16 with gradients")
+    if values["few_rows_grad"] is None and backward:
+        kept.append("a few rows with gradients")
     return values, kept
 
 
@@ -587,7 +624,9 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
     L = 64 (no mask: ``bf16_small`` / ``fp16_small``) against torch's kernel in the same dtype;
     forward only, or forward and forward+backward with ``backward`` (the kernel must win both; and bf16 with
     no mask at L = S = 256 forward + backward, which decides ``bf16_grad``: torch's first bf16 backward in a
-    process can take seconds, more than the budget). Points are measured most useful first; what the budget
+    process can take seconds, more than the budget; and one fp32 query row over 4096 keys forward + backward, the
+    kernel's decode entry and few-rows backward, which decides ``few_rows_grad``). Points are measured most useful
+    first; what the budget
     leaves unmeasured keeps its default.
 
     Args:
@@ -623,6 +662,9 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         _local.measuring = True
         if n != before:
             torch.set_num_threads(n)
+        if backward:  # outside the budget (in the time reported): not part of the race
+            _warm_backward()
+            deadline = clock() + float(budget_s)
         for case, dtype, L, mode in _plan(backward):
             if clock() >= deadline:
                 break
@@ -634,8 +676,9 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
             est = 0.0 if last is None else (last.kernel_ms + last.sdpa_ms) / 1e3 * (L / last.L) ** 2
             if clock() + (1 + _MIN_ROUNDS) * est > deadline:
                 continue
+            S = ROWS_KEYS if case == "rows" else L
             try:
-                got = _measure_point(case, dtype, L, mode == "fwd+bwd", deadline, clock)
+                got = _measure_point(case, dtype, L, mode == "fwd+bwd", deadline, clock, S=S)
             except _NoKernel:
                 if dtype == "float32":
                     raise
@@ -643,7 +686,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
             if got is None:
                 continue  # does not fit in what is left; a cheaper point later may
             tk, ts, rounds = got
-            p = Point(case, dtype, L, L, mode, tk * 1e3, ts * 1e3, rounds)
+            p = Point(case, dtype, L, S, mode, tk * 1e3, ts * 1e3, rounds)
             points.append(p)
             if progress is not None:
                 progress(p)
@@ -657,7 +700,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
                 "crossovers": values, "defaults_kept": kept, "points": [dataclasses.asdict(p) for p in points],
                 "defaults": {"native_causal_min": DEFAULT_NATIVE_CAUSAL_MIN,
                              "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS, "bf16": None, "fp16": None,
-                             "bf16_grad": None, "bf16_small": None, "fp16_small": None}}
+                             "bf16_grad": None, "bf16_small": None, "fp16_small": None, "few_rows_grad": None}}
         unstored = None
         if path is not None:
             try:

@@ -26,7 +26,8 @@ RATIO = {("none", "bfloat16", "grad"): lambda L: 3.0,
          ("causal", "float32"): lambda L: 1.3 if L >= 256 else 0.8,
          ("none", "float32"): lambda L: 1.1 if L >= 1024 else 0.95,
          ("causal", "bfloat16"): lambda L: 0.4, ("none", "bfloat16"): lambda L: 1.4 if L == 64 else 0.5,
-         ("causal", "float16"): lambda L: 1.5, ("none", "float16"): lambda L: 1.2}
+         ("causal", "float16"): lambda L: 1.5, ("none", "float16"): lambda L: 1.2,
+         ("rows", "float32"): lambda L: 1.6}
 
 
 class Fake:
@@ -37,9 +38,10 @@ class Fake:
         self.exc = RuntimeError("the kernel fell over") if exc is None else exc
         self.tables = []
         monkeypatch.setattr(C, "_measure_point", self)
+        monkeypatch.setattr(C, "_warm_backward", lambda: None)
         monkeypatch.setattr(C, "_clock", lambda: self.now)
 
-    def __call__(self, case, dtype, L, backward, deadline, clock):
+    def __call__(self, case, dtype, L, backward, deadline, clock, S=None):
         self.tables.append(C.crossovers())  # what the measured call would see
         if self.fail_at is not None and len(self.calls) == self.fail_at:
             raise self.exc
@@ -90,7 +92,7 @@ def test_calibration_decides_from_the_measurements_and_is_stored_where_the_env_s
     assert data["key"] == C.machine_key(n) and data["key"]["torch"] == torch.__version__
     assert data["crossovers"] == {"native_causal_min": 256, "native_dense_min_ls": 1048576, "bf16": "torch",
                                   "fp16": "kernel", "bf16_grad": None, "bf16_small": "kernel",
-                                  "fp16_small": "kernel"}
+                                  "fp16_small": "kernel", "few_rows_grad": None}
     assert not list(cache.glob(".calibration-*"))  # the temporary file was renamed, none left behind
     # this process decides by it now, and a fresh one reads it back from the file
     assert C.crossovers() is c
@@ -120,7 +122,7 @@ def test_the_thread_count_is_restored(cache, monkeypatch):
     before = torch.get_num_threads()
     other = 1 if before != 1 else 2
     seen = []
-    monkeypatch.setattr(C, "_measure_point", lambda *a: seen.append(torch.get_num_threads()) or (1e-3, 1e-3, 3))
+    monkeypatch.setattr(C, "_measure_point", lambda *a, **kw: seen.append(torch.get_num_threads()) or (1e-3, 1e-3, 3))
     C.calibrate(threads=other)
     assert set(seen) == {other} and torch.get_num_threads() == before
 
@@ -309,8 +311,9 @@ def test_the_budget_bounds_the_measurement_and_the_rest_keeps_its_default(cache,
     assert kept in c.source  # (bf16 with gradients:
     # planned only with backward=True, so not "kept" here)
     small = C.calibrate(budget_s=1.0, backward=True)
-    assert small.bf16_grad is None and small.source.endswith("small fp16, bf16 with gradients (not measured in the "
-                                                             "budget)")
+    assert small.bf16_grad is None and small.few_rows_grad is None
+    assert small.source.endswith("small fp16, bf16 with gradients, a few rows with gradients (not measured in the "
+                                 "budget)")
 
 
 def test_backward_decides_bf16_with_gradients_apart_from_bf16s_forward(cache, monkeypatch):
@@ -320,6 +323,33 @@ def test_backward_decides_bf16_with_gradients_apart_from_bf16s_forward(cache, mo
     assert (c.bf16, c.bf16_grad) == ("torch", "kernel")  # the fake's bf16: forward loses, forward + backward wins
     C.forget()
     assert C.crossovers().bf16_grad == "kernel"  # stored and read back
+
+
+def test_backward_decides_a_few_rows_with_gradients_from_one_row_over_a_long_cache(cache, monkeypatch):
+    """fp32 with gradients at a few query rows: one query row over ROWS_KEYS keys, forward + backward (planned with
+    backward only), stored and read back; its point never moves the causal or no-mask crossovers."""
+    fake = Fake(monkeypatch)
+    c = C.calibrate(backward=True)
+    assert ("rows", "float32", 1, True) in fake.calls
+    rows = [p for p in c.points if p.case == "rows"]
+    assert len(rows) == 1 and (rows[0].L, rows[0].S, rows[0].mode) == (1, C.ROWS_KEYS, "fwd+bwd")
+    assert c.few_rows_grad == "kernel" and c.native_causal_min == 256  # the fake's rows: 1.6x
+    C.forget()
+    assert C.crossovers().few_rows_grad == "kernel"
+    assert C.calibrate(budget_s=2.0).few_rows_grad is None  # forward only: today's rule
+    slow = C.Point("rows", "float32", 1, C.ROWS_KEYS, "fwd+bwd", 1.0, 0.9, 5)
+    values, kept = C._decide([slow, *_pts("causal", [(64, 1)])], backward=True)
+    assert values["few_rows_grad"] == "torch" and values["native_causal_min"] == 64
+    assert "a few rows with gradients" not in kept
+
+
+def test_the_few_rows_gradient_rule():
+    """What SDPA's ``declines`` asks of an fp32 call with gradients at a few rows over a long cache: the measured
+    choice, else today's rule (the kernel)."""
+    assert "(today's rule)" in C.Crossovers().few_rows_grad_to_kernel(4096)
+    why = C.Crossovers(few_rows_grad="kernel", source="calibrated 2026-11-28 on X").few_rows_grad_to_kernel(4096)
+    assert ">= 4096 keys" in why and "measured faster than SDPA here (calibrated 2026-11-28 on X)" in why
+    assert C.Crossovers(few_rows_grad="torch").few_rows_grad_to_kernel(4096) is None
 
 
 def test_backward_measures_both_modes_and_needs_both_won(cache, monkeypatch):

@@ -292,6 +292,41 @@ def test_bf16_grads_at_a_few_rows_go_to_the_kernel_from_its_score_floor(monkeypa
     assert attnkit.dispatch(q, k, v, causal=True).kernel.name == "sdpa"
 
 
+def test_fp32_grads_at_a_few_rows_over_a_long_cache_go_to_the_kernel(monkeypatch):
+    """fp32 with gradients at a few query rows whose rows reach FEW_ROWS_GRAD_MIN_KEYS keys or more runs the compiled
+    kernel (its decode-entry forward and few-rows backward) — the kernel's own bits, gradients within fp32's budget
+    of float64 — and stays on SDPA below that span (fewer keys, a window's reach), with a float bias, past
+    DECODE_MAX_L rows, without gradients (the decode entry), and where this machine's table measured SDPA faster."""
+    require_kernel()
+    from attnkit import _calibrate
+    from attnkit.backends import sdpa
+
+    n = sdpa.FEW_ROWS_GRAD_MIN_KEYS
+    q, k, v = rand_qkv(1, 8, 2, 3, n + 37, 32, requires_grad=True)
+    for kw in ({"causal": True}, {"mask": M.sliding_window(n + 5)}, {"mask": lambda b, h, i, j: j <= i + n + 34}):
+        d = attnkit.dispatch(q, k, v, **kw)
+        assert d.kernel.name == "native" and "few query rows with gradients" in d.reason, (kw, d)
+        out = attnkit.attention(q, k, v, **kw)
+        assert torch.equal(out, attnkit.attention(q, k, v, backend="tiled", **kw))
+        go = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), go)
+        q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = attnkit.attention(q2, k2, v2, backend="eager", **kw)
+        assert_close(out, ref, budget(torch.float32, 32, n + 37), f"{kw} out")
+        want = torch.autograd.grad(ref, (q2, k2, v2), go.double())
+        for name, a, b in zip("qkv", grads, want, strict=True):
+            assert_close(a, b, budget(torch.float32, 32, n + 37) * max(1.0, b.abs().max().item()), f"{kw} d{name}")
+    short = (k[:, :, :n - 1].detach().requires_grad_(), v[:, :, :n - 1].detach().requires_grad_())
+    assert attnkit.dispatch(q, *short, causal=True).kernel.name == "sdpa"
+    assert attnkit.dispatch(q, k, v, mask=M.sliding_window(256)).kernel.name == "sdpa"  # its rows reach 258 keys
+    assert "few query rows" not in attnkit.dispatch(q, k, v, mask=torch.randn(1, 1, 3, n + 37)).reason
+    assert attnkit.dispatch(q.detach(), k.detach(), v.detach(), causal=True).kernel.name == "native-decode"
+    q17 = torch.randn(1, 8, sdpa.DECODE_MAX_L + 1, 32, requires_grad=True)
+    assert "few query rows" not in attnkit.dispatch(q17, k, v, causal=True).reason
+    monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: _calibrate.Crossovers(few_rows_grad="torch"))
+    assert attnkit.dispatch(q, k, v, causal=True).kernel.name == "sdpa"
+
+
 def test_widened_sdpa_keeps_nan_where_fp32_has_it(monkeypatch):
     """NaN in a bf16 query row on the sdpa-fp32 row: NaN on that row's output, the rest finite (as fp32)."""
     from attnkit.backends import native

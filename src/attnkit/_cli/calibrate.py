@@ -73,6 +73,7 @@ def _verdict(p, margin: float) -> str:
 
 def _print_table(c, defaults) -> None:
     from .. import _calibrate as C
+    from ..backends.sdpa import DECODE_MAX_L, FEW_ROWS_GRAD_MIN_KEYS
 
     if c.points:
         print(f"{'case':<8}{'dtype':<10}{'L x S':>12}{'mode':>9}{'kernel ms':>11}{'SDPA ms':>10}"
@@ -91,7 +92,9 @@ def _print_table(c, defaults) -> None:
             ("bf16 below the fp32 crossovers (no gradients) on", _choice(defaults.bf16_small, "bf16_small"),
              _choice(c.bf16_small, "bf16_small")),
             ("fp16 below the fp32 crossovers (no gradients) on", _choice(defaults.fp16_small, "fp16_small"),
-             _choice(c.fp16_small, "fp16_small"))]
+             _choice(c.fp16_small, "fp16_small")),
+            (f"fp32 with grads, <= {DECODE_MAX_L} query rows, >= {FEW_ROWS_GRAD_MIN_KEYS} keys, on",
+             _choice(defaults.few_rows_grad, "few_rows_grad"), _choice(c.few_rows_grad, "few_rows_grad"))]
     head = "measured" if c.calibrated else "in use"
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len("default"), *(len(r[1]) for r in rows))

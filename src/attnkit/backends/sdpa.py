@@ -207,6 +207,15 @@ GRAD_BF16_MIN_LS = 128 * 64
 # (`benchmarks/bf16_small.py`, its decode row + backward, before / after this rule); where the floor sits, from a
 # throwaway script of the same calls: L = 1, S = 512 (4096 scores) widened 1.21x, kernel 1.58x (its fixed costs)
 FEW_ROWS_BF16_GRAD_MIN_SCORES = 16384
+# fp32 with gradients at a few query rows (the kernel's few-rows backward: native.few_rows_backward) goes to the
+# compiled kernel where its rows reach at least this many keys (the span of their intervals; the table may say
+# otherwise: Crossovers.few_rows_grad). A default measured on one CPU (a 2-core AMD EPYC, AVX2, 2 threads), forward +
+# backward through auto, 8 heads over 2 or 8 kv heads, D = 64, before / after this rule: L = 1 over 4096 keys
+# 1.44-1.60x faster, over 16384 1.68-1.82x, L = 4 over 4096 2.79-2.99x, L = 16 over 8192 1.50-1.61x, causal as a
+# user's mask_mod over 8192 1.86-2.05x (benchmarks/compare_revisions.py --only "rows:", BENCHMARKS.md). Over 2048
+# keys the kernel's lead was 0-23 % and came and went between runs (by hand): SDPA keeps those; a window of 256 keys
+# too (the kernel 1.21x SDPA's time there)
+FEW_ROWS_GRAD_MIN_KEYS = 4096
 # the sdpa-fp32 row from this many scores (B·H·L·S) on: below, the four casts cost more than torch's bf16 kernel
 # loses (see GRAD_BF16_MIN_LS's numbers: 8 heads over 128 keys lose, over 512 win)
 WIDEN_MIN_SCORES = 4096
@@ -244,6 +253,23 @@ def _bf16_grads_fit_kernel(req: Request) -> bool:
     from .native import few_rows_backward
 
     return few_rows_backward(req)  # (its rule reads the mask's rows that _native_runs left in req.memo)
+
+
+def _few_rows_grad_to_kernel(req: Request, x) -> str | None:
+    """Why an fp32 call that wants gradients at a few query rows goes to the compiled kernel rather than SDPA (its
+    few-rows backward, rows reaching at least ``FEW_ROWS_GRAD_MIN_KEYS`` keys; the table may say SDPA), or None."""
+    L, S = req.q.shape[2], req.k.shape[2]
+    if (req.q.dtype != torch.float32 or L > DECODE_MAX_L or S < FEW_ROWS_GRAD_MIN_KEYS or req.bias is not None
+            or req.dense_mask is not None or not req.requires_grad() or not _native_runs(req)):
+        return None
+    from .native import few_rows_backward
+
+    if not few_rows_backward(req):
+        return None
+    lo, hi = req.memo["row_intervals"]  # (left by _native_runs) the keys the rows reach: their intervals' span
+    if min(int(hi.max()), S) - max(int(lo.min()), 0) < FEW_ROWS_GRAD_MIN_KEYS:
+        return None
+    return x.few_rows_grad_to_kernel(FEW_ROWS_GRAD_MIN_KEYS)
 
 
 def _native_runs(req: Request) -> bool:
@@ -292,6 +318,9 @@ class Fused(Kernel):
             why = x.grad_to_kernel(req.q.dtype, _bf16_hardware)
             if why is not None:
                 return why
+        few = _few_rows_grad_to_kernel(req, x)
+        if few is not None:
+            return few
         if req.mask is None and req.dense_mask is None:
             if req.bias is None and L * S >= x.native_dense_min_ls and _native_runs(req):
                 return (f"no mask at L·S >= {_square(x.native_dense_min_ls)}: attnkit's compiled kernel is faster "
