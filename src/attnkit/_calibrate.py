@@ -209,8 +209,8 @@ class Crossovers:
     def few_rows_grad_to_kernel(self, min_keys: int) -> str | None:
         """Why an fp32 call that wants gradients at a few query rows whose rows reach at least ``min_keys`` keys goes
         to the compiled kernel rather than torch SDPA (None: SDPA keeps it): the measured choice (one query row over
-        :data:`ROWS_KEYS` keys), else today's rule (the kernel: 0.54-0.90x SDPA's time from 4096 keys on a 2-core AMD
-        EPYC)."""
+        :data:`ROWS_KEYS` keys), else today's rule (the kernel: forward + backward 1.4-3.0x faster than auto's SDPA
+        call from 4096 keys on a 2-core AMD EPYC, BENCHMARKS.md)."""
         if self.few_rows_grad == "torch":
             return None
         where = (f"the compiled kernel measured faster than SDPA here ({self.source})" if self.few_rows_grad == "kernel"
@@ -626,14 +626,14 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
     no mask at L = S = 256 forward + backward, which decides ``bf16_grad``: torch's first bf16 backward in a
     process can take seconds, more than the budget; and one fp32 query row over 4096 keys forward + backward, the
     kernel's decode entry and few-rows backward, which decides ``few_rows_grad``). Points are measured most useful
-    first; what the budget
-    leaves unmeasured keeps its default.
+    first; what the budget leaves unmeasured keeps its default.
 
     Args:
         budget_s: wall-time bound in seconds (> 0); the calibration stops before it would exceed it.
         threads: torch thread count to measure at (default: ``torch.get_num_threads()``; restored after).
         write: store the result in :func:`cache_path` (atomically: a temporary file renamed over it).
-        backward: measure forward+backward too.
+        backward: measure forward+backward too (after one tiny SDPA backward outside the budget: torch's first
+            ``backward(grad)`` in a process imports sympy, seconds that are not the race).
         progress: called with each :class:`Point` as it is measured.
 
     Returns:
