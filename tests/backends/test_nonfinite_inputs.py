@@ -210,3 +210,50 @@ def test_formula_paths_never_read_a_hidden_value(mask):
         # the NaN value has a NaN delta, so every key it sees gets NaN)
     if mask == "causal":  # query rows before key 20 see neither value: their gradients are finite
         assert torch.isfinite(grads["tiled"][0][0, :, :20]).all()
+
+
+# A step of a few query rows whose rows see different keys, where a hidden key shares a 64-key tile with keys a row
+# sees: the last key under a bottom-right causal mask (seen by the last row only); the first key of a window (by the
+# first row only); a key between a sink and a window. (name, H, Hkv, L, S, D, mask)
+FEW_ROWS = {
+    "causal-L4-S4096": (8, 2, 4, 4096, 64, masks.causal()),
+    "causal-L3-S200": (4, 4, 3, 200, 32, masks.causal()),
+    "window-L2-S5000": (4, 2, 2, 5000, 32, masks.sliding_window(4500)),
+    "sink-window-L5-S300": (4, 1, 5, 300, 16, masks.from_mod(lambda b, h, qi, kv: (kv < 4) | (kv > qi + 299 - 40))),
+}
+
+
+@pytest.mark.parametrize("case", list(FEW_ROWS))
+@pytest.mark.parametrize("value", VALUES, ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_few_rows_read_only_their_own_values(case, value, dtype):
+    """The decode entry (no gradient) and the kernel's few-rows path (fp32 or bf16 with gradients) pack the rows of a
+    kv head in one unit; a value at a key one row sees and another does not reaches only the row that sees it: the
+    output's and the gradients' NaN / inf exactly where float64's formula has them, the rest within the dtype's
+    budget (a hidden value times its weight 0 made every row of the unit NaN: 0 * NaN, 0 * inf)."""
+    H, Hkv, L, S, D, mask = FEW_ROWS[case]
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, h, n, D, generator=g).to(dtype).float() for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    seen = mask.materialize(1, 1, L, S)[0, 0]
+    j = int((seen[0] != seen[-1]).nonzero()[-1 if case.startswith("causal") else 0])  # one row sees it, not all
+    if case.startswith("sink"):
+        j = int((~seen[0, :60] & seen[0, :60].cumsum(0).bool()).nonzero()[0])  # hidden between sink and window
+    v[0, 0, j, 5] = value
+    go = torch.randn(1, H, L, D, generator=g)
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    want = attnkit.attention(*ref, mask=mask, backend="eager")
+    want_g = torch.autograd.grad(want, ref, go.double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for grad in (False, True):
+        a = [x.to(dtype).requires_grad_(grad) for x in (q, k, v)]
+        out = attnkit.attention(*a, mask=mask)
+        why = (case, grad, attnkit.dispatch(*a, mask=mask).reason[:80])
+        pairs = [("out", out, want)]
+        if grad:
+            pairs += list(zip(("dq", "dk", "dv"), torch.autograd.grad(out, a, go.to(dtype)), want_g, strict=True))
+        for name, x, w in pairs:
+            x, w = x.detach().double(), w.detach()
+            for f in (torch.isnan, torch.isposinf, torch.isneginf):
+                assert torch.equal(f(x), f(w)), (name, f.__name__, *why)
+            ok = torch.isfinite(w)
+            assert (x[ok] - w[ok]).abs().max().item() <= tol * max(1.0, w[ok].abs().max().item()), (name, *why)

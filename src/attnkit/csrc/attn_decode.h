@@ -13,7 +13,9 @@
 //
 // Per item, key tiles of 64: scores q . k by dot products (VW keys at a time, the VW partial sums reduced in
 // registers), scaled (then ALiBi's bias or a score_mod's program, as the forward), masked to each row's interval,
-// online softmax per row, then acc += P V with V rows broadcast-free (P broadcast, V rows read in place). In a call
+// online softmax per row, then acc += P V with V rows broadcast-free (P broadcast, V rows read in place; in a tile
+// where some row does not see every key, each row multiplies only its own keys' values: a NaN / inf stored at a key
+// a row does not see never reaches it, as the formula has it). In a call
 // of at least STREAM_BYTES, a unit of up to FEW_ROWS rows reads each key's and value's row through in turn (memory
 // order: the hardware prefetcher follows the stream, so reading overlaps the arithmetic; the register-blocked column
 // order leaves it a stride it does not follow): the same sums in the same order either way, so the same bits. K and
@@ -392,6 +394,26 @@ static inline void modded(const Dec& s, float* srow, long n, long b, long h, lon
   }
 }
 
+// The union of the intervals [sa[t], se[t]) (t < ns, each non-empty) as disjoint runs [ra, re) in key order; their
+// count (0 when ns is 0)
+static inline long runs_of(const int32_t* sa, const int32_t* se, long ns, int32_t* ra, int32_t* re) {
+  int32_t a[AK_MAX_STRETCHES], e[AK_MAX_STRETCHES];
+  for (long t = 0; t < ns; t++) {  // sorted by start (insertion: ns <= AK_MAX_STRETCHES)
+    long u = t;
+    for (; u > 0 && a[u - 1] > sa[t]; u--) a[u] = a[u - 1], e[u] = e[u - 1];
+    a[u] = sa[t], e[u] = se[t];
+  }
+  long m = 0;
+  for (long t = 0; t < ns; t++) {
+    if (m > 0 && a[t] <= re[m - 1]) {
+      re[m - 1] = mx2(re[m - 1], e[t]);
+    } else {
+      ra[m] = a[t], re[m] = e[t], m++;
+    }
+  }
+  return m;
+}
+
 // One item: chunk c of unit u; leaves m, l (rows) and acc (rows x Dvp) at part.
 template <int DT>
 static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, DecBufs& w) {
@@ -434,6 +456,11 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
                       s.sv[2] * esz, s.D * esz, s.Dv * esz};
     dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp);
+    // each row's keys in this tile as disjoint runs [ra, re) in key order (its stretches clipped to the tile and
+    // merged); `whole`: every row sees every key of the tile, so P . V may run over all rows at once
+    int32_t ra[BM][AK_MAX_STRETCHES], re[BM][AK_MAX_STRETCHES];
+    int rn[BM];
+    bool whole = true;
     for (long r = 0; r < rows; r++) {
       float* srow = w.sc + r * BN;
       // the row's stretches met by the tile, clipped to it: [sa[x], se[x]) for x < ns
@@ -443,6 +470,8 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
         const int32_t a = (int32_t)mx2<long>(w.lo[t * s.rb + r], t0), e = (int32_t)mn<long>(w.hi[t * s.rb + r], j0 + n);
         if (a < e) sa[ns] = a, se[ns] = e, ns++;
       }
+      rn[r] = (int)runs_of(sa, se, ns, ra[r], re[r]);
+      whole = whole && rn[r] == 1 && ra[r][0] == j0 && re[r][0] == j0 + n;
       if (ns == 0) {  // this row sees no key of the tile
         fill(srow, srow + n, 0.f);
         continue;
@@ -484,8 +513,18 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
       }
     }
     const char* vr = vbase + j0 * s.sv[2] * esz;
-    if (v_in_place) {
+    if (v_in_place && whole) {
       pv<DT>(s.stream, rows, n, s.Dvp, w.sc, vr, s.sv[2], acc, s.Dvp, &ahead);
+    } else if (v_in_place) {  // a row that does not see every key of the tile reads only the values of its own keys
+      // (a hidden key's value times its weight 0 would let a NaN / inf stored there into the row: 0 * inf);
+      // the same products in the same order, less those of weight 0
+      for (long r = 0; r < rows; r++)
+        for (int x = 0; x < rn[r]; x++) {
+          const long o = ra[r][x] - j0;
+          pv<DT>(s.stream, 1, re[r][x] - ra[r][x], s.Dvp, w.sc + r * BN + o, vr + o * s.sv[2] * esz, s.sv[2],
+                 acc + r * s.Dvp, s.Dvp, nullptr);
+        }
+      prefetch_v(ahead, 0, ahead.nk);
     } else {  // Dv not a multiple of VW: this tile's V rows widened into a zero-padded buffer
       for (long j = 0; j < n; j++) {
         float* dst = w.vt + j * s.Dvp;
@@ -493,7 +532,16 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
         fill(dst + s.Dv, dst + s.Dvp, 0.f);
       }
       prefetch_v(ahead, 0, ahead.nk);  // the next tile's V rows (read by this widening, not by pv)
-      pv<AK_F32>(s.stream, rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp, nullptr);
+      if (whole) {
+        pv<AK_F32>(s.stream, rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp, nullptr);
+      } else {
+        for (long r = 0; r < rows; r++)
+          for (int x = 0; x < rn[r]; x++) {
+            const long o = ra[r][x] - j0;
+            pv<AK_F32>(s.stream, 1, re[r][x] - ra[r][x], s.Dvp, w.sc + r * BN + o, w.vt + o * s.Dvp, s.Dvp,
+                       acc + r * s.Dvp, s.Dvp, nullptr);
+          }
+      }
     }
   }
 }
