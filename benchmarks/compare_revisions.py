@@ -38,8 +38,11 @@ CASES = [
     ("decode L=1 S=128 GQA causal", 1, 8, 2, 1, 128, 64, "causal=True", "fwd"),
     ("prefill L=S=64 causal", 2, 4, 4, 64, 64, 16, "causal=True", "fwd"),
     ("prefill L=S=200 GQA causal", 1, 4, 2, 200, 200, 64, "causal=True", "fwd"),
-    # a few query rows with gradients over a long cache (fp32): the compiled kernel's few-rows backward from 4096 keys
+    # a few query rows with gradients over a long cache (fp32): the compiled kernel's few-rows backward from 2048 keys
+    ("rows: L=1 S=1024 GQA causal fwd+bwd", 1, 8, 2, 1, 1024, 64, "causal=True", "fwdbwd"),
     ("rows: L=1 S=2048 GQA causal fwd+bwd", 1, 8, 2, 1, 2048, 64, "causal=True", "fwdbwd"),
+    ("rows: L=4 S=2048 GQA causal fwd+bwd", 1, 8, 2, 4, 2048, 64, "causal=True", "fwdbwd"),
+    ("rows: L=1 S=2048 MHA causal fwd+bwd", 1, 8, 8, 1, 2048, 64, "causal=True", "fwdbwd"),
     ("rows: L=1 S=4096 GQA causal fwd+bwd", 1, 8, 2, 1, 4096, 64, "causal=True", "fwdbwd"),
     ("rows: L=1 S=16384 GQA causal fwd+bwd", 1, 8, 2, 1, 16384, 64, "causal=True", "fwdbwd"),
     ("rows: L=4 S=4096 GQA causal fwd+bwd", 1, 8, 2, 4, 4096, 64, "causal=True", "fwdbwd"),

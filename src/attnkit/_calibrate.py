@@ -210,7 +210,7 @@ class Crossovers:
         """Why an fp32 call that wants gradients at a few query rows whose rows reach at least ``min_keys`` keys goes
         to the compiled kernel rather than torch SDPA (None: SDPA keeps it): the measured choice (one query row over
         :data:`ROWS_KEYS` keys), else today's rule (the kernel: forward + backward 1.4-3.0x faster than auto's SDPA
-        call from 4096 keys on a 2-core AMD EPYC, BENCHMARKS.md)."""
+        call from 2048 keys on a 2-core AMD EPYC, BENCHMARKS.md)."""
         if self.few_rows_grad == "torch":
             return None
         where = (f"the compiled kernel measured faster than SDPA here ({self.source})" if self.few_rows_grad == "kernel"

@@ -210,12 +210,11 @@ FEW_ROWS_BF16_GRAD_MIN_SCORES = 16384
 # fp32 with gradients at a few query rows (the kernel's few-rows backward: native.few_rows_backward) goes to the
 # compiled kernel where its rows reach at least this many keys (the span of their intervals; the table may say
 # otherwise: Crossovers.few_rows_grad). A default measured on one CPU (a 2-core AMD EPYC, AVX2, 2 threads), forward +
-# backward through auto, 8 heads over 2 or 8 kv heads, D = 64, before / after this rule: L = 1 over 4096 keys
-# 1.44-1.60x faster, over 16384 1.68-1.82x, L = 4 over 4096 2.79-2.99x, L = 16 over 8192 1.50-1.61x, causal as a
-# user's mask_mod over 8192 1.86-2.05x (benchmarks/compare_revisions.py --only "rows:", BENCHMARKS.md). Over 2048
-# keys the kernel's lead was 0-23 % and came and went between runs (by hand): SDPA keeps those; a window of 256 keys
-# too (the kernel 1.21x SDPA's time there)
-FEW_ROWS_GRAD_MIN_KEYS = 4096
+# backward through auto, 8 heads over 2 or 8 kv heads, D = 64, before / after this rule (benchmarks/
+# compare_revisions.py --only "rows:", BENCHMARKS.md): 1.1-3.0x faster from 2048 keys to 16384, L = 1 to 16, causal
+# or causal as a user's mask_mod. Over 1024 keys the kernel's lead came and went between runs (0.82-1.19x, by hand):
+# SDPA keeps those, and a window of 256 keys (the kernel 1.21x SDPA's time there)
+FEW_ROWS_GRAD_MIN_KEYS = 2048
 # the sdpa-fp32 row from this many scores (B·H·L·S) on: below, the four casts cost more than torch's bf16 kernel
 # loses (see GRAD_BF16_MIN_LS's numbers: 8 heads over 128 keys lose, over 512 win)
 WIDEN_MIN_SCORES = 4096
