@@ -209,8 +209,8 @@ class Crossovers:
     def few_rows_grad_to_kernel(self, min_keys: int) -> str | None:
         """Why an fp32 call that wants gradients at a few query rows whose rows reach at least ``min_keys`` keys goes
         to the compiled kernel rather than torch SDPA (None: SDPA keeps it): the measured choice (one query row over
-        :data:`ROWS_KEYS` keys), else today's rule (the kernel: forward + backward 1.4-3.0x faster than auto's SDPA
-        call from 2048 keys on a 2-core AMD EPYC, BENCHMARKS.md)."""
+        :data:`ROWS_KEYS` keys), else today's rule (the kernel: forward + backward faster than auto's SDPA
+        call from 2048 keys: 1.3-2.0x on a 2-core AMD EPYC, BENCHMARKS.md)."""
         if self.few_rows_grad == "torch":
             return None
         where = (f"the compiled kernel measured faster than SDPA here ({self.source})" if self.few_rows_grad == "kernel"
@@ -585,6 +585,14 @@ def _dtype_choice(points: list[Point]) -> str | None:
     return "kernel" if g > 1.0 else "torch"
 
 
+def _rows_choice(points: list[Point]) -> str | None:
+    """``"kernel"`` when the kernel won the few-rows point by :data:`WIN_MARGIN` (a tie stays on SDPA, as for the
+    crossovers), ``"torch"`` otherwise; None when it was not measured."""
+    if not points:
+        return None
+    return "kernel" if all(p.kernel_wins for p in points) else "torch"
+
+
 def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str]]:
     """({native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, bf16_small, fp16_small, few_rows_grad}, what
     kept its default) from the points of a calibration (``backward``: one that planned forward + backward points)."""
@@ -601,7 +609,7 @@ def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str
               "bf16": choice("bfloat16", "fwd", False), "fp16": choice("float16", "fwd", False),
               "bf16_grad": choice("bfloat16", "fwd+bwd", False),
               "bf16_small": choice("bfloat16", "fwd", True), "fp16_small": choice("float16", "fwd", True),
-              "few_rows_grad": _dtype_choice([p for p in points if p.case == "rows"])}
+              "few_rows_grad": _rows_choice([p for p in points if p.case == "rows"])}
     kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", values["bf16"]),
                                  ("fp16", values["fp16"]), ("small bf16", values["bf16_small"]),
                                  ("small fp16", values["fp16_small"])) if v is None]
@@ -629,7 +637,8 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
     first; what the budget leaves unmeasured keeps its default.
 
     Args:
-        budget_s: wall-time bound in seconds (> 0); the calibration stops before it would exceed it.
+        budget_s: wall-time bound in seconds (> 0) of the measuring; the calibration stops before it would exceed
+            it (with ``backward``, a warm-up of a few seconds at most runs before it, outside the bound).
         threads: torch thread count to measure at (default: ``torch.get_num_threads()``; restored after).
         write: store the result in :func:`cache_path` (atomically: a temporary file renamed over it).
         backward: measure forward+backward too (after one tiny SDPA backward outside the budget: torch's first
@@ -663,15 +672,18 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         if n != before:
             torch.set_num_threads(n)
         if backward:  # outside the budget (in the time reported): not part of the race
-            _warm_backward()
-            deadline = clock() + float(budget_s)
+            from .backends import _native
+
+            if _native.available():  # (else nothing is measured: the first point says why)
+                _warm_backward()
+                deadline = clock() + float(budget_s)
         for case, dtype, L, mode in _plan(backward):
             if clock() >= deadline:
                 break
             # what one round of this point costs, from the nearest smaller one measured (work grows as L²): a
             # warm-up and the fewest rounds must fit in what is left, else it is skipped (a cheaper point later
             # may still fit); _measure_point then runs only the rounds that fit
-            near = [p for p in points if p.L <= L]
+            near = [p for p in points if p.L <= L and p.case != "rows"]
             last = max(near, key=lambda p: p.L) if near else None
             est = 0.0 if last is None else (last.kernel_ms + last.sdpa_ms) / 1e3 * (L / last.L) ** 2
             if clock() + (1 + _MIN_ROUNDS) * est > deadline:

@@ -341,6 +341,8 @@ def test_backward_decides_a_few_rows_with_gradients_from_one_row_over_a_long_cac
     values, kept = C._decide([slow, *_pts("causal", [(64, 1)])], backward=True)
     assert values["few_rows_grad"] == "torch" and values["native_causal_min"] == 64
     assert "a few rows with gradients" not in kept
+    tie = C.Point("rows", "float32", 1, C.ROWS_KEYS, "fwd+bwd", 1.0, 1.02, 5)  # a tie stays on SDPA
+    assert C._decide([tie], backward=True)[0]["few_rows_grad"] == "torch"
 
 
 def test_the_few_rows_gradient_rule():

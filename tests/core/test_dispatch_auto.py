@@ -319,6 +319,14 @@ def test_fp32_grads_at_a_few_rows_over_a_long_cache_go_to_the_kernel(monkeypatch
     short = (k[:, :, :n - 1].detach().requires_grad_(), v[:, :, :n - 1].detach().requires_grad_())
     assert attnkit.dispatch(q, *short, causal=True).kernel.name == "sdpa"
     assert attnkit.dispatch(q, k, v, mask=M.sliding_window(256)).kernel.name == "sdpa"  # its rows reach 258 keys
+    # the span of the rows that see a key: a fully padded batch row (stored as the interval (0, 0)) does not stretch
+    # it to key 0
+    valid = torch.zeros(2, n + 37, dtype=torch.bool)
+    valid[1, -300:] = True
+    q2, k2, v2 = (torch.cat([t.detach()] * 2).requires_grad_() for t in (q, k, v))
+    assert attnkit.dispatch(q2, k2, v2, mask=M.key_padding(valid)).kernel.name == "sdpa"
+    valid[0, :n] = True
+    assert attnkit.dispatch(q2, k2, v2, mask=M.key_padding(valid)).kernel.name == "native"
     assert "few query rows" not in attnkit.dispatch(q, k, v, mask=torch.randn(1, 1, 3, n + 37)).reason
     assert attnkit.dispatch(q.detach(), k.detach(), v.detach(), causal=True).kernel.name == "native-decode"
     q17 = torch.randn(1, 8, sdpa.DECODE_MAX_L + 1, 32, requires_grad=True)

@@ -211,7 +211,7 @@ FEW_ROWS_BF16_GRAD_MIN_SCORES = 16384
 # compiled kernel where its rows reach at least this many keys (the span of their intervals; the table may say
 # otherwise: Crossovers.few_rows_grad). A default measured on one CPU (a 2-core AMD EPYC, AVX2, 2 threads), forward +
 # backward through auto, 8 heads over 2 or 8 kv heads, D = 64, before / after this rule (benchmarks/
-# compare_revisions.py --only "rows:", BENCHMARKS.md): 1.1-3.0x faster from 2048 keys to 16384, L = 1 to 16, causal
+# compare_revisions.py --only "rows:", BENCHMARKS.md): 1.3-2.0x faster from 2048 keys to 16384, L = 1 to 16, causal
 # or causal as a user's mask_mod. Over 1024 keys the kernel's lead came and went between runs (0.82-1.19x, by hand):
 # SDPA keeps those, and a window of 256 keys (the kernel 1.21x SDPA's time there)
 FEW_ROWS_GRAD_MIN_KEYS = 2048
@@ -265,8 +265,10 @@ def _few_rows_grad_to_kernel(req: Request, x) -> str | None:
 
     if not few_rows_backward(req):
         return None
-    lo, hi = req.memo["row_intervals"]  # (left by _native_runs) the keys the rows reach: their intervals' span
-    if min(int(hi.max()), S) - max(int(lo.min()), 0) < FEW_ROWS_GRAD_MIN_KEYS:
+    lo, hi = req.memo["row_intervals"]  # (left by _native_runs) the keys the rows reach: the span of their intervals
+    lo, hi = lo.clamp(min=0), hi.clamp(max=S)
+    seen = hi > lo  # (a row that sees no key, stored as (0, 0), would stretch the span to key 0)
+    if not bool(seen.any()) or int(hi[seen].max()) - int(lo[seen].min()) < FEW_ROWS_GRAD_MIN_KEYS:
         return None
     return x.few_rows_grad_to_kernel(FEW_ROWS_GRAD_MIN_KEYS)
 

@@ -414,6 +414,31 @@ static inline long runs_of(const int32_t* sa, const int32_t* se, long ns, int32_
   return m;
 }
 
+// acc (rows x Dvp) += P . V over the tile's keys [j0, j0 + n) where some row does not see them all: each row over
+// its own keys only — its stretches clipped to [t0, j0 + n) and merged into runs (a hidden key's value times its
+// weight 0 would let a NaN / inf stored there into the row: 0 * inf). The same products in the same order, less
+// those of weight 0. V's rows at vr (row stride ldv elements, of DT). Out of line: one tile at each end of a row's
+// keys takes it, and the loop of every other tile keeps its code
+template <int DT>
+__attribute__((noinline)) static void pv_own(const Dec& s, const DecBufs& w, long rows, long j0, long n, long t0,
+                                             const void* vr, long ldv, float* acc) {
+  constexpr long esz = DT == AK_F32 ? 4 : 2;
+  for (long r = 0; r < rows; r++) {
+    int32_t sa[AK_MAX_STRETCHES], se[AK_MAX_STRETCHES], ra[AK_MAX_STRETCHES], re[AK_MAX_STRETCHES];
+    long ns = 0;
+    for (long t = 0; t < s.nst; t++) {
+      const int32_t a = (int32_t)mx2<long>(w.lo[t * s.rb + r], t0), e = (int32_t)mn<long>(w.hi[t * s.rb + r], j0 + n);
+      if (a < e) sa[ns] = a, se[ns] = e, ns++;
+    }
+    const long m = runs_of(sa, se, ns, ra, re);
+    for (long x = 0; x < m; x++) {
+      const long o = ra[x] - j0;
+      pv<DT>(s.stream, 1, re[x] - ra[x], s.Dvp, w.sc + r * BN + o, (const char*)vr + o * ldv * esz, ldv,
+             acc + r * s.Dvp, s.Dvp, nullptr);
+    }
+  }
+}
+
 // One item: chunk c of unit u; leaves m, l (rows) and acc (rows x Dvp) at part.
 template <int DT>
 static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, DecBufs& w) {
@@ -456,11 +481,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
                       s.sv[2] * esz, s.D * esz, s.Dv * esz};
     dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp);
-    // each row's keys in this tile as disjoint runs [ra, re) in key order (its stretches clipped to the tile and
-    // merged); `whole`: every row sees every key of the tile, so P . V may run over all rows at once
-    int32_t ra[BM][AK_MAX_STRETCHES], re[BM][AK_MAX_STRETCHES];
-    int rn[BM];
-    bool whole = true;
+    bool whole = true;  // every row sees every key of the tile: P . V runs over all rows at once
     for (long r = 0; r < rows; r++) {
       float* srow = w.sc + r * BN;
       // the row's stretches met by the tile, clipped to it: [sa[x], se[x]) for x < ns
@@ -470,8 +491,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
         const int32_t a = (int32_t)mx2<long>(w.lo[t * s.rb + r], t0), e = (int32_t)mn<long>(w.hi[t * s.rb + r], j0 + n);
         if (a < e) sa[ns] = a, se[ns] = e, ns++;
       }
-      rn[r] = (int)runs_of(sa, se, ns, ra[r], re[r]);
-      whole = whole && rn[r] == 1 && ra[r][0] == j0 && re[r][0] == j0 + n;
+      whole = whole && ns == 1 && sa[0] == j0 && se[0] == j0 + n;
       if (ns == 0) {  // this row sees no key of the tile
         fill(srow, srow + n, 0.f);
         continue;
@@ -515,15 +535,8 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const char* vr = vbase + j0 * s.sv[2] * esz;
     if (v_in_place && whole) {
       pv<DT>(s.stream, rows, n, s.Dvp, w.sc, vr, s.sv[2], acc, s.Dvp, &ahead);
-    } else if (v_in_place) {  // a row that does not see every key of the tile reads only the values of its own keys
-      // (a hidden key's value times its weight 0 would let a NaN / inf stored there into the row: 0 * inf);
-      // the same products in the same order, less those of weight 0
-      for (long r = 0; r < rows; r++)
-        for (int x = 0; x < rn[r]; x++) {
-          const long o = ra[r][x] - j0;
-          pv<DT>(s.stream, 1, re[r][x] - ra[r][x], s.Dvp, w.sc + r * BN + o, vr + o * s.sv[2] * esz, s.sv[2],
-                 acc + r * s.Dvp, s.Dvp, nullptr);
-        }
+    } else if (v_in_place) {  // a row that does not see every key of the tile reads only its own keys' values
+      pv_own<DT>(s, w, rows, j0, n, t0, vr, s.sv[2], acc);
       prefetch_v(ahead, 0, ahead.nk);
     } else {  // Dv not a multiple of VW: this tile's V rows widened into a zero-padded buffer
       for (long j = 0; j < n; j++) {
@@ -532,16 +545,8 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
         fill(dst + s.Dv, dst + s.Dvp, 0.f);
       }
       prefetch_v(ahead, 0, ahead.nk);  // the next tile's V rows (read by this widening, not by pv)
-      if (whole) {
-        pv<AK_F32>(s.stream, rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp, nullptr);
-      } else {
-        for (long r = 0; r < rows; r++)
-          for (int x = 0; x < rn[r]; x++) {
-            const long o = ra[r][x] - j0;
-            pv<AK_F32>(s.stream, 1, re[r][x] - ra[r][x], s.Dvp, w.sc + r * BN + o, w.vt + o * s.Dvp, s.Dvp,
-                       acc + r * s.Dvp, s.Dvp, nullptr);
-          }
-      }
+      if (whole) pv<AK_F32>(s.stream, rows, n, s.Dvp, w.sc, w.vt, s.Dvp, acc, s.Dvp, nullptr);
+      else pv_own<AK_F32>(s, w, rows, j0, n, t0, w.vt, s.Dvp, acc);
     }
   }
 }
