@@ -394,6 +394,17 @@ static inline void modded(const Dec& s, float* srow, long n, long b, long h, lon
   }
 }
 
+// Row r's stretches (w.lo / w.hi planes) clipped to the keys [a0, e0) of a tile: [sa[x], se[x]) for x < the count
+// returned (the empty ones left out)
+static inline long tile_stretches(const Dec& s, const DecBufs& w, long r, long a0, long e0, int32_t* sa, int32_t* se) {
+  long ns = 0;
+  for (long t = 0; t < s.nst; t++) {  // (stretch t of row r at t * rb + r: a unit of fewer rows leaves gaps)
+    const int32_t a = (int32_t)mx2<long>(w.lo[t * s.rb + r], a0), e = (int32_t)mn<long>(w.hi[t * s.rb + r], e0);
+    if (a < e) sa[ns] = a, se[ns] = e, ns++;
+  }
+  return ns;
+}
+
 // The union of the intervals [sa[t], se[t]) (t < ns, each non-empty) as disjoint runs [ra, re) in key order; their
 // count (0 when ns is 0)
 static inline long runs_of(const int32_t* sa, const int32_t* se, long ns, int32_t* ra, int32_t* re) {
@@ -425,12 +436,7 @@ __attribute__((noinline)) static void pv_own(const Dec& s, const DecBufs& w, lon
   constexpr long esz = DT == AK_F32 ? 4 : 2;
   for (long r = 0; r < rows; r++) {
     int32_t sa[AK_MAX_STRETCHES], se[AK_MAX_STRETCHES], ra[AK_MAX_STRETCHES], re[AK_MAX_STRETCHES];
-    long ns = 0;
-    for (long t = 0; t < s.nst; t++) {
-      const int32_t a = (int32_t)mx2<long>(w.lo[t * s.rb + r], t0), e = (int32_t)mn<long>(w.hi[t * s.rb + r], j0 + n);
-      if (a < e) sa[ns] = a, se[ns] = e, ns++;
-    }
-    const long m = runs_of(sa, se, ns, ra, re);
+    const long m = runs_of(sa, se, tile_stretches(s, w, r, t0, j0 + n, sa, se), ra, re);
     for (long x = 0; x < m; x++) {
       const long o = ra[x] - j0;
       pv<DT>(s.stream, 1, re[x] - ra[x], s.Dvp, w.sc + r * BN + o, (const char*)vr + o * ldv * esz, ldv,
@@ -486,11 +492,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
       float* srow = w.sc + r * BN;
       // the row's stretches met by the tile, clipped to it: [sa[x], se[x]) for x < ns
       int32_t sa[AK_MAX_STRETCHES], se[AK_MAX_STRETCHES];
-      long ns = 0;
-      for (long t = 0; t < s.nst; t++) {
-        const int32_t a = (int32_t)mx2<long>(w.lo[t * s.rb + r], t0), e = (int32_t)mn<long>(w.hi[t * s.rb + r], j0 + n);
-        if (a < e) sa[ns] = a, se[ns] = e, ns++;
-      }
+      const long ns = tile_stretches(s, w, r, t0, j0 + n, sa, se);
       whole = whole && ns == 1 && sa[0] == j0 && se[0] == j0 + n;
       if (ns == 0) {  // this row sees no key of the tile
         fill(srow, srow + n, 0.f);
