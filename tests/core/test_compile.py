@@ -379,3 +379,32 @@ def test_a_compiled_decode_step_of_a_packed_qkv():
     with torch.no_grad():
         assert torch.equal(cf(q, k, v), fn(q, k, v))
         assert torch.equal(cf(q, k, v), fn(q, k, v))
+
+
+S_FEW = 2100  # keys: past the few-rows route's floor (asserted below); 3 query rows, causal as a mask_mod below
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(mask=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + S_FEW - 3)],
+                         ids=["causal", "mask_mod"])
+def test_a_few_rows_with_gradients_over_a_long_cache(kw):
+    """A few query rows that want gradients over 2048 keys or more (``auto``'s kernel route eager: its decode-entry
+    forward and few-rows backward) under fullgraph=True: out, dq, dk, dv equal eager's and float64's within budget."""
+    require_kernel()
+    from attnkit.backends.sdpa import FEW_ROWS_GRAD_MIN_KEYS
+
+    S = S_FEW
+    assert S >= FEW_ROWS_GRAD_MIN_KEYS
+    q, k, v = rand_qkv(1, 8, 2, 3, S, D, requires_grad=True)
+    assert attnkit.dispatch(q, k, v, **kw).kernel.name == "native"
+    fn = lambda q, k, v: attnkit.attention(q, k, v, **kw)  # noqa: E731
+    out, got = _grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), q, k, v, [])
+    eout, eager = _grads(fn, q, k, v, [])
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, want = _grads(lambda q, k, v: attnkit.attention(q, k, v, backend="eager", **kw), qd, kd, vd, [])
+    tol = budget(torch.float32, D, S)
+    assert_close(out, eout, tol, "out vs eager")
+    assert_close(out, ref, tol, "out vs float64")
+    for what, a, e, w in zip(["dq", "dk", "dv"], got, eager, want, strict=True):
+        scale = max(1.0, w.abs().max().item())
+        assert_close(a, w, 4 * tol * scale, f"{what} vs float64")
+        assert_close(a, e, 4 * tol * scale, f"{what} vs eager")
