@@ -38,6 +38,14 @@ CASES = [
     ("decode L=1 S=128 GQA causal", 1, 8, 2, 1, 128, 64, "causal=True", "fwd"),
     ("prefill L=S=64 causal", 2, 4, 4, 64, 64, 16, "causal=True", "fwd"),
     ("prefill L=S=200 GQA causal", 1, 4, 2, 200, 200, 64, "causal=True", "fwd"),
+    # a decode step whose rows see different keys (the decode entry's tiles where a row does not see every key)
+    ("rows differ: decode L=4 S=2048 GQA causal fwd", 1, 8, 2, 4, 2048, 64, "causal=True", "fwd"),
+    ("rows differ: decode L=16 S=2048 GQA window 512 fwd", 1, 8, 2, 16, 2048, 64, "mask=masks.sliding_window(512)",
+     "fwd"),
+    ("rows differ: decode L=16 S=2048 GQA window 512 as a mask_mod fwd", 1, 8, 2, 16, 2048, 64,
+     "mask=lambda b, h, i, j: (j <= i + 2032) & (j > i + 2032 - 512)", "fwd"),
+    ("rows differ: decode L=4 S=2048 GQA causal + a soft cap as a score_mod fwd", 1, 8, 2, 4, 2048, 64,
+     "causal=True, score_mod=lambda s, b, h, i, j: 30.0 * torch.tanh(s / 30.0)", "fwd"),
     # a few query rows with gradients over a long cache (fp32): the compiled kernel's few-rows backward from 2048 keys
     ("rows: L=1 S=1024 GQA causal fwd+bwd", 1, 8, 2, 1, 1024, 64, "causal=True", "fwdbwd"),
     ("rows: L=1 S=2048 GQA causal fwd+bwd", 1, 8, 2, 1, 2048, 64, "causal=True", "fwdbwd"),
