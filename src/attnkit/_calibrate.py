@@ -543,18 +543,20 @@ def _warm_backward() -> None:
     F.scaled_dot_product_attention(q, q, q).backward(torch.ones(1, 1, 2, 8))
 
 
-def _plan(backward: bool) -> list[tuple[str, str, int, str]]:
-    """The points in the order they are measured (most useful first; the budget cuts the tail)."""
+def _plan(backward: bool) -> list[tuple[str, str, int, int, str]]:
+    """The points ``(case, dtype, L, S, mode)`` in the order they are measured (most useful first; the budget cuts
+    the tail)."""
     modes = ["fwd", "fwd+bwd"] if backward else ["fwd"]
-    pts = [("causal", "float32", L, m) for L in CAUSAL_LENGTHS for m in modes]
+    pts = [("causal", "float32", L, L, m) for L in CAUSAL_LENGTHS for m in modes]
     if backward:  # (cheap: one query row, ~30 ms a round on a 2-core AMD EPYC; after causal 64 and 128)
-        pts.insert(2 * len(modes), ("rows", "float32", 1, "fwd+bwd"))
-    pts += [("none", "float32", L, m) for L in DENSE_LENGTHS[:-1] for m in modes]
-    pts += [("none", dt, SMALL_LENGTH, "fwd") for dt in ("bfloat16", "float16")]  # (cheap: before the 512s)
-    pts += [(c, dt, DTYPE_LENGTH, "fwd") for dt in ("bfloat16", "float16") for c in ("causal", "none")]
+        pts.insert(2 * len(modes), ("rows", "float32", 1, ROWS_KEYS, "fwd+bwd"))
+    pts += [("none", "float32", L, L, m) for L in DENSE_LENGTHS[:-1] for m in modes]
+    small = SMALL_LENGTH
+    pts += [("none", dt, small, small, "fwd") for dt in ("bfloat16", "float16")]  # (cheap: before the 512s)
+    pts += [(c, dt, DTYPE_LENGTH, DTYPE_LENGTH, "fwd") for dt in ("bfloat16", "float16") for c in ("causal", "none")]
     if backward:  # (not at first use: torch's first bf16 SDPA backward in a process took 4.3 s on a 2-core AMD EPYC)
-        pts += [("none", "bfloat16", GRAD_LENGTH, "fwd+bwd")]
-    pts += [("none", "float32", DENSE_LENGTHS[-1], m) for m in modes]
+        pts += [("none", "bfloat16", GRAD_LENGTH, GRAD_LENGTH, "fwd+bwd")]
+    pts += [("none", "float32", DENSE_LENGTHS[-1], DENSE_LENGTHS[-1], m) for m in modes]
     return pts
 
 
@@ -596,7 +598,7 @@ def _rows_choice(points: list[Point]) -> str | None:
 def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str]]:
     """({native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, bf16_small, fp16_small, few_rows_grad}, what
     kept its default) from the points of a calibration (``backward``: one that planned forward + backward points)."""
-    f32 = [p for p in points if p.dtype == "float32" and p.case != "rows"]
+    f32 = [p for p in points if p.dtype == "float32"]
     causal = _crossover([p for p in f32 if p.case == "causal"], DEFAULT_NATIVE_CAUSAL_MIN, lambda n: n)
     dense = _crossover([p for p in f32 if p.case == "none"], DEFAULT_NATIVE_DENSE_MIN_LS, lambda n: n * n)
 
@@ -677,18 +679,17 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
             if _native.available():  # (else nothing is measured: the first point says why)
                 _warm_backward()
                 deadline = clock() + float(budget_s)
-        for case, dtype, L, mode in _plan(backward):
+        for case, dtype, L, S, mode in _plan(backward):
             if clock() >= deadline:
                 break
-            # what one round of this point costs, from the nearest smaller one measured (work grows as L²): a
+            # what one round of this point costs, from the nearest smaller one measured (work grows as L·S): a
             # warm-up and the fewest rounds must fit in what is left, else it is skipped (a cheaper point later
             # may still fit); _measure_point then runs only the rounds that fit
-            near = [p for p in points if p.L <= L and p.case != "rows"]
-            last = max(near, key=lambda p: p.L) if near else None
-            est = 0.0 if last is None else (last.kernel_ms + last.sdpa_ms) / 1e3 * (L / last.L) ** 2
+            near = [p for p in points if p.L * p.S <= L * S]
+            last = max(near, key=lambda p: p.L * p.S) if near else None
+            est = 0.0 if last is None else (last.kernel_ms + last.sdpa_ms) / 1e3 * (L * S) / (last.L * last.S)
             if clock() + (1 + _MIN_ROUNDS) * est > deadline:
                 continue
-            S = ROWS_KEYS if case == "rows" else L
             try:
                 got = _measure_point(case, dtype, L, mode == "fwd+bwd", deadline, clock, S=S)
             except _NoKernel:
