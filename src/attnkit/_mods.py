@@ -392,9 +392,10 @@ CONTENT_KEY_MAX_BYTES = 1 << 24
 
 
 def _content(x):
-    """A key made of a CPU tensor's or NumPy array's *content* (dtype, shape, a BLAKE2 digest of its
-    bytes), or None (another device, or too large to hash on every call). Taken afresh on every call,
-    so an in-place edit between calls gives a new key: nothing cached under the old one is reused."""
+    """A key made of a CPU tensor's or NumPy array's *content* (dtype, shape, whether it requires grad, a
+    BLAKE2 digest of its bytes), or None (another device, or too large to hash on every call). Taken afresh
+    on every call, so an in-place edit between calls gives a new key: nothing cached under the old one is
+    reused."""
     if isinstance(x, torch.Tensor):
         if not x.is_cpu or x.layout is not torch.strided:
             return None
@@ -410,7 +411,9 @@ def _content(x):
             data = ctypes.string_at(t.data_ptr(), n) if n else b""
         except RuntimeError:
             return None
-        return ("tensor", str(x.dtype), tuple(x.shape), hashlib.blake2b(data, digest_size=16).digest())
+        # requires_grad too: a call learned with a frozen table must not be replayed for one that wants a gradient
+        return ("tensor", str(x.dtype), tuple(x.shape), x.requires_grad,
+                hashlib.blake2b(data, digest_size=16).digest())
     if isinstance(x, np.ndarray):
         if x.dtype == object or x.nbytes > CONTENT_KEY_MAX_BYTES:
             return None
@@ -531,7 +534,7 @@ def holds_data(key) -> bool:
     while stack:
         x = pop()
         if type(x) is tuple:
-            if len(x) == 4 and x[0] in ("tensor", "ndarray"):
+            if (len(x) == 5 and x[0] == "tensor") or (len(x) == 4 and x[0] == "ndarray"):
                 return True
             push(x)
     return False

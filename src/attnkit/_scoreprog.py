@@ -603,7 +603,9 @@ def _compile(fn, B: int, H: int, L: int, S: int) -> Program:
     from . import score_mods  # (it imports nothing of this module; imported here to keep the import order flat)
 
     vk = score_mods.builtin_key(fn) if type(fn) in score_mods.BUILT_IN else _mods.value_key(fn)
-    key = None if vk is None else (vk, B, H, L, S)
+    # grad mode too: a program traced under no_grad has no gradient slots (Program.grad_of), so a validation pass
+    # must not leave it for the training calls that follow
+    key = None if vk is None else (vk, B, H, L, S, torch.is_grad_enabled())
     if key is not None and key in _CACHE:
         _CACHE.move_to_end(key)
         hit = _CACHE[key]

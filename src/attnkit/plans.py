@@ -52,19 +52,27 @@ class BlockPlan:
     tiles computed), ``partial_fraction``, ``point_tiles`` (tiles whose mask points were
     evaluated while planning: 0 for built-in closed forms). Pass it as ``mask=`` to
     :func:`attnkit.attention`.
+
+    A plan describes its mask as it was when planned. A ``mask_mod`` that reads a tensor (document
+    ids, a window length held in a tensor) edited in place afterwards makes the plan stale: a call
+    with it raises ``ValueError`` (plan again after the edit, or pass the ``mask_mod`` itself and
+    attnkit plans it per call). A mod reading data its content key cannot follow (a tensor on
+    another device, or over 16 MiB) cannot be checked.
     """
 
-    __slots__ = ("_block", "_kinds", "_mask", "_point_tiles", "_sizes")
+    __slots__ = ("_block", "_kinds", "_mask", "_mask_key", "_point_tiles", "_sizes")
     # the slots' types (set once in __init__ through object.__setattr__: the plan is immutable)
     _mask: _masks.Mask
     _sizes: tuple[int, int, int, int]  # (B, H, L, S)
     _block: tuple[int, int]  # (bm, bn)
     _kinds: torch.Tensor  # int8 (Bp, Hp, nq, nk)
     _point_tiles: int
+    _mask_key: object  # the mask's content key when it was planned (None: not checked)
 
     def __init__(self, mask: _masks.Mask, B: int, H: int, L: int, S: int, block: tuple[int, int],
-                 kinds: torch.Tensor, point_tiles: int = 0):
+                 kinds: torch.Tensor, point_tiles: int = 0, mask_key: object = None):
         object.__setattr__(self, "_point_tiles", int(point_tiles))
+        object.__setattr__(self, "_mask_key", mask_key)
         object.__setattr__(self, "_mask", mask)
         object.__setattr__(self, "_sizes", (B, H, L, S))
         object.__setattr__(self, "_block", block)
@@ -116,7 +124,14 @@ class BlockPlan:
         return None if mk is None else ("plan", mk, self._sizes, self._block)
 
     def check(self, B: int, H: int, L: int, S: int) -> None:
-        """Raise ``ValueError`` unless this plan fits a call with these sizes."""
+        """Raise ``ValueError`` unless this plan fits a call with these sizes and its mask still reads what it
+        read when it was planned."""
+        if self._mask_key is not None and self._mask.cache_key() != self._mask_key:
+            raise ValueError(
+                "mask: the data this plan's mask reads changed after attnkit.plan(...) built it (a tensor its "
+                "mask_mod reads was edited in place): its tiles describe the old mask, and a call would skip or "
+                f"keep the wrong tiles. Plan again after the edit — attnkit.plan(mask, L={self.L}, S={self.S}, "
+                "...) — or pass the mask_mod itself as mask= (attnkit plans it per call).")
         pL, pS = self._sizes[2:]
         if (L, S) != (pL, pS):
             raise ValueError(
@@ -345,7 +360,7 @@ def plan(mask, L: int, S: int | None = None, *, B: int | None = None, H: int | N
     kinds, point_tiles = mask._kinds_counted(B, H, L, S, bm, bn)
     nq, nk = math.ceil(L / bm), math.ceil(S / bn)
     assert kinds.shape[-2:] == (nq, nk), (kinds.shape, nq, nk)
-    return BlockPlan(mask, B, H, L, S, (bm, bn), kinds, point_tiles)
+    return BlockPlan(mask, B, H, L, S, (bm, bn), kinds, point_tiles, mask.cache_key())
 
 
 def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device="cpu",

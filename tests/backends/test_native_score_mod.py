@@ -186,6 +186,20 @@ def test_learnable_tables_get_their_gradients_from_the_kernel():
     _learned_grads(cases[0][0], [table], mask=M.from_mod(fam))
 
 
+def test_a_no_grad_pass_leaves_no_program_without_gradients_for_training():
+    """A validation pass under ``torch.no_grad()`` traces the mod with no gradient slots; the training call after
+    it (the same mod, the same table) must get its own program: on the kernel, with the table's gradient."""
+    L = 130
+    table = torch.nn.Parameter(torch.randn(2 * L) * 0.1)
+    mod = lambda s, b, h, q, kv: s + table[q - kv + L]  # noqa: E731
+    q, k, v = rand_qkv(2, 4, 2, L, L, 32, requires_grad=True)  # _learned_grads' call
+    with torch.no_grad():
+        attnkit.attention(q, k, v, mask=M.causal(), score_mod=mod, backend="tiled")
+    d = attnkit.dispatch(q, k, v, mask=M.causal(), score_mod=mod, backend="tiled")
+    assert d.worker == "native" and "program" in d.worker_reason, d
+    _learned_grads(mod, [table], L=L)
+
+
 def test_refuses_a_learnable_tensor_copied_inside_the_score_mod():
     """A copy made inside the mod (``table.double()``) is not the tensor autograd routes to: refused, and the
     plain worker returns the gradient."""

@@ -640,7 +640,10 @@ def test_content_key_reads_values_not_memory():
     assert _mods.content_key(a.t().contiguous().t()) == key  # same values, column-major memory
     assert _mods.content_key(a.clone()) == key
     assert _mods.content_key(a + 1) != key
-    assert _mods.content_key(torch.empty(0)) == ("tensor", "torch.float32", (0,), _mods.content_key(torch.empty(0))[3])
+    assert _mods.content_key(torch.empty(0))[:4] == ("tensor", "torch.float32", (0,), False)
+    # whether it wants a gradient is part of the content: a call learned with a frozen table is not replayed for a
+    # trainable one of the same values
+    assert _mods.content_key(a.clone().requires_grad_()) != key
     c = torch.tensor([1 + 2j, 3 - 1j])
     assert _mods.content_key(c.conj()) == _mods.content_key(c.conj().resolve_conj())
     assert _mods.content_key(c.conj()) != _mods.content_key(c)
@@ -1558,5 +1561,39 @@ def test_holds_data_finds_a_tensors_content_at_any_depth_of_a_key():
         assert key is not None, what
         assert _mods.holds_data(key) is want, what
         assert _mods.holds_data(("And", (("Not", key),), ("causal",))) is want, what
-    assert _mods.holds_data(("tensor", torch.Size([2]), torch.int64, b"x")) is True
+    assert _mods.holds_data(_mods.content_key(torch.ones(2))) is True
+    assert _mods.holds_data(_mods.content_key(np.ones(2))) is True
     assert _mods.holds_data(None) is False and _mods.holds_data(()) is False
+
+
+def test_a_table_that_wants_a_gradient_is_not_served_by_a_call_learned_with_a_frozen_one():
+    """Two layers of the same score_mod code, one reading a frozen buffer and one a trainable table of the same
+    values, and one table unfrozen between calls: the fast path must not replay the gradient-free call, and the
+    table's gradient matches float64."""
+    L = 64
+    q, k, v = (torch.randn(1, 2, L, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def make(table):
+        return lambda s, b, h, qi, kv: s + table[qi - kv + L]
+
+    def want_grad(table):
+        t = table.detach().double().requires_grad_()
+        r = attnkit.attention(q.double(), k.double(), v.double(), score_mod=make(t), causal=True, backend="eager")
+        return torch.autograd.grad((r ** 2).sum(), (t,))[0]
+
+    frozen, learned = torch.zeros(2 * L), torch.nn.Parameter(torch.zeros(2 * L))
+    for _ in range(2):
+        attnkit.attention(q, k, v, score_mod=make(frozen), causal=True)
+    out = attnkit.attention(q, k, v, score_mod=make(learned), causal=True)
+    assert out.requires_grad
+    (g,) = torch.autograd.grad((out ** 2).sum(), (learned,))
+    assert_close(g, want_grad(learned), 1e-4, "the learned table's gradient")
+
+    table = torch.randn(2 * L) * 0.1
+    mod = make(table)
+    for _ in range(2):
+        assert not attnkit.attention(q, k, v, score_mod=mod, causal=True).requires_grad
+    table.requires_grad_(True)
+    out = attnkit.attention(q, k, v, score_mod=mod, causal=True)
+    (g,) = torch.autograd.grad((out ** 2).sum(), (table,))
+    assert_close(g, want_grad(table), 1e-4, "the unfrozen table's gradient")

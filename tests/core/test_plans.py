@@ -115,6 +115,29 @@ def test_plan_is_immutable_and_checked():
         attnkit.attention(q, kk, v, mask=pp)
 
 
+def test_a_plan_whose_mask_data_was_edited_in_place_is_refused_by_every_backend():
+    """A plan describes its mask as planned: after the tensor its mask_mod reads is edited in place, the tiles it
+    holds are another mask's (here 4 documents' diagonal tiles for 16 documents). Every backend refuses it with the
+    fix; planned again, the call matches float64 of the mod as it is now; restored, the old plan works again."""
+    L = 256
+    doc = torch.arange(L) // 64
+    mod = lambda b, h, q, kv: doc[q] == doc[kv]  # noqa: E731
+    p = attnkit.plan(mod, L=L)
+    q, k, v = rand_qkv(1, 2, 2, L, L, 16)
+    before = attnkit.attention(q, k, v, mask=p)
+    doc.copy_(torch.arange(L) // 16)
+    for backend in ("auto", "tiled", "eager", "reference"):
+        with pytest.raises(ValueError, match=r"changed after attnkit.plan.*Plan again"):
+            attnkit.attention(q, k, v, mask=p, backend=backend)
+    s = (q.double() @ k.double().transpose(-1, -2)) * 16 ** -0.5
+    s = s.masked_fill(doc.view(-1, 1) != doc.view(1, -1), float("-inf"))
+    want = torch.softmax(s, -1) @ v.double()
+    got = attnkit.attention(q, k, v, mask=attnkit.plan(mod, L=L))
+    assert (got.double() - want).abs().max() < 1e-5
+    doc.copy_(torch.arange(L) // 64)
+    assert torch.equal(attnkit.attention(q, k, v, mask=p), before)
+
+
 def test_plan_draws_its_tiles():
     text = str(attnkit.plan(M.causal(), 256))
     assert text.splitlines()[-5:] == ["    k0 k1 k2 k3", "q0   P  .  .  .", "q1   F  P  .  .", "q2   F  F  P  .",
