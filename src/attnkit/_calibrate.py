@@ -256,8 +256,16 @@ def crossovers(threads: int | None = None) -> Crossovers:
 
 
 def forget() -> None:
-    """Drop the in-process memo: the next :func:`crossovers` re-reads the environment and the file."""
+    """Drop the in-process memo: the next :func:`crossovers` re-reads the environment and the file (and the
+    fast path's remembered decisions go with it: they were taken by the old table)."""
     _MEMO.clear()
+    _forget_decisions()
+
+
+def _forget_decisions() -> None:
+    from . import _fast  # (it imports the dispatch layer, which imports this module: imported when called)
+
+    _fast.clear()
 
 
 def cache_dir() -> Path:
@@ -391,7 +399,12 @@ def _read(path: Path, threads: int) -> tuple[Crossovers | None, str]:
     """The calibrated table in ``path``, or None and why not (for ``source``)."""
     key = machine_key(threads)
     if not path.exists():
-        return None, f"no calibration for this CPU, torch {key['torch']}, {_threads(threads)}: run `attnkit calibrate`"
+        cmd = "attnkit calibrate" + ("" if threads == torch.get_num_threads() else f" --threads {threads}")
+        if path.parent.exists() and not path.parent.is_dir():
+            return None, (f"no calibration for this CPU, torch {key['torch']}, {_threads(threads)}: the cache "
+                          f"directory {_home(path.parent)} is a file; set ATTNKIT_CACHE_DIR to a folder, then run "
+                          f"`{cmd}`")
+        return None, f"no calibration for this CPU, torch {key['torch']}, {_threads(threads)}: run `{cmd}`"
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or not isinstance(data.get("key"), dict):
@@ -424,12 +437,42 @@ def _from_json(data: dict, path: Path) -> Crossovers:
         if val is not None and val not in _CHOICES:
             raise ValueError(f"{name}: expected one of {_CHOICES} or null, got {val!r}")
         choice[name] = val
-    points = tuple(Point(**{f.name: p[f.name] for f in dataclasses.fields(Point)}) for p in data.get("points", []))
+    points = tuple(_point(p) for p in _typed(data.get("points", []), list, "points"))
+    elapsed = data.get("elapsed_s")
+    if elapsed is not None and not _is_number(elapsed):
+        raise ValueError(f"elapsed_s: expected a number of seconds or null, got {elapsed!r}")
+    kept = _typed(data.get("defaults_kept", []), list, "defaults_kept")
+    if not all(isinstance(x, str) for x in kept):
+        raise ValueError(f"defaults_kept: expected a list of names, got {kept!r}")
     key, when = data["key"], str(data.get("created", "?"))[:10]
     return Crossovers(causal, dense, choice["bf16"], choice["fp16"], choice["bf16_grad"], choice["bf16_small"],
                       choice["fp16_small"], choice["few_rows_grad"],
-                      source=_source(key, when, path, data.get("defaults_kept", [])), calibrated=True,
-                      path=str(path), points=points, elapsed_s=data.get("elapsed_s"))
+                      source=_source(key, when, path, kept), calibrated=True,
+                      path=str(path), points=points, elapsed_s=elapsed)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _typed(x, kind: type, name: str):
+    if not isinstance(x, kind):
+        raise ValueError(f"{name}: expected a {kind.__name__}, got {x!r}")
+    return x
+
+
+def _point(p) -> Point:
+    """A stored point, each field of its own type (a file whose table is sound but whose points are not would
+    pass here and break ``attnkit calibrate --show`` later)."""
+    _typed(p, dict, "points[]")
+    want = {"case": str, "dtype": str, "mode": str, "L": int, "S": int, "rounds": int}
+    for name, kind in want.items():
+        if not isinstance(p[name], kind) or isinstance(p[name], bool):
+            raise ValueError(f"points[].{name}: expected a {kind.__name__}, got {p[name]!r}")
+    for name in ("kernel_ms", "sdpa_ms"):
+        if not (_is_number(p[name]) and p[name] >= 0):
+            raise ValueError(f"points[].{name}: expected milliseconds >= 0, got {p[name]!r}")
+    return Point(**{f.name: p[f.name] for f in dataclasses.fields(Point)})
 
 
 def _threads(n) -> str:
@@ -734,7 +777,8 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
                           elapsed_s=clock() - t0)
     except (Exception, KeyboardInterrupt) as e:
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed ({type(e).__name__}: {e})"
-        warnings.warn(f"attnkit: the calibration {what}; auto keeps its default crossovers (nothing was written). "
+        warnings.warn(f"attnkit: the calibration {what}; nothing was written: auto decides as before "
+                      "(by the calibration stored for this machine if there is one, else the defaults). "
                       "Run `attnkit calibrate` to try again.", RuntimeWarning, stacklevel=2)
         return Crossovers(source=f"defaults (calibration {what})", failure=what, points=tuple(points),
                           elapsed_s=clock() - t0)
@@ -744,6 +788,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
             torch.set_num_threads(before)
     if write:
         _MEMO[n] = result  # this process decides by it from now on (the memo is per process, not per switch)
+        _forget_decisions()
     return result
 
 

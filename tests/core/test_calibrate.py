@@ -185,6 +185,60 @@ def test_a_file_with_bad_values_is_corrupt(cache, monkeypatch, field, value):
     assert not c.calibrated and "corrupt" in c.source and field in c.source
 
 
+@pytest.mark.parametrize("field, value", [("elapsed_s", "0.3 s"), ("points", "none"), ("points", [{"case": 1}]),
+                                          ("points", [{"case": "causal", "dtype": "float32", "L": 64.5, "S": 64,
+                                                       "mode": "fwd", "kernel_ms": 1.0, "sdpa_ms": 1.0,
+                                                       "rounds": 3}]),
+                                          ("defaults_kept", "bf16")])
+def test_a_file_with_a_bad_record_beside_its_table_is_corrupt_and_show_still_prints(cache, monkeypatch, capsys,
+                                                                                    field, value):
+    """The table may be sound and the record of its measurement not (a hand edit): the file is corrupt as a
+    whole, and ``--show`` says so instead of failing on the record."""
+    _, path = _stored(cache, monkeypatch)
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    c = C.crossovers()
+    assert not c.calibrated and "corrupt" in c.source and field in c.source
+    rc, out, _ = _cli(capsys, "--show")
+    assert rc == 0 and "corrupt" in out, out
+
+
+def test_the_hint_names_the_thread_count_and_a_cache_directory_that_is_a_file(cache, monkeypatch):
+    n = torch.get_num_threads()
+    assert C.crossovers().source.endswith("run `attnkit calibrate`)")
+    C.forget()
+    assert C.crossovers(n + 1).source.endswith(f"run `attnkit calibrate --threads {n + 1}`)")
+    blocker = cache / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv(C.ENV_DIR, str(blocker))
+    C.forget()
+    assert "is a file; set ATTNKIT_CACHE_DIR to a folder" in C.crossovers().source
+
+
+def test_a_new_table_in_this_process_takes_over_the_remembered_decisions(cache, monkeypatch):
+    """The fast path remembers each call's route; a new table in the same process (a file then forget(), or a
+    calibration) must not leave it replaying the route the old table chose while dispatch reports the new one."""
+    import torch.nn.functional as F
+
+    _stored(cache, monkeypatch)  # the fake machine: the kernel from L = 256 causal
+    q, k, v = rand_qkv(1, 8, 8, 512, 512, 64)
+    for _ in range(2):
+        attnkit.attention(q, k, v, causal=True)  # learned: the kernel
+    assert attnkit.dispatch(q, k, v, causal=True).backend == "tiled"
+    path = C.cache_path()
+    data = json.loads(path.read_text())
+    data["crossovers"]["native_causal_min"] = 4096  # now SDPA up to 4096
+    path.write_text(json.dumps(data))
+    C.forget()
+    assert attnkit.dispatch(q, k, v, causal=True).backend == "sdpa"
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: seen.append(1) or sdpa(*a, **kw))
+    attnkit.attention(q, k, v, causal=True)
+    assert seen, "the call replayed the old table's route"
+
+
 @pytest.mark.parametrize("exc, says", [(RuntimeError("the kernel fell over"), "failed (RuntimeError: the kernel"),
                                        (KeyboardInterrupt(), "interrupted")])
 def test_a_failed_or_interrupted_calibration_gives_the_defaults_with_one_warning(cache, monkeypatch, exc, says):
@@ -193,7 +247,7 @@ def test_a_failed_or_interrupted_calibration_gives_the_defaults_with_one_warning
         warnings.simplefilter("always")
         c = C.calibrate()
     msg = _one_warning(caught)
-    assert says in msg and "default crossovers" in msg and "nothing was written" in msg
+    assert says in msg and "else the defaults" in msg and "nothing was written" in msg
     assert not c.calibrated and c.failure is not None and says in c.source
     assert (c.native_causal_min, c.native_dense_min_ls, c.bf16) == (C.DEFAULT_NATIVE_CAUSAL_MIN, 1024 * 1024, None)
     assert not list(cache.iterdir())  # nothing written, no temporary file left
@@ -231,7 +285,7 @@ def test_a_cache_that_cannot_be_written_keeps_the_measurement_in_this_process(ca
         warnings.simplefilter("always")
         rc, out, _ = _cli(capsys)
     took = [line for line in out.splitlines() if line.startswith("took ")]
-    assert rc == 0 and len(took) == 1 and "; not stored: " in took[0], out
+    assert rc == 1 and len(took) == 1 and "; not stored: " in took[0], out  # nothing stored: not a success
 
 
 def test_the_off_switch_gives_the_defaults_even_with_a_file(cache, monkeypatch):

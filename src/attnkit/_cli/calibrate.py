@@ -151,8 +151,9 @@ def run(args) -> int:
         print(f"defaults kept for {kept}")
     if args.dry_run:
         print(f"{took}; dry run: nothing written (it would go to {C._home(C.cache_path(args.threads))})")
-    elif c.path is None:
+    elif c.path is None:  # measured, not stored: a script's `attnkit calibrate && ...` must not read success
         print(f"{took}; {c.source.partition(' (')[2].partition(')')[0]}")
+        return 1
     else:
         print(f"{took}; stored in {C._home(c.path)}")
         if os.environ.get(C.ENV_SWITCH, "").strip().lower() in ("off", "0", "false", "no"):
