@@ -204,7 +204,7 @@ class Crossovers:
             return None
         return ("bfloat16 with gradients on a CPU without bf16 instructions: torch's bf16 backward converts through "
                 "fp32 (4-5x its fp32 time at L = 256-1024 on a 2-core AMD EPYC); the compiled kernel's costs about "
-                "its fp32 time")
+                f"its fp32 time (table: {self.source})")
 
     def few_rows_grad_to_kernel(self, min_keys: int) -> str | None:
         """Why an fp32 call that wants gradients at a few query rows whose rows reach at least ``min_keys`` keys goes
@@ -214,7 +214,7 @@ class Crossovers:
         if self.few_rows_grad == "torch":
             return None
         where = (f"the compiled kernel measured faster than SDPA here ({self.source})" if self.few_rows_grad == "kernel"
-                 else "the compiled kernel's few-rows backward is faster than SDPA's there (today's rule)")
+                 else f"the compiled kernel's few-rows backward is faster than SDPA's there (table: {self.source})")
         return f"a few query rows with gradients over >= {min_keys} keys: {where}"
 
 

@@ -221,9 +221,10 @@ def _check_tensor_mask(mask, q: torch.Tensor, B, H, L, S):
     target = (B, H, L, S)
     for dim, (got, want) in enumerate(zip(m4.shape, target, strict=True)):
         if got not in (1, want):
+            expected = "1" if want == 1 else f"1 or {want}"
             raise ValueError(
                 f"mask: shape {tuple(m.shape)} is not broadcastable to (B, H, L, S) = {target} "
-                f"(dim {'BHLS'[dim]} is {got}, expected 1 or {want}). attnkit never truncates a mask; "
+                f"(dim {'BHLS'[dim]} is {got}, expected {expected}). attnkit never truncates a mask; "
                 "pass one whose trailing dims are (L, S)."
             )
     return m4, is_bias

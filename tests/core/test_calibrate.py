@@ -402,7 +402,9 @@ def test_backward_decides_a_few_rows_with_gradients_from_one_row_over_a_long_cac
 def test_the_few_rows_gradient_rule():
     """What SDPA's ``declines`` asks of an fp32 call with gradients at a few rows over a long cache: the measured
     choice, else today's rule (the kernel)."""
-    assert "(today's rule)" in C.Crossovers().few_rows_grad_to_kernel(4096)
+    d = C.Crossovers(source="defaults (no calibration for this CPU)")
+    assert "(table: defaults (no calibration for this CPU))" in d.few_rows_grad_to_kernel(4096)  # the table named
+    assert "(table: defaults (no calibration" in d.grad_to_kernel(torch.bfloat16, lambda: False)
     why = C.Crossovers(few_rows_grad="kernel", source="calibrated 2026-11-28 on X").few_rows_grad_to_kernel(4096)
     assert ">= 4096 keys" in why and "measured faster than SDPA here (calibrated 2026-11-28 on X)" in why
     assert C.Crossovers(few_rows_grad="torch").few_rows_grad_to_kernel(4096) is None

@@ -54,6 +54,11 @@ def test_mask_not_broadcastable():
     raises(ValueError, "mask:", "not broadcastable", "(B, H, L, S) = (2, 4, 5, 7)",
            mask=torch.ones(5, 6, dtype=torch.bool))
     raises(ValueError, "mask:", "dim B", mask=torch.ones(3, 1, 5, 7, dtype=torch.bool))
+    # a dim the call has once: "expected 1", not "expected 1 or 1"
+    with pytest.raises(ValueError, match=r"dim L is 3, expected 1\)") as e:
+        attnkit.attention(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 7, 4), torch.randn(1, 1, 7, 4),
+                          mask=torch.ones(3, 7, dtype=torch.bool))
+    assert "1 or 1" not in str(e.value)
 
 
 def test_integer_and_mixed_dtypes():
