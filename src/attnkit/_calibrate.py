@@ -375,6 +375,9 @@ def _load(threads: int) -> Crossovers:
     table, why = _read(path, threads)
     if table is not None:
         return table
+    if " corrupt: " in why:  # (a file of another machine or version is expected after an upgrade: no warning)
+        warnings.warn(f"attnkit: {why}; auto uses its default crossovers until then (`attnkit calibrate`).",
+                      RuntimeWarning, stacklevel=4)
     if switch == _FIRST_USE and not _local.tried:
         _local.tried = True  # once per thread, even when it fails
         busy = _busy()
