@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor as _Tensor
 from torch.compiler import is_compiling as _is_compiling
 
@@ -64,7 +65,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
 
     Returns:
         ``out (B, H, L, Dv)`` in the input's kind (torch → torch with autograd,
-        NumPy → NumPy), dtype and rank; or ``(out, lse)`` with ``return_lse=True``;
+        NumPy → NumPy), dtype and rank (under ``torch.autocast``, as torch SDPA: fp32 /
+        fp16 / bf16 inputs computed and returned in autocast's dtype, float64 kept);
+        or ``(out, lse)`` with ``return_lse=True``;
         ``(out, weights)`` or ``(out, lse, weights)`` with ``return_weights``.
         A fully masked query row gives output 0 and lse -inf (gradients 0), never NaN.
         NaN in an input propagates to the rows it touches.
@@ -73,6 +76,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         TypeError: a wrong kind of argument; the message names it, what was expected and what was got.
         ValueError: a wrong value or shape; the message names it, what was expected and what was got.
     """
+    if _any_autocast() and type(q) is _Tensor and torch.is_autocast_enabled(q.device.type):
+        return _autocast(attention, q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
+                         dropout_p=dropout_p, return_lse=return_lse, return_weights=return_weights, sinks=sinks,
+                         backend=backend)
     if _is_compiling():  # traced by torch.compile / torch.export: one call of attnkit's torch op (attnkit._op)
         from . import _op
 
@@ -128,7 +135,33 @@ def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dr
     block-sparse tiled kernel for mask sliding_window(256, align='bottom_right')
     (SDPA would need a dense (B, H, L, S) mask)
     """
+    if _any_autocast() and type(q) is _Tensor and torch.is_autocast_enabled(q.device.type):
+        return _autocast(dispatch, q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
+                         dropout_p=dropout_p, return_lse=return_lse, return_weights=return_weights, sinks=sinks,
+                         backend=backend)
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                        dropout_p=dropout_p, return_lse=return_lse, backend=backend,
                        return_weights=return_weights, sinks=sinks)
     return decide(req, backend)
+
+
+# one C call, no argument parsing (the public torch.is_autocast_enabled(device) costs a few times more): asked on
+# every call, the smallest ones included
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def _autocast(fn, q, k, v, **kw):
+    """``fn`` (attention or dispatch) as torch SDPA runs under ``torch.autocast``: q, k, v in autocast's dtype
+    (fp32 / fp16 / bf16 inputs cast to it; float64 kept, as autocast keeps it), then every backend computes in
+    that dtype with autocast off inside — so the output's dtype never depends on which backend the size picked
+    (SDPA would follow autocast, the compiled kernel and the eager paths would not)."""
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t):
+        if isinstance(t, _Tensor) and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
+            return t.to(dtype)
+        return t
+
+    with torch.autocast(device, enabled=False):
+        return fn(cast(q), cast(k), cast(v), **kw)

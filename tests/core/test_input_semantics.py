@@ -420,3 +420,30 @@ def test_print_document_mask_draws_it():
     assert rows[0].startswith("document(")
     assert rows[-3:] == ["q0 # # .", "q1 # # .", "q2 . . #"]
     assert "q2 . . #" in str(masks.document([0, 0, 1]) & masks.causal())
+
+
+@pytest.mark.parametrize("L, S, backend", [(32, 32, "auto"), (512, 512, "auto"), (1, 4096, "auto"),
+                                           (64, 64, "tiled"), (64, 64, "eager"), (64, 64, "sdpa")])
+def test_under_autocast_every_path_answers_as_sdpa_does(L, S, backend):
+    """Under ``torch.autocast("cpu", bfloat16)`` torch SDPA takes fp32 q, k, v in bf16 and answers in bf16; so does
+    attnkit on every path (before, the output's dtype depended on which backend the size picked: bf16 from SDPA,
+    fp32 from the kernel). The gradients reach the fp32 inputs in fp32; float64 is left alone, as autocast leaves
+    it; outside autocast the same call answers in fp32 again (nothing remembered from inside)."""
+    q, k, v = rand_qkv(1, 4, 2, L, S, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attnkit.attention(q, k, v, causal=True, backend=backend)
+        d = attnkit.dispatch(q, k, v, causal=True, backend=backend)
+        want_dtype = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=L == S, enable_gqa=True).dtype
+        r64 = attnkit.attention(q.double(), k.double(), v.double(), causal=True, backend="eager")
+    assert out.dtype == want_dtype == torch.bfloat16 and r64.dtype == torch.float64, d
+    go = torch.randn_like(r64)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attnkit.attention(qd, kd, vd, causal=True, backend="eager")
+    assert_close(out, ref, 8 * budget(torch.bfloat16, 64, S), f"{d.backend}/{d.worker} output")
+    got = torch.autograd.grad((out.double() * go).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * go).sum(), (qd, kd, vd))
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert a.dtype == torch.float32
+        assert_close(a, b, 8 * budget(torch.bfloat16, 64, S) * max(1.0, b.abs().max().item()), f"d{name}")
+    for _ in range(2):
+        assert attnkit.attention(q, k, v, causal=True, backend=backend).dtype == torch.float32
