@@ -262,10 +262,14 @@ def forget() -> None:
     _forget_decisions()
 
 
-def _forget_decisions() -> None:
-    from . import _fast  # (it imports the dispatch layer, which imports this module: imported when called)
+# What to call when the table in use may change (forget, a calibration in this process): the fast path registers
+# its clear() here (it sits above this module and imports it; this module never imports it back)
+_ON_NEW_TABLE: list[Callable[[], None]] = []
 
-    _fast.clear()
+
+def _forget_decisions() -> None:
+    for fn in _ON_NEW_TABLE:
+        fn()
 
 
 def cache_dir() -> Path:

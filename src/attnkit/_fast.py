@@ -46,7 +46,7 @@ from math import isfinite as _isfinite
 
 import torch
 
-from . import _dispatch, _lru, _mods
+from . import _calibrate, _dispatch, _lru, _mods
 from . import masks as _masks
 from . import plans as _plans
 from . import score_mods as _score_mods
@@ -216,3 +216,6 @@ def clear() -> None:
     _REPLAY.clear()
     _BY_IDENTITY.clear()
     _FAMILY.clear()
+
+
+_calibrate._ON_NEW_TABLE.append(clear)  # a new table in this process (forget, calibrate): the routes decided anew
