@@ -592,6 +592,8 @@ def test_cli_show_and_reset(cache, monkeypatch, capsys):
     monkeypatch.setenv(C.ENV_SWITCH, "off")
     rc, out, _ = _cli(capsys)
     assert rc == 0 and f"note: {C.ENV_SWITCH}=off here" in out
+    rc, out, _ = _cli(capsys, "--show")  # the file is there; the switch hides it: said so
+    assert rc == 0 and "switched off" in out and "a calibration file is stored" in out and "auto ignores it" in out
     monkeypatch.setenv(C.ENV_SWITCH, "on")
     rc, out, _ = _cli(capsys, "--reset")
     assert rc == 0 and "deleted 1 calibration file from" in out and not list(cache.glob("calibration-*"))

@@ -133,6 +133,10 @@ def run(args) -> int:
         _print_table(c, defaults)
         if c.calibrated and c.elapsed_s is not None:
             print(f"\nthat calibration took {c.elapsed_s:.2f} s")
+        path = C.cache_path(args.threads)
+        if not c.calibrated and os.environ.get(C.ENV_SWITCH, "").strip().lower() in C._OFF and path.is_file():
+            print(f"\nnote: a calibration file is stored ({C._home(path)}); {C.ENV_SWITCH}=off here: auto ignores it "
+                  "until that is unset")
         return 0
     key = C.machine_key(args.threads)
     busy = _load_note()
@@ -156,7 +160,7 @@ def run(args) -> int:
         return 1
     else:
         print(f"{took}; stored in {C._home(c.path)}")
-        if os.environ.get(C.ENV_SWITCH, "").strip().lower() in ("off", "0", "false", "no"):
+        if os.environ.get(C.ENV_SWITCH, "").strip().lower() in C._OFF:
             print(f"note: {C.ENV_SWITCH}=off here: auto ignores the file until that is unset")
     if busy:
         print(busy)
