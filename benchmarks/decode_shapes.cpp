@@ -28,19 +28,12 @@
 #include <cstdlib>
 #include <vector>
 
+#include "decode_synth.h"
+
 static const long D = 128, HKV = 8, S = 65536, BN = 64;
 static long CH = 1024, PF = 16;
 
-static inline __m256 reduce8(const __m256* a) {  // lane c: the sum of a[c]'s lanes
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-static inline void prefetch_row(const float* r) {
-  for (long x = 0; x < D * 4; x += 64) __builtin_prefetch((const char*)r + x, 0, 2);
-}
+static inline void prefetch_row(const float* r) { prefetch_bytes(r, D * 4); }
 
 // sc[r * lds + j] = q_r . k_j for n keys (a multiple of 8) at kb, KP keys side by side (dots_keys); pf: each key's
 // twin pfd rows ahead prefetched
@@ -177,24 +170,7 @@ static double read(const float* K, const float* V) {
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
-static double sum(const float* K, const float* V) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const long n = HKV * S * D;
-  double sink = 0;
-  for (const float* X : {K, V}) {
-#pragma omp parallel for reduction(+ : sink) schedule(static)
-    for (long i = 0; i < n; i += 64) {
-      __m256 a = _mm256_setzero_ps();
-      for (int j = 0; j < 64; j += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(X + i + j));
-      float t[8];
-      _mm256_storeu_ps(t, a);
-      sink += t[0];
-    }
-  }
-  const auto t1 = std::chrono::steady_clock::now();
-  if (sink == 1.2345) std::printf(" ");
-  return std::chrono::duration<double>(t1 - t0).count();
-}
+static double sum(const float* K, const float* V) { return sum_kv(K, V, HKV * S * D); }
 
 template <int R>
 static void line(const float* K, const float* V, int reps) {
