@@ -408,3 +408,22 @@ def test_a_few_rows_with_gradients_over_a_long_cache(kw):
         scale = max(1.0, w.abs().max().item())
         assert_close(a, w, 4 * tol * scale, f"{what} vs float64")
         assert_close(a, e, 4 * tol * scale, f"{what} vs eager")
+
+
+def test_autocast_inside_the_compiled_code_answers_as_eager():
+    """``torch.autocast`` around attnkit inside a fullgraph-compiled function: bf16 out, as eager and as SDPA, the
+    same values as eager, and fp32 gradients reaching the fp32 inputs."""
+    q, k, v = rand_qkv(1, 4, 2, 64, 64, 32, requires_grad=True)
+
+    def fn(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return attnkit.attention(q, k, v, causal=True) * 2
+
+    out = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    want = fn(q, k, v)
+    assert out.dtype == want.dtype == torch.bfloat16
+    assert_close(out, want, 0.0, "compiled vs eager")
+    (g,) = torch.autograd.grad(out.float().sum(), (q,))
+    (gw,) = torch.autograd.grad(want.float().sum(), (q,))
+    assert g.dtype == torch.float32
+    assert_close(g, gw, 1e-6, "dq")
