@@ -102,7 +102,7 @@ def test_from_torch_not_batch_first_and_dtype():
     ref, _ = tm(x, x, x)
     assert not m.batch_first
     torch.testing.assert_close(m(x), ref, rtol=0, atol=1e-12)
-    torch.testing.assert_close(m(x, x, x), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(m(x, x, x)[0], ref, rtol=0, atol=1e-12)  # torch's style: torch's tuple
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -117,7 +117,7 @@ def test_from_torch_takes_torchs_key_padding_mask_exactly(batch_first):
     pad[1, 5:] = True
     pad[2, 1:] = True
     ref, _ = theirs(x, x, x, key_padding_mask=pad)
-    got = ours(x, x, x, key_padding_mask=pad)
+    got, _ = ours(x, x, x, key_padding_mask=pad)  # torch's style of call: torch's tuple
     assert (got - ref).abs().max().item() < 1e-12
     # a float key_padding_mask is added to the scores, as torch does
     bias = torch.randn(3, 7, dtype=torch.float64)
@@ -125,6 +125,37 @@ def test_from_torch_takes_torchs_key_padding_mask_exactly(batch_first):
     assert (ours(x, key_padding_mask=bias) - ref).abs().max().item() < 1e-12
     # and it is the same as attnkit's own polarity
     assert torch.equal(got, ours(x, mask=~pad[:, None, None, :]))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_from_torch_answers_a_torch_style_call_as_torch_does(batch_first):
+    """``out, _ = m(x, x, x)`` — torch's idiom — unpacked batch rows 0 and 1 of a bare tensor silently at B = 2.
+    A torch-style call (query, key, value positionally) now returns torch's tuple: weights averaged over heads by
+    default, per head with average_attn_weights=False, None with need_weights=False; attnkit-style calls keep
+    returning the output alone."""
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first, dtype=torch.float64).eval()
+    ours = MultiHeadAttention.from_torch(theirs)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    if not batch_first:
+        x = x.transpose(0, 1)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    for kw in ({}, {"need_weights": False}, {"average_attn_weights": False}, {"key_padding_mask": pad}):
+        want_out, want_w = theirs(x, x, x, **kw)
+        out, w = ours(x, x, x, **kw)
+        assert out.shape == want_out.shape and (out - want_out).abs().max().item() < 1e-12, kw
+        if want_w is None:
+            assert w is None, kw
+        else:
+            assert w.shape == want_w.shape and (w - want_w).abs().max().item() < 1e-12, kw
+    y = ours(x)  # attnkit's style: the output alone
+    assert isinstance(y, torch.Tensor) and torch.equal(y, ours(x, x, x)[0])
+    causal, _ = ours(x, x, x, is_causal=True, need_weights=False)
+    assert torch.equal(causal, ours(x, causal=True))
+    with pytest.raises(TypeError, match=r"attn_mask: .*mask=~attn_mask"):
+        ours(x, x, x, attn_mask=torch.ones(5, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not both"):
+        ours(x, x, x, is_causal=True, causal=True)
 
 
 def test_from_torch_key_padding_mask_errors_name_the_argument():

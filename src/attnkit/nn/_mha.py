@@ -372,7 +372,13 @@ class MultiHeadAttention(nn.Module):
 
         **Masks keep attnkit's polarity, True = attend**; torch's ``key_padding_mask`` is
         True = ignore, so pass ``mask=~key_padding_mask[:, None, None, :]`` (and ``~attn_mask``
-        for a bool ``attn_mask``).
+        for a bool ``attn_mask``). The converted module also takes torch's ``key_padding_mask=``
+        and ``is_causal=``, and a torch-style call (``query, key, value`` positionally, none of
+        attnkit's keywords) answers with torch's ``(out, weights)`` tuple, so ``out, _ = m(x, x, x)``
+        keeps its meaning::
+
+            out, w = m(x, x, x)       # torch's style: w averaged over heads (B, L, S)
+            out = m(x, mask=keep)     # attnkit's style: the output alone
         """
         return _torch_convert.from_torch(module, cls)
 

@@ -21,6 +21,19 @@ A module made by ``from_torch`` also takes torch's own keyword, ``key_padding_ma
 torch's polarity (bool ``(B, S)``, True = padding; or a float ``(B, S)`` added to the scores), so
 code written for the torch module keeps working; it becomes ``mask=~pad[:, None, None, :]``
 (or the float bias ``pad[:, None, None, :]``).
+
+Called as torch's module is called — ``query, key, value`` positionally, with none of attnkit's
+own keywords (``mask``, ``causal``, ``kv_cache``, ``context_parallel``) — it also answers as
+torch's does: the tuple ``(out, weights)``, ``weights`` averaged over the heads ``(B, L, S)``
+unless ``average_attn_weights=False`` (then ``(B, H, L, S)``), or ``(out, None)`` with
+``need_weights=False`` (torch's default is True, and so is this one's here); ``is_causal=`` is
+torch's ``causal=``. So ``out, _ = m(x, x, x)`` is torch's output, never batch row 0 unpacked
+from a bare tensor. Called in attnkit's style (``m(x)``, ``m(x, mask=...)``) it answers as
+:class:`~attnkit.nn.MultiHeadAttention` does::
+
+    out, w = m(x, x, x)                   # torch's style: (out, weights averaged over heads)
+    out, _ = m(x, x, x, need_weights=False)
+    out = m(x, mask=keep)                 # attnkit's style: out alone
 """
 
 from __future__ import annotations
@@ -74,22 +87,64 @@ def _from_torch(module: nn.MultiheadAttention, MultiHeadAttention):
             for lin, b in ((mha.q_proj, bq), (mha.k_proj, bk), (mha.v_proj, bv), (mha.out_proj, module.out_proj.bias)):
                 lin.bias.copy_(b)
     mha.train(module.training)
-    mha.register_forward_pre_hook(_torch_key_padding_mask, with_kwargs=True)
+    mha.register_forward_pre_hook(_torch_call, with_kwargs=True)
+    mha.register_forward_hook(_torch_result, with_kwargs=True)
     return mha
 
 
-def _torch_key_padding_mask(module, args, kwargs):
-    """Forward pre-hook of a ``from_torch`` module: torch's ``key_padding_mask=`` (True = ignore)
+_ATTNKIT_ONLY = frozenset(("mask", "causal", "kv_cache", "context_parallel"))  # keywords torch's module has not
+
+
+def _torch_call(module, args, kwargs):
+    """Forward pre-hook of a ``from_torch`` module: torch's keywords in attnkit's terms, and whether this call is
+    torch's style (``query, key, value`` positionally: it answers with torch's tuple, :func:`_torch_result`)."""
+    torch_style = len(args) >= 3 and not _ATTNKIT_ONLY & kwargs.keys()
+    want = None
+    if torch_style:
+        need = kwargs.pop("need_weights", True)
+        average = kwargs.pop("average_attn_weights", True)
+        if not isinstance(need, bool) or not isinstance(average, bool):
+            raise TypeError(f"need_weights / average_attn_weights: expected True or False, got {need!r} / "
+                            f"{average!r}.")
+        kwargs["need_weights"] = need
+        want = (need, average)
+    if "is_causal" in kwargs:
+        if kwargs.get("causal") is not None:
+            raise ValueError("is_causal: pass either torch's is_causal= or attnkit's causal=, not both.")
+        kwargs["causal"] = kwargs.pop("is_causal")
+    if "attn_mask" in kwargs:
+        raise TypeError("attn_mask: torch's attn_mask (True = not allowed) is attnkit's mask= with the other "
+                        "polarity: pass mask=~attn_mask for a bool (L, S) mask, mask=attn_mask for a float one, "
+                        "a (B * H, L, S) one reshaped to (B, H, L, S).")
+    module.__dict__["_torch_style"] = want  # (set on every call: a call that raised leaves nothing behind)
+    _torch_key_padding_mask(module, args, kwargs)
+    return args, kwargs
+
+
+def _torch_result(module, args, kwargs, output):
+    """Forward hook of a ``from_torch`` module: a torch-style call's answer as torch's ``(out, weights)``."""
+    want = module.__dict__.pop("_torch_style", None)
+    if want is None:
+        return None
+    need, average = want
+    if not need:
+        return output, None
+    out, weights = output
+    return out, (weights.mean(dim=1) if average else weights)
+
+
+def _torch_key_padding_mask(module, args, kwargs) -> None:
+    """Part of the pre-hook (:func:`_torch_call`), in place on ``kwargs``: torch's ``key_padding_mask=`` (True = ignore)
     becomes attnkit's ``mask=`` (True = attend), ``(B, S)`` → ``(B, 1, 1, S)``::
 
         key_padding_mask  [[F F F T],      mask  [[T T T F],      (B, 1, 1, S): per sequence,
                            [F F T T]]  →          [T T F F]]      the same for every head and query
     """
     if "key_padding_mask" not in kwargs:
-        return None
+        return
     pad = kwargs.pop("key_padding_mask")
     if pad is None:
-        return args, kwargs
+        return
     if kwargs.get("mask") is not None:
         raise ValueError("key_padding_mask: pass either torch's key_padding_mask= (True = ignore) or attnkit's "
                          "mask= (True = attend), not both. Fold the padding into the mask: "
@@ -105,7 +160,6 @@ def _torch_key_padding_mask(module, args, kwargs):
     else:
         raise ValueError(f"key_padding_mask: expected a bool (True = padding) or float tensor, got {pad.dtype}. "
                          "Pass key_padding_mask.bool() for 0/1 padding flags.")
-    return args, kwargs
 
 
 def to_torch(mha, *, batch_first: bool = True) -> nn.MultiheadAttention:
