@@ -76,7 +76,7 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         TypeError: a wrong kind of argument; the message names it, what was expected and what was got.
         ValueError: a wrong value or shape; the message names it, what was expected and what was got.
     """
-    if _any_autocast() and type(q) is _Tensor and torch.is_autocast_enabled(q.device.type):
+    if _under_autocast(q):
         return _autocast(attention, q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                          dropout_p=dropout_p, return_lse=return_lse, return_weights=return_weights, sinks=sinks,
                          backend=backend)
@@ -135,7 +135,7 @@ def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dr
     block-sparse tiled kernel for mask sliding_window(256, align='bottom_right')
     (SDPA would need a dense (B, H, L, S) mask)
     """
-    if _any_autocast() and type(q) is _Tensor and torch.is_autocast_enabled(q.device.type):
+    if _under_autocast(q):
         return _autocast(dispatch, q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                          dropout_p=dropout_p, return_lse=return_lse, return_weights=return_weights, sinks=sinks,
                          backend=backend)
@@ -148,6 +148,11 @@ def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dr
 # one C call, no argument parsing (the public torch.is_autocast_enabled(device) costs a few times more): asked on
 # every call, the smallest ones included
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def _under_autocast(q) -> bool:
+    """Whether ``torch.autocast`` is on for ``q``'s device (a torch tensor's; NumPy input never is)."""
+    return _any_autocast() and type(q) is _Tensor and torch.is_autocast_enabled(q.device.type)
 
 
 def _autocast(fn, q, k, v, **kw):
