@@ -379,7 +379,7 @@ def _load(threads: int) -> Crossovers:
     table, why = _read(path, threads)
     if table is not None:
         return table
-    if " corrupt: " in why:  # (a file of another machine or version is expected after an upgrade: no warning)
+    if _CORRUPT in why:  # (a file of another machine or version is expected after an upgrade: no warning)
         warnings.warn(f"attnkit: {why}; auto uses its default crossovers until then (`attnkit calibrate`).",
                       RuntimeWarning, stacklevel=4)
     if switch == _FIRST_USE and not _local.tried:
@@ -400,6 +400,9 @@ def _busy() -> str | None:
         return None
     cores = os.cpu_count() or 1
     return f"load {load:.1f} on {cores} cores" if load > cores else None
+
+
+_CORRUPT = " corrupt: "  # in _read's reason for a corrupt file (and in no other): what _load warns about
 
 
 def _read(path: Path, threads: int) -> tuple[Crossovers | None, str]:
@@ -427,7 +430,7 @@ def _read(path: Path, threads: int) -> tuple[Crossovers | None, str]:
                           + "; will be rewritten by the next calibration")
         table = _from_json(data, path)
     except (OSError, ValueError, TypeError, KeyError) as e:
-        return None, (f"calibration file {_home(path)} corrupt: {type(e).__name__}: {e}; "
+        return None, (f"calibration file {_home(path)}{_CORRUPT}{type(e).__name__}: {e}; "
                       "will be rewritten by the next calibration")
     return table, ""
 
