@@ -283,3 +283,39 @@ def test_append_checks_values_too_and_fast_append_equals_checked_append():
         with pytest.raises(ValueError, match="overflow"):
             c1.append(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4))
     assert c1.length == 4
+
+
+def test_append_names_a_wrong_type_or_rank_of_keys():
+    c = KVCache(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"expected k of 4 dims \(B, Hkv, L, D\), got shape \(2, 3, 4\).*k\[None\]"):
+        c.append(torch.randn(2, 3, 4), torch.randn(2, 3, 4))
+    a = torch.zeros(1, 2, 3, 4).numpy()
+    with pytest.raises(TypeError, match=r"expected k as a torch.Tensor .* got ndarray.*torch.as_tensor\(k\)"):
+        c.append(a, a)
+    with pytest.raises(TypeError, match=r"expected v as a torch.Tensor"):
+        c.append(torch.zeros(1, 2, 3, 4), a)
+    assert c.length == 0
+
+
+def test_decoding_under_autocast_builds_the_cache_in_autocasts_dtype():
+    """Under torch.autocast the projections give bf16 keys: a cache built there is bf16 and decoding
+    equals the full causal pass (both in bf16, against float64 within bf16's budget); a cache built
+    outside autocast is refused with a message that names autocast, not a moved module."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, num_kv_heads=2, positional="rope").eval()
+    x = torch.randn(2, 7, 32)
+    want = m.double()(x.double(), causal=True)
+    m.float()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = m(x, causal=True)
+        cache = m.new_cache(2, 7)
+        assert cache.k.dtype == torch.bfloat16
+        got = decode(m, x, cache, [4, 1, 2])
+        with pytest.raises(TypeError, match=r"torch.autocast is on.*build the cache inside the autocast block"):
+            m(x[:, :1], kv_cache=KVCache(2, 2, 7, 8))
+    assert got.dtype == full.dtype == torch.bfloat16
+    torch.testing.assert_close(got, full, rtol=0, atol=2 ** -6)
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -6, atol=2 ** -6)
+    assert m.new_cache(1, 3).k.dtype == torch.float32  # outside autocast: the module's dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m.double().new_cache(1, 3).k.dtype == torch.float64  # float64 is kept, as autocast keeps it

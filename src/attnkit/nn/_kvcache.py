@@ -116,6 +116,17 @@ class KVCache:
             return (k, v) if start == 0 else (sk[:, :, :end], sv[:, :, :end])
         if owner is not None:
             self.check_owner(owner)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"kv_cache: expected {name} as a torch.Tensor (B, Hkv, L, D), got {type(t).__name__}. "
+                    f"Convert it first, e.g. torch.as_tensor({name})."
+                )
+            if t.dim() != 4:
+                raise ValueError(
+                    f"kv_cache: expected {name} of 4 dims (B, Hkv, L, D), got shape {tuple(t.shape)}. "
+                    f"Add the missing dims, e.g. {name}[None] for one sequence."
+                )
         B, Hkv, L, D = k.shape
         self.check_batch(B)
         if (Hkv, D) != tuple(self.k.shape[i] for i in (1, 3)) or v.shape[:3] != k.shape[:3] \
@@ -128,8 +139,12 @@ class KVCache:
         if k.dtype != self.k.dtype or k.device != self.k.device or v.dtype != self.v.dtype or v.device != self.v.device:
             raise TypeError(
                 f"kv_cache: holds {self.k.dtype} on {self.k.device}, got keys of {k.dtype} on {k.device} and values "
-                f"of {v.dtype} on {v.device}. "
-                "Build the cache after moving the module (new_cache uses the module's dtype and device)."
+                f"of {v.dtype} on {v.device}. " + (
+                    f"torch.autocast is on, so the layer's keys come in {torch.get_autocast_dtype(k.device.type)}: "
+                    "build the cache inside the autocast block (new_cache then uses autocast's dtype), or "
+                    f"KVCache(..., dtype={torch.get_autocast_dtype(k.device.type)})."
+                    if torch.is_autocast_enabled(k.device.type) else
+                    "Build the cache after moving the module (new_cache uses the module's dtype and device).")
             )
         end = self.length + L
         if end > self.max_length:

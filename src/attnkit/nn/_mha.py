@@ -159,9 +159,13 @@ class MultiHeadAttention(nn.Module):
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty :class:`~attnkit.nn.KVCache` for this layer: ``(B, Hkv, max_length, D)`` buffers
-        in the module's dtype and device."""
+        in the module's dtype and device — or, built under ``torch.autocast``, in autocast's dtype,
+        which is what the layer's projections then give (float64 kept, as autocast keeps it)."""
         w = self.k_proj.weight
-        return KVCache(batch_size, self.num_kv_heads, max_length, self.head_dim, dtype=w.dtype, device=w.device)
+        dtype = w.dtype
+        if torch.is_autocast_enabled(w.device.type) and dtype != torch.float64:
+            dtype = torch.get_autocast_dtype(w.device.type)
+        return KVCache(batch_size, self.num_kv_heads, max_length, self.head_dim, dtype=dtype, device=w.device)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                 *, mask=None, causal: bool | None = None, need_weights: bool = False,
