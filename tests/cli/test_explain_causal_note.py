@@ -47,3 +47,32 @@ def test_the_readme_shows_the_causal_example_that_changes_something():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "attnkit explain --causal" in readme
     assert "--example cat --causal" not in readme
+
+
+def test_a_float_mask_that_hides_a_key_or_adds_a_bias_is_not_noted_as_changing_nothing(capsys, tmp_path):
+    """A float mask's -inf hides a key that the bool part (``Trace.allowed``) still holds; a finite bias
+    hides none but changes every weight: neither is "the unmasked numbers"."""
+    import numpy as np
+
+    for row, want in (([0.0, -np.inf, 0.0], [0.6698, 0.0, 0.3302]), ([0.0, 1.0, 0.0], None)):
+        np.save(tmp_path / "bias.npy", np.array([row]))
+        for name, text in (("q", "1,0\n"), ("k", "1,1\n1,0\n0,1\n"), ("v", "10,0\n0,10\n5,5\n")):
+            (tmp_path / f"{name}.csv").write_text(text)
+        out = _explain(capsys, *(a for n in "qkv" for a in (f"--{n}", str(tmp_path / f"{n}.csv"))),
+                       "--mask", str(tmp_path / "bias.npy"))
+        assert "hides no key" not in out and "unmasked ones" not in out
+        if want:
+            assert "0.6698" in out and "0.3302" in out
+
+
+def test_the_page_counts_the_pairs_a_float_mask_hides():
+    import numpy as np
+
+    import attnkit
+    from attnkit.viz import explain_page
+
+    q, k, v = np.eye(2, 2), np.array([[1.0, 1], [1, 0], [0, 1]]), np.arange(6.0).reshape(3, 2)
+    page = explain_page(attnkit.explain(q, k, v, mask=np.array([[0.0, -np.inf, 0.5], [-np.inf, -np.inf, 0.0]])))
+    assert "3 of 6 pairs attend" in page
+    page = explain_page(attnkit.explain(q, k, v, mask=np.array([[True, False, True], [False, True, True]])))
+    assert "4 of 6 pairs attend" in page

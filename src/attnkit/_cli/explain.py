@@ -410,7 +410,9 @@ def run(args) -> int:
     masked = bool(args.causal or args.mask)
     if note:
         print("\nNote: " + note(t, masked, args.precision, q, k, v))
-    if masked and bool(np.all(t.allowed)):  # the mask was asked for and changed nothing: say why
+    # the mask was asked for and changed nothing (no key hidden, no bias added: a float mask's -inf hides a key
+    # that `allowed`, the bool mask, still holds): say why
+    if masked and bool(np.all(t.allowed)) and np.array_equal(t.masked, t.scaled, equal_nan=True):
         print("\nNote: " + _nothing_hidden(args.causal, q.shape[0], k.shape[0]))
     if args.html:
         _write_page(args.html, t, title, q_tokens, k_tokens, args.precision)

@@ -145,10 +145,10 @@ def explain_page(trace, *, b: int = 0, h: int = 0, title: str = "Attention, step
          + "</p>" + _table("scaled", scl, ql, kl, prec) + "</section>"),
     ]
     if has_mask:
-        allowed = _slice(trace.allowed, 2, b, h)
+        attend = ~np.isneginf(np.asarray(msk))  # a bool mask's hidden pairs and a float mask's -inf alike
         sections.append(
             '<section><h2>4. Mask</h2><p>Forbidden pairs become −inf (and weigh 0 after softmax); a float mask '
-            f"is added. {int(np.asarray(allowed).sum())} of {L * S} pairs attend.</p>"
+            f"is added. {int(attend.sum())} of {L * S} pairs attend.</p>"
             + _table("masked", msk, ql, kl, prec) + "</section>")
     n = len(sections) + 1
     sections.append(
