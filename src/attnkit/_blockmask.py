@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import math
 import sys
+import types
 from collections import OrderedDict
 
 import numpy as np
@@ -162,6 +163,8 @@ def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: st
         full, partial = full | partial, partial & False
         if bool(full.all()):
             return None
+    if not noop and (Bb < B or Hb < H):
+        _warn_blocks_of_one_row(np.asarray(partial), np.asarray(full), mod, B, H, L, S, (bm, bn), arg)
     if small and _masks.small_grid(B, H, L, S):  # a decode step's: its points, not a plan (block_points)
         points = block_points(np.asarray(partial), np.asarray(full), None if noop else mod, B, H, L, S, (bm, bn))
         if points is not None:
@@ -169,6 +172,45 @@ def _block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: st
     kinds = torch.as_tensor(partial * PARTIAL + full * FULL + EMPTY).to(torch.int8)  # (the two are disjoint)
     m = _BlockMaskMask(kinds, (bm, bn), None if noop else mod)
     return BlockPlan(m, B, H, L, S, (bm, bn), kinds.cpu())
+
+
+def _warn_blocks_of_one_row(partial: np.ndarray, full: np.ndarray, mod, B: int, H: int, L: int, S: int,
+                            block: tuple[int, int], arg: str) -> None:
+    """Warn when a BlockMask's blocks were made for one batch row / head (``B=None`` / ``H=None``: shape 1 there)
+    but its mask_mod reads ``b`` / ``h`` and another row's or head's blocks differ where it counts: a block empty
+    there that the mod would attend (skipped), or full there where the mod hides a point (attended unmasked).
+    FlexAttention's kernels, and attnkit, which runs a BlockMask as they do, then answer with row 0's / head 0's
+    blocks — not ``mask_mod`` (torch's eager ``flex_attention`` evaluates the mod everywhere: the two disagree).
+    Partial blocks are exact (the mod decides inside them at the real b, h). Once per block mask content (plans are
+    kept by content); a mod that cannot be evaluated so is not checked."""
+    try:
+        inner = _masks.from_mod(mod)
+        shape = _masks.lead_shape(inner.bind(L, S), B if partial.shape[0] < B else 1,
+                                  H if partial.shape[1] < H else 1, L, S, *block)
+        if shape == (1, 1):
+            return  # the mod reads neither where the blocks have one: they hold for every row and head
+        true = inner.tile_kinds(B, H, L, S, *block).numpy()
+    except Exception:
+        return
+    wrong = (~partial & ~full & (true != EMPTY)) | (full & (true != FULL))
+    if not wrong.any():
+        return
+    reads = " and ".join(n for n, d, g in (("b", shape[0], partial.shape[0]), ("h", shape[1], partial.shape[1]))
+                         if d > 1 and g == 1)
+    import os
+    import warnings
+
+    frame: types.FrameType | None = sys._getframe(0)
+    level, here = 1, os.path.dirname(__file__)
+    while frame is not None and frame.f_code.co_filename.startswith(here):  # to the user's line that called attnkit
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{arg}: the BlockMask's blocks were made for one batch row / head (built with B={partial.shape[0]}, "
+        f"H={partial.shape[1]}: None means 1), but its mask_mod reads {reads}: {int(wrong.sum())} blocks of other "
+        f"rows / heads (of {wrong.size}) are empty or full there where the mod says otherwise. Like FlexAttention's "
+        f"kernels, attnkit skips or attends those blocks whole as row 0 / head 0 has them, so the answer is not "
+        f"mask_mod's. Build the block mask with B={B}, H={H} (create_block_mask(mask_mod, {B}, {H}, {L}, {S})).",
+        UserWarning, stacklevel=level)
 
 
 def block_points(partial: np.ndarray, full: np.ndarray, mod, B: int, H: int, L: int, S: int,

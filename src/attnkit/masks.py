@@ -321,6 +321,16 @@ def _evaluated_kinds(mod, B, H, L, S, bm, bn) -> torch.Tensor:
     return out
 
 
+def lead_shape(fn, B: int, H: int, L: int, S: int, rows: int = 64, cols: int = 64) -> tuple[int, int]:
+    """``(Bp, Hp)``: the batch / head dims of a points function's answer on the first ``rows × cols`` points at
+    every ``b < B``, ``h < H`` — 1 where it does not depend on the batch row / head, the rule by which a mask_mod's
+    tiles keep those dims (:func:`_evaluated_kinds`)."""
+    allowed = _mods.call(fn, torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
+                         torch.arange(min(L, rows)).view(1, 1, -1, 1), torch.arange(min(S, cols)).view(1, 1, 1, -1))
+    shape = (1,) * (4 - allowed.dim()) + tuple(allowed.shape)
+    return shape[0], shape[1]
+
+
 # A mask_mod's grid of a decode step (at most this many query rows and points: one query row over a few thousand
 # keys) is evaluated whole and its tiles counted with NumPy: ~90 µs at (1, 1200), where range analysis costs ~200
 # (torch's per-op costs); more rows keep the range analysis (its tiles decided without their points)

@@ -550,3 +550,50 @@ def test_a_block_masks_points_looked_up_with_numpy_equal_the_torch_lookup():
                     slow = m.bind(L, S)(*idx)
                     assert fast.dtype == slow.dtype and torch.equal(fast.expand(slow.shape), slow), (Bb, Hb, bs, L, S)
                     assert native._indices_intact(max(L, S, 4))
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled", "eager", "sdpa"])
+@pytest.mark.parametrize("maker", [torch_create_block_mask, attnkit.create_block_mask], ids=["torch", "attnkit"])
+def test_a_block_mask_of_one_head_runs_the_mod_at_every_head_inside_its_partial_blocks(maker, backend):
+    """A BlockMask built with H=None over a mod that reads h (a window per head): its blocks are head 0's and
+    inside a partial block the mod decides at the real head, as FlexAttention's kernels read it. The compiled
+    kernel used head 0's points on every head (off by order 1 on heads 1-3). Here every block another head
+    needs is partial for head 0, so the answer is the mod's everywhere: forward and gradients against float64."""
+    windows = torch.tensor([8, 32, 100, 300])
+    mod = lambda b, h, q, kv: (q >= kv) & (q - kv < windows[h])  # noqa: E731
+    bm = maker(mod, None, None, 256, 256, device="cpu")
+    q, k, v = (t.float().detach().requires_grad_() for t in _qkv(Lq=256, S=256))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every block another head needs is partial here: nothing to warn of
+        out = attnkit.attention(q, k, v, mask=bm, backend=backend)
+    ref, _ = _dense(*(t.detach().double().requires_grad_() for t in (q, k, v)), mask_mod=mod)
+    tol = budget(torch.float32, D, 256)
+    _close(out.double(), ref, tol, f"{backend} forward")
+    g = torch.randn_like(ref)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(_dense(q64, k64, v64, mask_mod=mod)[0], (q64, k64, v64), g)
+    got = torch.autograd.grad(out, (q, k, v), g.float())
+    for a, b, n in zip(got, want, "qkv", strict=True):
+        _close(a.double(), b, 4 * tol, f"{backend} d{n}")
+
+
+def test_a_block_mask_of_one_batch_row_whose_other_rows_differ_is_warned_of_and_run_as_flex_kernels_do():
+    """B=None over a padding mod: row 0's blocks are all full, so FlexAttention's kernels attend row 1's padded
+    keys whole (torch's eager flex_attention, which evaluates the mod everywhere, disagrees). Every attnkit backend
+    answers as the kernels do — and warns once, naming the fix, since that answer is not the mod's."""
+    lengths = torch.tensor([256, 50])
+    mod = lambda b, h, q, kv: kv < lengths[b]  # noqa: E731
+    bm = torch_create_block_mask(mod, None, None, 256, 256, device="cpu")
+    q, k, v = (t.float() for t in _qkv(Lq=256, S=256))
+    as_blocks, _ = _dense(q.double(), k.double(), v.double())  # every block full for row 0: nothing masked
+    for backend in ("auto", "tiled", "eager", "sdpa"):
+        _blockmask._PLANS.clear()
+        with pytest.warns(UserWarning, match=r"mask_mod reads b: 4 blocks .*create_block_mask\(mask_mod, 2, 4, "):
+            out = attnkit.attention(q, k, v, mask=bm, backend=backend)
+        _close(out.double(), as_blocks, budget(torch.float32, D, 256), backend)
+    right = torch_create_block_mask(mod, 2, None, 256, 256, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = attnkit.attention(q, k, v, mask=right)
+    _close(out.double(), _dense(q.double(), k.double(), v.double(), mask_mod=mod)[0], budget(torch.float32, D, 256),
+           "built with B=2")

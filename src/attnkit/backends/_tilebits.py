@@ -102,6 +102,14 @@ def plan_bits(plan, extra: _m.Mask | None, B: int, H: int, L: int, S: int) -> Ti
     within = getattr(mask, "within_partial", None)
     if within is not None and extra is None:
         mask = within() or _m.Full()
+    # A plan whose tiles were made for one batch row / head (a BlockMask built with B=None / H=None) over a mod that
+    # reads b / h: the partial tiles' points are that mod's at each row and head (FlexAttention's kernels call it
+    # with the real b, h inside a partial block), so the map holds a tile per row / head, not row 0's / head 0's
+    Bp, Hp = 1, 1
+    if (k64.shape[0] < B or k64.shape[1] < H) and not isinstance(mask, _m.Full):
+        Bp, Hp = _m.lead_shape(mask.points_mod(B, H, L, S), B, H, L, S)
+    if Bp > k64.shape[0] or Hp > k64.shape[1]:
+        k64 = k64.expand(max(Bp, k64.shape[0]), max(Hp, k64.shape[1]), nq, nk)
     if extra is not None:
         ek = extra.tile_kinds(B, H, L, S, TILE, TILE)
         shape = torch.broadcast_shapes(k64.shape, ek.shape)
