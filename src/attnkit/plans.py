@@ -60,7 +60,7 @@ class BlockPlan:
     another device, or over 16 MiB) cannot be checked.
     """
 
-    __slots__ = ("_block", "_kinds", "_mask", "_mask_key", "_point_tiles", "_sizes")
+    __slots__ = ("_block", "_kinds", "_mask", "_mask_key", "_point_tiles", "_sizes", "_wider")
     # the slots' types (set once in __init__ through object.__setattr__: the plan is immutable)
     _mask: _masks.Mask
     _sizes: tuple[int, int, int, int]  # (B, H, L, S)
@@ -68,6 +68,7 @@ class BlockPlan:
     _kinds: torch.Tensor  # int8 (Bp, Hp, nq, nk)
     _point_tiles: int
     _mask_key: object  # the mask's content key when it was planned (None: not checked)
+    _wider: set[tuple[int, int]]  # call sizes (B, H) past the planned ones found to fit
 
     def __init__(self, mask: _masks.Mask, B: int, H: int, L: int, S: int, block: tuple[int, int],
                  kinds: torch.Tensor, point_tiles: int = 0, mask_key: object = None):
@@ -75,6 +76,7 @@ class BlockPlan:
         object.__setattr__(self, "_mask_key", mask_key)
         object.__setattr__(self, "_mask", mask)
         object.__setattr__(self, "_sizes", (B, H, L, S))
+        object.__setattr__(self, "_wider", set())
         object.__setattr__(self, "_block", block)
         kinds = kinds.clone()
         kinds.requires_grad_(False)
@@ -142,6 +144,20 @@ class BlockPlan:
             raise ValueError(
                 f"mask: this plan has per-batch/head tiles for B={kB}, H={kH}, but the call has B={B}, H={H}. "
                 f"Build one with attnkit.plan(mask, L={L}, S={S}, B={B}, H={H}).")
+        pB, pH = self._sizes[:2]
+        wB, wH = kB == 1 and B > pB, kH == 1 and H > pH
+        if (wB or wH) and (B, H) not in self._wider:
+            # tiles of fewer rows / heads than the call (planned with B / H None): they hold for the others only
+            # where the mask does not read b / h (a mod's answer has no such dim, as its tiles are evaluated)
+            shape = _masks.lead_shape(self._mask.points_mod(B, H, L, S), B if wB else 1, H if wH else 1, L, S)
+            reads = [n for n, w, d in (("b", wB, shape[0]), ("h", wH, shape[1])) if w and d > 1]
+            if reads:
+                raise ValueError(
+                    f"mask: this plan's tiles were made for B={pB}, H={pH} (attnkit.plan's B / H default to "
+                    f"1), but its mask reads {' and '.join(reads)} and the call has B={B}, H={H}: other batch rows' / "
+                    f"heads' tiles would be row 0's / head 0's, skipping or keeping the wrong ones. Build one for "
+                    f"the call: attnkit.plan(mask, L={L}, S={S}, B={B}, H={H}).")
+            self._wider.add((B, H))
 
     def draw(self, b: int = 0, h: int = 0, max_tiles: int = 48) -> str:
         """ASCII tile map for batch row ``b`` and head ``h``: ``F`` full, ``P`` partial, ``.`` empty."""
@@ -342,6 +358,8 @@ def plan(mask, L: int, S: int | None = None, *, B: int | None = None, H: int | N
         L, S: query and key lengths (``S`` defaults to ``L``).
         B, H: batch size and heads, for masks that depend on them (``padding``, per-batch
             ``document``, a mod reading ``b`` or ``h``); None: 1, or the mask's own batch size.
+            A plan of one row / head serves calls with more only when its mask reads neither:
+            over a mod that reads ``b`` or ``h`` such a call raises, naming the sizes to plan with.
         block: tile shape ``(bm, bn)``; 64×64 is the tiled CPU backend's, 128×128 FlexAttention's.
     """
     if not isinstance(mask, _masks.Mask):

@@ -138,6 +138,31 @@ def test_a_plan_whose_mask_data_was_edited_in_place_is_refused_by_every_backend(
     assert torch.equal(attnkit.attention(q, k, v, mask=p), before)
 
 
+def test_a_plan_of_one_head_over_a_mod_that_reads_h_is_refused_at_more_heads_and_serves_a_mod_that_does_not():
+    """attnkit.plan's H defaults to 1: its tiles are head 0's. Called with H = 2 over a window per head, the tiled
+    paths skipped head 1's tiles (off by 0.6, gradients by 0.9) while eager followed the mod: now every backend
+    refuses it with the fix. A mod that reads neither b nor h keeps serving any B and H (the common case)."""
+    L = 256
+    windows = torch.tensor([16, 200])
+    per_head = lambda b, h, q, kv: (q >= kv) & (q - kv < windows[h])  # noqa: E731
+    q, k, v = rand_qkv(2, 2, 2, L, L, 16)
+    p = attnkit.plan(per_head, L=L)
+    for backend in ("auto", "tiled", "eager", "sdpa", "reference"):
+        with pytest.raises(ValueError, match=r"made for B=1, H=1 .* reads h .* attnkit.plan\(mask, L=256, S=256, "
+                                             r"B=2, H=2\)"):
+            attnkit.attention(q, k, v, mask=p, backend=backend)
+    s = (q.double() @ k.double().transpose(-1, -2)) * 16 ** -0.5
+    allowed = per_head(0, torch.arange(2).view(1, 2, 1, 1), torch.arange(L).view(-1, 1), torch.arange(L))
+    want = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v.double()
+    got = attnkit.attention(q, k, v, mask=attnkit.plan(per_head, L=L, H=2))
+    assert (got.double() - want).abs().max() < 1e-5
+    band = lambda b, h, q, kv: (q >= kv) & (q - kv < 40)  # noqa: E731
+    got = attnkit.attention(q, k, v, mask=attnkit.plan(band, L=L))
+    want = torch.softmax(s.masked_fill(~band(0, 0, torch.arange(L).view(-1, 1), torch.arange(L)), float("-inf")),
+                         -1) @ v.double()
+    assert (got.double() - want).abs().max() < 1e-5
+
+
 def test_plan_draws_its_tiles():
     text = str(attnkit.plan(M.causal(), 256))
     assert text.splitlines()[-5:] == ["    k0 k1 k2 k3", "q0   P  .  .  .", "q1   F  P  .  .", "q2   F  F  P  .",
