@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import struct
+import weakref
 from datetime import timedelta
 
 import torch
 
+from .. import _mods
 from .. import masks as _masks
 from .guard import (
     _DEAD_GROUPS,
@@ -76,10 +78,12 @@ class ContextParallel:
             self.layout = layout
         else:
             self.layout = _layout(layout, seq_len, self.W, mask=mask, block=block, B=batch, H=heads)
-        self._scheds: dict[tuple, Schedule] = {}
+        self._scheds: dict[tuple, Schedule] = {}  # of the mask whose content key is _sched_mask
+        self._sched_mask: object = None
         self._sched: Schedule | None = None  # the schedule of the call in progress (set by CPFunction)
-        self._mask_key: int | None = None
+        self._mask_key: tuple[object, int] | None = None  # (the mask's content key, its digest)
         self._calls = 0
+        self._checked_modules: weakref.WeakSet = weakref.WeakSet()  # modules found equal on every rank
         self.stats = Stats()
         self.backward_stats = Stats()
 
@@ -117,6 +121,16 @@ class ContextParallel:
         batch ``B``, ``H`` query heads and ``causal`` (cached)."""
         base, _ = _options(self.seq_len, self.mask, causal, None, None)
         key = (bool(causal), _plan_B(base, B), _plan_H(base, H))
+        # The tiles are the mask's as it is now: a from_mod over document ids the caller edits in place between
+        # calls (a packed batch's next ids) has a new content key, and schedules of the old one are dropped (one
+        # content at a time: a training loop's new ids each step do not pile up). A mask with no key (one reading
+        # data that cannot be keyed) is scheduled afresh on every call.
+        ck = ("no mask",) if self.mask is None else self.mask.cache_key()
+        if ck is None:
+            return schedule(self.layout, base, B=key[1], H=key[2])
+        if ck != self._sched_mask:
+            self._scheds.clear()
+            self._sched_mask = ck
         if key not in self._scheds:
             self._scheds[key] = schedule(self.layout, base, B=key[1], H=key[2])
         return self._scheds[key]
@@ -222,11 +236,31 @@ class ContextParallel:
                         if shown[0] == shown[1]:
                             same = (" — the same description, different contents: a tensor it holds or a value "
                                     "it captures differs between the ranks")
+                    if name == "module":
+                        raise ContextParallelError(
+                            f"context parallel {what}: ranks disagree on the parameters or buffers of "
+                            f"{_field_text(sigs[0][1], name)} (rank 0 and rank {p}): each rank would compute with "
+                            "other weights (a model built without one seed on every rank draws its own). Give every "
+                            "rank rank 0's state first: attnkit.integrations.context_parallel.sync_state(model, cp) "
+                            "(or seed every rank alike before building the model).")
                     raise ContextParallelError(
                         f"context parallel {what}: ranks disagree on {name}: "
                         f"rank 0 has {shown[0]}, rank {p} has {shown[1]}{same} "
                         f"(every rank must call attention with the same shapes, dtype, options and mask data"
                         f"{'; a rank skipped or repeated a call' if name == 'call' else ''}).")
+
+    def check_module(self, module: torch.nn.Module) -> None:
+        """Raise :class:`ContextParallelError` on every rank unless ``module``'s parameters and buffers are the
+        same on every rank of the group — once per module, at its first context-parallel call (an ``attnkit.nn``
+        layer or block calls it): a model each rank built from its own random draws would otherwise train on other
+        weights on every rank, silently. Afterwards the weights stay in step as the ranks' optimizer steps do
+        (gradients summed over the group, as data parallelism sums them)."""
+        if module in self._checked_modules:
+            return
+        self._check_alive()
+        self._agree({"status": 0, "call": self._calls, "module": _digest(module)},
+                    f"module={type(module).__name__}", "module check")
+        self._checked_modules.add(module)
 
     # ----------------------------------------------------------------- the call
     def attention(self, q, k, v, *, causal: bool = False, scale=None, score_mod=None, return_lse: bool = False,
@@ -288,18 +322,34 @@ class ContextParallel:
             self.mask.validate(B, H, self.seq_len, self.seq_len)
         if score_mod is not None and hasattr(score_mod, "validate"):
             score_mod.validate(B, H, self.seq_len, self.seq_len)
+        if score_mod is not None and self.comm != "heads" and torch.is_grad_enabled() and n:
+            self._check_grad_reach(score_mod, B, H, n, q.dtype)
         return fields
 
+    def _check_grad_reach(self, score_mod, B, H, n, dtype):
+        """Refuse a score_mod whose answer carries a gradient to a tensor it reads where attnkit does not look
+        (an object's attribute, a list): the exchange's backward delivers gradients to the tensors it found
+        (closures, globals, defaults, ``attnkit.score_mods`` tables) and that one would get none, silently. (One
+        process runs such a mod on the eager backend instead; ``comm='heads'`` calls one-process attention.)"""
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        if _mods.reads_uncaptured_grad(score_mod, _captured(score_mod), (B, H, n, self.seq_len), compute):
+            raise ValueError(
+                "score_mod: it reads a tensor that requires grad where attnkit does not look for one (an attribute "
+                "of an object, an item of a list or dict), and context parallelism could deliver it no gradient. "
+                "Capture the tensor itself — bias = holder.bias; score_mod = lambda s, b, h, q, kv: s + bias[kv] — "
+                "or use comm='heads'.")
+
     def _mask_digest(self) -> int:
-        """The mask's content digest: kept for a mask whose content cannot change (built-in masks copy
-        their data; ``cache_key()`` says so), recomputed per call for one that reads data (a from_mod
-        closing over a tensor the caller may change in place)."""
-        if self._mask_key is None or self.mask is None or self.mask.cache_key() is None:
-            d = _digest(self.mask)
-            if self.mask is not None and self.mask.cache_key() is not None:
-                self._mask_key = d
-            return d
-        return self._mask_key
+        """The mask's content digest, reused while the mask's content key (``cache_key()``: a built-in
+        mask's immutable value, or a from_mod's code and the bytes of the tensors it reads, taken now)
+        is the one it was computed for; recomputed when that key changed (ids edited in place) or when
+        the mask has none."""
+        ck = None if self.mask is None else self.mask.cache_key()
+        if ck is not None and self._mask_key is not None and self._mask_key[0] == ck:
+            return self._mask_key[1]
+        d = _digest(self.mask)
+        self._mask_key = None if ck is None else (ck, d)
+        return d
 
     def _status(self, err, what):
         """After local compute: every rank learns whether any rank failed."""
