@@ -9,6 +9,7 @@ import types
 
 import torch
 
+from .. import _mods
 from .. import masks as _masks
 from .._tiling import host_array
 
@@ -26,9 +27,9 @@ _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # Compared in this order, so the first difference named is the root one: a rank with another
 # seq_len is told that, not that its layout (which follows from it) differs.
 _FIELDS = ("status", "call", "seq_len", "layout", "B", "H", "Hkv", "D", "Dv", "rows", "dtype", "causal", "scale",
-           "score_mod", "mask", "keep_kv", "return_lse", "grad", "comm")
+           "score_mod", "mask", "keep_kv", "return_lse", "grad", "comm", "module")
 _MSG = 384
-_HASHED = ("dtype", "scale", "score_mod", "mask", "layout", "comm")
+_HASHED = ("dtype", "scale", "score_mod", "mask", "layout", "comm", "module")
 
 
 def _field_text(message: str, name: str) -> str:
@@ -125,12 +126,21 @@ def _feed_container(h, x, depth, active):
                 cells.append("<empty cell>")
         _feed(h, cells, depth, active)
         _feed(h, (x.__defaults__, x.__kwdefaults__), depth, active)
-        g = x.__globals__  # the globals its code reads (a tensor of document ids, a window size)
-        _feed(h, {n: g[n] for n in x.__code__.co_names if n in g}, depth, active)
+        # the globals its code and the code nested in it (a lambda inside) read — a tensor of document ids, a window
+        # size — and the values it reads off a module it names (cfg.BIAS: `cfg` alone is hashed by its name)
+        names = _mods._global_names(x.__code__)
+        g = x.__globals__
+        _feed(h, {n: g[n] for n in names if n in g}, depth, active)
+        _feed(h, {(n, a): getattr(g[n], a) for n in names if isinstance(g.get(n), types.ModuleType)
+                  for a in names if _is_data(getattr(g[n], a, None))}, depth, active)
         _feed(h, dict(vars(x)), depth, active)
     elif isinstance(x, torch.nn.Module):
+        # its state, its buffers kept out of the state (persistent=False) and the data of its plain attributes (a
+        # tensor a forward reads, set as module.table = ...)
         _tag(h, "module", type(x).__module__, type(x).__qualname__)
         _feed(h, dict(x.state_dict()), depth, active)
+        _feed(h, dict(x.named_buffers()), depth, active)
+        _feed(h, {k: v for k, v in vars(x).items() if not k.startswith("_") and _is_data(v)}, depth, active)
     else:  # an object (a mask, a score_mod, a callable): its type and attributes
         _tag(h, "object", type(x).__module__, type(x).__qualname__)
         attrs = getattr(x, "__dict__", None)
@@ -138,11 +148,19 @@ def _feed_container(h, x, depth, active):
             # attnkit's masks keep their data private (Document's ids, Padding's lengths: copies the
             # caller cannot change) and no lazy cache in __dict__, so every attribute is content;
             # another object's private attributes may be caches filled on some ranks only.
+            # Its private tensors, arrays and numbers are content too (ids kept as self._ids).
             whole = isinstance(x, _masks.Mask)
-            _feed(h, {k: v for k, v in attrs.items() if whole or not k.startswith("_")}, depth, active)
+            _feed(h, {k: v for k, v in attrs.items() if whole or not k.startswith("_") or _is_data(v)}, depth,
+                  active)
         call = getattr(type(x), "__call__", None)  # noqa: B004 - reads the method's code, not a callability test
         if isinstance(call, types.FunctionType):
             _feed(h, call.__code__, depth, active)
+
+
+def _is_data(v) -> bool:
+    """A tensor, an array or a number: what an attribute holds as data (not a cache container or an object)."""
+    return isinstance(v, (torch.Tensor, bool, int, float, complex, str)) or (
+        type(v).__module__ == "numpy" and type(v).__name__ == "ndarray")
 
 
 # -------------------------------------------------------------------- dead process groups

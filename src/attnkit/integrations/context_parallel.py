@@ -65,6 +65,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .. import score_mods as _score_mods
 from ..distributed.guard import ContextParallelError
 
 __all__ = ["NAME", "prepare", "sync_state", "shard_batch", "causal_lm_loss", "sync_gradients"]
@@ -327,8 +328,15 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if cp is None:
         raise RuntimeError(f"{where}: attn_implementation={NAME!r} needs the model wired to a ContextParallel: "
                            "call attnkit.integrations.context_parallel.prepare(model, cp) first.")
-    from .transformers._refusals import UnsupportedModelError  # loaded by prepare(): a dictionary lookup
+    from .transformers._refusals import UnsupportedModelError, check_kwargs  # loaded by prepare(): a lookup
 
+    check_kwargs(module, kwargs)  # an argument nobody here knows stops the call, never silently dropped
+    for name in ("s_aux", "sinks", "position_bias", "cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(name) is not None:  # known to the one-process integration, not implemented across ranks
+            raise UnsupportedModelError(
+                f"{where}: {name} (attention sinks, a position bias or packed sequence boundaries) is not "
+                "implemented by context parallelism, and dropping it would change every attention weight. Run this "
+                "model without context parallelism (attn_implementation='attnkit' on one process).")
     if kwargs.get("sliding_window") is not None:
         raise UnsupportedModelError(f"{where}: a sliding-window layer (window {kwargs['sliding_window']}); the "
                                     "ContextParallel's mask is fixed at construction. Use a model without sliding "
@@ -339,7 +347,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if dropout and module.training:
         raise ValueError(f"{where}: attention dropout {dropout} in training is not supported by context "
                          "parallelism (set attention_dropout=0 in the config).")
-    out = cp.attention(query, key, value, causal=True, scale=scaling)  # type: ignore[attr-defined]
+    cap = kwargs.get("softcap")  # Gemma 2: cap · tanh(score / cap) on the scaled scores, as in one process
+    score_mod = None if cap is None else _score_mods.softcap(cap)
+    out = cp.attention(query, key, value, causal=True, scale=scaling, score_mod=score_mod)  # type: ignore[attr-defined]
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -71,6 +71,8 @@ class TransformerBlock(nn.Module):
         rank's rows ``(B, L_r, E)`` (``cp.shard(x, dim=1)``) and the attention runs across ranks.
         """
         causal = self.causal if causal is None else causal
+        if context_parallel is not None and hasattr(context_parallel, "check_module"):
+            context_parallel.check_module(self)  # the whole block's weights, the same on every rank (once)
         a = self.attn(self.norm1(x), mask=mask, causal=causal, need_weights=need_weights, kv_cache=kv_cache,
                       context_parallel=context_parallel)
         a, weights = a if need_weights else (a, None)

@@ -336,6 +336,8 @@ class MultiHeadAttention(nn.Module):
                                  "(the mask is fixed when the ContextParallel is built).")
         if self.training and self.dropout:
             raise ValueError("context_parallel: attention dropout is not supported; use dropout=0 or eval mode.")
+        if hasattr(cp, "check_module"):
+            cp.check_module(self)  # the same weights on every rank, checked at the first call
         if not self.batch_first:
             x = x.transpose(0, 1)
         B, n = self._check_input("query", x, self.embed_dim, self.q_proj.weight)
