@@ -184,6 +184,8 @@ def _plan_family(m):
 
 def _learn(key, q, k, v, mask, causal, scale, score_mod):
     """The full path's decision for this signature, and the kernel's prepared call if it replays itself."""
+    if q.is_neg() or k.is_neg() or v.is_neg():  # a lazily negated view (torch._neg_view): the full path reads its
+        return None  # values; a replay would read its memory (not remembered: the next plain call learns)
     try:
         req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=0.0,
                            return_lse=False, backend="auto")

@@ -121,7 +121,8 @@ def _check_qkv(q, k, v):
             B, H, L, D = q.shape
             Bk, Hkv, S, Dk = k.shape
             Bv, Hv, Sv, _ = v.shape
-            if B == Bk == Bv and D == Dk and S == Sv and Hkv == Hv and Hkv and H % Hkv == 0 and S and D:
+            if B == Bk == Bv and D == Dk and S == Sv and Hkv == Hv and Hkv and H % Hkv == 0 and S and D \
+                    and not (q.is_neg() or k.is_neg() or v.is_neg()):
                 return q, k, v, 4, False
     return _check_qkv_full(q, k, v)
 
@@ -137,7 +138,8 @@ def _check_qkv_full(q, k, v):
             f"v={_kind(v)}. Convert them to one kind (torch.from_numpy or tensor.numpy())."
         )
     numpy_in = kinds == {"numpy"}
-    q, k, v = (_to_torch(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+    # a lazily negated tensor (torch._neg_view; its memory holds -x) read as its values: the kernels read memory
+    q, k, v = (_to_torch(n, x).resolve_neg() for n, x in (("q", q), ("k", k), ("v", v)))
     for n, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _FLOATS:
             raise TypeError(

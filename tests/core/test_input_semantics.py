@@ -447,3 +447,24 @@ def test_under_autocast_every_path_answers_as_sdpa_does(L, S, backend):
         assert_close(a, b, 8 * budget(torch.bfloat16, 64, S) * max(1.0, b.abs().max().item()), f"d{name}")
     for _ in range(2):
         assert attnkit.attention(q, k, v, causal=True, backend=backend).dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled", "sdpa", "eager"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_lazily_negated_tensor_is_read_as_its_values(backend, causal):
+    """torch._neg_view(-x) equals x, its memory holding -x and a neg bit: the compiled kernel read the memory (the
+    scores of -q, off by order 1, on the first call too) and SDPA's causal kernel as well. Every path reads the
+    values; output and gradients against float64 of the plain tensors."""
+    q, k, v = rand_qkv(1, 2, 2, 40, 70, 16)
+    ref = attnkit.attention(q.double(), k.double(), v.double(), causal=causal)
+    for which in range(3):
+        plain = [t.clone().requires_grad_() for t in (q, k, v)]
+        args = [torch._neg_view(-t) if i == which else t for i, t in enumerate(plain)]
+        assert torch.equal(args[which], plain[which])
+        out = attnkit.attention(*args, causal=causal, backend=backend)
+        assert_close(out, ref, budget(torch.float32, 16, 70))
+        got = torch.autograd.grad(out.sum(), plain)
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        want = torch.autograd.grad(attnkit.attention(q64, k64, v64, causal=causal).sum(), (q64, k64, v64))
+        for a, b in zip(got, want, strict=True):
+            assert_close(a, b, 4 * budget(torch.float32, 16, 70))
