@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import operator
 
 import numpy as np
 import torch
@@ -204,7 +205,8 @@ class BlockPlan:
         return _block_mask(self._kinds, self._block, self.L, self.S, mod, device=dev)
 
 
-def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mask_mod, device=None):
+def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mask_mod, device=None,
+                separate_full: bool = True):
     """FlexAttention's ``BlockMask`` from int8 kinds ``(Bp, Hp, nq, nk)``, with its padding rule::
 
         L = 5, bm = 4: rows 4..7 of the last query block are padding (masked), so a tile that is
@@ -216,6 +218,8 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
     from torch.nn.attention.flex_attention import BlockMask
 
     bm, bn = block
+    if not separate_full:  # every non-empty block partial (mask_mod runs on all of them), no full lists, as torch
+        kinds = torch.where(kinds == FULL, torch.tensor(PARTIAL, dtype=kinds.dtype), kinds)
     if kinds.is_cpu and kinds.numel() <= _TINY_MAP:  # a decode step's ten blocks: lists (NumPy's per-call costs)
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx = _orders_tiny(kinds, L % bm != 0, S % bn != 0)
     else:
@@ -236,6 +240,8 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
     if device is not None and torch.device(device).type != "cpu":
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx = (
             t.to(device) for t in (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx))
+    if not separate_full:
+        full_num = full_idx = fq_num = fq_idx = None
     try:
         return BlockMask(seq_lengths=(L, S), BLOCK_SIZE=block, mask_mod=mask_mod,
                          kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num, full_kv_indices=full_idx,
@@ -344,6 +350,9 @@ def _check_block(block) -> tuple[int, int]:
 def _check_size(name: str, value, allow_none: bool = False):
     if value is None and allow_none:
         return None
+    if not isinstance(value, bool) and not isinstance(value, int):
+        with contextlib.suppress(TypeError):  # a NumPy integer, a 0-d integer tensor: its value (as torch takes it)
+            value = operator.index(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1{' or None' if allow_none else ''}, got {value!r}.")
     return value
@@ -382,7 +391,8 @@ def plan(mask, L: int, S: int | None = None, *, B: int | None = None, H: int | N
 
 
 def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device="cpu",
-                      BLOCK_SIZE=128, _compile: bool = False):
+                      BLOCK_SIZE=128, _compile: bool = False, separate_full_blocks: bool = True,
+                      compute_dq_write_order: bool = False, dq_kv_order: bool = True):
     """Drop-in for ``torch.nn.attention.flex_attention.create_block_mask``: the same signature and
     the same ``BlockMask``, tile for tile, built from attnkit's plan instead of every point.
 
@@ -403,10 +413,30 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
         block_mask = attnkit.create_block_mask(lambda b, h, q, kv: doc[q] == doc[kv],
                                                None, None, 131072, 131072, device="cuda")
         out = flex_attention(q, k, v, block_mask=block_mask)
+
+    ``separate_full_blocks=False`` lists every non-empty block as partial (``mask_mod`` runs on all of them), as
+    torch's does; ``compute_dq_write_order`` / ``dq_kv_order`` add the write-order fields of torch's deterministic
+    GPU backward, computed by torch itself (attnkit's CPU backward needs none).
     """
     if not callable(mask_mod):
         raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool tensor, "
                         f"got {type(mask_mod).__name__}.")
+    if not isinstance(dq_kv_order, bool):
+        raise ValueError(f"dq_kv_order: expected a bool (as torch's create_block_mask), got {dq_kv_order!r}.")
+    out = _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, bool(separate_full_blocks))
+    if compute_dq_write_order:
+        from torch.nn.attention import flex_attention as _flex
+
+        order = getattr(_flex, "_compute_dq_write_order_from_block_mask", None)
+        if order is None:
+            raise ValueError("compute_dq_write_order: this torch has no deterministic dQ write order to compute "
+                             "(torch's create_block_mask would refuse it too). Leave it False.")
+        out.dq_write_order, out.dq_write_order_full = order(out, dq_kv_order=dq_kv_order)
+        out.dq_kv_order, out.dq_kv_order_spt = None, dq_kv_order
+    return out
+
+
+def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separate_full: bool):
     b_none, h_none = B is None, H is None
     B = 1 if B is None else _check_size("B", B)
     H = 1 if H is None else _check_size("H", H)
@@ -426,13 +456,14 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
         points = _masks.small_grid_points(fm.bind(Q_LEN, KV_LEN), *((Be, He) if small else (B, H)), Q_LEN, KV_LEN)
         first = points[:1 if b_none else None, :1 if h_none else None]
         kinds = _masks.points_kinds(first, Q_LEN, KV_LEN, *block)
-        bmask = _block_mask(kinds.expand(B, H, *kinds.shape[-2:]), block, Q_LEN, KV_LEN, mask_mod, device=dev)
+        bmask = _block_mask(kinds.expand(B, H, *kinds.shape[-2:]), block, Q_LEN, KV_LEN, mask_mod, device=dev,
+                            separate_full=separate_full)
         if points.shape[:2] == first.shape[:2] or not (b_none or h_none):
             _Evaluated.attach(bmask, mask_mod, points, (Be, He) if small else (B, H))
         return bmask
     p = plan(fm, Q_LEN, KV_LEN, B=B, H=H, block=block)
     kinds = p._kinds.expand(B, H, *p._kinds.shape[-2:])  # torch's fields carry every (b, h)
-    return _block_mask(kinds, block, Q_LEN, KV_LEN, mask_mod, device=dev)
+    return _block_mask(kinds, block, Q_LEN, KV_LEN, mask_mod, device=dev, separate_full=separate_full)
 
 
 _KV_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")

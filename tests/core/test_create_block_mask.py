@@ -114,3 +114,34 @@ def test_large_map_path_gives_the_same_block_mask(monkeypatch, name, L, S, block
     monkeypatch.setattr(_blockmask, "_SMALL_BLOCKS", 1 << 12)
     read_small = _blockmask._block_mask_plan(large, Bq, Hq, L, S, torch.device("cpu"), "bm")
     assert torch.equal(read_large.mask.kinds, read_small.mask.kinds)
+
+
+@pytest.mark.parametrize("L, S", [(600, 600), (3, 257)])  # a plan's map, and a decode step's evaluated points
+@pytest.mark.parametrize("kw", [dict(separate_full_blocks=False), dict(compute_dq_write_order=True),
+                                dict(compute_dq_write_order=True, dq_kv_order=False)], ids=str)
+def test_torchs_other_keywords_give_torchs_block_mask(kw, L, S):
+    """torch 2.13's separate_full_blocks / compute_dq_write_order / dq_kv_order (they raised TypeError): the
+    same fields as torch's, the write order included, and a block mask whose answer is the mod's."""
+    mod = _mods()["document"]
+    theirs = torch_create_block_mask(mod, None, 2, L, S, device="cpu", **kw)
+    ours = attnkit.create_block_mask(mod, None, 2, L, S, **kw)
+    for f in (*_FIELDS, "dq_write_order", "dq_write_order_full"):
+        a, b = getattr(ours, f, None), getattr(theirs, f, None)
+        assert (a is None and b is None) or torch.equal(a, b), f
+    assert getattr(ours, "dq_kv_order_spt", None) == getattr(theirs, "dq_kv_order_spt", None)
+    q, k, v = (torch.randn(1, 2, n, 16, dtype=torch.float64) for n in (L, S, S))
+    want = attnkit.attention(q, k, v, mask=attnkit.masks.from_mod(mod))
+    torch.testing.assert_close(attnkit.flex_attention(q, k, v, block_mask=ours), want)
+    with pytest.raises(ValueError, match=r"dq_kv_order: expected a bool"):
+        attnkit.create_block_mask(mod, None, None, L, S, dq_kv_order="spt")
+
+
+def test_lengths_given_as_numpy_or_tensor_integers_are_taken_as_torch_takes_them():
+    import numpy as np
+
+    mod = _mods()["causal"]
+    ours = attnkit.create_block_mask(mod, np.int64(2), None, np.int64(300), torch.tensor(300))
+    _assert_same(ours, torch_create_block_mask(mod, 2, None, 300, 300, device="cpu"))
+    assert ours.seq_lengths == (300, 300) and all(type(n) is int for n in ours.seq_lengths)
+    with pytest.raises(ValueError, match=r"Q_LEN: expected an int >= 1, got 300.0"):
+        attnkit.create_block_mask(mod, None, None, 300.0, 300)

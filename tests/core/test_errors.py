@@ -97,7 +97,8 @@ def test_unknown_backend_and_options():
     raises(TypeError, "scale", "float(scale)", "score_mod", scale=torch.tensor(0.3))
     raises(ValueError, "scale", "finite", "inf", scale=float("inf"))
     raises(ValueError, "scale", "finite", "nan", scale=np.float32("nan"))
-    raises(TypeError, "score_mod", "5 arguments", "mask_mod", score_mod=lambda b, h, q, kv: q)
+    raises(TypeError, "score_mod", "5 arguments", "mask_mod", "mask=", "block_mask=create_block_mask(mask_mod, B, H",
+           score_mod=lambda b, h, q, kv: q)
     raises(TypeError, "mask_mod", "4 arguments", mask=lambda s, b, h, q, kv: q)
     with pytest.raises(TypeError, match="mask_mod: expected a function of 4 arguments"):  # the same, at from_mod
         masks.from_mod(lambda s, b, h, q, kv: q)
