@@ -240,14 +240,13 @@ def _block_mask(kinds: torch.Tensor, block: tuple[int, int], L: int, S: int, mas
     if device is not None and torch.device(device).type != "cpu":
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx = (
             t.to(device) for t in (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx))
-    if not separate_full:
-        full_num = full_idx = fq_num = fq_idx = None
+    fulls: tuple[torch.Tensor | None, ...] = (full_num, full_idx, fq_num, fq_idx) if separate_full else (None,) * 4
     try:
         return BlockMask(seq_lengths=(L, S), BLOCK_SIZE=block, mask_mod=mask_mod,
-                         kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num, full_kv_indices=full_idx,
-                         q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx)
+                         kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=fulls[0], full_kv_indices=fulls[1],
+                         q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fulls[2], full_q_indices=fulls[3])
     except TypeError:  # a torch whose BlockMask takes other arguments: let it derive the q_* fields
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, fulls[0], fulls[1], BLOCK_SIZE=block, mask_mod=mask_mod,
                                         seq_lengths=(L, S))
 
 
