@@ -58,13 +58,20 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser answering a mistake in one line on stderr (exit status 2), as every other error of the
+    command line is, with where the options are listed instead of the whole usage block."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def _parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
     """The argument parser. ``every=False`` fills in only ``command``'s options (the others keep their
     one-line help): a subcommand's module is imported only when that subcommand is asked for, so
     ``attnkit --help`` and ``attnkit --version`` start without numpy or torch."""
-    p = argparse.ArgumentParser(prog="attnkit",
-                                description="Exact Transformer attention: run it, see it, build with it.",
-                                epilog="exit status: 0 ok, 2 bad input, 141 when stdout's reader goes away (| head).")
+    p = _Parser(prog="attnkit", description="Exact Transformer attention: run it, see it, build with it.",
+                epilog="exit status: 0 ok, 2 bad input, 141 when stdout's reader goes away (| head).")
     p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in _COMMANDS.items():

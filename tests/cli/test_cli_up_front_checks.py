@@ -123,3 +123,16 @@ def test_explain_html_checks_the_path_before_printing(tmp_path, capsys, where):
 def test_explain_html_still_writes_a_good_path(tmp_path, capsys):
     rc, out, _ = _run(capsys, ["explain", "--html", str(tmp_path / "p.html")])
     assert rc == 0 and (tmp_path / "p.html").stat().st_size > 1000 and "5.0000" in out
+
+
+@pytest.mark.parametrize("argv, names", [(["explain", "--precision", "17"], "--precision"),
+                                         (["masks", "-L", "65"], "-L"), (["long", "--length", "0"], "--length"),
+                                         (["explain", "--seed", "-1"], "--seed"), (["explain", "--bogus"], "--bogus")])
+def test_a_mistake_argparse_finds_is_one_line_too(capsys, argv, names):
+    """docs/cli.md: a mistake is one line on stderr and exit status 2 — argparse's own (a value its type refuses,
+    an unknown option) printed its usage block first."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "error:" in err and names in err and "--help lists the options" in err
