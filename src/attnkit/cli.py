@@ -16,6 +16,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from ._cli import CLIError
 
@@ -62,7 +63,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser answering a mistake in one line on stderr (exit status 2), as every other error of the
     command line is, with where the options are listed instead of the whole usage block."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
 
