@@ -238,5 +238,15 @@ def relative_bias(table) -> ScoreMod:
 
         R = 1, h = 0, table[0] = [a, b, c]:    k0 k1 k2
                                            q1   a  b  c     (offsets -1, 0, +1)
+
+    ``q_idx`` is the row's index in *this call's* queries (FlexAttention's convention), not its
+    position in the sequence: a decode step's one query over S cached keys is ``q_idx = 0``,
+    while ``causal=True`` places it at position S - 1 (bottom-right). For a call whose queries
+    are the last L of S positions (KV-cache decoding, chunked prefill), shift the index yourself::
+
+        off = S - L
+        score_mod = lambda s, b, h, q, kv: s + table[h, (kv - (q + off)).clamp(-R, R) + R]
+
+    (ALiBi needs no shift: its bias moves by a constant per row, which softmax ignores.)
     """
     return RelativeBias(table)

@@ -212,6 +212,12 @@ class MultiHeadAttention(nn.Module):
                                               n0   #  #  #  #  .
                                               n1   #  #  #  #  #
 
+                The cache has one length for the whole batch, so every row's tokens sit at the
+                same positions: **pad a batch of prompts on the left** (with a padding mask of
+                the pad keys), as generation does. Right padding puts a short prompt's next
+                tokens after its pads — with RoPE at positions the unpadded sequence would not
+                have (a different answer, not an error).
+
             context_parallel: an :class:`attnkit.distributed.ContextParallel` (one sequence split
                 across processes): ``query`` is this rank's rows ``(B, L_r, E)`` (``cp.shard(x, dim=1)``),
                 self-attention only; RoPE and ALiBi use the layout's global positions, the mask is the
