@@ -123,3 +123,27 @@ def test_reverse_example_png_has_a_colour_bar(tmp_path):
     assert len(seen) == 1 and seen[0].ax.get_ylabel() == "attention weight"
     assert seen[0].mappable.get_clim() == (0.0, 1.0)
     assert (tmp_path / "r.png").stat().st_size > 5000
+
+
+def test_a_long_highlighted_token_is_cut_in_the_panel_titles_not_run_into_the_next(tmp_path, monkeypatch):
+    """Per-head titles name the highlighted row's token and its two heaviest keys; a long token label ran into
+    the neighbouring panel's title. Each title now fits its panel: the label cut with "…", the weights kept."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    titles = []
+    orig = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, t, *a, **kw: (titles.append(t), orig(self, t, *a, **kw))[1])
+    from attnkit.viz import save_heads_png
+
+    w = np.random.default_rng(0).dirichlet(np.ones(7), size=(3, 5))
+    q = ["a", "b", "c", "d", "a_very_long_token_label_here"]
+    save_heads_png(tmp_path / "a.png", w, q, [f"k{i}" for i in range(7)], highlight_row=4)
+    lines = [t.splitlines()[1] for t in titles]
+    assert len(lines) == 3 and all(ln.startswith("a_very_long") and "…" in ln and len(ln) <= 36 for ln in lines)
+    top = np.argmax(w[0, 4])
+    assert f"k{top} {w[0, 4, top]:.2f}" in lines[0]  # the weights are never cut
+    titles.clear()
+    save_heads_png(tmp_path / "b.png", w, ["a", "b", "c", "d", "mouse"], [f"k{i}" for i in range(7)], highlight_row=4)
+    assert all(t.splitlines()[1].startswith("mouse → ") and "…" not in t for t in titles)  # short labels whole

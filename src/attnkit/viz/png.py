@@ -51,6 +51,11 @@ def _pyplot():
     return plt
 
 
+def _cut(text: str, n: int) -> str:
+    """``text`` in at most ``n`` characters, its end replaced by "…" when cut."""
+    return text if len(text) <= n else text[:max(1, n - 1)] + "…"
+
+
 def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=None, highlight_row=None,
                    cols=4, dpi=130) -> str:
     """Save heatmaps of ``weights (H, L, S)`` (one panel per head) to ``path``; returns the path.
@@ -103,8 +108,14 @@ def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=No
         name = f"head {heads[idx]}"
         if highlight_row is not None:
             top2 = np.argsort(-w[idx, highlight_row], kind="stable")[:2]
-            name += f"\n{q_tokens[highlight_row]} → " + ", ".join(
-                f"{k_tokens[j]} {w[idx, highlight_row, j]:.2f}" for j in top2)
+            # as many characters as the panel is wide (a title's glyph ~0.6 of its size): a long token label is
+            # cut with "…" rather than running into the next panel's title
+            room = max(16, int((panel_w + 0.25 * label_pad) * 72 / ((fs + 1) * 0.6)))
+            keys = ", ".join(f"{k_tokens[j]} {w[idx, highlight_row, j]:.2f}" for j in top2)
+            if len(keys) > room // 2:  # long key labels: each cut to its share of half the line
+                share = max(3, (room // 2 - 12) // 2)
+                keys = ", ".join(f"{_cut(k_tokens[j], share)} {w[idx, highlight_row, j]:.2f}" for j in top2)
+            name += "\n" + _cut(f"{_cut(q_tokens[highlight_row], max(4, room - len(keys) - 3))} → {keys}", room)
             ax.add_patch(plt.Rectangle((-0.5, highlight_row - 0.5), S, 1, fill=False, edgecolor=_HIGHLIGHT,
                                        linewidth=1.6, clip_on=False))
         ax.set_title(name, fontsize=fs + 1, pad=4)
