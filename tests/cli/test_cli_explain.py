@@ -506,6 +506,7 @@ def test_bad_files_are_one_line_exit_2(tmp_path, capsys, setup, needles):
     (["document", "--docs", "a,b"], ["--docs", "integer ids", "'a,b'"]),
     (["document", "--docs", "0,1"], ["--docs", "one id per key (S = 8)", "got 2"]),
     (["document", "-L", "9", "-S", "3"], ["-L/-S", "L <= S", "L=9, S=3"]),
+    (["causal", "--docs", "0,1"], ["--docs", "for the 'document' mask", "'causal'"]),  # was silently ignored
 ])
 def test_masks_bad_sizes_are_one_line_exit_2(capsys, argv, needles):
     try:
@@ -523,7 +524,10 @@ def test_masks_draws_prefix_and_document(capsys):
     assert cli.main(["masks", "prefix", "--size", "2", "-L", "3"]) == 0
     assert capsys.readouterr().out.splitlines()[-3:] == ["q0 # # .", "q1 # # .", "q2 # # #"]
     assert cli.main(["masks", "document", "-L", "2", "-S", "4", "--docs", "0,0,1,1"]) == 0
-    assert capsys.readouterr().out.splitlines()[-2:] == ["q0 . . # #", "q1 . . # #"]
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == ["q0 . . # #", "q1 . . # #"] and out[1] == "document ids of the keys: 0,0,1,1"
+    assert cli.main(["masks", "document", "-L", "6"]) == 0  # the default ids are said, not silently drawn
+    assert capsys.readouterr().out.splitlines()[1] == "document ids of the keys: 0,0,1,1,2,2 (the default; --docs)"
     assert cli.main(["masks", "chunked", "--size", "2", "-L", "4"]) == 0
     assert capsys.readouterr().out.splitlines()[-4:] == ["q0 # . . .", "q1 # # . .", "q2 . . # .", "q3 . . # #"]
 

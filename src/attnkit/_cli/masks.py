@@ -46,7 +46,8 @@ def add_arguments(p):
                    help="window or chunk size (>= 1) / prefix length (<= S) / valid keys for padding (<= S) "
                         "(default 3)")
     p.add_argument("--docs", default=None,
-                   help="document ids for 'document', one integer per key, e.g. 0,0,0,1,1,2,2,2")
+                   help="document ids for 'document', one integer per key, e.g. 0,0,0,1,1,2,2,2 (default: three "
+                        "documents of about S/3 keys each)")
     p.add_argument("--and-causal", action="store_true", help="combine with a causal mask (&)")
 
 
@@ -56,6 +57,9 @@ def run(args) -> int:
 
     L = args.L
     S = L if args.S is None else args.S
+    if args.docs is not None and args.kind != "document":
+        raise CLIError(f"--docs: document ids are for the 'document' mask, got kind {args.kind!r}. Drop --docs, or "
+                       "draw 'document'.")
     if args.kind == "causal":
         m = masks.causal()
     elif args.kind == "causal-top-left":
@@ -95,5 +99,7 @@ def run(args) -> int:
         raise CLIError(f"{args.kind} with -L {L} -S {S} --size {args.size}: {e}") from None
     drawing = m.draw(L, S)
     print(f"{m!r}   L={L}, S={S}   (# attend, . masked; rows = queries, columns = keys)")
+    if args.kind == "document":
+        print(f"document ids of the keys: {','.join(map(str, ids))}" + ("" if args.docs else " (the default; --docs)"))
     print(drawing)
     return 0
