@@ -131,8 +131,9 @@ def _feed_container(h, x, depth, active):
         names = _mods._global_names(x.__code__)
         g = x.__globals__
         _feed(h, {n: g[n] for n in names if n in g}, depth, active)
-        _feed(h, {(n, a): getattr(g[n], a) for n in names if isinstance(g.get(n), types.ModuleType)
-                  for a in names if _is_data(getattr(g[n], a, None))}, depth, active)
+        # (read from the module's own dict: never a lazy module's __getattr__, which may import)
+        _feed(h, {(n, a): vars(g[n])[a] for n in names if isinstance(g.get(n), types.ModuleType)
+                  for a in names if _is_data(vars(g[n]).get(a))}, depth, active)
         _feed(h, dict(vars(x)), depth, active)
     elif isinstance(x, torch.nn.Module):
         # its state, its buffers kept out of the state (persistent=False) and the data of its plain attributes (a
