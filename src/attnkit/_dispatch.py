@@ -111,11 +111,13 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
     kernels = _table.rows(device_type, backend)
     if not kernels:
         raise ValueError(f"backend={backend!r} has no kernel on {device_type}.")
-    B, _, L, S = req.shape[:4]
-    if L == 0 or B == 0 or S == 0:  # no query rows (or batch rows), or no key: the same answer on every path
-        e = _table.kernel("eager")  # (torch's flash kernel and the tile maps divide by L and S), from torch ops only
-        what = ("no key (S = 0): every query row sees no key, output 0 and lse -inf as any fully masked row"
-                if L and B else "no query rows (L = 0 or B = 0): the empty output")
+    B, H, L, S, _, Dv, _ = req.shape
+    if L == 0 or B == 0 or S == 0 or H == 0 or Dv == 0:  # no query rows (batch rows, heads), no key, no value dim:
+        e = _table.kernel("eager")  # the same answer on every path (torch's flash kernel, the tile maps and the
+        # compiled kernel divide by L, S and the head group; the NaN scan reads a row of Dv), from torch ops only
+        what = ("no query rows (L = 0, B = 0 or H = 0): the empty output" if not (L and B and H) else
+                "no key (S = 0): every query row sees no key, output 0 and lse -inf as any fully masked row" if not S
+                else "no value dims (Dv = 0): the empty output, its lse as any call's")
         return Decision(e.backend, what, e.worker, e.why(req), None if device_type == "cuda" else True,
                         ((e.name, "runs"),), e)
     auto = backend == "auto"

@@ -180,3 +180,20 @@ def test_an_empty_batch_with_gradients(backend):
         assert out.shape == (0, H, 3, Dv)
         out.sum().backward()
         assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled", "sdpa", "eager", "reference", "flex"])
+def test_no_heads_or_no_value_dims_give_the_empty_output_on_every_path(backend):
+    """H = 0 (no query heads) killed the process with a division by zero in the compiled kernel; Dv = 0 with a
+    segfault in SDPA's NaN scan. Both are the empty output now, with gradients and (for Dv = 0) the lse of float64."""
+    q, k, v = torch.randn(B, 0, 3, D, requires_grad=True), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, Dv)
+    out, lse = attnkit.attention(q, k, v, backend=backend, return_lse=True)
+    assert out.shape == (B, 0, 3, Dv) and lse.shape == (B, 0, 3)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+    q, k, v = (torch.randn(B, H, 3, D), torch.randn(B, Hkv, S, D, requires_grad=True), torch.randn(B, Hkv, S, 0))
+    out, lse = attnkit.attention(q, k, v, backend=backend, return_lse=True)
+    want = attnkit.attention(q.double(), k.detach().double(), v.double(), backend="reference", return_lse=True)[1]
+    assert out.shape == (B, H, 3, 0)
+    torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
+    assert attnkit.dispatch(q, k, v, backend=backend).backend == "eager"
