@@ -21,6 +21,7 @@ The order of operations every backend follows (and the reference spells out)::
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 import torch
@@ -351,8 +352,8 @@ def _check_weight_heads(return_weights, H: int):
         return None
     if return_weights is True:
         return list(range(H))
-    try:
-        heads = [int(h) for h in return_weights]
+    try:  # integers only (ints, NumPy integers, 0-d integer tensors): int(0.7) would quietly pick head 0
+        heads = [operator.index(h) for h in return_weights]
     except (TypeError, ValueError):
         heads = None
     if (heads is None or isinstance(return_weights, (str, bytes)) or not heads

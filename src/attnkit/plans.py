@@ -420,8 +420,10 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     if not callable(mask_mod):
         raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool tensor, "
                         f"got {type(mask_mod).__name__}.")
-    if not isinstance(dq_kv_order, bool):
-        raise ValueError(f"dq_kv_order: expected a bool (as torch's create_block_mask), got {dq_kv_order!r}.")
+    for name, flag in (("separate_full_blocks", separate_full_blocks), ("dq_kv_order", dq_kv_order),
+                       ("compute_dq_write_order", compute_dq_write_order)):
+        if not isinstance(flag, bool):  # (a string "False" would read as True)
+            raise ValueError(f"{name}: expected a bool (as torch's create_block_mask), got {flag!r}.")
     out = _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, bool(separate_full_blocks))
     if compute_dq_write_order:
         from torch.nn.attention import flex_attention as _flex

@@ -265,17 +265,20 @@ class RotaryEmbedding(nn.Module):
         # float64 angles where the device has it (MPS does not)
         fdt = torch.float32 if x.device.type == "mps" else torch.float64
         if positions is not None:
-            if (not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dim() != 1
-                    or positions.shape[0] != L or offset != 0):
-                raise ValueError(f"positions: expected an integer tensor of shape (L,) = ({L},) and no offset, got "
+            if not isinstance(offset, int) or offset != 0:
+                raise ValueError(f"offset: expected none (0) with positions=, got {offset!r}: positions are the "
+                                 "rows' own positions. Add the offset to them instead (positions + offset).")
+            if (not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex()
+                    or positions.dtype == torch.bool or positions.dim() != 1 or positions.shape[0] != L):
+                raise ValueError(f"positions: expected an integer tensor of shape (L,) = ({L},), got "
                                  f"{getattr(positions, 'dtype', type(positions).__name__)} "
                                  f"{tuple(getattr(positions, 'shape', ()))}.")
             ang = self._angles(positions.to(device=x.device, dtype=fdt))  # (L, D/2)
             cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
         elif isinstance(offset, torch.Tensor):
             steps = torch.arange(L, dtype=fdt, device=x.device)
-            if offset.is_floating_point() or offset.dtype == torch.bool or offset.dim() != 1 or x.dim() != 4 \
-                    or offset.shape[0] != x.shape[0]:
+            if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or offset.dim() != 1
+                    or x.dim() != 4 or offset.shape[0] != x.shape[0]):
                 raise ValueError(
                     f"offset: a tensor offset must be integer with shape (B,) = ({x.shape[0]},) for x (B, H, L, D), "
                     f"got {offset.dtype} {tuple(offset.shape)} with x {tuple(x.shape)}. Pass an int for one offset."
@@ -317,6 +320,9 @@ def alibi_slopes(num_heads: int, *, dtype=torch.float32) -> torch.Tensor:
                 = [1/4, 1/16, 1/64, 1/256] + [1/2, 1/8]
     """
     _check_pos_int("num_heads", num_heads)
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"dtype: expected a floating dtype for the slopes (all below 1), got {dtype!r}. Pass e.g. "
+                        "dtype=torch.float32.")
 
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]

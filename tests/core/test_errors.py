@@ -134,3 +134,35 @@ def test_cannot_honour_message_names_backend_and_reason():
 
 def test_mask_mod_must_return_bool():
     raises(TypeError, "bool tensor", mask=masks.from_mod(lambda b, h, q, kv: q - kv), backend="reference")
+
+
+def test_inputs_that_were_quietly_taken_are_refused_by_name():
+    """Each was accepted and gave a wrong or surprising answer: a fractional head index picked head 0, integer
+    ALiBi slopes were all 0, bool or complex RoPE positions were read as 0 / 1 or their real part, an integer
+    KV cache failed only at its first append, and a string flag read as True."""
+    from attnkit.nn import KVCache
+    from attnkit.positional import RotaryEmbedding, alibi_slopes
+
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=r"return_weights: expected .* query-head indices, got \[0.7\]"):
+        attnkit.attention(q, q, q, return_weights=[0.7])
+    assert attnkit.attention(q, q, q, return_weights=[torch.tensor(1)])[1].shape == (1, 1, 3, 3)
+    with pytest.raises(TypeError, match=r"dtype: expected a floating dtype for the slopes .*got torch.int32"):
+        alibi_slopes(4, dtype=torch.int32)
+    r, x = RotaryEmbedding(4), torch.randn(1, 2, 3, 4)
+    for bad in (torch.tensor([True, False, True]), torch.arange(3) + 0j):
+        with pytest.raises(ValueError, match=r"positions: expected an integer tensor of shape \(L,\) = \(3,\)"):
+            r.rotate(x, positions=bad)
+    with pytest.raises(ValueError, match=r"offset: expected none \(0\) with positions=, got 2.*positions \+ offset"):
+        r.rotate(x, 2, positions=torch.arange(3))
+    assert torch.equal(r.rotate(x, positions=torch.arange(3) + 2), r.rotate(x, 2))
+    for dt in (torch.int32, torch.bool, "float32"):
+        with pytest.raises(TypeError, match=r"dtype: expected a floating dtype for keys and values"):
+            KVCache(1, 2, 8, 4, dtype=dt)
+    c = KVCache(1, 2, 8, 4)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(TypeError, match=r"owner: expected the calling layer"):
+            c.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), owner="x")
+        assert c.length == 0  # raised before writing, as append promises
+    with pytest.raises(ValueError, match=r"separate_full_blocks: expected a bool .* got 'False'"):
+        attnkit.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 8, 8, separate_full_blocks="False")

@@ -14,6 +14,17 @@ from ..positional import _check_pos_int
 __all__ = ["KVCache"]
 
 
+def _owner_ref(owner) -> weakref.ref:
+    try:
+        return weakref.ref(owner)
+    except TypeError:
+        raise TypeError(f"owner: expected the calling layer (a torch.nn.Module), got {type(owner).__name__} "
+                        f"{owner!r:.40}. Pass owner=self from the layer's forward, or leave it out.") from None
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 class KVCache:
     """Keys and values of the tokens seen so far, for one attention layer.
 
@@ -50,6 +61,9 @@ class KVCache:
                           ("max_length", max_length), ("head_dim", head_dim)):
             _check_pos_int(name, val)
         value_dim = head_dim if value_dim is None else _check_pos_int("value_dim", value_dim)
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected a floating dtype for keys and values (float16, bfloat16, float32, "
+                            f"float64), got {dtype!r}. Pass e.g. dtype=torch.float32, or the layer's new_cache().")
         self.k = torch.zeros(batch_size, num_kv_heads, max_length, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch_size, num_kv_heads, max_length, value_dim, dtype=dtype, device=device)
         self.length = 0
@@ -106,13 +120,13 @@ class KVCache:
                 and (owner is None or self._owner is None or self._owner() in (None, owner))
                 and not torch.is_grad_enabled()):
             # the decoding step under no_grad, every check below passed in one expression
+            if owner is not None and self._owner is None:
+                self._owner = _owner_ref(owner)  # before writing: an owner that cannot be held raises first
             start = self.length
             end = start + k.shape[2]
             sk[:, :, start:end] = k
             sv[:, :, start:end] = v
             self.length = end
-            if owner is not None and self._owner is None:
-                self._owner = weakref.ref(owner)
             return (k, v) if start == 0 else (sk[:, :, :end], sv[:, :, :end])
         if owner is not None:
             self.check_owner(owner)
@@ -161,13 +175,14 @@ class KVCache:
                 "`with torch.no_grad():` (or torch.inference_mode()); only a single prefill call on an empty "
                 "cache keeps its graph. To train, run the whole sequence without a cache (causal=True)."
             )
+        ref = _owner_ref(owner) if owner is not None and self._owner is None else None  # (raises before writing)
         first = self.length == 0
         with torch.no_grad():  # the buffers never join a graph (see the class docstring)
             self.k[:, :, self.length:end] = k
             self.v[:, :, self.length:end] = v
         self.length = end
-        if owner is not None and self._owner is None:
-            self._owner = weakref.ref(owner)
+        if ref is not None:
+            self._owner = ref
         if first:  # a prefill attends to its own k, v: its graph does not see later in-place writes
             return k, v
         return self.k[:, :, :end], self.v[:, :, :end]
