@@ -44,6 +44,28 @@ __all__ = ["positional_arity", "eval_mask_mod", "eval_score_mod", "captured_grad
 _P = inspect.Parameter
 
 
+def uncalled(fn) -> str:
+    """A hint when ``fn`` is one of attnkit's mask / score_mod factories or classes passed without calling it
+    (``mask=masks.causal``): the call to write; else ''."""
+    mod = getattr(fn, "__module__", "") or ""
+    if mod not in ("attnkit.masks", "attnkit.score_mods") or not (isinstance(fn, type) or callable(fn)):
+        return ""
+    name = getattr(fn, "__name__", "")
+    if not name or name.startswith("_"):
+        return ""
+    where = mod.rsplit(".", 1)[1]
+    if isinstance(fn, type):
+        snake = "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+        return f"{where}.{name} is a class: build the {'mask' if where == 'masks' else 'score_mod'} with its " \
+               f"function, {where}.{snake}(...)."
+    try:
+        need = [p.name for p in inspect.signature(fn).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        need = ["..."]
+    return f"{where}.{name} builds one: call it, {where}.{name}({', '.join(need)})."
+
+
 def positional_arity(fn) -> int | None:
     """Number of required positional parameters (FlexAttention's count); None if unknown or ``*args``."""
     if type(fn) is types.FunctionType and "__wrapped__" not in fn.__dict__ and "__signature__" not in fn.__dict__:

@@ -259,8 +259,8 @@ def make_request(
             raise TypeError(
                 f"score_mod: expected a function of 5 arguments (score, b, h, q_idx, kv_idx), got one of {n} "
                 "(parameters with a default value are not counted). "
-                "A 4-argument function is a mask_mod: pass it as mask= (to flex_attention: "
-                f"block_mask=create_block_mask(mask_mod, B, H, {L}, {S}))."
+                + (_mods.uncalled(score_mod) or "A 4-argument function is a mask_mod: pass it as mask= (to "
+                   f"flex_attention: block_mask=create_block_mask(mask_mod, B, H, {L}, {S})).")
             )
         if isinstance(score_mod, _score_mods.ScoreMod):
             score_mod.validate(B, H, L, S)

@@ -953,7 +953,7 @@ class FromMod(Mask):
             raise TypeError(
                 f"mask_mod: expected a function of 4 arguments (b, h, q_idx, kv_idx), got one of {n} "
                 "(parameters with a default value are not counted). "
-                "Did you pass a score_mod (5 arguments) as the mask?"
+                + (_mods.uncalled(fn) or "Did you pass a score_mod (5 arguments) as the mask?")
             )
         self.fn = fn
 

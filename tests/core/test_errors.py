@@ -166,3 +166,18 @@ def test_inputs_that_were_quietly_taken_are_refused_by_name():
         assert c.length == 0  # raised before writing, as append promises
     with pytest.raises(ValueError, match=r"separate_full_blocks: expected a bool .* got 'False'"):
         attnkit.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 8, 8, separate_full_blocks="False")
+
+
+def test_a_factory_passed_uncalled_is_told_to_call_it():
+    """mask=masks.causal (the function, not the mask) was told it might be a score_mod; score_mod=score_mods.alibi
+    that it might be a mask_mod. Both now name the call to write."""
+    from attnkit import score_mods
+
+    q = torch.randn(1, 1, 3, 4)
+    for kw, want in ((dict(mask=masks.causal), r"masks.causal builds one: call it, masks.causal\(\)\."),
+                     (dict(mask=masks.sliding_window), r"masks.sliding_window\(size\)"),
+                     (dict(mask=masks.Causal), r"masks.Causal is a class: .* masks.causal\(...\)"),
+                     (dict(score_mod=score_mods.alibi), r"score_mods.alibi builds one: call it, "
+                                                        r"score_mods.alibi\(slopes\)\.")):
+        with pytest.raises(TypeError, match=want):
+            attnkit.attention(q, q, q, **kw)
