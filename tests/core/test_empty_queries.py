@@ -197,3 +197,15 @@ def test_no_heads_or_no_value_dims_give_the_empty_output_on_every_path(backend):
     assert out.shape == (B, H, 3, 0)
     torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
     assert attnkit.dispatch(q, k, v, backend=backend).backend == "eager"
+
+
+def test_explain_over_no_keys_is_the_fully_masked_answer():
+    """attnkit.explain with S = 0 raised NumPy's "zero-size array to reduction" error; every query row sees no key:
+    output 0 and lse -inf, as attention gives."""
+    import numpy as np
+
+    q, k, v = np.ones((2, 3)), np.ones((0, 3)), np.ones((0, 4))
+    t = attnkit.explain(q, k, v)
+    out, lse = attnkit.attention(q, k, v, return_lse=True)
+    assert t.weights.shape == (2, 0) and np.array_equal(t.output, out) and np.array_equal(t.lse, lse)
+    assert np.all(t.output == 0) and np.all(np.isneginf(t.lse))

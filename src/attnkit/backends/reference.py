@@ -129,7 +129,7 @@ def trace(req: Request) -> Trace:
 
     # Stable softmax: subtract the row max (0 for a row that sees no key). A row whose scores hold NaN, or +inf
     # (inf - inf), has a NaN sum: its weights and lse are NaN throughout, as torch.softmax's.
-    m = masked.max(axis=-1, keepdims=True)
+    m = masked.max(axis=-1, keepdims=True, initial=-np.inf)  # (S = 0: no key, the row max -inf)
     m = np.where(np.isneginf(m), 0.0, m)
     with np.errstate(invalid="ignore"):
         e = np.exp(masked - m)
