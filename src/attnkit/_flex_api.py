@@ -22,6 +22,7 @@ import warnings
 
 import torch
 
+from . import _mods
 from ._blockmask import block_mask_plan, is_block_mask
 from .api import attention
 
@@ -199,19 +200,4 @@ def _check_kernel_options(kernel_options) -> None:
                   f"the same result. {lines}. (Shown once for this set of keys.)", UserWarning, stacklevel=3)
 
 
-def _opaque_to_torch_compile(fn) -> None:
-    """Let ``torch.compile`` run ``fn`` as it is instead of tracing attnkit's engines (which it cannot):
-    ``torch.compile(flex_attention)``, a FlexAttention script's usual line, and a compiled model calling
-    it both run attnkit eagerly. What ``torch.compiler.disable`` does, set without importing TorchDynamo
-    (seconds) for every attnkit user; on a torch without these hooks, calling ``fn`` directly still works."""
-    fn._torchdynamo_disable = True  # a compiled caller does not inline it: the call runs eagerly
-    fn._torchdynamo_disable_msg = "attnkit.flex_attention runs attnkit's own kernels"
-    try:  # and a frame of it, or of anything it calls, is never traced (torch.compile(flex_attention))
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-
-        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
-    except (ImportError, AttributeError, TypeError, RuntimeError):
-        pass
-
-
-_opaque_to_torch_compile(flex_attention)
+_mods.opaque_to_torch_compile(flex_attention, "attnkit.flex_attention runs attnkit's own kernels")

@@ -570,3 +570,18 @@ def _global_names(code) -> tuple:
         if isinstance(c, types.CodeType):
             names.extend(_global_names(c))
     return tuple(dict.fromkeys(names))
+
+
+def opaque_to_torch_compile(fn, why: str) -> None:
+    """Let ``torch.compile`` run ``fn`` as it is instead of tracing attnkit's engines (which it cannot):
+    ``torch.compile(flex_attention)``, a FlexAttention script's usual line, and a compiled model calling
+    it both run attnkit eagerly. What ``torch.compiler.disable`` does, set without importing TorchDynamo
+    (seconds) for every attnkit user; on a torch without these hooks, calling ``fn`` directly still works."""
+    fn._torchdynamo_disable = True  # a compiled caller does not inline it: the call runs eagerly
+    fn._torchdynamo_disable_msg = why
+    try:  # and a frame of it, or of anything it calls, is never traced (torch.compile(flex_attention))
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        pass

@@ -34,7 +34,8 @@ Why this keeps results exact (never stale):
   autograd formula. Tile maps and score programs are then found inside the op exactly as eagerly: cached
   by *content* (a digest of the tensors taken on every call), never by identity or shapes.
 * Numbers (a window size, an int a closure holds) are op inputs too, so a value TorchDynamo traces as a
-  symbol after a recompile (automatic dynamic) still reaches the op exactly.
+  symbol (an argument of the compiled function, after a recompile: automatic dynamic) still reaches the op
+  exactly. A closure's or a global's number is guarded instead: a new value recompiles (docs/compile.md).
 * The key holds only constants: built-in masks and score_mods as readable JSON (their kinds, alignments and
   slot numbers), user functions as a number into a registry of ``(code object, the constants
   in its closure and defaults)``. It is made by :func:`_register`, which TorchDynamo runs once per trace

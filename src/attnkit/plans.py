@@ -467,6 +467,12 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separa
     return _block_mask(kinds, block, Q_LEN, KV_LEN, mask_mod, device=dev, separate_full=separate_full)
 
 
+# A compiled caller runs it eagerly (a graph break; under fullgraph=True build the block mask outside the compiled
+# code): its range evaluation reads values (.item(), data-dependent branches) TorchDynamo cannot trace, and tracing it
+# guarded on a module-level cache keyed by code objects, which TorchDynamo failed on
+_mods.opaque_to_torch_compile(create_block_mask, "attnkit.create_block_mask plans on the host, eagerly")
+
+
 _KV_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 # a call at most this big (B·H·L·S, its L a decode step's) reads a BlockMask's kept points as a bool mask; a bigger
 # one (a large batch, a training step) its blocks as a plan (the tiled kernels' way)

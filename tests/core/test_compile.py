@@ -427,3 +427,29 @@ def test_autocast_inside_the_compiled_code_answers_as_eager():
     (gw,) = torch.autograd.grad(want.float().sum(), (q,))
     assert g.dtype == torch.float32
     assert_close(g, gw, 1e-6, "dq")
+
+
+def test_create_block_mask_inside_compiled_code_runs_eagerly_after_an_eager_call():
+    """attnkit.create_block_mask called once eagerly, then inside a compiled function: TorchDynamo traced into its
+    range evaluation and failed on a module cache keyed by code objects (InternalTorchDynamoError). It now runs
+    eagerly from compiled code, as flex_attention does; a block mask rebuilt each step over edited ids is right."""
+    L = 48
+    q, k, v = (torch.randn(1, 2, L, 8, requires_grad=True) for _ in range(3))
+    causal = lambda b, h, qi, kj: kj <= qi  # noqa: E731
+    attnkit.create_block_mask(causal, None, None, L, L)
+
+    def step(q, k, v):
+        return attnkit.flex_attention(q, k, v, block_mask=attnkit.create_block_mask(causal, None, None, L, L))
+
+    out = torch.compile(step)(q, k, v)
+    torch.testing.assert_close(out, attnkit.attention(q, k, v, causal=True))
+    doc = torch.arange(L) // 16
+
+    def step2(q, k, v):
+        bm = attnkit.create_block_mask(lambda b, h, i, j: doc[i] == doc[j], None, None, L, L)
+        return attnkit.flex_attention(q, k, v, block_mask=bm)
+
+    f = torch.compile(step2)
+    for s in range(3):
+        doc.copy_(torch.arange(L) // (4 + 4 * s))
+        torch.testing.assert_close(f(q, k, v), attnkit.attention(q, k, v, mask=attnkit.masks.document(doc.clone())))
