@@ -147,3 +147,9 @@ def test_a_long_highlighted_token_is_cut_in_the_panel_titles_not_run_into_the_ne
     titles.clear()
     save_heads_png(tmp_path / "b.png", w, ["a", "b", "c", "d", "mouse"], [f"k{i}" for i in range(7)], highlight_row=4)
     assert all(t.splitlines()[1].startswith("mouse → ") and "…" not in t for t in titles)  # short labels whole
+    titles.clear()  # the demo's picture: 12 heads, 4 a row, words that fit are never cut ("[C…" was)
+    toks = ["[CLS]", "the", "river", "bank", "was", "er", "##od", "##ing", ".", "[SEP]"]
+    w12 = np.random.default_rng(1).dirichlet(np.ones(10), size=(12, 10))
+    w12[:, 3, 0] += 5
+    save_heads_png(tmp_path / "c.png", w12 / w12.sum(-1, keepdims=True), toks, highlight_row=3)
+    assert len(titles) == 12 and all(t.splitlines()[1].startswith("bank → [CLS] ") and "…" not in t for t in titles)

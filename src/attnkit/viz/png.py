@@ -112,10 +112,13 @@ def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=No
             # cut with "…" rather than running into the next panel's title
             room = max(16, int((panel_w + 0.25 * label_pad) * 72 / ((fs + 1) * 0.6)))
             keys = ", ".join(f"{k_tokens[j]} {w[idx, highlight_row, j]:.2f}" for j in top2)
-            if len(keys) > room // 2:  # long key labels: each cut to its share of half the line
-                share = max(3, (room // 2 - 12) // 2)
-                keys = ", ".join(f"{_cut(k_tokens[j], share)} {w[idx, highlight_row, j]:.2f}" for j in top2)
-            name += "\n" + _cut(f"{_cut(q_tokens[highlight_row], max(4, room - len(keys) - 3))} → {keys}", room)
+            word = q_tokens[highlight_row]
+            if len(word) + 3 + len(keys) > room:  # too wide: the query's label first, then the keys' if need be
+                if len(keys) > room - 7:  # long key labels: each cut to its share of what the query leaves
+                    share = max(3, (room - 7 - 12) // 2)
+                    keys = ", ".join(f"{_cut(k_tokens[j], share)} {w[idx, highlight_row, j]:.2f}" for j in top2)
+                word = _cut(word, max(4, room - len(keys) - 3))
+            name += "\n" + _cut(f"{word} → {keys}", room)
             ax.add_patch(plt.Rectangle((-0.5, highlight_row - 0.5), S, 1, fill=False, edgecolor=_HIGHLIGHT,
                                        linewidth=1.6, clip_on=False))
         ax.set_title(name, fontsize=fs + 1, pad=4)
