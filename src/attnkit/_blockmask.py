@@ -18,8 +18,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import os
 import sys
 import types
+import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -197,9 +199,6 @@ def _warn_blocks_of_one_row(partial: np.ndarray, full: np.ndarray, mod, B: int, 
         return
     reads = " and ".join(n for n, d, g in (("b", shape[0], partial.shape[0]), ("h", shape[1], partial.shape[1]))
                          if d > 1 and g == 1)
-    import os
-    import warnings
-
     frame: types.FrameType | None = sys._getframe(0)
     level, here = 1, os.path.dirname(__file__)
     while frame is not None and frame.f_code.co_filename.startswith(here):  # to the user's line that called attnkit

@@ -48,7 +48,7 @@ def uncalled(fn) -> str:
     """A hint when ``fn`` is one of attnkit's mask / score_mod factories or classes passed without calling it
     (``mask=masks.causal``): the call to write; else ''."""
     mod = getattr(fn, "__module__", "") or ""
-    if mod not in ("attnkit.masks", "attnkit.score_mods") or not (isinstance(fn, type) or callable(fn)):
+    if mod not in ("attnkit.masks", "attnkit.score_mods"):
         return ""
     name = getattr(fn, "__name__", "")
     if not name or name.startswith("_"):
