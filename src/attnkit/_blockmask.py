@@ -93,6 +93,11 @@ def block_mask_plan(block_mask, B: int, H: int, L: int, S: int, device, arg: str
     block mask (``plans._Evaluated``, as :func:`attnkit.create_block_mask` keeps the points it evaluated) and read
     again by the next call with it — a model's next layer — while the block mask, its mod and what the mod reads
     are unchanged (checked by content at every call)."""
+    if block_mask.kv_num_blocks.is_meta:  # built on the meta device: shapes only, no blocks to read
+        if getattr(device, "type", device) == "meta":
+            return None  # with meta q, k, v (api._on_meta): only the results' shapes are computed
+        raise ValueError(f"{arg}: a BlockMask built on the meta device has no blocks to read, got one for inputs on "
+                         f"{device}. Build it with device={str(device)!r}.")
     rec = getattr(block_mask, "_attnkit_points", None)
     if rec is not None:
         points = rec.points(block_mask, B, H, L, S, device)

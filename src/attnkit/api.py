@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import Tensor as _Tensor
 from torch.compiler import is_compiling as _is_compiling
 
-from . import _fast
+from . import _fast, score_mods
 from ._dispatch import Decision, decide, explain_decision
 from ._request import make_request
 from .backends import _softmax
@@ -80,6 +82,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         return _autocast(attention, q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                          dropout_p=dropout_p, return_lse=return_lse, return_weights=return_weights, sinks=sinks,
                          backend=backend)
+    if type(q) is _Tensor and q.is_meta:
+        return _on_meta(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=dropout_p,
+                        return_lse=return_lse, return_weights=return_weights, sinks=sinks, backend=backend)
     if _is_compiling():  # traced by torch.compile / torch.export: one call of attnkit's torch op (attnkit._op)
         from . import _op
 
@@ -102,6 +107,30 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
     weights = None
     if req.weight_heads is not None:
         weights = weights_from_lse(req, lse, req.weight_heads).to(req.q.dtype)  # (B, H', L, S)
+    return _finish(req, out, lse, weights)
+
+
+def _on_meta(q, k, v, **kw):
+    """``attention`` over meta tensors (shapes only, as a model built under ``torch.device("meta")`` runs): the
+    arguments checked as on any device, then the results' shapes (with autograd) from the fake kernel of attnkit's
+    torch op (:mod:`attnkit._op`); attention weights, if asked for, as an empty ``(B, H', L, S)``."""
+    from . import _op
+
+    with torch.no_grad():  # (with gradients on, a score_mod is probed for the tensors it reads: values, not shapes)
+        req = make_request(q, k, v, **kw)
+    # a mask or score_mod never changes the shapes: passed on only where the op takes it and it may read a tensor
+    # that wants a gradient (a float mask; a function or built-in score_mod), else dropped
+    mask = kw["mask"] if isinstance(kw["mask"], _Tensor) else None
+    score_mod = kw["score_mod"]
+    if not (score_mod is None or isinstance(score_mod, types.FunctionType)
+            or type(score_mod) in (score_mods.Softcap, score_mods.RelativeBias, score_mods.Alibi)):
+        score_mod = None
+    out, lse = _op.attention(req.q, req.k, req.v, mask=mask, causal=kw["causal"], scale=req.scale,
+                             score_mod=score_mod, return_lse=True, sinks=kw["sinks"])
+    weights = None
+    if req.weight_heads is not None:
+        B, _, L, _ = req.q.shape
+        weights = req.q.new_empty(B, len(req.weight_heads), L, req.k.shape[2])
     return _finish(req, out, lse, weights)
 
 
@@ -142,6 +171,10 @@ def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dr
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                        dropout_p=dropout_p, return_lse=return_lse, backend=backend,
                        return_weights=return_weights, sinks=sinks)
+    if req.q.is_meta:  # what attention() does with meta tensors (_on_meta): no backend runs
+        return Decision(backend if isinstance(backend, str) else "auto",
+                        "meta tensors (shapes only): no backend runs", "fake",
+                        "attnkit's torch op's fake kernel: empty tensors of the results' shapes")
     return decide(req, backend)
 
 

@@ -32,11 +32,12 @@ class TransformerBlock(nn.Module):
             (an encoder block; decoding it with a ``kv_cache`` raises), or ``None`` (the
             default): causal exactly when a ``kv_cache`` is given, as in :class:`MultiHeadAttention`.
         activation: ``"gelu"`` or ``"relu"``.
+        device, dtype: as :class:`MultiHeadAttention` (torch's factory arguments).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, mlp_ratio: int = 4,
                  dropout: float = 0.0, causal: bool | None = None, positional=None, bias: bool = True,
-                 activation: str = "gelu"):
+                 activation: str = "gelu", device=None, dtype=None):
         super().__init__()
         _check_pos_int("mlp_ratio", mlp_ratio)
         if causal is not None and not isinstance(causal, bool):
@@ -44,14 +45,15 @@ class TransformerBlock(nn.Module):
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}.")
         self.attn = MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
-                                       dropout=dropout, positional=positional)
+                                       dropout=dropout, positional=positional, device=device, dtype=dtype)
         self.causal = causal
-        self.norm1 = nn.LayerNorm(embed_dim)
-        self.norm2 = nn.LayerNorm(embed_dim)
+        factory = {"device": device, "dtype": dtype}
+        self.norm1 = nn.LayerNorm(embed_dim, **factory)
+        self.norm2 = nn.LayerNorm(embed_dim, **factory)
         self.mlp = nn.Sequential(
-            nn.Linear(embed_dim, mlp_ratio * embed_dim, bias=bias),
+            nn.Linear(embed_dim, mlp_ratio * embed_dim, bias=bias, **factory),
             _ACTIVATIONS[activation](),
-            nn.Linear(mlp_ratio * embed_dim, embed_dim, bias=bias),
+            nn.Linear(mlp_ratio * embed_dim, embed_dim, bias=bias, **factory),
         )
         self.drop = nn.Dropout(dropout)
 

@@ -61,6 +61,8 @@ class MultiHeadAttention(nn.Module):
         batch_first: True (default): inputs and output are ``(B, L, E)``; False: ``(L, B, E)``
             as torch's ``nn.MultiheadAttention(batch_first=False)`` (its default). Masks and
             weights are ``(B, H, L, S)`` either way.
+        device, dtype: where and in which dtype the projections are built, as torch's modules
+            (``device="meta"`` builds shapes only). ALiBi's slopes stay float32.
 
     Masks are attnkit's: **bool True = attend**, float = additive bias. See :meth:`forward`.
     Convert to and from ``torch.nn.MultiheadAttention`` with :meth:`from_torch` / :meth:`to_torch`.
@@ -68,7 +70,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
                  kdim: int | None = None, vdim: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, positional=None, batch_first: bool = True):
+                 dropout: float = 0.0, positional=None, batch_first: bool = True, device=None, dtype=None):
         super().__init__()
         if not isinstance(batch_first, bool):
             raise TypeError(f"batch_first: expected True or False, got {batch_first!r}.")
@@ -99,10 +101,11 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.kdim, self.vdim, self.bias, self.dropout = kdim, vdim, bias, float(dropout)
         self.batch_first = batch_first
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = nn.Linear(kdim, num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(vdim, num_kv_heads * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        factory = {"device": device, "dtype": dtype}  # as torch's modules: where and in which dtype to build
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim, num_kv_heads * self.head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim, num_kv_heads * self.head_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self._reset_parameters()
 
         self.rotary: RotaryEmbedding | None = None
@@ -125,7 +128,7 @@ class MultiHeadAttention(nn.Module):
             self.rotary = positional
         elif isinstance(positional, str) and positional == "alibi":
             self.positional = "alibi"
-            self.register_buffer("alibi_slopes", alibi_slopes(num_heads), persistent=False)
+            self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device), persistent=False)
         elif isinstance(positional, (SinusoidalPositionalEncoding, LearnedPositionalEmbedding)):
             raise TypeError(
                 f"positional: {type(positional).__name__} is an absolute encoding added to the token "
