@@ -128,6 +128,20 @@ def _check_qkv(q, k, v):
     return _check_qkv_full(q, k, v)
 
 
+def _check_dense(name: str, t) -> None:
+    """A sparse or nested torch tensor refused by name (its layout reached torch's reshape / contiguous with
+    their own messages, or, nested, was blamed for a batch mismatch)."""
+    if not isinstance(t, torch.Tensor):
+        return
+    if t.is_nested:
+        raise TypeError(f"{name}: expected a dense tensor, got a nested tensor (layout {t.layout}). Pad the "
+                        "sequences to one length and pass a padding mask: attnkit.masks.padding(lengths) for "
+                        "keys, or a document mask over packed rows (attnkit.masks.document(ids)).")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}. Convert it with "
+                        f"{name}.to_dense().")
+
+
 def _check_qkv_full(q, k, v):
     kinds = {_kind(q), _kind(k), _kind(v)}
     if not kinds <= {"torch", "numpy"}:
@@ -139,6 +153,8 @@ def _check_qkv_full(q, k, v):
             f"v={_kind(v)}. Convert them to one kind (torch.from_numpy or tensor.numpy())."
         )
     numpy_in = kinds == {"numpy"}
+    for n, x in (("q", q), ("k", k), ("v", v)):
+        _check_dense(n, x)
     # a lazily negated tensor (torch._neg_view; its memory holds -x) read as its values: the kernels read memory
     q, k, v = (_to_torch(n, x).resolve_neg() for n, x in (("q", q), ("k", k), ("v", v)))
     for n, t in (("q", q), ("k", k), ("v", v)):
@@ -204,6 +220,7 @@ def _check_qkv_full(q, k, v):
 def _check_tensor_mask(mask, q: torch.Tensor, B, H, L, S):
     name = "mask"
     m = _to_torch(name, mask)
+    _check_dense(name, m)
     if m.device != q.device:
         raise ValueError(f"mask: expected device {q.device} (that of q), got {m.device}. Move it with .to().")
     if m.dtype == torch.bool:

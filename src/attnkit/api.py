@@ -10,7 +10,7 @@ from torch.compiler import is_compiling as _is_compiling
 
 from . import _fast, score_mods
 from ._dispatch import Decision, decide, explain_decision
-from ._request import make_request
+from ._request import _check_dense, make_request
 from .backends import _softmax
 from .backends._tiles import weights_from_lse
 
@@ -93,7 +93,12 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
     if ((mask is None or type(mask) in _fast.MASKS or type(mask) is _Tensor)
             and type(backend) is str and backend == "auto" and return_lse is False
             and return_weights is False and sinks is None and type(dropout_p) is float and dropout_p == 0.0):
-        out = _fast.attention(q, k, v, mask, causal, scale, score_mod)  # the common case, see its contract
+        try:
+            out = _fast.attention(q, k, v, mask, causal, scale, score_mod)  # the common case, see its contract
+        except RuntimeError:  # torch's error for an input the fast path does not look at (a sparse tensor, whose
+            for n, t in (("q", q), ("k", k), ("v", v), ("mask", mask)):  # shape matched a learned call): named
+                _check_dense(n, t)  # if it is that
+            raise
         if out is not None:
             return out
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,

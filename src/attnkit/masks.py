@@ -604,10 +604,25 @@ class SlidingWindow(Mask):
         return f"sliding_window({self.size}, align={self.align!r})"
 
 
+def _as_tensor(name: str, value, expected: str) -> torch.Tensor:
+    """``torch.as_tensor(value)``, or a TypeError naming ``name`` and what was expected (torch's own says
+    "new(): invalid data type 'str'")."""
+    if isinstance(value, (str, bytes)) or not (isinstance(value, (torch.Tensor, np.ndarray, list, tuple, range))
+                                               or np.isscalar(value)):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r:.60}.")
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{name}: expected {expected}, got {value!r:.60} ({e}).") from None
+
+
 def _int_vector(name: str, value, ndim_ok=(1,)) -> torch.Tensor:
     """A private long copy of ``value``: masks are immutable values, so changing the caller's
     array or tensor afterwards (in place or not) never changes the mask or its cached plan."""
-    t = torch.as_tensor(value)
+    t = _as_tensor(name, value, "integers (a list, NumPy array or tensor)")
+    if t.dim() == 0:
+        raise ValueError(f"{name}: expected {' or '.join(f'{d}-D' for d in ndim_ok)} integers, got the single "
+                         f"number {t.item()!r}. Pass a list, e.g. [{t.item()!r}].")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{name}: expected integers, got dtype {t.dtype}. Pass an int array/tensor/list.")
     if t.dim() not in ndim_ok:
@@ -706,7 +721,7 @@ class KeyPadding(Mask):
     valid = property(lambda self: self._valid.clone(), doc="bool (B, S) flags (a copy).")
 
     def __init__(self, valid):
-        t = torch.as_tensor(valid)
+        t = _as_tensor("valid", valid, "a bool array/tensor (B, S)")
         if t.dtype != torch.bool:
             raise TypeError(f"valid: expected a bool array/tensor (B, S), True = a real key, got dtype {t.dtype}. "
                             "Convert a 0/1 attention mask with .bool() / .astype(bool).")

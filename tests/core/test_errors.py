@@ -181,3 +181,42 @@ def test_a_factory_passed_uncalled_is_told_to_call_it():
                                                         r"score_mods.alibi\(slopes\)\.")):
         with pytest.raises(TypeError, match=want):
             attnkit.attention(q, q, q, **kw)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: masks.padding("3"), "key_lengths: expected integers .* got str '3'"),
+    (lambda: masks.padding(None), "key_lengths: expected integers .* got NoneType None"),
+    (lambda: masks.padding([[1, 2], [3]]), "key_lengths: expected integers .* got \\[\\[1, 2\\], \\[3\\]\\]"),
+    (lambda: masks.padding(np.int64(3)), "key_lengths: expected 1-D integers, got the single number 3. Pass a list, "
+                                     "e.g. \\[3\\]"),
+    (lambda: masks.document("abc"), "doc_ids: expected integers .* got str 'abc'"),
+    (lambda: masks.document([0, "a"]), "doc_ids: expected integers .* got \\[0, 'a'\\]"),
+    (lambda: masks.key_padding("x"), "valid: expected a bool array/tensor \\(B, S\\), got str 'x'"),
+])
+def test_mask_arguments_of_the_wrong_kind_are_named(call, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        call()
+
+
+@pytest.mark.parametrize("arg", ["q", "k", "v", "mask"])
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested"])
+def test_sparse_and_nested_inputs_are_refused_by_name_also_after_a_learned_dense_call(arg, layout):
+    q = torch.randn(1, 2, 4, 8)
+    m = torch.ones(4, 4, dtype=torch.bool)
+    args = {"q": q, "k": q.clone(), "v": q.clone(), "mask": m}
+    attnkit.attention(**args)
+    attnkit.attention(**args)  # the fast path has learned this signature
+    t = args[arg]
+    if layout == "nested":
+        if arg == "mask":
+            return
+        t = torch.nested.nested_tensor([t[0], t[0, :, :3]], layout=torch.jagged)
+    elif layout == "sparse_csr":
+        if arg != "mask":
+            return
+        t = t.to_sparse_csr()
+    else:
+        t = t.to_sparse()
+    args[arg] = t
+    with pytest.raises(TypeError, match=f"{arg}: expected a dense"):
+        attnkit.attention(**args)
