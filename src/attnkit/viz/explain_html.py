@@ -19,7 +19,7 @@ import json
 
 import numpy as np
 
-from ._html_repr import _slice, esc, fmt
+from ._html_repr import _slice, esc, fmt, need_kind
 
 __all__ = ["explain_page", "save_explain_page", "MAX_TOKENS"]
 
@@ -101,6 +101,8 @@ def explain_page(trace, *, b: int = 0, h: int = 0, title: str = "Attention, step
     >>> page.startswith("<!DOCTYPE html>") and "0.4011" in page
     True
     """
+    need_kind("trace", trace, ("q", "k", "v", "scores", "scaled", "masked", "weights", "output", "scale"),
+              "an attnkit.explain(q, k, v) Trace", "Make one with attnkit.explain(q, k, v, mask=...)")
     q, k, v = _slice(trace.q, 2, b, h), _slice(trace.k, 2, b, h), _slice(trace.v, 2, b, h)
     sc, scl = _slice(trace.scores, 2, b, h), _slice(trace.scaled, 2, b, h)
     msk, w, out = _slice(trace.masked, 2, b, h), _slice(trace.weights, 2, b, h), _slice(trace.output, 2, b, h)
@@ -171,8 +173,9 @@ def explain_page(trace, *, b: int = 0, h: int = 0, title: str = "Attention, step
 
 def save_explain_page(path, trace, **kw) -> str:
     """Write :func:`explain_page` to ``path``; returns the path."""
+    page = explain_page(trace, **kw)  # (before opening: a wrong argument leaves no empty file behind)
     with open(path, "w", encoding="utf-8") as f:
-        f.write(explain_page(trace, **kw))
+        f.write(page)
     return str(path)
 
 

@@ -58,9 +58,16 @@ _SLOT = re.compile(r"%(TITLE|SUBTITLE|CSS|JS|DATA)%")
 def attention_html(items, weights, *, title="attention", subtitle="", initial=None, digits=4,
                    attention_mask=None) -> str:
     """The page as a string. See :func:`save_attention_html`."""
+    for i, it in enumerate(items):
+        if not (isinstance(it, dict) and "label" in it and "tokens" in it):
+            raise TypeError(f"items: expected a list of {{'label': ..., 'tokens': [...]}} dicts, one per sentence, "
+                            f"got {type(it).__name__} {it!r:.40} at {i}.")
     items = [dict(label=str(it["label"]), tokens=[str(t) for t in it["tokens"]]) for it in items]
     if not items:
         raise ValueError("items: expected at least one sentence with tokens, got none.")
+    if not hasattr(weights, "keys"):
+        raise TypeError(f"weights: expected a dict {{layer: (B, H, L, S) array}}, got {type(weights).__name__}. "
+                        "For one layer pass {0: weights}.")
     layers = sorted(int(k) for k in weights)
     if not layers:
         raise ValueError("weights: expected at least one layer, got none.")

@@ -27,6 +27,8 @@ import json
 
 import numpy as np
 
+from ._html_repr import need_kind
+
 __all__ = ["tile_mass_page", "ROW_BINS"]
 
 ROW_BINS = 2048  # most values per embedded row and head
@@ -87,7 +89,13 @@ def tile_mass_page(tm, *, title=None, rows=None, b: int = 0, max_bytes: int = 4_
     of the same sizes (e.g. one per layer), selectable on the page; the page opens on ``tm``'s
     entry of ``maps``, and its heaviest-tiles list follows the layer and head picked. ``embed=True``
     wraps the page in an ``<iframe srcdoc>`` for a notebook cell."""
+    what, fix = "an attnkit.tile_mass(q, k) TileMass", "Make one with attnkit.tile_mass(q, k, mask=...)"
+    need_kind("tm", tm, ("tiles", "mass", "L", "S", "H", "block"), what, fix)
     maps = [("", tm)] if maps is None else list(maps)
+    for i, entry in enumerate(maps):
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise TypeError(f"maps: expected a list of (name, TileMass) pairs, got {type(entry).__name__} at {i}.")
+        need_kind(f"maps[{i}][1]", entry[1], ("tiles", "mass", "L", "S", "H", "block"), what, fix)
     if rows is None:
         rows = _default_rows(tm, 8 if len(maps) == 1 else 6)
     rows = sorted({int(r) for r in rows})

@@ -69,7 +69,13 @@ def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=No
         highlight_row: query row to outline (the word being explained), or None.
         cols: panels per row; one head is drawn large, alone.
     """
-    w = np.asarray(weights, dtype=np.float64)
+    if hasattr(weights, "detach"):  # a torch tensor (one that wants a gradient too)
+        weights = weights.detach().cpu().double()
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"weights: expected an array of attention weights (H, L, S) or (L, S), got "
+                        f"{type(weights).__name__} ({e}).") from None
     if w.ndim == 2:  # (L, S): one head
         w = w[None]
     if w.ndim != 3:
