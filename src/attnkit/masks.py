@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from . import _mods, _ranges, _tiling
+from ._args import as_int
 from ._tiling import EMPTY, FULL, PARTIAL, edges, kinds_from
 
 __all__ = [
@@ -70,8 +71,10 @@ def _offset(align: str, L: int, S: int) -> int:
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    n = as_int(value)
+    if n is None:
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}.")
+    value = n
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}. Pass a value >= {minimum}.")
     return value

@@ -31,13 +31,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
-import operator
 
 import numpy as np
 import torch
 
 from . import _mods, _tiling
 from . import masks as _masks
+from ._args import as_int
 from ._tiling import EMPTY, FULL, PARTIAL
 
 __all__ = ["BlockPlan", "plan", "create_block_mask", "EMPTY", "PARTIAL", "FULL"]
@@ -336,25 +336,23 @@ def _ordered_np(wanted: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_block(block) -> tuple[int, int]:
-    if isinstance(block, int) and not isinstance(block, bool):
-        block = (block, block)
-    ok = (isinstance(block, (tuple, list)) and len(block) == 2
-          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in block))
-    if not ok:
+    one = as_int(block)
+    pair = (one, one) if one is not None else (
+        tuple(as_int(x) for x in block) if isinstance(block, (tuple, list)) and len(block) == 2 else None)
+    bm, bn = pair if pair is not None else (None, None)
+    if bm is None or bn is None or bm < 1 or bn < 1:
         raise ValueError(f"block: expected (bm, bn), two ints >= 1 (or one int for both), got {block!r}. "
                          "Pass e.g. block=(64, 64).")
-    return int(block[0]), int(block[1])
+    return bm, bn
 
 
 def _check_size(name: str, value, allow_none: bool = False):
     if value is None and allow_none:
         return None
-    if not isinstance(value, bool) and not isinstance(value, int):
-        with contextlib.suppress(TypeError):  # a NumPy integer, a 0-d integer tensor: its value (as torch takes it)
-            value = operator.index(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    n = as_int(value)  # a NumPy integer, a 0-d integer tensor: its value (as torch takes it)
+    if n is None or n < 1:
         raise ValueError(f"{name}: expected an int >= 1{' or None' if allow_none else ''}, got {value!r}.")
-    return value
+    return n
 
 
 def plan(mask, L: int, S: int | None = None, *, B: int | None = None, H: int | None = None,

@@ -22,6 +22,8 @@ import math
 import torch
 from torch import nn
 
+from ._args import as_int
+
 __all__ = [
     "sinusoidal",
     "SinusoidalPositionalEncoding",
@@ -37,8 +39,10 @@ __all__ = [
 
 
 def _check_pos_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    n = as_int(value)
+    if n is None:
         raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}.")
+    value = n
     if value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value}.")
     return value
@@ -55,9 +59,11 @@ def _check_base(base, *, minimum: float = 0.0, default: float = 10000.0) -> floa
 
 
 def _check_offset(offset) -> int:
-    if isinstance(offset, bool) or not isinstance(offset, int):
+    n = as_int(offset)
+    if n is None:
         raise TypeError("offset: expected an int >= 0 (position of the first row), got "
                         f"{type(offset).__name__} {offset!r}.")
+    offset = n
     if offset < 0:
         raise ValueError(f"offset: expected an int >= 0 (position of the first row), got {offset}.")
     return offset
@@ -86,8 +92,8 @@ def sinusoidal(length: int, d_model: int, *, base: float = 10000.0, dtype=torch.
     Computed in float64 and rounded once to ``dtype``. ``length`` and ``d_model`` are
     positive ints (``d_model`` even); ``base`` is a finite float > 0.
     """
-    _check_pos_int("length", length)
-    _check_pos_int("d_model", d_model)
+    length = _check_pos_int("length", length)
+    d_model = _check_pos_int("d_model", d_model)
     if d_model % 2:
         raise ValueError(f"d_model: expected an even size (sin/cos pairs), got {d_model}.")
     base = _check_base(base)
@@ -319,7 +325,7 @@ def alibi_slopes(num_heads: int, *, dtype=torch.float32) -> torch.Tensor:
         6 heads = slopes(4) + slopes(8)[0::2][:2]
                 = [1/4, 1/16, 1/64, 1/256] + [1/2, 1/8]
     """
-    _check_pos_int("num_heads", num_heads)
+    num_heads = _check_pos_int("num_heads", num_heads)
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"dtype: expected a floating dtype for the slopes (all below 1), got {dtype!r}. Pass e.g. "
                         "dtype=torch.float32.")

@@ -184,7 +184,7 @@ def test_return_weights_on_every_backend():
 LAYERS = [
     ("leaves: index and number helpers, bounded caches, the display registry",
      {"attnkit._tiling", "attnkit._mods", "attnkit._ranges", "attnkit._format", "attnkit._display", "attnkit._lru",
-      "attnkit.score_mods", "attnkit.positional"}),
+      "attnkit._args", "attnkit.score_mods", "attnkit.positional"}),
     ("masks and the score-mod compiler", {"attnkit.masks", "attnkit._scoreprog"}),
     ("plans (and a FlexAttention BlockMask read as one)", {"attnkit.plans", "attnkit._blockmask"}),
     ("engines: the backends, the tile-mass engine, the measured table they read",

@@ -220,3 +220,32 @@ def test_sparse_and_nested_inputs_are_refused_by_name_also_after_a_learned_dense
     args[arg] = t
     with pytest.raises(TypeError, match=f"{arg}: expected a dense"):
         attnkit.attention(**args)
+
+
+_SIZED = {  # each integer argument's call, given the integer n
+    "masks.sliding_window": lambda n: masks.sliding_window(n).size,
+    "masks.chunked": lambda n: masks.chunked(n).size,
+    "masks.prefix_lm": lambda n: masks.prefix_lm(n).prefix_length,
+    "positional.alibi_slopes": lambda n: attnkit.positional.alibi_slopes(n).shape[0],
+    "positional.RotaryEmbedding": lambda n: attnkit.positional.RotaryEmbedding(n).head_dim,
+    "positional.sinusoidal": lambda n: attnkit.positional.sinusoidal(n, 8).shape[0],
+    "nn.MultiHeadAttention": lambda n: attnkit.nn.MultiHeadAttention(8 * n, n).num_heads,
+    "nn.TransformerBlock": lambda n: attnkit.nn.TransformerBlock(8, 2, mlp_ratio=n).mlp[0].out_features // 8,
+    "nn.KVCache": lambda n: attnkit.nn.KVCache(1, 1, n, 4).k.shape[2],
+    "plan": lambda n: attnkit.plan(masks.causal(), n).L,
+    "tile_mass block": lambda n: attnkit.tile_mass(torch.ones(1, 1, 8, 4), torch.ones(1, 1, 8, 4),
+                                                   block=(n, n)).block[0],
+    "create_block_mask BLOCK_SIZE": lambda n: attnkit.create_block_mask(lambda b, h, i, j: i >= j, None, None, 8, 8,
+                                                                        BLOCK_SIZE=n).BLOCK_SIZE[0],
+}
+
+
+@pytest.mark.parametrize("name", list(_SIZED))
+def test_every_integer_argument_takes_numpy_and_tensor_integers_and_refuses_bools_and_floats(name):
+    call = _SIZED[name]
+    for n in (4, np.int64(4), np.int32(4), torch.tensor(4)):
+        got = call(n)
+        assert got == 4 and type(got) is int, (n, got)
+    for bad in (True, torch.tensor(True), 3.0, np.float64(3.0), "3"):
+        with pytest.raises((TypeError, ValueError), match=r"expected (an int|a positive int|\(bm, bn\)|two ints)"):
+            call(bad)

@@ -39,7 +39,7 @@ class TransformerBlock(nn.Module):
                  dropout: float = 0.0, causal: bool | None = None, positional=None, bias: bool = True,
                  activation: str = "gelu", device=None, dtype=None):
         super().__init__()
-        _check_pos_int("mlp_ratio", mlp_ratio)
+        mlp_ratio = _check_pos_int("mlp_ratio", mlp_ratio)
         if causal is not None and not isinstance(causal, bool):
             raise TypeError(f"causal: expected True, False or None (causal when a kv_cache is used), got {causal!r}.")
         if activation not in _ACTIVATIONS:

@@ -57,9 +57,9 @@ class KVCache:
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
                  value_dim: int | None = None, *, dtype=torch.float32, device=None):
-        for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                          ("max_length", max_length), ("head_dim", head_dim)):
-            _check_pos_int(name, val)
+        batch_size, num_kv_heads, max_length, head_dim = (
+            _check_pos_int(name, val) for name, val in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
+                                                        ("max_length", max_length), ("head_dim", head_dim)))
         value_dim = head_dim if value_dim is None else _check_pos_int("value_dim", value_dim)
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype: expected a floating dtype for keys and values (float16, bfloat16, float32, "

@@ -74,8 +74,8 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         if not isinstance(batch_first, bool):
             raise TypeError(f"batch_first: expected True or False, got {batch_first!r}.")
-        _check_pos_int("embed_dim", embed_dim)
-        _check_pos_int("num_heads", num_heads)
+        embed_dim = _check_pos_int("embed_dim", embed_dim)
+        num_heads = _check_pos_int("num_heads", num_heads)
         if embed_dim % num_heads:
             lo = max(num_heads, embed_dim // num_heads * num_heads)
             raise ValueError(

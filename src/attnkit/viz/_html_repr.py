@@ -25,13 +25,6 @@ _CAP = "caption-side:top;text-align:left;font-weight:600;padding:4px 0"
 MAX_CELLS = 64  # rows/columns shown per table; more are summarised
 
 
-def need_kind(name: str, obj, attrs, expected: str, fix: str) -> None:
-    """A TypeError naming ``name`` where ``obj`` lacks one of ``attrs`` (a tensor handed to a page that draws a
-    trace: Python's own error said "'Tensor' object has no attribute 'q'")."""
-    if not all(hasattr(obj, a) for a in attrs):
-        raise TypeError(f"{name}: expected {expected}, got {type(obj).__name__}. {fix}.")
-
-
 def esc(x) -> str:
     return _html.escape(str(x), quote=True)
 

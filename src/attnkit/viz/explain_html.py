@@ -19,7 +19,8 @@ import json
 
 import numpy as np
 
-from ._html_repr import _slice, esc, fmt, need_kind
+from ._checks import need_kind
+from ._html_repr import _slice, esc, fmt
 
 __all__ = ["explain_page", "save_explain_page", "MAX_TOKENS"]
 

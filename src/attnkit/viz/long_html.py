@@ -27,7 +27,7 @@ import json
 
 import numpy as np
 
-from ._html_repr import need_kind
+from ._checks import need_kind
 
 __all__ = ["tile_mass_page", "ROW_BINS"]
 
