@@ -16,6 +16,8 @@ from .backends._tiles import weights_from_lse
 
 __all__ = ["attention", "dispatch"]
 
+_is_tracing = torch._C._is_tracing  # torch.jit.trace (torch.jit.is_tracing without its scripting check)
+
 
 def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dropout_p=0.0,
               return_lse=False, return_weights=False, sinks=None, backend="auto"):
@@ -85,7 +87,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
     if type(q) is _Tensor and q.is_meta:
         return _on_meta(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=dropout_p,
                         return_lse=return_lse, return_weights=return_weights, sinks=sinks, backend=backend)
-    if _is_compiling():  # traced by torch.compile / torch.export: one call of attnkit's torch op (attnkit._op)
+    if _is_compiling() or _is_tracing():
+        # traced by torch.compile / torch.export / torch.jit.trace: one call of attnkit's torch op (attnkit._op); the
+        # eager path reads sizes and values, which torch.jit.trace would record as constants of the traced call
         from . import _op
 
         return _op.attention(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=dropout_p,

@@ -228,14 +228,16 @@ class RotaryEmbedding(nn.Module):
         """``(cos, sin)`` rows ``(≥ n, D/2)`` and, for the half-split layout, ``(C, S)`` rows
         ``(≥ n, D)`` with ``C = [cos, cos]``, ``S = [-sin, sin]`` (see :meth:`rotate`)."""
         key = (self.head_dim, self.base, dtype, device)
-        hit = self._tables.get(key)
+        tracing = torch._C._is_tracing()  # torch.jit.trace: no cache, whose rows it would record as constants
+        hit = None if tracing else self._tables.get(key)
         if hit is None or hit[0].shape[0] < n:
-            size = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 256)
+            size = n if tracing else max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 256)
             fdt = torch.float32 if torch.device(device).type == "mps" else torch.float64
             ang = self._angles(torch.arange(size, dtype=fdt, device=device))
             cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
             hit = (cos, sin, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
-            self._tables = {key: hit}
+            if not tracing:
+                self._tables = {key: hit}
         return hit
 
     def _angles(self, positions: torch.Tensor) -> torch.Tensor:
