@@ -86,6 +86,17 @@ class BlockPlan:
     def __setattr__(self, name, value):
         raise AttributeError("a BlockPlan is immutable: build a new one with attnkit.plan(...)")
 
+    # an immutable value: a copy is the plan itself (copy.deepcopy of a model holding one); pickled as its parts
+    # (a plan of a mask_mod pickles where the function does: one defined at a module's top level)
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (BlockPlan, (self._mask, *self._sizes, self._block, self._kinds, self._point_tiles, self._mask_key))
+
     mask = property(lambda self: self._mask)
     B = property(lambda self: self._sizes[0])
     H = property(lambda self: self._sizes[1])

@@ -208,3 +208,22 @@ def test_print_reports_point_evaluated_tiles():
     mod = attnkit.plan(lambda b, h, q, kv: kv <= q, 256, block=64)
     assert torch.equal(mod.kinds, builtin.kinds)
     assert mod.point_tiles == 4 and "4 point-evaluated" in repr(mod)  # the 4 diagonal tiles only
+
+
+def test_a_plan_is_copied_as_itself_and_pickles_as_its_parts():
+    """copy.deepcopy of a model holding a plan (an EMA copy, a checkpoint) raised "a BlockPlan is immutable"."""
+    import copy
+    import pickle
+
+    ids = torch.tensor([0] * 40 + [1] * 24)
+    p = attnkit.plan(M.causal() & M.document(ids), 64, B=1, H=2, block=(16, 16))
+    holder = torch.nn.Module()
+    holder.plan = p
+    assert copy.copy(p) is p and copy.deepcopy(p) is p and copy.deepcopy(holder).plan is p
+    back = pickle.loads(pickle.dumps(p))
+    assert (back.B, back.H, back.L, back.S, back.block) == (p.B, p.H, p.L, p.S, p.block)
+    assert torch.equal(back.kinds, p.kinds) and repr(back.mask) == repr(p.mask)
+    q = torch.randn(1, 2, 64, 16, dtype=torch.float64)
+    torch.testing.assert_close(attnkit.attention(q, q, q, mask=back),
+                               attnkit.attention(q, q, q, mask=M.causal() & M.document(ids), backend="eager"),
+                               rtol=0, atol=1e-12)
