@@ -123,8 +123,8 @@ def attention(q, k, v, mask, causal, scale, score_mod=None):
     if causal is not True and causal is not False:
         return None
     if scale is not None:
-        if (type(scale) is not float and type(scale) is not int) or not _isfinite(scale):
-            return None  # the full path says what is wrong with it
+        if (type(scale) is not float and type(scale) is not int) or not _isfinite(scale) or scale <= 0:
+            return None  # the full path says what is wrong with it (or rewrites a scale <= 0: positive_scale)
         scale = float(scale)
     key = _signature(q, k, v, mask, causal, scale, score_mod)
     if key is None:

@@ -78,7 +78,7 @@ import torch
 from . import _mods
 from . import masks as _m
 from . import score_mods as _sm
-from ._request import _check_sinks, _scale_value, make_request
+from ._request import _check_sinks, _scale_value, make_request, positive_scale
 from .backends import _native, _softmax, native, tiled
 from .backends._tiled_ctx import TileContext
 
@@ -119,7 +119,7 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
     if type(return_lse) is not bool:
         raise TypeError(f"return_lse: expected True or False, got {return_lse!r}.")
     if scale is not None:
-        scale = _scale_value(scale)
+        q, scale = positive_scale(q, _scale_value(scale))  # (the op's kernels take a scale > 0)
     rank = q.dim()
     if rank not in (2, 3, 4) or k.dim() != rank or v.dim() != rank:
         raise ValueError(f"q, k, v: expected the same rank 2, 3 or 4, got q {tuple(q.shape)}, k {tuple(k.shape)}, "

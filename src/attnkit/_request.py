@@ -79,6 +79,17 @@ def _from_numpy(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
+def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """``(q, scale)`` with ``scale > 0`` and the same scores. Every kernel hides a key by writing -inf over its raw
+    score and scales after (-inf · 0 is NaN, -inf · (-a) is +inf: a hidden key would win), so a scale <= 0 is
+    rewritten exactly: ``(q·k)·(-a) = ((-q)·k)·a`` (negation is exact in floating point), and
+    ``(q·k)·0 = ((q·0)·k)·1`` (0 for finite q and k, NaN where an inf meets it, as before). The gradient reaches
+    the caller's ``q`` through the rewrite (autograd)."""
+    if scale > 0.0:
+        return q, scale
+    return (-q, -scale) if scale < 0.0 else (q * 0.0, 1.0)
+
+
 def _scale_value(scale) -> float:
     """``scale`` as a Python float: a real number (int, float, or a NumPy scalar of either kind), finite."""
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
@@ -86,7 +97,7 @@ def _scale_value(scale) -> float:
                 "(lambda s, b, h, q, kv: s * t)." if isinstance(scale, torch.Tensor) else "")
         raise TypeError(f"scale: expected a real number (default 1/sqrt(D)), got {scale!r}.{hint}")
     value = float(scale)
-    if not math.isfinite(value):
+    if not abs(value) < math.inf:  # (not math.isfinite: a compiled function's float argument is symbolic)
         raise ValueError(f"scale: expected a finite number, got {scale!r}. Leave it out for 1/sqrt(D).")
     return value
 

@@ -10,7 +10,7 @@ from torch.compiler import is_compiling as _is_compiling
 
 from . import _fast, score_mods
 from ._dispatch import Decision, decide, explain_decision
-from ._request import _check_dense, make_request
+from ._request import _check_dense, make_request, positive_scale
 from .backends import _softmax
 from .backends._tiles import weights_from_lse
 
@@ -108,6 +108,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                        dropout_p=dropout_p, return_lse=return_lse, backend=backend,
                        return_weights=return_weights, sinks=sinks)
+    if req.scale <= 0.0:  # the kernels take a scale > 0 (see positive_scale); explain() shows the call as given
+        req.q, req.scale = positive_scale(req.q, req.scale)
     decision = explain_decision(req, backend)
     assert decision.kernel is not None
     out, lse = decision.kernel.run(req)
