@@ -205,15 +205,16 @@ def test_a_wide_finfo_min_bias_with_fp16_inputs_stays_off_sdpa():
     assert attnkit.dispatch(q, k, v, mask=bias.half()).backend == "sdpa"  # the mask in the inputs' dtype: SDPA
 
 
-@pytest.mark.parametrize("dtype, bias_dtype", [(torch.bfloat16, torch.float32)])
-def test_sdpa_keeps_a_wider_finfo_min_bias_finite(dtype, bias_dtype):
-    """A bias wider than the inputs (fp32 with bf16: fp32's finfo.min rounds to -inf in bf16) on SDPA: its finfo.min
-    row stays finite at the inputs' range edge, which still swamps the scores: the mean of V, as eager gives, not a
-    dead row."""
-    q, k, v = (t.to(dtype) for t in rand_qkv(1, 2, 2, 4, 16, 8))
-    bias = torch.zeros(1, 1, 4, 16, dtype=bias_dtype)
-    bias[..., 1, :] = torch.finfo(bias_dtype).min
+def test_a_wide_finfo_min_bias_with_bf16_inputs_stays_off_sdpa():
+    """A bias wider than the inputs (fp32 with bf16: SDPA would round it to bf16, fp32's finfo.min to -inf): auto
+    runs it where the bias stays fp32; its finfo.min row is the mean of V, as eager gives, not a dead row."""
+    q, k, v = (t.bfloat16() for t in rand_qkv(1, 2, 2, 4, 16, 8))
+    bias = torch.zeros(1, 1, 4, 16)
+    bias[..., 1, :] = torch.finfo(torch.float32).min
     bias[..., 2, 3:] = float("-inf")
-    out = attnkit.attention(q, k, v, mask=bias, backend="sdpa")
+    out = attnkit.attention(q, k, v, mask=bias)
     ref = attnkit.attention(q.double(), k.double(), v.double(), mask=bias.double(), backend="eager")
     assert (out.double() - ref).abs().max() < 2e-2 and out[..., 1, :].abs().max() > 0
+    with pytest.raises(ValueError, match=r"SDPA would round it to torch.bfloat16"):
+        attnkit.attention(q, k, v, mask=bias, backend="sdpa")
+    assert attnkit.dispatch(q, k, v, mask=bias.bfloat16()).backend == "sdpa"  # the mask in the inputs' dtype

@@ -94,3 +94,27 @@ def test_a_score_past_float64s_range_is_minus_inf_on_every_backend_without_a_war
     assert torch.allclose(outs["reference"][0, :, 1], v[0, :, 2:].mean(1), atol=1e-15, rtol=0)
     for b, out in outs.items():
         assert (out - outs["reference"]).abs().max().item() <= 1e-14, b
+
+
+@pytest.mark.parametrize("L", [70, 4, 1])
+def test_an_fp32_bias_with_bf16_inputs_is_added_in_fp32_on_auto(L):
+    """SDPA takes a bias in the inputs' dtype: ``auto`` handed it a bf16-rounded fp32 bias (a bias of ~20 rounded by
+    0.06; 0.054 off at the output against float64 where eager and tiled were 0.0065; a row of fp32 finfo.min had
+    the lse of bf16's max). Such a call now runs where the bias stays fp32."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, L, 16, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 130, 16, generator=g).bfloat16() for _ in range(2))
+    bias = torch.randn(L, 130, generator=g) * 3 + 20
+    bias[0] = torch.finfo(torch.float32).min
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.25 + bias.double()
+    want, want_lse = torch.softmax(s, -1) @ v.double(), torch.logsumexp(s, -1)
+    eager = attnkit.attention(q, k, v, mask=bias, backend="eager")
+    budget = 1.5 * (eager.double() - want).abs().max().item()
+    for _ in range(2):  # the full path, then the fast path's replay
+        out, lse = attnkit.attention(q, k, v, mask=bias, return_lse=True)
+        assert (out.double() - want).abs().max() <= budget
+        assert lse[0, :, 0].double().eq(want_lse[0, :, 0]).all() or (
+            (lse[0, :, 0].double() - want_lse[0, :, 0]).abs() / want_lse[0, :, 0].abs()).max() < 1e-6
+    assert attnkit.attention(q, k, v, mask=bias).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"SDPA would round it to torch\.bfloat16"):
+        attnkit.attention(q, k, v, mask=bias, backend="sdpa")

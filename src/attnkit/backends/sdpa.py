@@ -52,12 +52,14 @@ def unsupported(req: Request) -> str | None:
                 f"unavailable here ({_flash_cpu.unavailable_reason()})")
     if req.need_lse and req.requires_grad():
         return "lse from torch SDPA comes from a private kernel without autograd here (use backend='tiled' or 'eager')"
-    if req.bias is not None and req.q.dtype == torch.float16 and req.bias.dtype != torch.float16:
-        # SDPA takes the bias in the inputs' dtype: fp32 finfo.min padding cast to fp16 is -inf, its row a dead
-        # one (0) where attnkit (and eager, tiled) give the mean of V; a bias clamped to fp16's range instead
-        # would no longer swamp the scores (SDPA's kernels add it in fp32). (bf16, fp32: see _with_bias)
-        return (f"a {req.bias.dtype} float mask with {req.q.dtype} inputs: SDPA would cast it to {req.q.dtype}, "
-                "where values below its range (finfo.min padding) become -inf; pass the mask in the inputs' dtype, "
+    if req.bias is not None and req.q.dtype in (torch.float16, torch.bfloat16) and req.bias.dtype != req.q.dtype:
+        # SDPA takes the bias in the inputs' dtype. fp16: fp32 finfo.min padding cast to fp16 is -inf, its row a dead
+        # one (0) where attnkit (and eager, tiled) give the mean of V; a bias clamped to fp16's range instead would
+        # no longer swamp the scores (SDPA's kernels add it in fp32). bf16: every value rounded to 8 bits (a bias
+        # of 20 by 0.06), where the other paths add the fp32 bias to fp32 scores (0.054 off at the output against
+        # float64, the others 0.0065: a bf16 call with an fp32 bias of ~20)
+        return (f"a {req.bias.dtype} float mask with {req.q.dtype} inputs: SDPA would round it to {req.q.dtype} "
+                "(fp16: values below its range, finfo.min padding, become -inf); pass the mask in the inputs' dtype, "
                 "or use backend='tiled'")
     return None
 
@@ -104,13 +106,7 @@ def _with_bias(req: Request, allowed, j0: int, j1: int):
     """The float bias over keys ``[j0, j1)``, -inf where ``allowed`` (if any) is False."""
     L = req.q.shape[2]
     assert req.bias is not None  # only called for a request with a float bias
-    bias = tile_of(req.bias, 0, L, j0, j1 - j0)
-    if torch.finfo(bias.dtype).min < torch.finfo(req.q.dtype).min:
-        # a bias wider than the inputs (an fp32 bias with bf16 inputs): its finite values past their range
-        # (finfo.min padding) stay finite, at the range's edge, rather than cast to -inf (a dead row, 0, where the
-        # contract is the mean of V); the edge still swamps every score SDPA adds it to in fp32 (fp16: refused)
-        edge = torch.finfo(req.q.dtype).max
-        bias = torch.where(torch.isinf(bias), bias, bias.clamp(-edge, edge))
+    bias = tile_of(req.bias, 0, L, j0, j1 - j0)  # in the inputs' dtype (a wider one is refused: unsupported)
     bias = bias.to(req.q.dtype)
     if allowed is not None:
         bias = bias.masked_fill(~allowed, float("-inf"))
