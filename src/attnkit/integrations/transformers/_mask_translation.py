@@ -26,7 +26,7 @@ import torch
 
 from ... import masks as _masks
 from ._hf import import_transformers, module_supports_sdpa
-from ._refusals import check_uses_attention_interface
+from ._refusals import check_asking_model, check_uses_attention_interface
 
 __all__ = ["attnkit_mask", "structured_mask", "checked_kinds", "resolve_mask"]
 
@@ -48,6 +48,7 @@ def attnkit_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
         composed.append(mask_function)
         return None
     check_uses_attention_interface(kwargs.get("config"))
+    check_asking_model()
     if mask_function is None:
         mask_function = mu.causal_mask_function
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:

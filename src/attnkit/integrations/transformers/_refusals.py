@@ -16,13 +16,15 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+import types
+import weakref
 
 import torch
 
 from ._hf import model_name, module_supports_sdpa
 
-__all__ = ["UnsupportedModelError", "register_refusals", "check_uses_attention_interface", "check_kwargs",
-           "alternatives", "describe"]
+__all__ = ["UnsupportedModelError", "register_refusals", "check_uses_attention_interface", "check_asking_model",
+           "check_kwargs", "alternatives", "describe"]
 
 # ----------------------------------------------------------------------------------------------
 # models that compute attention themselves: refused, never half-run (issue 18, item 2)
@@ -111,6 +113,63 @@ def check_uses_attention_interface(config):
         _OWN_ATTENTION[cls] = verdict
     if _OWN_ATTENTION[cls] is not None:
         raise UnsupportedModelError(_OWN_ATTENTION[cls])
+
+
+# Where a modeling module mixes both kinds (BigBird-Pegasus: an encoder that computes its own attention, a decoder
+# that calls the interface; Informer: ProbSparse layers or interface ones, by config; Gemma 4: an audio encoder of
+# its own beside the text model), the module-wide test above passes, and the model that asks for the mask is
+# judged by the layers it holds: found up the stack from the mask hook, once per model object.
+_INTERFACE_NAMES = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "eager_attention_forward")
+_COMPUTES_ITSELF: dict = {}  # layer class -> whether it takes the mask and computes attention itself
+_MODEL_VERDICT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model object -> refusal text or None
+
+
+def _computes_itself(cls) -> bool:
+    """Whether ``cls`` is one of transformers' attention layers that takes an ``attention_mask`` and computes the
+    softmax itself (its source never reaches the attention interface): it would add attnkit's bool mask to its
+    scores as a number (+0 where the mask hides a key)."""
+    verdict = _COMPUTES_ITSELF.get(cls)
+    if verdict is None:
+        verdict = False
+        if cls.__module__.startswith("transformers.models.") and "Attention" in cls.__name__:
+            owner = next((c for c in cls.__mro__ if "forward" in vars(c)), None)
+            try:
+                src = inspect.getsource(cls) + ("" if owner in (None, cls) else inspect.getsource(owner))
+            except (OSError, TypeError):  # no source to read: do not guess
+                src = ""
+            head = re.search(r"def forward\((.*?)\)", src, re.S)
+            verdict = bool(head and "attention_mask" in head.group(1) and "softmax" in src
+                           and not any(n in src for n in _INTERFACE_NAMES))
+        _COMPUTES_ITSELF[cls] = verdict
+    return verdict
+
+
+def check_asking_model(depth: int = 12) -> None:
+    """Raise :class:`UnsupportedModelError` when the model whose forward asked for a mask (the nearest
+    ``nn.Module`` up the stack) holds an attention layer that computes attention itself (:func:`_computes_itself`).
+    Called by the mask hook."""
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return
+        model = frame.f_locals.get("self")
+        if isinstance(model, torch.nn.Module):
+            break
+        frame = frame.f_back
+    else:
+        return
+    try:
+        verdict = _MODEL_VERDICT[model]
+    except KeyError:
+        own = sorted({type(m).__name__ for m in model.modules() if _computes_itself(type(m))})
+        verdict = None
+        if own:
+            mod = sys.modules.get(type(model).__module__)
+            verdict = _refusal(type(model).__name__, ", ".join(own),
+                               ["sdpa"] if mod is not None and module_supports_sdpa(mod) else [])
+        _MODEL_VERDICT[model] = verdict
+    if verdict is not None:
+        raise UnsupportedModelError(verdict)
 
 
 # ----------------------------------------------------------------------------------------------
