@@ -116,7 +116,7 @@ def _spawned(rank: int, W: int, port: int, args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag", "balanced"])
