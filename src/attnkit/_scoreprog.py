@@ -166,6 +166,11 @@ class _Sym:
 
     def __init__(self, bld: _Builder, reg: int, kind: str, rng=None):
         self.bld, self.reg, self.kind, self.rng = bld, reg, kind, rng
+        # a value torch would hold in bf16 / fp16 (a read of such a tensor): torch rounds arithmetic on it to 8 / 11
+        # bits where no fp32 operand joins it, the kernel's programs would not (see _low_arith); weak: a constant
+        # from a number, which torch's promotion gives the dtype of the tensor beside it
+        self.low = False
+        self.weak = False
 
     # ---- conversions -------------------------------------------------------------------------
     def _f(self) -> _Sym:
@@ -247,8 +252,8 @@ class _Sym:
     def log(self): return _unary("log", self)
     def log1p(self): return _unary("log1p", self)
     def floor(self): return _unary("floor", self)
-    def float(self): return self._f()
-    def double(self): return self._f()
+    def float(self): return _widened(self._f())
+    def double(self): return _widened(self._f())
     def long(self): return _to_int(self)
     def int(self): return _to_int(self)
     def bool(self): return _compare("ne", self, 0)
@@ -320,7 +325,9 @@ def _lift(bld: _Builder, x) -> _Sym:
         return bld.emit("consti", (x,), "i", (x, x))
     if isinstance(x, float):
         bld.consts.append(x)
-        return bld.emit("constf", (len(bld.consts) - 1,), "f", (x, x) if math.isfinite(x) else None)
+        out = bld.emit("constf", (len(bld.consts) - 1,), "f", (x, x) if math.isfinite(x) else None)
+        out.weak = True  # a number: beside a bf16 value torch takes it in bf16 (_low_arith)
+        return out
     raise Refused(f"a value of type {type(x).__name__}")
 
 
@@ -333,8 +340,27 @@ def _both(a, b):
     return _lift(bld, a), _lift(bld, b)
 
 
+def _widened(a: _Sym) -> _Sym:
+    """``a`` as torch's fp32 / fp64 of it (exact): no longer a low-precision value."""
+    if not a.low:
+        return a
+    w = _Sym(a.bld, a.reg, a.kind, a.rng)
+    return w
+
+
+def _low_arith(what: str, *xs) -> None:
+    """Refuse arithmetic that torch would do in bf16 / fp16: a low-precision value with no fp32 float beside it
+    (a number or an index tensor promotes to bf16). torch rounds such a result; a kernel program computes in fp32,
+    so the compiled kernel would answer differently from every other path (0.2 at the output for a bf16 slope
+    times a distance of ~100). With an fp32 operand (the score) torch computes in fp32, as the program does."""
+    if any(x.low for x in xs) and not any(x.kind == "f" and not x.low and not x.weak for x in xs):
+        raise Refused(f"{what} on a value read from a bf16 / fp16 tensor (torch rounds it to that dtype, the "
+                      "kernel's programs compute in fp32; capture the tensor as fp32 for the kernel)")
+
+
 def _binary(op, a, b):
     a, b = _both(a, b)
+    _low_arith(op, a, b)
     bld = a.bld
     if op == "div":
         return bld.emit("div", (a._f().reg, b._f().reg), "f", _frange(op, a.rng, b.rng))
@@ -374,6 +400,12 @@ def _div(a, b, rounding_mode):
 
 def _unary(op, a):
     bld = a.bld
+    if a.low:
+        if op not in ("neg", "abs", "sign"):
+            _low_arith(op, a)
+        out = bld.emit(op, (a.reg,), "f", _frange(op, a.rng, None))  # exact in any dtype: still low
+        out.low = True
+        return out
     if op in ("neg", "abs", "sign") and a.kind != "f":
         lo, hi = a.rng
         rng = {"neg": (-hi, -lo), "abs": (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi))),
@@ -411,6 +443,8 @@ def _cast(a, dtype):
 
 def _compare(op, a, b):
     a, b = _both(a, b)
+    if a.low or b.low:
+        _low_arith("a comparison", a, b)  # (a number beside it is rounded to the low dtype first)
     if a.kind == "f" or b.kind == "f":
         return a.bld.emit("f" + op, (a._f().reg, b._f().reg), "b", (0, 1))
     return a.bld.emit("i" + op, (a.reg, b.reg), "b", (0, 1))
@@ -431,6 +465,8 @@ def _not(a):
 
 def _minmax(op, a, b):
     a, b = _both(a, b)
+    if a.low or b.low:
+        _low_arith("a minimum / maximum", a, b)  # (a number beside it would be rounded to the low dtype)
     if a.kind == "f" or b.kind == "f":
         return a.bld.emit("f" + op, (a._f().reg, b._f().reg), "f", _frange(op, a.rng, b.rng))
     (al, ah), (bl, bh) = a.rng, b.rng
@@ -454,6 +490,8 @@ def _where(c, a, b):
     c, a, b = _lift(bld, c), _lift(bld, a), _lift(bld, b)
     if c.kind != "b":
         raise Refused("torch.where on a non-boolean condition")
+    if a.low or b.low:
+        _low_arith("torch.where", a, b)
     if a.kind == "f" or b.kind == "f":
         rng = None if a.rng is None or b.rng is None else (min(a.rng[0], b.rng[0]), max(a.rng[1], b.rng[1]))
         return bld.emit("where", (c.reg, a._f().reg, b._f().reg), "f", rng)
@@ -511,7 +549,9 @@ def _read(table, idx):
         bld.tables.append(data)
         bld.sources.append(table)
     t = bld.table_ids[key]
-    return bld.emit("readf" if kind == "f" else "readi", (t, *regs), kind, rng)
+    out = bld.emit("readf" if kind == "f" else "readi", (t, *regs), kind, rng)
+    out.low = table.dtype in (torch.bfloat16, torch.float16)
+    return out
 
 
 def _from_score(bld: _Builder, reg: int) -> bool:

@@ -22,6 +22,7 @@ import attnkit
 from attnkit import _scoreprog
 from attnkit import masks as M
 from attnkit import score_mods as SM
+from attnkit.backends import _native
 
 pytestmark = pytest.mark.skipif(os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"),
                                 reason="the compiled kernel is switched off by ATTNKIT_NATIVE=0")
@@ -314,3 +315,35 @@ def test_backward_of_a_program_with_a_large_integer_constant():
     refs = torch.autograd.grad(ref, (qd, kd, vd, td), go.double())
     for name, a, b in zip(("dq", "dk", "dv", "dtable"), grads, refs, strict=True):
         assert (a.double() - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item()), name
+
+
+_SLOPES = torch.rand(4, generator=torch.Generator().manual_seed(3)).bfloat16()
+_TABLE = torch.randn(4, 130, generator=torch.Generator().manual_seed(4)).bfloat16()
+_LOW_MODS = {  # (mod, whether torch computes part of it in bf16: the kernel's fp32 program would differ)
+    "bf16 slope * distance": (lambda s, b, h, i, j: s + _SLOPES[h] * (j - i), True),
+    "bf16 table > 0.3": (lambda s, b, h, i, j: torch.where(_TABLE[h, j] > 0.3, s, s - 1), True),
+    "score + bf16 table": (lambda s, b, h, i, j: s + _TABLE[h, j], False),
+    "score * bf16 table": (lambda s, b, h, i, j: s * _TABLE[h, j], False),
+    "fp32 of a bf16 read, times 2": (lambda s, b, h, i, j: s + _TABLE[h, j].float() * 2, False),
+    "score - (-bf16 read)": (lambda s, b, h, i, j: s - (-_TABLE[h, j]), False),
+}
+
+
+@pytest.mark.parametrize("name", list(_LOW_MODS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_score_mod_reading_a_bf16_tensor_answers_as_torch_computes_it_on_every_path(name, dtype):
+    """torch rounds arithmetic on a bf16 tensor's values to bf16 where no fp32 operand joins it; the kernel's
+    programs compute in fp32, so auto (the kernel) and eager (torch's promotion) differed by 0.18 for a bf16 slope
+    times a distance. Such a program is refused (the plain worker runs it, as torch does); one where an fp32
+    operand joins the read stays on the kernel."""
+    mod, rounds = _LOW_MODS[name]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 70, 16, generator=g).to(dtype)
+    k, v = (torch.randn(1, 4, 130, 16, generator=g).to(dtype) for _ in range(2))
+    d = attnkit.dispatch(q, k, v, score_mod=mod, causal=True)
+    if _native.available():
+        assert (d.worker == "native") is not rounds, d.worker_reason
+    got = attnkit.attention(q, k, v, score_mod=mod, causal=True)
+    want = attnkit.attention(q, k, v, score_mod=mod, causal=True, backend="eager")
+    tol = 5e-6 if dtype == torch.float32 else 2e-2
+    assert (got.double() - want.double()).abs().max() <= tol
