@@ -79,6 +79,9 @@ def _from_numpy(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     """``(q, scale)`` with ``scale > 0`` and the same scores. Every kernel hides a key by writing -inf over its raw
     score and scales after (-inf · 0 is NaN, -inf · (-a) is +inf: a hidden key would win), so a scale <= 0 is
@@ -274,6 +277,9 @@ def make_request(
     S = k4.shape[2]
 
     scale = 1.0 / math.sqrt(D) if scale is None else _scale_value(scale)
+    if abs(scale) > _F32_MAX and q4.dtype != torch.float64:
+        raise ValueError(f"scale: {scale!r} is past float32's range ({_F32_MAX:.4g}), where {q4.dtype} inputs are "
+                         "scored (it would be inf: every output NaN). Pass a smaller scale, or float64 inputs.")
 
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}.")

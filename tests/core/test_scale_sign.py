@@ -84,3 +84,14 @@ def test_explain_shows_a_negative_scale_as_given():
     t = attnkit.explain(q, np.array([[1.0, 1], [1, 0]]), np.eye(2), scale=-0.5, causal=True)
     assert t.scale == -0.5 and np.array_equal(t.q, q)
     np.testing.assert_allclose(t.scaled, -0.5 * t.scores)
+
+
+def test_a_scale_past_float32s_range_is_refused_for_inputs_scored_in_float32():
+    """1e39 is a finite Python float but inf in float32, where fp32 / bf16 / fp16 inputs are scored: every output was
+    NaN, with no error."""
+    q = torch.randn(1, 2, 8, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(ValueError, match=r"scale: 1e\+39 is past float32's range"):
+            attnkit.attention(q.to(dtype), q.to(dtype), q.to(dtype), scale=1e39)
+    out = attnkit.attention(q.double(), q.double(), q.double(), scale=1e39)  # float64 scores hold it
+    assert torch.isfinite(out).all()
