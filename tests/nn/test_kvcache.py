@@ -319,3 +319,26 @@ def test_decoding_under_autocast_builds_the_cache_in_autocasts_dtype():
     assert m.new_cache(1, 3).k.dtype == torch.float32  # outside autocast: the module's dtype
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert m.double().new_cache(1, 3).k.dtype == torch.float64  # float64 is kept, as autocast keeps it
+
+
+def test_a_cache_whose_first_layer_is_gone_is_refused_to_another_until_reset():
+    """The owner check read a dead weak reference as "no owner": after the first layer was garbage-collected any
+    number of live layers could append after its keys."""
+    import gc
+
+    torch.manual_seed(0)
+    first = MultiHeadAttention(8, 2)
+    cache = first.new_cache(1, 16)
+    x = torch.randn(1, 2, 8)
+    with torch.no_grad():
+        first(x, kv_cache=cache)
+        del first
+        gc.collect()
+        other = MultiHeadAttention(8, 2)
+        with pytest.raises(ValueError, match=r"appended by a module that no longer exists.*cache\.reset"):
+            other(x[:, :1], kv_cache=cache)
+        assert cache.length == 2
+        cache.reset()
+        other(x, kv_cache=cache)
+        other(x[:, :1], kv_cache=cache)
+    assert cache.length == 3

@@ -87,9 +87,18 @@ class KVCache:
         self._owner = None
 
     def check_owner(self, module) -> None:
-        """Raise ``ValueError`` if another (live) module has already appended to this cache."""
-        owner = None if self._owner is None else self._owner()
-        if owner is not None and owner is not module:
+        """Raise ``ValueError`` if another module has already appended to this cache (a live one, or one that no
+        longer exists: its keys are still here)."""
+        if self._owner is None:
+            return
+        owner = self._owner()
+        if owner is None:
+            raise ValueError(
+                f"kv_cache: holds {self.length} tokens appended by a module that no longer exists, and "
+                f"{type(module).__name__} at {id(module):#x} tried to append after them. Call cache.reset() before "
+                "another layer uses it, or build a new cache (layer.new_cache(batch_size, max_length))."
+            )
+        if owner is not module:
             raise ValueError(
                 f"kv_cache: each layer needs its own cache: this one already holds the keys of "
                 f"{type(owner).__name__} at {id(owner):#x}, and {type(module).__name__} at {id(module):#x} tried to "
@@ -117,7 +126,7 @@ class KVCache:
                 and k.shape[:2] == sk.shape[:2] and k.shape[3] == sk.shape[3] and v.shape[:3] == k.shape[:3]
                 and v.shape[3] == sv.shape[3] and k.dtype == sk.dtype and v.dtype == sv.dtype
                 and k.device == sk.device and v.device == sv.device and self.length + k.shape[2] <= sk.shape[2]
-                and (owner is None or self._owner is None or self._owner() in (None, owner))
+                and (owner is None or self._owner is None or self._owner() is owner)
                 and not torch.is_grad_enabled()):
             # the decoding step under no_grad, every check below passed in one expression
             if owner is not None and self._owner is None:
