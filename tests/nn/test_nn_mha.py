@@ -438,3 +438,66 @@ def test_key_padding_mask_layout():
     assert (as_ls - padded).abs().max() > 1e-6
     doc = MultiHeadAttention.forward.__doc__
     assert "keep[:, None, None, :]" in doc and "masks.padding(lengths)" in doc and "(L, S)" in doc
+
+
+def test_a_from_torch_module_answers_torch_style_calls_by_name_and_by_position_as_torch_does():
+    """Torch-style calls were recognised only by three positional tensors: ``m(query=x, key=x, value=x)`` returned
+    a bare tensor (unpacked as batch rows 0 and 1), ``m(x, x, x, pad, False)`` raised Python's arity error and
+    ``attn_mask=None`` was refused."""
+    torch.manual_seed(0)
+    tm = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    am = MultiHeadAttention.from_torch(tm)
+    x = torch.randn(2, 5, 8)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    calls = {
+        "by name": (lambda: am(query=x, key=x, value=x, key_padding_mask=pad), {}),
+        "mixed": (lambda: am(x, x, value=x, key_padding_mask=pad), {}),
+        "positional": (lambda: am(x, x, x, pad), {}),
+        "positional need_weights": (lambda: am(x, x, x, pad, False), dict(need_weights=False)),
+        "positional average": (lambda: am(x, x, x, pad, True, None, False), dict(average_attn_weights=False)),
+        "attn_mask=None": (lambda: am(x, x, x, key_padding_mask=pad, attn_mask=None), {}),
+    }
+    for name, (call, kw) in calls.items():
+        got, want = call(), tm(x, x, x, key_padding_mask=pad, **kw)
+        assert isinstance(got, tuple) and len(got) == 2, name
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+        assert (got[1] is None) == (want[1] is None), name
+        if want[1] is not None:
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match="at most 8 positional arguments"):
+        am(x, x, x, pad, True, None, True, False, 1)
+    assert isinstance(am(x), torch.Tensor)  # attnkit's style: out alone
+
+
+def test_a_sequence_first_module_names_its_own_layout_in_input_errors():
+    am = MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2))
+    with pytest.raises(ValueError, match=r"\(L, B, embed_dim=8\) \(batch_first=False\), got \(5, 8\)\. Fix: add a "
+                                         r"batch dim with x\.unsqueeze\(1\)"):
+        am(torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"got \(5, 2, 9\)\. Fix: project it to embed_dim=8"):
+        am(torch.randn(5, 2, 9))
+
+
+def test_alibi_slopes_stay_float32_when_the_module_is_cast():
+    m = MultiHeadAttention(64, 16, positional="alibi")
+    want = m.alibi_slopes.clone()
+    for cast in (m.bfloat16, m.half, m.double, m.float):
+        cast()
+        assert m.alibi_slopes.dtype == torch.float32 and torch.equal(m.alibi_slopes, want)
+
+
+def test_requires_grad_carries_across_from_torch_and_to_torch():
+    for kdim in (None, 6):
+        tm = torch.nn.MultiheadAttention(8, 2, kdim=kdim, vdim=kdim, batch_first=True)
+        for p in tm.parameters():
+            p.requires_grad_(False)
+        tm.out_proj.weight.requires_grad_(True)
+        am = MultiHeadAttention.from_torch(tm)
+        assert [n for n, p in am.named_parameters() if p.requires_grad] == ["out_proj.weight"]
+        back = am.to_torch()
+        assert [n for n, p in back.named_parameters() if p.requires_grad] == ["out_proj.weight"]
+    am = MultiHeadAttention(8, 2)
+    am.k_proj.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="differ in requires_grad"):
+        am.to_torch()

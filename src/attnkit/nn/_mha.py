@@ -160,6 +160,15 @@ class MultiHeadAttention(nn.Module):
 
     # ------------------------------------------------------------------ public API
 
+    def _apply(self, fn, recurse=True):
+        # .half() / .bfloat16() / .to(dtype) cast every float buffer; ALiBi's slopes stay float32 (the docstring's
+        # promise: a bf16 slope of H = 16 heads is 7.6e-5 off, and its bias grows with the distance it multiplies)
+        out = super()._apply(fn, recurse)
+        slopes = self.__dict__["_buffers"].get("alibi_slopes")
+        if slopes is not None and slopes.dtype != torch.float32:
+            self.alibi_slopes = alibi_slopes(self.num_heads).to(slopes.device)
+        return out
+
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty :class:`~attnkit.nn.KVCache` for this layer: ``(B, Hkv, max_length, D)`` buffers
         in the module's dtype and device — or, built under ``torch.autocast``, in autocast's dtype,
@@ -243,17 +252,19 @@ class MultiHeadAttention(nn.Module):
             tk = tq if same_k else tr(key)
             tv = (tq if value is query else tk) if same_v else tr(value)
             self.batch_first = True
+            self.__dict__["_seq_first_call"] = True  # (messages about the inputs describe the caller's layout)
             try:
                 res = self.forward(tq, tk, tv, mask=mask, causal=causal, need_weights=need_weights, kv_cache=kv_cache)
             finally:
                 self.batch_first = False
+                self.__dict__["_seq_first_call"] = False
             return (res[0].transpose(0, 1), res[1]) if need_weights else res.transpose(0, 1)
         # torch's calling style m(x, x, x) (or m(x, x)) is self-attention too
         self_attn = key is None or (key is query and (value is None or value is query))
         if value is None:
             value = key
         ref = self.q_proj.weight
-        B, L = self._check_input("query", query, self.embed_dim, ref)
+        B, L = self._check_input("query", query, self.embed_dim, ref, self.__dict__.get("_seq_first_call", False))
         if not self_attn:
             if kv_cache is not None:
                 raise TypeError(
@@ -267,8 +278,9 @@ class MultiHeadAttention(nn.Module):
                     "positional=None for cross-attention (for self-attention pass key=value=None, or the "
                     "query tensor itself)."
                 )
-            Bk, S = self._check_input("key", key, self.kdim, ref)
-            Bv, Sv = self._check_input("value", value, self.vdim, ref)
+            seq_first = self.__dict__.get("_seq_first_call", False)
+            Bk, S = self._check_input("key", key, self.kdim, ref, seq_first)
+            Bv, Sv = self._check_input("value", value, self.vdim, ref, seq_first)
             if Bk != B or Bv != B:
                 raise ValueError(
                     f"key/value: expected batch size {B} (that of query), got key {Bk}, value {Bv}. "
@@ -363,16 +375,20 @@ class MultiHeadAttention(nn.Module):
         return out if self.batch_first else out.transpose(0, 1)
 
     @staticmethod
-    def _check_input(name: str, x, features: int, ref: torch.Tensor):
+    def _check_input(name: str, x, features: int, ref: torch.Tensor, seq_first: bool = False):
+        """``seq_first``: the caller's module is ``batch_first=False`` (``x`` arrives here transposed to batch first;
+        a message shows the caller's own shape and layout)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor (B, L, {features}), got {type(x).__name__}.")
         if x.dim() != 3 or x.shape[-1] != features:
             what = {"query": "embed_dim", "key": "kdim", "value": "vdim"}[name]
-            hint = "add a batch dim with x.unsqueeze(0)" if x.dim() == 2 else f"project it to {what}={features}"
-            raise ValueError(
-                f"{name}: expected shape (B, {'L' if name == 'query' else 'S'}, {what}={features}) (batch first), "
-                f"got {tuple(x.shape)}. Fix: {hint}."
-            )
+            n = "L" if name == "query" else "S"
+            shape = tuple(x.transpose(0, 1).shape) if seq_first and x.dim() == 3 else tuple(x.shape)
+            hint = (f"add a batch dim with x.unsqueeze({1 if seq_first else 0})" if x.dim() == 2
+                    else f"project it to {what}={features}")
+            layout = f"({n}, B, {what}={features}) (batch_first=False)" if seq_first else \
+                f"(B, {n}, {what}={features}) (batch first)"
+            raise ValueError(f"{name}: expected shape {layout}, got {shape}. Fix: {hint}.")
         if x.dtype != ref.dtype or x.device != ref.device:
             raise TypeError(
                 f"{name}: expected {ref.dtype} on {ref.device} (the module's parameters), got {x.dtype} on "

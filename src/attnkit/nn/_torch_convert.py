@@ -22,13 +22,16 @@ torch's polarity (bool ``(B, S)``, True = padding; or a float ``(B, S)`` added t
 code written for the torch module keeps working; it becomes ``mask=~pad[:, None, None, :]``
 (or the float bias ``pad[:, None, None, :]``).
 
-Called as torch's module is called — ``query, key, value`` positionally, with none of attnkit's
-own keywords (``mask``, ``causal``, ``kv_cache``, ``context_parallel``) — it also answers as
-torch's does: the tuple ``(out, weights)``, ``weights`` averaged over the heads ``(B, L, S)``
-unless ``average_attn_weights=False`` (then ``(B, H, L, S)``), or ``(out, None)`` with
-``need_weights=False`` (torch's default is True, and so is this one's here); ``is_causal=`` is
-torch's ``causal=``. So ``out, _ = m(x, x, x)`` is torch's output, never batch row 0 unpacked
-from a bare tensor. Called in attnkit's style (``m(x)``, ``m(x, mask=...)``) it answers as
+Called as torch's module is called — ``query, key, value`` (by position or by name; torch's
+``key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal`` may follow by position too),
+with none of attnkit's own keywords (``mask``, ``causal``, ``kv_cache``, ``context_parallel``) — it also
+answers as torch's does: the tuple ``(out, weights)``, ``weights`` averaged over the heads ``(B, L, S)``
+unless ``average_attn_weights=False`` (then ``(B, H, L, S)``), or ``(out, None)`` with ``need_weights=False``
+(torch's default is True, and so is this one's here); ``is_causal=`` is torch's ``causal=``. So ``out, _ =
+m(x, x, x)`` is torch's output, never batch row 0 unpacked from a bare tensor. (In training mode with dropout its
+weights are those before dropout, as attnkit's ``need_weights`` gives them; torch's are after.) Parameters keep
+torch's ``requires_grad`` both ways. Called in attnkit's style
+(``m(x)``, ``m(x, mask=...)``) it answers as
 :class:`~attnkit.nn.MultiHeadAttention` does::
 
     out, w = m(x, x, x)                   # torch's style: (out, weights averaged over heads)
@@ -86,6 +89,17 @@ def _from_torch(module: nn.MultiheadAttention, MultiHeadAttention):
             bq, bk, bv = module.in_proj_bias.chunk(3, dim=0)
             for lin, b in ((mha.q_proj, bq), (mha.k_proj, bk), (mha.v_proj, bv), (mha.out_proj, module.out_proj.bias)):
                 lin.bias.copy_(b)
+    # frozen stays frozen (requires_grad as on torch's side; a packed in_proj_* is one flag for q, k and v)
+    packed = module._qkv_same_embed_dim
+    flags_w = ([module.in_proj_weight.requires_grad] * 3 if packed else
+               [t.requires_grad for t in (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)])
+    for lin, flag in zip((mha.q_proj, mha.k_proj, mha.v_proj), flags_w, strict=True):
+        lin.weight.requires_grad_(flag)
+        if bias:
+            lin.bias.requires_grad_(module.in_proj_bias.requires_grad)
+    mha.out_proj.weight.requires_grad_(module.out_proj.weight.requires_grad)
+    if bias:
+        mha.out_proj.bias.requires_grad_(module.out_proj.bias.requires_grad)
     mha.train(module.training)
     mha.register_forward_pre_hook(_torch_call, with_kwargs=True)
     mha.register_forward_hook(_torch_result, with_kwargs=True)
@@ -93,12 +107,29 @@ def _from_torch(module: nn.MultiheadAttention, MultiHeadAttention):
 
 
 _ATTNKIT_ONLY = frozenset(("mask", "causal", "kv_cache", "context_parallel"))  # keywords torch's module has not
+# torch's MultiheadAttention.forward, in order: what a torch-style call passes positionally after query, key, value
+_TORCH_POSITIONAL = ("key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal")
 
 
 def _torch_call(module, args, kwargs):
     """Forward pre-hook of a ``from_torch`` module: torch's keywords in attnkit's terms, and whether this call is
-    torch's style (``query, key, value`` positionally: it answers with torch's tuple, :func:`_torch_result`)."""
-    torch_style = len(args) >= 3 and not _ATTNKIT_ONLY & kwargs.keys()
+    torch's style (``query, key, value`` all given, by position or by name, as torch's module requires them: it
+    answers with torch's tuple, :func:`_torch_result`)."""
+    if len(args) > 3:  # torch's positional signature past value
+        extra = args[3:]
+        if len(extra) > len(_TORCH_POSITIONAL):
+            raise TypeError(f"forward: torch's MultiheadAttention takes at most {3 + len(_TORCH_POSITIONAL)} "
+                            f"positional arguments (query, key, value, {', '.join(_TORCH_POSITIONAL)}), got "
+                            f"{len(args)}.")
+        for name, val in zip(_TORCH_POSITIONAL, extra, strict=False):
+            if name in kwargs:
+                raise TypeError(f"forward: got {name} both by position and by name.")
+            kwargs[name] = val
+        args = args[:3]
+    named = ("query", "key", "value")[len(args):]
+    torch_style = all(n in kwargs for n in named) and not _ATTNKIT_ONLY & kwargs.keys()
+    if kwargs.get("attn_mask", 0) is None:  # torch's explicit "no mask"
+        del kwargs["attn_mask"]
     want = None
     if torch_style:
         need = kwargs.pop("need_weights", True)
@@ -183,6 +214,13 @@ def to_torch(mha, *, batch_first: bool = True) -> nn.MultiheadAttention:
             f"mha: torch.nn.MultiheadAttention has no positional={mha.positional!r}. Only positional=None converts."
         )
     ref = mha.out_proj.weight
+    qkv = (mha.q_proj, mha.k_proj, mha.v_proj)
+    same = mha.kdim == mha.vdim == mha.embed_dim  # torch packs q, k, v into in_proj_weight: one requires_grad
+    for part in ("weight", "bias") if same else ("bias",):
+        flags = {getattr(lin, part).requires_grad for lin in qkv if getattr(lin, part) is not None}
+        if len(flags) > 1:
+            raise ValueError(f"mha: the q / k / v projections' {part}s differ in requires_grad (some frozen), and "
+                             f"torch.nn.MultiheadAttention holds them in one in_proj_{part}. Freeze all three or none.")
     tm = nn.MultiheadAttention(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.bias,
                                kdim=mha.kdim, vdim=mha.vdim, batch_first=batch_first,
                                device=ref.device, dtype=ref.dtype)
@@ -197,5 +235,14 @@ def to_torch(mha, *, batch_first: bool = True) -> nn.MultiheadAttention:
         if mha.bias:
             tm.in_proj_bias.copy_(torch.cat([mha.q_proj.bias, mha.k_proj.bias, mha.v_proj.bias], 0))
             tm.out_proj.bias.copy_(mha.out_proj.bias)
+    if tm._qkv_same_embed_dim:
+        tm.in_proj_weight.requires_grad_(mha.q_proj.weight.requires_grad)
+    else:
+        for t, lin in zip((tm.q_proj_weight, tm.k_proj_weight, tm.v_proj_weight), qkv, strict=True):
+            t.requires_grad_(lin.weight.requires_grad)
+    tm.out_proj.weight.requires_grad_(mha.out_proj.weight.requires_grad)
+    if mha.bias:
+        tm.in_proj_bias.requires_grad_(mha.q_proj.bias.requires_grad)
+        tm.out_proj.bias.requires_grad_(mha.out_proj.bias.requires_grad)
     tm.train(mha.training)
     return tm
