@@ -126,9 +126,11 @@ def _walk(req: Request, backend: str, device_type: str) -> Decision:
     chosen = None
     wrapped = _wrapped(req)
     for k in kernels:
-        if wrapped and auto and k.reads_memory:  # (its own checks not asked: some probe torch's kernels)
+        # (its own checks not asked: some probe torch's kernels); named, the tiled backend's kernels too (their
+        # autograd.Functions and data pointers fail inside torch's transforms), while torch SDPA's op runs under them
+        if wrapped and k.reads_memory and (auto or k.backend == "tiled"):
             why = [f"tensors wrapped by a torch.func transform (grad, vmap, …): {k.title or k.name} reads the "
-                   f"tensors' memory, which they have not"]
+                   f"tensors' memory, which they have not (backend='auto' or 'eager' runs under the transforms)"]
         else:
             why = k.not_supported(req)
         if not why and auto:

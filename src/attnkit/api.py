@@ -5,6 +5,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.fx as _fx
 from torch import Tensor as _Tensor
 from torch.compiler import is_compiling as _is_compiling
 
@@ -84,6 +85,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
         return _autocast(attention, q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                          dropout_p=dropout_p, return_lse=return_lse, return_weights=return_weights, sinks=sinks,
                          backend=backend)
+    if type(q) is not _Tensor and isinstance(q, _fx.Proxy):
+        return _fx_leaf(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=dropout_p,
+                        return_lse=return_lse, return_weights=return_weights, sinks=sinks, backend=backend)
     if type(q) is _Tensor and q.is_meta:
         return _on_meta(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=dropout_p,
                         return_lse=return_lse, return_weights=return_weights, sinks=sinks, backend=backend)
@@ -119,6 +123,19 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
     if req.weight_heads is not None:
         weights = weights_from_lse(req, lse, req.weight_heads).to(req.q.dtype)  # (B, H', L, S)
     return _finish(req, out, lse, weights)
+
+
+def _fx_leaf(q, k, v, **kw):
+    """Under ``torch.fx.symbolic_trace`` (``q`` a Proxy): one node of the graph that calls :func:`attention` when the
+    graph runs (a leaf: the eager path reads shapes and values a Proxy has not). Proxies among the keywords (a mask
+    that is an input of the traced function) stay inputs of the node; the other arguments are held by it."""
+    traced = {n: x for n, x in kw.items() if isinstance(x, _fx.Proxy)}
+    held = {n: x for n, x in kw.items() if n not in traced}
+
+    def attention(q, k, v, **inputs):  # (named so: the graph's code reads "attention(q, k, v)")
+        return _attention(q, k, v, **held, **inputs)
+
+    return q.tracer.create_proxy("call_function", attention, (q, k, v), traced)
 
 
 def _on_meta(q, k, v, **kw):
@@ -214,3 +231,6 @@ def _autocast(fn, q, k, v, **kw):
 
     with torch.autocast(device, enabled=False):
         return fn(cast(q), cast(k), cast(v), **kw)
+
+
+_attention = attention  # (for _fx_leaf, whose node function is named attention too)

@@ -144,3 +144,16 @@ def test_vmap_with_the_weights_returned():
         o1, w1 = attnkit.attention(x, k, v, causal=True, return_weights=True)
         assert_close(out[i], o1, 1e-12, f"out {i}")
         assert_close(w[i], w1, 1e-12, f"weights {i}")
+
+
+@pytest.mark.parametrize("backend", ["tiled"])
+def test_a_named_backend_that_reads_memory_is_refused_under_torch_func_by_name(backend):
+    """``backend='tiled'`` under vmap / jacrev raised torch's own errors ("Cannot access data pointer of Tensor that
+    doesn't have storage", "must override the setup_context staticmethod"); auto and eager run there."""
+    q, k, v = (torch.randn(3, 2, 5, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=r"torch\.func transform.*backend='auto' or 'eager'"):
+        torch.func.vmap(lambda q, k, v: attnkit.attention(q, k, v, causal=True, backend=backend))(q, k, v)
+    with pytest.raises(ValueError, match=r"torch\.func transform"):
+        torch.func.jacrev(lambda q: attnkit.attention(q, k[0], v[0], causal=True, backend=backend))(q[0])
+    got = torch.func.vmap(lambda q, k, v: attnkit.attention(q, k, v, causal=True))(q, k, v)
+    torch.testing.assert_close(got, attnkit.attention(q, k, v, causal=True, backend="eager"), rtol=0, atol=1e-6)

@@ -101,3 +101,40 @@ def test_saved_programs_load_in_a_new_process_that_imports_attnkit_ops(tmp_path)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+class _Two(torch.nn.Module):
+    def forward(self, q, k, v, bias):
+        return (attnkit.attention(q, k, v, mask=M.sliding_window(3), score_mod=lambda s, b, h, i, j: s * 0.5)
+                + attnkit.attention(q, k, v, mask=bias))
+
+
+def test_torch_fx_traces_attention_as_one_node_that_follows_new_inputs():
+    """``torch.fx.symbolic_trace`` failed with "q: expected a torch.Tensor or numpy.ndarray, got Proxy. Convert it
+    first, e.g. np.asarray(q ...)" (a fix that cannot work on a Proxy). attention is now one node of the graph; a
+    mask that is an input of the traced function stays an input of the node."""
+    gm = torch.fx.symbolic_trace(_Two())
+    assert gm.code.count("attention") >= 2 and "(q, k, v, mask = bias)" in gm.code
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 2, 9, 8), (2, 4, 13, 8)]:
+        q = torch.randn(*shape, generator=g, requires_grad=True)
+        bias = torch.randn(shape[2], shape[2], generator=g)
+        got, want = gm(q, q, q, bias), _Two()(q, q, q, bias)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0],
+                                   rtol=0, atol=0)
+
+
+def test_torch_fx_refuses_to_trace_into_multihead_attention_and_takes_it_as_a_leaf():
+    with pytest.raises(TypeError, match=r"torch.fx.symbolic_trace cannot trace MultiHeadAttention\.forward.*leaf"):
+        torch.fx.symbolic_trace(MultiHeadAttention(16, 4))
+
+    class Leaf(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, MultiHeadAttention) or super().is_leaf_module(m, name)
+
+    torch.manual_seed(0)
+    net = _Causal(MultiHeadAttention(16, 4))
+    gm = torch.fx.GraphModule(net, Leaf().trace(net))
+    x = torch.randn(2, 7, 16)
+    torch.testing.assert_close(gm(x), net(x), rtol=0, atol=0)

@@ -238,6 +238,12 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``output (B, L, E)``, or ``(output, weights (B, H, L, S))`` with ``need_weights=True``.
         """
+        if type(query) is not torch.Tensor and isinstance(query, torch.fx.Proxy):
+            raise TypeError(
+                f"query: torch.fx.symbolic_trace cannot trace {type(self).__name__}.forward (it checks its inputs' "
+                "shapes and picks a path by its arguments). Keep the module a leaf (a torch.fx.Tracer whose "
+                "is_leaf_module answers True for it), or trace with torch.export.export / torch.jit.trace, which "
+                "record attnkit's op; attnkit.attention itself traces under torch.fx as one node.")
         if context_parallel is not None:
             return self._context_parallel(query, key, value, context_parallel, mask=mask, causal=causal,
                                           need_weights=need_weights, kv_cache=kv_cache)
