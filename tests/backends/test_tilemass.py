@@ -209,3 +209,16 @@ def test_threads_give_the_same_masses():
     m = masks.sliding_window(100)
     a, b = tile_mass(q, k, mask=m, workers=1), tile_mass(q, k, mask=m, workers=3)
     assert torch.equal(a.mass, b.mass) and torch.equal(a.lse, b.lse)
+
+
+def test_top_off_the_diagonal_never_lists_a_tile_near_it():
+    """With fewer tiles away from the diagonal than asked for, top(off_diagonal=True) filled its list with near
+    tiles reported as mass 0, share 0 (tile (0, 0) really holds mass 64): in summary(), `attnkit long` and the page."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 1024, 16, generator=g)
+    tm = attnkit.tile_mass(q, q, mask=attnkit.masks.sliding_window(16), block=64)
+    assert tm.top(3, off_diagonal=True) == []
+    assert "none, every tile is within two blocks of it" in tm.summary()
+    causal = attnkit.tile_mass(q, q, causal=True, block=64)
+    far = causal.top(50, off_diagonal=True)
+    assert far and all(m > 0 and abs(q0 - k0) >= 128 for m, _, (q0, _q1), (k0, _k1) in far)

@@ -151,11 +151,12 @@ class TileMass:
         bm, bn = self.block
         m = self.mass[b, heads].double().mean(0)
         live = self.live_rows[b, heads].double().mean(0)
-        if off_diagonal:
+        cand = torch.arange(m.shape[0])
+        if off_diagonal:  # left out, never listed (a near tile zeroed and ranked showed as "mass 0" when few were off)
             t = self.tiles
             near = ((t[:, 0] * bm + bm // 2 + (self.S - self.L)) - (t[:, 1] * bn + bn // 2)).abs() < max(bm, bn) * 2
-            m = torch.where(near, torch.zeros_like(m), m)
-        idx = torch.argsort(m, descending=True, stable=True)[:n]
+            cand = cand[~near]
+        idx = cand[torch.argsort(m[cand], descending=True, stable=True)[:n]]
         res = []
         for i in idx.tolist():
             qb, kb = (int(x) for x in self.tiles[i])
@@ -273,10 +274,11 @@ class TileMass:
                 parts.append(f"{100 * float(tot[dist.abs() <= lim].sum()) / allm:.1f}% within {lim} tokens")
         if parts:
             lines.append("where the mass goes (all heads): " + ", ".join(parts) + " of the diagonal")
+        far = self.top(top, off_diagonal=True) if top else []
         if top:
             lines.append("heaviest tiles away from the diagonal (mean of heads; share = fraction of those query "
-                         "rows' attention):")
-        for m, sh, (q0, q1), (k0, k1) in (self.top(top, off_diagonal=True) if top else []):
+                         "rows' attention):" + ("" if far else " none, every tile is within two blocks of it"))
+        for m, sh, (q0, q1), (k0, k1) in far:
             lines.append(f"  queries {q0}-{q1 - 1} -> keys {k0}-{k1 - 1}: mass {m:.2f}, share {100 * sh:.1f}%")
         return "\n".join(lines)
 
