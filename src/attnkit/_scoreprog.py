@@ -342,10 +342,7 @@ def _both(a, b):
 
 def _widened(a: _Sym) -> _Sym:
     """``a`` as torch's fp32 / fp64 of it (exact): no longer a low-precision value."""
-    if not a.low:
-        return a
-    w = _Sym(a.bld, a.reg, a.kind, a.rng)
-    return w
+    return _Sym(a.bld, a.reg, a.kind, a.rng) if a.low else a
 
 
 def _low_arith(what: str, *xs) -> None:
@@ -443,8 +440,7 @@ def _cast(a, dtype):
 
 def _compare(op, a, b):
     a, b = _both(a, b)
-    if a.low or b.low:
-        _low_arith("a comparison", a, b)  # (a number beside it is rounded to the low dtype first)
+    _low_arith("a comparison", a, b)  # (a number beside it is rounded to the low dtype first)
     if a.kind == "f" or b.kind == "f":
         return a.bld.emit("f" + op, (a._f().reg, b._f().reg), "b", (0, 1))
     return a.bld.emit("i" + op, (a.reg, b.reg), "b", (0, 1))
@@ -465,8 +461,7 @@ def _not(a):
 
 def _minmax(op, a, b):
     a, b = _both(a, b)
-    if a.low or b.low:
-        _low_arith("a minimum / maximum", a, b)  # (a number beside it would be rounded to the low dtype)
+    _low_arith("a minimum / maximum", a, b)  # (a number beside it would be rounded to the low dtype)
     if a.kind == "f" or b.kind == "f":
         return a.bld.emit("f" + op, (a._f().reg, b._f().reg), "f", _frange(op, a.rng, b.rng))
     (al, ah), (bl, bh) = a.rng, b.rng
@@ -490,8 +485,7 @@ def _where(c, a, b):
     c, a, b = _lift(bld, c), _lift(bld, a), _lift(bld, b)
     if c.kind != "b":
         raise Refused("torch.where on a non-boolean condition")
-    if a.low or b.low:
-        _low_arith("torch.where", a, b)
+    _low_arith("torch.where", a, b)
     if a.kind == "f" or b.kind == "f":
         rng = None if a.rng is None or b.rng is None else (min(a.rng[0], b.rng[0]), max(a.rng[1], b.rng[1]))
         return bld.emit("where", (c.reg, a._f().reg, b._f().reg), "f", rng)
