@@ -27,6 +27,7 @@ import json
 
 import numpy as np
 
+from .._args import as_int
 from ._checks import need_kind
 
 __all__ = ["tile_mass_page", "ROW_BINS"]
@@ -96,12 +97,21 @@ def tile_mass_page(tm, *, title=None, rows=None, b: int = 0, max_bytes: int = 4_
         if not (isinstance(entry, tuple) and len(entry) == 2):
             raise TypeError(f"maps: expected a list of (name, TileMass) pairs, got {type(entry).__name__} at {i}.")
         need_kind(f"maps[{i}][1]", entry[1], ("tiles", "mass", "L", "S", "H", "block"), what, fix)
+        sizes = {k: getattr(entry[1], k) for k in ("B", "H", "L", "S", "block")}
+        if sizes != {k: getattr(tm, k) for k in sizes}:  # one page draws one grid: each map is read on tm's
+            raise ValueError(f"maps[{i}]: expected a TileMass of tm's sizes "
+                             f"({', '.join(f'{k}={getattr(tm, k)}' for k in sizes)}), got "
+                             f"{', '.join(f'{k}={v}' for k, v in sizes.items())}. Compute every map from inputs of "
+                             "the same shape with the same block.")
+    tm._check_bh(b, None)
     if rows is None:
         rows = _default_rows(tm, 8 if len(maps) == 1 else 6)
-    rows = sorted({int(r) for r in rows})
-    for r in rows:
-        if not 0 <= r < tm.L:
-            raise ValueError(f"rows: expected query rows in 0..{tm.L - 1}, got {r}.")
+    given = list(rows)
+    picked = [as_int(r) for r in given]
+    for r, got in zip(given, picked, strict=True):
+        if got is None or not 0 <= got < tm.L:
+            raise ValueError(f"rows: expected query rows, ints in 0..{tm.L - 1}, got {r!r}.")
+    rows = sorted(set(picked))
     H = tm.H
     payload = []
     row_bytes = 0
