@@ -16,7 +16,7 @@ from .backends._tilemass import MAX_RUN, TileMass, run
 __all__ = ["tile_mass", "TileMass", "MAX_RUN"]
 
 
-def tile_mass(q, k, *, mask=None, causal: bool = False, scale=None, score_mod=None, block=(64, 64),
+def tile_mass(q, k, *, mask=None, causal: bool = False, scale=None, score_mod=None, block=None,
               max_run: int = MAX_RUN, workers: int | None = None) -> TileMass:
     """The exact attention mass of every tile of ``softmax(q kᵀ · scale)``, from q and k alone.
 
@@ -30,7 +30,8 @@ def tile_mass(q, k, *, mask=None, causal: bool = False, scale=None, score_mod=No
         k: ``(B, Hkv, S, D)`` with ``H % Hkv == 0`` (GQA/MQA; K is never copied).
         mask, causal, scale, score_mod: as in :func:`attnkit.attention` (an attnkit mask, an
             :func:`attnkit.plan`, a mask_mod, a bool tensor or a float bias).
-        block: tile shape ``(bm, bn)`` (one int for both). A plan passed as ``mask`` gives its own.
+        block: tile shape ``(bm, bn)`` (one int for both); default ``(64, 64)``. A plan passed as
+            ``mask`` gives its own (a different ``block`` beside it is refused).
         max_run: most keys in one GEMM.
         workers: threads over query blocks (default ``torch.get_num_threads()``); while they
             run, torch's intra-op threads are set to 1 (restored after).

@@ -190,6 +190,8 @@ def test_inputs_numpy_unbatched_and_plans():
     (lambda q, k: tile_mass(q, k, max_run=0), "max_run: expected an int >= 1"),
     (lambda q, k: tile_mass(q, k, workers=0), "workers: expected an int >= 1"),
     (lambda q, k: tile_mass(q, k, mask=attnkit.plan(masks.causal(), 20, block=8), block=(4, 4)), "block: the plan"),
+    # an explicit (64, 64), the old default, was taken for "not given" and the plan's 8 × 8 tiles used silently
+    (lambda q, k: tile_mass(q, k, mask=attnkit.plan(masks.causal(), 20, block=8), block=(64, 64)), "block: the plan"),
     (lambda q, k: tile_mass(q, k).row_weights(20), "i: expected a query row in 0..19"),
     (lambda q, k: tile_mass(q, k).tile_weights(0, 9), "kb: expected a block index"),
     (lambda q, k: tile_mass(q, k).dense(head=3), "head: expected None (mean of heads) or an int in 0..1"),

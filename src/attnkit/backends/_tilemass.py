@@ -305,7 +305,7 @@ class TileMass:
         return html("tile_mass", self, embed=True, max_bytes=1_500_000)
 
 
-def run(req, *, block=(64, 64), max_run: int = MAX_RUN, workers: int | None = None) -> TileMass:
+def run(req, *, block=None, max_run: int = MAX_RUN, workers: int | None = None) -> TileMass:
     """The exact attention mass of every tile of a validated request's ``softmax(q kᵀ · scale)``
     (see the module picture); what :func:`attnkit.tile_mass` runs after checking its arguments.
 
@@ -322,11 +322,11 @@ def run(req, *, block=(64, 64), max_run: int = MAX_RUN, workers: int | None = No
     if req.plan is not None:
         plan = req.plan
         assert isinstance(plan, _plans.BlockPlan), "an explicit plan reaches the request as a BlockPlan"
-        if block != (64, 64) and _plans._check_block(block) != plan.block:
+        if block is not None and _plans._check_block(block) != plan.block:
             raise ValueError(f"block: the plan passed as mask has tiles {plan.block}, got block={block!r}. "
                              "Leave block out (the plan's tiles are used) or build the plan with this block.")
         block = plan.block
-    block = _plans._check_block(block)
+    block = _plans._check_block((64, 64) if block is None else block)
     t0 = time.perf_counter()
     with torch.no_grad():
         res = _run(req, block, max_run, workers)
