@@ -33,7 +33,7 @@ from . import score_mods as _score_mods
 from ._blockmask import block_mask_plan, is_block_mask
 from .backends._base import Request
 
-__all__ = ["Request", "make_request", "BACKENDS"]
+__all__ = ["Request", "make_request", "check_score_mod", "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "eager", "sdpa", "tiled", "flex")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -264,6 +264,21 @@ def _check_tensor_mask(mask, q: torch.Tensor, B, H, L, S):
     return m4, is_bias
 
 
+def check_score_mod(score_mod, L: int, S: int) -> None:
+    """Refuse a ``score_mod`` that is not a callable of FlexAttention's five arguments, naming the fix."""
+    if not callable(score_mod):
+        raise TypeError(f"score_mod: expected a callable (score, b, h, q_idx, kv_idx) -> score, "
+                        f"got {type(score_mod).__name__}.")
+    n = _mods.positional_arity(score_mod)  # FlexAttention's count: defaults do not count
+    if n is not None and n != 5:
+        raise TypeError(
+            f"score_mod: expected a function of 5 arguments (score, b, h, q_idx, kv_idx), got one of {n} "
+            "(parameters with a default value are not counted). "
+            + (_mods.uncalled(score_mod) or "A 4-argument function is a mask_mod: pass it as mask= (to "
+               f"flex_attention: block_mask=create_block_mask(mask_mod, B, H, {L}, {S})).")
+        )
+
+
 def make_request(
     q, k, v, *, mask, causal, scale, score_mod, dropout_p, return_lse, backend, return_weights=False, sinks=None
 ) -> Request:
@@ -285,17 +300,7 @@ def make_request(
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}.")
 
     if score_mod is not None:
-        if not callable(score_mod):
-            raise TypeError(f"score_mod: expected a callable (score, b, h, q_idx, kv_idx) -> score, "
-                            f"got {type(score_mod).__name__}.")
-        n = _mods.positional_arity(score_mod)  # FlexAttention's count: defaults do not count
-        if n is not None and n != 5:
-            raise TypeError(
-                f"score_mod: expected a function of 5 arguments (score, b, h, q_idx, kv_idx), got one of {n} "
-                "(parameters with a default value are not counted). "
-                + (_mods.uncalled(score_mod) or "A 4-argument function is a mask_mod: pass it as mask= (to "
-                   f"flex_attention: block_mask=create_block_mask(mask_mod, B, H, {L}, {S})).")
-            )
+        check_score_mod(score_mod, L, S)
         if isinstance(score_mod, _score_mods.ScoreMod):
             score_mod.validate(B, H, L, S)
 

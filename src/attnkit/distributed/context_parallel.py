@@ -10,6 +10,8 @@ import torch
 
 from .. import _mods
 from .. import masks as _masks
+from .._args import as_int
+from .._request import check_score_mod
 from .guard import (
     _DEAD_GROUPS,
     _DTYPES,
@@ -29,6 +31,13 @@ from .pairs import _captured, _check_unsupported, _options
 from .schedules import Schedule, _plan_B, _plan_H, schedule
 from .stats import Stats
 from .transport import TRANSPORTS, Transport
+
+
+def _size_or_none(name: str, size) -> int | None:
+    n = None if size is None else as_int(size)
+    if size is not None and (n is None or n < 1):
+        raise ValueError(f"{name}: expected None or an int >= 1, got {size!r}.")
+    return n
 
 
 class ContextParallel:
@@ -61,6 +70,21 @@ class ContextParallel:
                 raise TypeError(f"mask: expected an attnkit.masks mask, a mask_mod or None, got {type(mask).__name__}.")
         if comm not in TRANSPORTS:
             raise ValueError(f"comm: expected one of {tuple(TRANSPORTS)}, got {comm!r}.")
+        n = as_int(seq_len)
+        if n is None or n < 1:
+            raise ValueError(f"seq_len: expected the global sequence length, an int >= 1, got {seq_len!r}.")
+        seq_len = n
+        if block is not None:
+            n = as_int(block)
+            if n is None or n < 1:
+                raise ValueError(f"block: expected None (the default unit) or an int >= 1 of positions per layout "
+                                 f"unit, got {block!r}.")
+            block = n
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0 or timeout != timeout or timeout == float("inf")):
+            raise ValueError(f"timeout: expected None (the process group's timeout) or a finite number of seconds "
+                             f"> 0, got {timeout!r}.")
+        batch, heads = (_size_or_none(name, size) for name, size in (("batch", batch), ("heads", heads)))
         self.dist, self.group = dist, group
         self.W = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -105,6 +129,14 @@ class ContextParallel:
     def gather(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
         """All ranks' shards of ``x`` (this rank's rows on ``dim``) in global order, on every rank
         (not differentiable: compute losses on the local shard)."""
+        if not isinstance(x, torch.Tensor) or not -x.dim() <= dim < x.dim():
+            raise ValueError(f"gather: expected a tensor with this rank's rows on dim {dim}, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}.")
+        rows = self.layout.lengths[self.rank]
+        if x.shape[dim] != rows:
+            raise ValueError(f"gather: rank {self.rank} owns {rows} rows, got {tuple(x.shape)} with {x.shape[dim]} on "
+                             f"dim {dim}. Pass this rank's shard (cp.shard(x), or a call's output), not the full "
+                             "sequence.")
         x = x.detach().movedim(dim, 0).contiguous()
         n = max(self.layout.lengths)
         pad = x.new_zeros((n, *x.shape[1:]))
@@ -243,6 +275,11 @@ class ContextParallel:
                             "other weights (a model built without one seed on every rank draws its own). Give every "
                             "rank rank 0's state first: attnkit.integrations.context_parallel.sync_state(model, cp) "
                             "(or seed every rank alike before building the model).")
+                    if name == "call" and what == "backward check":
+                        raise ContextParallelError(
+                            f"context parallel backward: rank 0 runs the backward of call #{v0}, rank {p} that of call "
+                            f"#{vp}: every rank must backpropagate the same calls, in the same order (each rank's dK "
+                            "and dV would mix the partials of two calls).")
                     raise ContextParallelError(
                         f"context parallel {what}: ranks disagree on {name}: "
                         f"rank 0 has {shown[0]}, rank {p} has {shown[1]}{same} "
@@ -318,8 +355,12 @@ class ContextParallel:
         if self.comm == "heads" and H % self.W:
             raise ValueError(f"comm='heads': the H={H} query heads must split evenly over W={self.W} ranks; "
                              "use comm='p2p' or 'allgather'.")
+        if not isinstance(causal, bool):  # a truthy "False" ran as causal
+            raise TypeError(f"causal: expected True or False, got {causal!r}.")
         if self.mask is not None:
             self.mask.validate(B, H, self.seq_len, self.seq_len)
+        if score_mod is not None:
+            check_score_mod(score_mod, self.seq_len, self.seq_len)
         if score_mod is not None and hasattr(score_mod, "validate"):
             score_mod.validate(B, H, self.seq_len, self.seq_len)
         if score_mod is not None and self.comm != "heads" and torch.is_grad_enabled() and n:
@@ -350,6 +391,13 @@ class ContextParallel:
         d = _digest(self.mask)
         self._mask_key = None if ck is None else (ck, d)
         return d
+
+    def _backward_check(self, call: int) -> None:
+        """Before a backward's first exchange: every rank backpropagates the same call (``call``, its forward's
+        number). A rank running another call's backward would send that call's partials — same shapes, other
+        values — and each rank's dK / dV would mix them, silently."""
+        self._check_alive()
+        self._agree({"status": 0, "call": call}, "", "backward check")
 
     def _status(self, err, what):
         """After local compute: every rank learns whether any rank failed."""

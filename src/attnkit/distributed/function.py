@@ -32,6 +32,7 @@ class CPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         cp, sched = ctx.cp, ctx.sched
+        cp._backward_check(ctx.call)  # before any exchange: a rank backpropagating another call would mix its partials
         q, k, v = ctx.saved_tensors
         cp._sched = sched
         st = cp.backward_stats = Stats()

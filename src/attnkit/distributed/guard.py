@@ -71,7 +71,7 @@ def _feed(h, x, depth, active):
         # any dtype, bf16 included; not .numpy(), which would leave a parameter unable to resize_ (FSDP frees one so)
         h.update(host_array(t.reshape(-1).view(torch.uint8)).tobytes())
         return None
-    if type(x).__module__ == "numpy" and type(x).__name__ == "ndarray":  # numpy arrays, without importing numpy
+    if _is_numpy(x):  # arrays and scalars (np.float32(0.3), np.int64(2): hashed by type alone before)
         _tag(h, "ndarray", x.dtype, x.shape)
         h.update(x.tobytes())  # C order, whatever the strides
         return None
@@ -132,7 +132,8 @@ def _feed_container(h, x, depth, active):
         g = x.__globals__
         _feed(h, {n: g[n] for n in names if n in g}, depth, active)
         # (read from the module's own dict: never a lazy module's __getattr__, which may import)
-        _feed(h, {(n, a): vars(g[n])[a] for n in names if isinstance(g.get(n), types.ModuleType)
+        # (and off a class it names: Cfg.slope, a class attribute)
+        _feed(h, {(n, a): vars(g[n])[a] for n in names if isinstance(g.get(n), (types.ModuleType, type))
                   for a in names if _is_data(vars(g[n]).get(a))}, depth, active)
         _feed(h, dict(vars(x)), depth, active)
     elif isinstance(x, torch.nn.Module):
@@ -141,7 +142,7 @@ def _feed_container(h, x, depth, active):
         _tag(h, "module", type(x).__module__, type(x).__qualname__)
         _feed(h, dict(x.state_dict()), depth, active)
         _feed(h, dict(x.named_buffers()), depth, active)
-        _feed(h, {k: v for k, v in vars(x).items() if not k.startswith("_") and _is_data(v)}, depth, active)
+        _feed(h, {k: v for k, v in vars(x).items() if _is_data(v)}, depth, active)  # self._bias too
     else:  # an object (a mask, a score_mod, a callable): its type and attributes
         _tag(h, "object", type(x).__module__, type(x).__qualname__)
         attrs = getattr(x, "__dict__", None)
@@ -153,15 +154,30 @@ def _feed_container(h, x, depth, active):
             whole = isinstance(x, _masks.Mask)
             _feed(h, {k: v for k, v in attrs.items() if whole or not k.startswith("_") or _is_data(v)}, depth,
                   active)
+        slots = [n for c in type(x).__mro__ for n in _slot_names(c) if n not in ("__dict__", "__weakref__")]
+        if slots:  # an object with __slots__ keeps its data there, not in __dict__
+            _feed(h, {n: getattr(x, n) for n in slots if hasattr(x, n)}, depth, active)
         call = getattr(type(x), "__call__", None)  # noqa: B004 - reads the method's code, not a callability test
         if isinstance(call, types.FunctionType):
             _feed(h, call.__code__, depth, active)
 
 
+def _is_numpy(v) -> bool:
+    """A NumPy array or scalar (np.float32(0.3)), without importing NumPy."""
+    return type(v).__module__ == "numpy" and hasattr(v, "dtype") and hasattr(v, "tobytes")
+
+
+def _slot_names(cls) -> tuple:
+    slots = vars(cls).get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
 def _is_data(v) -> bool:
-    """A tensor, an array or a number: what an attribute holds as data (not a cache container or an object)."""
-    return isinstance(v, (torch.Tensor, bool, int, float, complex, str)) or (
-        type(v).__module__ == "numpy" and type(v).__name__ == "ndarray")
+    """A tensor, an array or a number, or a list / tuple of them: what an attribute holds as data (not a cache dict
+    or an object)."""
+    if isinstance(v, (list, tuple)):
+        return len(v) > 0 and all(_is_data(y) for y in v)
+    return isinstance(v, (torch.Tensor, bool, int, float, complex, str)) or _is_numpy(v)
 
 
 # -------------------------------------------------------------------- dead process groups

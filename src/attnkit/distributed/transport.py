@@ -315,11 +315,12 @@ class _HeadsToSeq(torch.autograd.Function):
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cp, y, ranges, Hx, tag):
-        ctx.cp, ctx.ranges, ctx.tag = cp, ranges, tag
+        ctx.cp, ctx.ranges, ctx.tag, ctx.call = cp, ranges, tag, cp._calls
         return Heads.s2h(cp, y.detach(), ranges, Hx, tag, cp.stats)
 
     @staticmethod
     def backward(ctx, g):
+        ctx.cp._backward_check(ctx.call)  # the first exchange of a comm='heads' backward (out's, or lse's)
         back = Heads.h2s(ctx.cp, g.contiguous(), ctx.ranges, ctx.tag + 10, ctx.cp.backward_stats)
         return None, back, None, None, None
 
