@@ -56,6 +56,9 @@ def test_flex_refuses_what_it_cannot_do_on_cpu():
         with pytest.raises(ValueError, match="no dropout"):
             attnkit.attention(q, k, v, dropout_p=0.1, backend="flex")
         assert attnkit.dispatch(q, k, v, mask=M.sliding_window(8)).backend != "flex"  # auto never picks it on CPU
+        # float64: torch's CPU lowering raised a LoweringException from inside inductor
+        with pytest.raises(ValueError, match="takes float32, float16 and bfloat16, not float64"):
+            attnkit.attention(q.double(), k.double(), v.double(), causal=True, backend="flex")
 
 
 def _req(**kw):

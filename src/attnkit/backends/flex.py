@@ -64,6 +64,9 @@ def unsupported(req: Request) -> str | None:
     if req.dropout_p > 0:
         return "FlexAttention has no dropout (use backend='eager')"
     if req.device_type == "cpu":
+        if req.q.dtype == torch.float64:  # torch's CPU lowering raised a LoweringException deep in inductor
+            return ("FlexAttention's compiled CPU kernel takes float32, float16 and bfloat16, not float64 (use "
+                    "backend='tiled', 'eager' or 'auto', which compute float64 exactly)")
         if req.requires_grad():
             return ("FlexAttention compiles for inference only on the CPU; a gradient is wanted here "
                     "(use backend='tiled' or 'auto', which train on the CPU)")
