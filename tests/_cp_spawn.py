@@ -145,3 +145,13 @@ def run(W: int, target, *args, limit: float = 240) -> dict:
             if p.is_alive():
                 p.kill()
     return out
+
+
+def error_of(fn) -> str:
+    """``fn()``'s exception as ``"Type: message"`` ("" when it returns): what a rank sends back to the test, where
+    every rank must raise."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""

@@ -12,6 +12,7 @@ import types
 import _cp_spawn
 import pytest
 import torch
+from _cp_spawn import error_of
 
 L, D = 64, 8
 cfg = types.ModuleType("attnkit_test_cfg")  # a "config module" a score_mod reads a value off
@@ -25,14 +26,6 @@ def _ref(q, k, v, allowed=None, bias=None):
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     return torch.softmax(s, -1) @ v
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # every rank must raise: the message comes back to the test
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 class _Holder:
@@ -93,7 +86,7 @@ def _content(rank, W):
     out["in_place"] = max(errs)
     if rank == 1:
         ids[8] = 5
-    out["one_rank_edit"] = _error(lambda: cp.attention(cp.shard(q), cp.shard(k), cp.shard(v)))
+    out["one_rank_edit"] = error_of(lambda: cp.attention(cp.shard(q), cp.shard(k), cp.shard(v)))
 
     # 2. data held differently per rank, where the signature did not look
     mine = torch.randn(L, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64)
@@ -107,7 +100,7 @@ def _content(rank, W):
              "nested lambda global": dict(score_mod=_nested)}
     for name, kw in cases.items():
         c = akd.ContextParallel(L, mask=kw.get("mask"), layout="zigzag", timeout=60)
-        out[name] = _error(lambda c=c, kw=kw: c.attention(c.shard(q), c.shard(k), c.shard(v), causal=True,
+        out[name] = error_of(lambda c=c, kw=kw: c.attention(c.shard(q), c.shard(k), c.shard(v), causal=True,
                                                            score_mod=kw.get("score_mod")))
 
     # 3. a learnable tensor read through an object
@@ -115,7 +108,7 @@ def _content(rank, W):
     hold.bias = torch.randn(L, generator=torch.Generator().manual_seed(7), dtype=torch.float64).requires_grad_()
     sm = lambda s, b, h, qi, kv: s + hold.bias[kv]  # noqa: E731
     c = akd.ContextParallel(L, mask=masks.causal(), layout="zigzag", comm="p2p", timeout=60)
-    out["hidden_grad"] = _error(lambda: c.attention(c.shard(q).requires_grad_(), c.shard(k), c.shard(v),
+    out["hidden_grad"] = error_of(lambda: c.attention(c.shard(q).requires_grad_(), c.shard(k), c.shard(v),
                                                     score_mod=sm))
     c = akd.ContextParallel(L, mask=masks.causal(), layout="zigzag", comm="heads", timeout=60)
     c.attention(c.shard(q).requires_grad_(), c.shard(k), c.shard(v), score_mod=sm).sum().backward()

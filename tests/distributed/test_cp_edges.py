@@ -11,6 +11,7 @@ import _cp_spawn
 import numpy as np
 import pytest
 import torch
+from _cp_spawn import error_of
 
 L, D = 12, 8
 
@@ -49,14 +50,6 @@ class _ModPriv(torch.nn.Module):
 def _ref(q, k, v, allowed):
     s = (q @ k.transpose(-1, -2)) / D ** 0.5
     return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # every rank must raise: the message comes back to the test
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 def _edges(rank, W):
@@ -109,22 +102,22 @@ def _edges(rank, W):
     }
     for name, kw in cases.items():
         c = akd.ContextParallel(L, mask=kw.pop("mask", None), layout="contiguous", timeout=60)
-        out[name] = _error(lambda c=c, kw=kw: c.attention(c.shard(q), c.shard(k), c.shard(v), **kw))
+        out[name] = error_of(lambda c=c, kw=kw: c.attention(c.shard(q), c.shard(k), c.shard(v), **kw))
 
     # 3. rank 0 backpropagates the first of two calls, rank 1 the second
     cp = akd.ContextParallel(L, mask=masks.causal(), timeout=60)
     xs = [cp.shard(t).requires_grad_() for t in (q, k, v, q.flip(2), k.flip(2), v.flip(2))]
     o1, o2 = cp.attention(*xs[:3]), cp.attention(*xs[3:])
-    out["other call's backward"] = _error(lambda: (o1 if rank == 0 else o2).sum().backward())
+    out["other call's backward"] = error_of(lambda: (o1 if rank == 0 else o2).sum().backward())
 
     # 4. arguments refused by name
     cp = akd.ContextParallel(L, mask=masks.causal(), timeout=60)
-    out["causal='False'"] = _error(lambda: cp.attention(cp.shard(q), cp.shard(k), cp.shard(v), causal="False"))
+    out["causal='False'"] = error_of(lambda: cp.attention(cp.shard(q), cp.shard(k), cp.shard(v), causal="False"))
     for name, kw in {"timeout=-1": dict(timeout=-1), "block='3'": dict(block="3"), "block=0": dict(block=0),
                      "seq_len=0": dict(seq_len=0), "batch=0": dict(batch=0)}.items():
-        out[name] = _error(lambda kw=kw: akd.ContextParallel(**{"seq_len": L, **kw}))
-    out["gather of the full tensor"] = _error(lambda: cp.gather(q))
-    out["a 4-argument score_mod"] = _error(lambda: cp.attention(cp.shard(q), cp.shard(k), cp.shard(v),
+        out[name] = error_of(lambda kw=kw: akd.ContextParallel(**{"seq_len": L, **kw}))
+    out["gather of the full tensor"] = error_of(lambda: cp.gather(q))
+    out["a 4-argument score_mod"] = error_of(lambda: cp.attention(cp.shard(q), cp.shard(k), cp.shard(v),
                                                                 score_mod=lambda s, b, h, qi: s))
     # the group still runs after every refusal (a negative timeout marked it dead before)
     out["after"] = (cp.attention(cp.shard(q), cp.shard(k), cp.shard(v))
