@@ -488,6 +488,11 @@ _KV_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indi
 _POINTS_MAX = 1 << 20
 
 
+def _forgotten() -> None:
+    """What a pickled or copied :class:`_Evaluated` becomes: nothing (the points are evaluated again)."""
+    return None
+
+
 class _Evaluated:
     """The points a decode step's BlockMask means, kept on it (``_attnkit_points``): those
     :func:`create_block_mask` evaluated, or those its first call read off its blocks (``_blockmask``), so that
@@ -514,6 +519,11 @@ class _Evaluated:
         self.layout = _layout(self.fields)
         self.snapshot = _contents(self.fields)
         self.rows = tuple(self.fields[0].shape[:2])  # the BlockMask's own (b, h) rows
+
+    def __reduce__(self):
+        # a cache on the user's BlockMask: pickling it (torch.save of a model holding one) or copying it leaves the
+        # cache behind (its key holds code objects, which do not pickle); the copy evaluates its points afresh
+        return _forgotten, ()
 
     @classmethod
     def attach(cls, bmask, mod, points: np.ndarray | torch.Tensor, at: tuple[int, int]) -> None:

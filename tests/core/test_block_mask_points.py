@@ -340,3 +340,33 @@ def test_reading_a_block_masks_fields_leaves_them_as_they_were():
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         t = getattr(bm, name)
         t.resize_(t.shape)  # (raises on a storage NumPy has viewed)
+
+
+def _causal(b, h, qi, kv):  # a module-level mod: a BlockMask pickles with its mask_mod by reference
+    return qi >= kv
+
+
+@pytest.mark.parametrize("who", ["attnkit", "torch"])
+def test_a_block_mask_holding_points_pickles_and_copies_and_answers_as_before(who):
+    """The kept points' key holds code objects: pickle.dumps / torch.save of such a BlockMask failed ("cannot pickle
+    code objects", never naming attnkit) — for torch's own BlockMask too, once one decode call had read it. The cache
+    is left behind; the copy answers the same, reading its blocks again."""
+    import copy
+    import io
+    import pickle
+
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    L, S = 8, 8
+    bm = (attnkit.create_block_mask if who == "attnkit" else torch_create_block_mask)(_causal, None, None, L, S,
+                                                                                      device="cpu")
+    q, k, v = _inputs(L, S)
+    want = attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert getattr(bm, "_attnkit_points", None) is not None
+    for again in (pickle.loads(pickle.dumps(bm)), copy.deepcopy(bm)):
+        assert getattr(again, "_attnkit_points", None) is None
+        torch.testing.assert_close(attnkit.flex_attention(q, k, v, block_mask=again, enable_gqa=True), want,
+                                   rtol=0, atol=0)
+    buf = io.BytesIO()
+    torch.save({"bm": bm}, buf)
+    assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=False)["bm"].kv_indices, bm.kv_indices)
