@@ -97,6 +97,13 @@ class Mask:
 
     #: Number of batch rows the mask is specific to (``None``: any batch size).
     batch_size: int | None = None
+    #: True: the tiles are the same for every head, and for every batch row beyond ``batch_size``'s own data (a
+    #: context-parallel schedule then plans one head of one row). False: they may depend on ``b`` / ``h`` (every
+    #: row and head is planned). attnkit's closed-form masks say True; a ``mask_mod``, a BlockMask read as a mask
+    #: and a subclass written outside attnkit say False unless the subclass sets it itself (an inherited True
+    #: would vouch for a ``bind`` it overrides).
+    same_for_every_head: bool = False
+
     def cache_key(self):
         """A hashable key that fixes this mask's tiles at given sizes, or None (plan it afresh).
 
@@ -112,6 +119,8 @@ class Mask:
         super().__init_subclass__(**kwargs)
         if not cls.__module__.startswith("attnkit.") and "cache_key" not in cls.__dict__:
             cls.cache_key = _no_key  # type: ignore[method-assign]
+        if not cls.__module__.startswith("attnkit.") and "same_for_every_head" not in cls.__dict__:
+            cls.same_for_every_head = False
 
     def bind(self, L: int, S: int) -> MaskMod:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -510,6 +519,8 @@ def _as_mask(obj, op: str) -> Mask:
 class Full(Mask):
     """Every query sees every key (the neutral element of ``&``)."""
 
+    same_for_every_head = True
+
     def bind(self, L, S):
         return lambda b, h, q, kv: (q >= 0) & (kv >= 0)
 
@@ -532,6 +543,8 @@ class Full(Mask):
 
 class Causal(Mask):
     """Query ``i`` sees keys ``j <= i + offset`` (``offset = S - L`` bottom-right, 0 top-left)."""
+
+    same_for_every_head = True
 
     def __init__(self, align: str = "bottom_right"):
         self.align = _check_align(align)
@@ -568,6 +581,8 @@ class Causal(Mask):
 
 class SlidingWindow(Mask):
     """Query at key position ``p = i + offset`` sees keys ``p - size < j <= p`` (itself and ``size - 1`` before)."""
+
+    same_for_every_head = True
 
     def __init__(self, size: int, align: str = "bottom_right"):
         self.size = _check_int("size", size, 1)
@@ -640,6 +655,8 @@ class Padding(Mask):
     gives a copy of it, so ``m.key_lengths[1] = 40`` changes nothing (tile maps and work lists
     are cached per mask object; a change behind them would make backends disagree).
     """
+
+    same_for_every_head = True
 
     key_lengths = property(lambda self: self._key_lengths.clone(), doc="(B,) lengths (a copy).")
 
@@ -721,6 +738,8 @@ class KeyPadding(Mask):
     left padding, holes). ``valid``: bool ``(B, S)``, copied (an immutable value; reading
     ``m.valid`` gives a copy)."""
 
+    same_for_every_head = True
+
     valid = property(lambda self: self._valid.clone(), doc="bool (B, S) flags (a copy).")
 
     def __init__(self, valid):
@@ -791,6 +810,8 @@ class Chunked(Mask):
     """Chunked causal attention (Llama 4's local layers): the query at key position
     ``p = i + offset`` sees keys ``j <= p`` in its own chunk, ``j // size == p // size``."""
 
+    same_for_every_head = True
+
     def __init__(self, size: int, align: str = "bottom_right"):
         self.size = _check_int("size", size, 1)
         if self.size > _MAX_SIZE:  # torch's int64 division of the mask's own mod would overflow
@@ -846,6 +867,8 @@ class Document(Mask):
     row ``i`` belongs to the document of key position ``i + S - L``. The ids are a private
     copy; reading ``m.doc_ids`` gives a copy (changing it changes nothing).
     """
+
+    same_for_every_head = True
 
     doc_ids = property(lambda self: self._doc_ids.clone(), doc="(S,) or (B, S) ids (a copy).")
 
@@ -916,6 +939,8 @@ class Document(Mask):
 
 class PrefixLM(Mask):
     """The first ``prefix_length`` keys are visible to every query; causal (bottom-right) elsewhere."""
+
+    same_for_every_head = True
 
     def __init__(self, prefix_length: int):
         self.prefix_length = _check_int("prefix_length", prefix_length, 0)
@@ -1045,6 +1070,10 @@ class _Combined(Mask):
 
     def _natural_size(self):
         return next((n for n in (p._natural_size() for p in self.parts) if n is not None), None)
+
+    @property
+    def same_for_every_head(self) -> bool:  # type: ignore[override]  # (&, |, ~ of parts that each are)
+        return all(p.same_for_every_head for p in self.parts)
 
     def cache_key(self):
         keys = tuple(p.cache_key() for p in self.parts)

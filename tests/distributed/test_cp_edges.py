@@ -169,3 +169,30 @@ def test_bad_arguments_are_refused_by_name_and_the_group_runs_on(results, case, 
         assert "error" not in r, f"rank {rank}: {r['error']}"
         assert needle.format(rank=rank) in r[case], (rank, r[case])
         assert r["after"] < 1e-12, (rank, r["after"])
+
+
+def test_which_masks_are_planned_for_one_head():
+    """A context-parallel schedule plans one head of one row only for masks that say their tiles are the same for
+    every head: attnkit's closed forms (and their &, |, ~), or a user's subclass that sets it itself; a subclass
+    that does not (even of a built-in: it may override bind), a mask_mod and a combination holding one are planned
+    per row and head."""
+    from attnkit import masks
+    from attnkit.distributed.schedules import _needs_bh
+
+    class Mine(masks.Mask):
+        def bind(self, L, S):
+            return lambda b, h, q, kv: q >= kv
+
+    class MineDeclared(Mine):
+        same_for_every_head = True
+
+    class MyCausal(masks.Causal):
+        def bind(self, L, S):
+            return lambda b, h, q, kv: (q >= kv) & (h == 0)
+
+    mod = masks.from_mod(lambda b, h, q, kv: q >= kv)
+    one_head = [masks.causal(), masks.sliding_window(4), masks.document(torch.tensor([0, 0, 1])), masks.padding([3]),
+                masks.causal() & masks.sliding_window(4), ~masks.causal(), MineDeclared()]
+    every_head = [Mine(), MyCausal(), mod, masks.causal() & mod, masks.causal() | Mine()]
+    assert [_needs_bh(m) for m in one_head] == [False] * len(one_head)
+    assert [_needs_bh(m) for m in every_head] == [True] * len(every_head)

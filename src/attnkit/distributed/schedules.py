@@ -158,16 +158,8 @@ def _plan_H(mask, H):
     return H if mask is not None and _needs_bh(mask) else None
 
 
-#: attnkit's own masks whose tiles never depend on the head, nor on the batch row beyond their ``batch_size``
-_SAME_FOR_EVERY_HEAD = (_masks.Full, _masks.Causal, _masks.SlidingWindow, _masks.Padding, _masks.KeyPadding,
-                        _masks.Chunked, _masks.Document, _masks.PrefixLM)
-
-
 def _needs_bh(mask) -> bool:
-    """Whether the tile map may depend on the batch row / head: an opaque mask_mod somewhere, or any mask but
-    attnkit's own closed forms (a user's ``Mask`` subclass, a subclass of ours, a BlockMask read as a mask). A
-    wrong False plans every head by head 0's tiles and hands other heads head 0's pattern: a silent wrong answer."""
-    parts = getattr(mask, "parts", None)
-    if parts is not None and not isinstance(mask, _masks.FromMod):
-        return any(_needs_bh(p) for p in parts)
-    return type(mask) not in _SAME_FOR_EVERY_HEAD
+    """Whether the tile map may depend on the batch row / head (``Mask.same_for_every_head`` False: a mask_mod, a
+    user's subclass, a BlockMask read as a mask). A wrong False plans every head by head 0's tiles and hands other
+    heads head 0's pattern: a silent wrong answer."""
+    return not mask.same_for_every_head
