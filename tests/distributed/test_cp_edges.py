@@ -157,10 +157,10 @@ def test_ranks_backpropagating_different_calls_are_refused(results):
 @pytest.mark.parametrize("case, needle", [
     ("causal='False'", "causal: expected True or False, got 'False'"),
     ("timeout=-1", "timeout: expected None (the process group's timeout) or a finite number of seconds > 0, got -1"),
-    ("block='3'", "block: expected None (the default unit) or an int >= 1 of positions per layout unit, got '3'"),
-    ("block=0", "block: expected None (the default unit) or an int >= 1"),
-    ("seq_len=0", "seq_len: expected the global sequence length, an int >= 1, got 0"),
-    ("batch=0", "batch: expected None or an int >= 1, got 0"),
+    ("block='3'", "block: expected an int >= 1 or None, got '3'"),
+    ("block=0", "block: expected an int >= 1 or None, got 0"),
+    ("seq_len=0", "seq_len: expected an int >= 1, got 0"),
+    ("batch=0", "batch: expected an int >= 1 or None, got 0"),
     ("gather of the full tensor", "gather: rank {rank} owns 6 rows, got (2, 2, 12, 8) with 12 on dim 2"),
     ("a 4-argument score_mod", "score_mod: expected a function of 5 arguments"),
 ])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import weakref
 from datetime import timedelta
@@ -10,7 +11,7 @@ import torch
 
 from .. import _mods
 from .. import masks as _masks
-from .._args import as_int
+from .. import plans as _plans
 from .._request import check_score_mod
 from .guard import (
     _DEAD_GROUPS,
@@ -31,13 +32,6 @@ from .pairs import _captured, _check_unsupported, _options
 from .schedules import Schedule, _plan_B, _plan_H, schedule
 from .stats import Stats
 from .transport import TRANSPORTS, Transport
-
-
-def _size_or_none(name: str, size) -> int | None:
-    n = None if size is None else as_int(size)
-    if size is not None and (n is None or n < 1):
-        raise ValueError(f"{name}: expected None or an int >= 1, got {size!r}.")
-    return n
 
 
 class ContextParallel:
@@ -70,21 +64,13 @@ class ContextParallel:
                 raise TypeError(f"mask: expected an attnkit.masks mask, a mask_mod or None, got {type(mask).__name__}.")
         if comm not in TRANSPORTS:
             raise ValueError(f"comm: expected one of {tuple(TRANSPORTS)}, got {comm!r}.")
-        n = as_int(seq_len)
-        if n is None or n < 1:
-            raise ValueError(f"seq_len: expected the global sequence length, an int >= 1, got {seq_len!r}.")
-        seq_len = n
-        if block is not None:
-            n = as_int(block)
-            if n is None or n < 1:
-                raise ValueError(f"block: expected None (the default unit) or an int >= 1 of positions per layout "
-                                 f"unit, got {block!r}.")
-            block = n
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0 or timeout != timeout or timeout == float("inf")):
+        seq_len = _plans._check_size("seq_len", seq_len)
+        block, batch, heads = (_plans._check_size(name, x, allow_none=True)
+                               for name, x in (("block", block), ("batch", batch), ("heads", heads)))
+        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                        and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout: expected None (the process group's timeout) or a finite number of seconds "
                              f"> 0, got {timeout!r}.")
-        batch, heads = (_size_or_none(name, size) for name, size in (("batch", batch), ("heads", heads)))
         self.dist, self.group = dist, group
         self.W = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
