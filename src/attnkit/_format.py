@@ -8,13 +8,19 @@ __all__ = ["format_matrix", "format_trace", "trace_repr"]
 
 
 def format_number(x: float, prec: int = 4) -> str:
-    """A score or weight as text: fixed ``prec`` decimals, or -inf / inf / nan (tables and pages alike)."""
+    """A score or weight as text: fixed ``prec`` decimals, or -inf / inf / nan (tables and pages alike).
+
+    A magnitude of a million or more is written in scientific notation (``1.0000e+200``), so one large input
+    does not widen every column of its table to hundreds of digits.
+    """
     if np.isneginf(x):
         return "-inf"
     if np.isposinf(x):
         return "inf"
     if np.isnan(x):
         return "nan"
+    if abs(x) >= 1e6:
+        return f"{x:.{prec}e}"
     return f"{x:.{prec}f}"
 
 

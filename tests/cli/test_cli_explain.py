@@ -580,3 +580,51 @@ def test_png_of_an_unbatched_trace_draws_one_head(tmp_path):
     assert img.shape[0] > 100 and img[..., :3].std() > 0.05  # drawn, not blank
     with pytest.raises(ValueError, match=r"weights: expected \(H, L, S\) or \(L, S\)"):
         save_heads_png(tmp_path / "x.png", t.weights[0], ["a", "b", "c"])
+
+
+def test_scores_past_float64_are_said_not_silent(tmp_path, capsys):
+    """Q = K rows of 1e200: q0·k0 = 1e400 overflows float64 to inf, and row q0's softmax is inf − inf = NaN, as
+    torch's. The CLI says where and why under the tables (no numpy warning on stderr); the other row is exact."""
+    q = np.array([[1e200, 0.0], [0.0, 1.0]])
+    v = np.array([[1.0, 2.0], [3.0, 4.0]])
+    for n, m in (("q", q), ("k", q), ("v", v)):
+        np.save(tmp_path / f"{n}.npy", m)
+    rc, out, err = _run(capsys, "explain", *(x for n in "qkv" for x in (f"--{n}", str(tmp_path / f"{n}.npy"))))
+    assert rc == 0 and err == "", err
+    note = next(ln for ln in out.splitlines() if "overflows" in ln)
+    assert "q0·k0" in note and "1 row(s)" in note and "NaN" in note and "scale your Q or K down" in note
+    out_rows = _table(out, "Output")
+    assert np.isnan(out_rows[0]).all()
+    w = np.exp(np.array([0.0, 1.0]) / math.sqrt(2))
+    np.testing.assert_allclose(out_rows[1], (w / w.sum()) @ v, atol=1e-4)
+    # a large input is written 1.0000e+200, not as 200 digits widening every column
+    assert "1.0000e+200" in out and max(len(ln) for ln in out.splitlines() if "│" in ln) < 40
+
+
+def test_explain_and_the_reference_warn_by_name_on_an_overflow():
+    q = np.array([[1e200, 0.0], [0.0, 1.0]])
+    with pytest.warns(RuntimeWarning, match=r"overflows float64 .* in 1 score\(s\), first at batch 0, head 0, "
+                                            r"query 0, key 0"):
+        t = attnkit.explain(q, q, q)
+    assert np.isnan(t.weights[0]).all() and np.isfinite(t.weights[1]).all()
+    # an fp32 call's scores are fp32 numbers: 1e20 · 1e20 is past float32's range, not float64's
+    q32 = __import__("torch").tensor([[1e20, 0.0], [0.0, 1.0]])
+    with pytest.warns(RuntimeWarning, match="overflows float32"):
+        out = attnkit.attention(q32, q32, q32, backend="reference")
+    assert out[0].isnan().all() and out[1].isfinite().all()
+    # the caller's own inf is not an overflow: no warning, IEEE's answer as before
+    import warnings
+
+    qi = np.array([[np.inf, 0.0], [0.0, 1.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attnkit.explain(qi, q, q)
+
+
+def test_files_too_large_to_print_are_refused_before_any_work(tmp_path, capsys):
+    np.save(tmp_path / "q.npy", np.ones((2000, 2)))
+    np.save(tmp_path / "v.npy", np.ones((2000, 2)))
+    rc, out, err = _run(capsys, "explain", "--q", str(tmp_path / "q.npy"), "--k", str(tmp_path / "q.npy"),
+                        "--v", str(tmp_path / "v.npy"))
+    _user_error(rc, err, "--q/--k/--v", "1,048,576", "2,000 × 2,000 = 4,000,000", "slice")
+    assert out == ""

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -376,6 +377,7 @@ def run(args) -> int:
             missing = ", ".join(f"--{n}" for n, p in zip("qkv", own, strict=True) if not p)
             raise _err(f"--q, --k, --v: pass all three files (or none, for a built-in --example); missing {missing}.")
         q, k, v = (_qkv(p, n) for p, n in zip(own, "qkv", strict=True))
+        _check_size(q, k, v)
         title = f"Your Q {q.shape}, K {k.shape}, V {v.shape}"
     elif args.example == "random":
         rng = np.random.default_rng(args.seed)
@@ -402,12 +404,20 @@ def run(args) -> int:
         if max(sizes.values()) > MAX_TOKENS:
             raise _err(f"--html: the page shows every number, so at most {MAX_TOKENS} queries, keys and dims; got "
                        + ", ".join(f"{n}={x}" for n, x in sizes.items()) + ". Pass a slice of your Q, K, V.")
-    t = explain(q, k, v, mask=mask, causal=args.causal)  # (L, S) / (L, Dv) arrays: 2-D in, 2-D out
+    with warnings.catch_warnings(record=True) as caught:  # an overflow becomes a note under the tables
+        warnings.simplefilter("always", RuntimeWarning)
+        t = explain(q, k, v, mask=mask, causal=args.causal)  # (L, S) / (L, Dv) arrays: 2-D in, 2-D out
+    for w in caught:
+        if not (issubclass(w.category, RuntimeWarning) and "overflows" in str(w.message)):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     print(title)
     print(f"Q {q.shape}, K {k.shape}, V {v.shape}; scale = 1/√d_k = {t.scale:.6f}\n")
     q_tokens, k_tokens = tokens if isinstance(tokens, tuple) else (tokens, tokens)
     print(format_trace(t, q_tokens=q_tokens, k_tokens=k_tokens, prec=args.precision, inputs=True))
     masked = bool(args.causal or args.mask)
+    over = _overflow_note(t, q_tokens, k_tokens)
+    if over:
+        print("\nNote: " + over)
     if note:
         print("\nNote: " + note(t, masked, args.precision, q, k, v))
     # the mask was asked for and changed nothing (no key hidden, no bias added: a float mask's -inf hides a key
@@ -417,6 +427,39 @@ def run(args) -> int:
     if args.html:
         _write_page(args.html, t, title, q_tokens, k_tokens, args.precision)
     return 0
+
+
+# The step-by-step tables print every score: a million of them (1024 × 1024) is already far past what a person
+# reads, and each costs ~100 bytes on the way to the screen. Past it the CLI says so instead of running out of memory.
+MAX_SCORES = 1 << 20
+
+
+def _check_size(q, k, v):
+    """Every table explain prints (Q, K, V, the L × S scores, the output) holds at most MAX_SCORES numbers."""
+    (L, D), S, Dv = q.shape, k.shape[0], v.shape[1]
+    tables = {"the scores": (L, S), "Q": (L, D), "K": k.shape, "V": v.shape, "the output": (L, Dv)}
+    for what, (r, c) in tables.items():
+        if r * c > MAX_SCORES:
+            raise _err(f"--q/--k/--v: explain prints every number, at most {MAX_SCORES:,} in one table; {what} "
+                       f"would be {r:,} × {c:,} = {r * c:,}. Pass a slice of your Q, K, V (the rows and dims you "
+                       "want to see), or call attnkit.attention for the output alone.")
+
+
+def _overflow_note(t, q_tokens, k_tokens) -> str | None:
+    """Say where finite Q and K gave a score past float64's range (inf), and what that does to the row."""
+    fin = np.isfinite(t.q).all(axis=-1)[:, None] & np.isfinite(t.k).all(axis=-1)[None, :]
+    over = ~np.isfinite(t.scaled) & fin
+    if not over.any():
+        return None
+    qlab = list(q_tokens) if q_tokens and len(q_tokens) == t.scaled.shape[0] else None
+    klab = list(k_tokens) if k_tokens and len(k_tokens) == t.scaled.shape[1] else None
+    cells = [f"{qlab[i] if qlab else f'q{i}'}·{klab[j] if klab else f'k{j}'}" for i, j in zip(*np.nonzero(over),
+                                                                                               strict=True)]
+    shown = ", ".join(cells[:4]) + (f" and {len(cells) - 4} more" if len(cells) > 4 else "")
+    rows = int((np.isnan(t.weights).any(axis=-1) & over.any(axis=-1)).sum())
+    return (f"Q·Kᵀ overflows float64 (|score| > {np.finfo(np.float64).max:.3g}) at {shown}: those scores are ±inf, "
+            f"and {rows} row(s) holding +inf have NaN weights and output (inf − inf), as torch gives too. "
+            "Inputs this large are usually a mistake upstream; scale your Q or K down to see finite scores.")
 
 
 def _check_html_path(path: Path):

@@ -102,8 +102,10 @@ def trace(req: Request) -> Trace:
     k = np.repeat(host_array(req.k.cpu().to(torch.float64)), g, axis=1)
     v = np.repeat(host_array(req.v.cpu().to(torch.float64)), g, axis=1)
 
-    scores = q @ np.swapaxes(k, -1, -2)  # (B, H, L, S)
-    scaled = scores * req.scale
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is said once, by name, below
+        scores = q @ np.swapaxes(k, -1, -2)  # (B, H, L, S)
+        scaled = scores * req.scale
+    _warn_overflow(q, k, scaled, req.compute_dtype())
     masked = scaled.copy()
     if req.score_mod is not None:
         b, h, qi, kv = index_grid(B, H, 0, L, 0, S, "cpu")
@@ -147,6 +149,31 @@ def trace(req: Request) -> Trace:
                                              * v[b_, h_, j])
     return Trace(q=q, k=k, v=v, scale=req.scale, scores=scores, scaled=scaled, masked=masked,
                  allowed=allowed, weights=weights, output=output, lse=lse, has_mask=req.has_mask)
+
+
+def _warn_overflow(q: np.ndarray, k: np.ndarray, scaled: np.ndarray, dtype: torch.dtype) -> None:
+    """Warn, once per call, where finite q and k give a scaled score past the call's dtype's range.
+
+    Such a score is ±inf in every backend (torch's too), and a row holding +inf has NaN weights and output
+    (inf - inf): an honest IEEE answer, but not one a caller should meet unannounced.
+    """
+    big = float(torch.finfo(dtype).max)
+    with np.errstate(invalid="ignore"):
+        out = ~(np.abs(scaled) <= big)  # past the range, or NaN (0 · inf)
+    if not out.any():
+        return
+    out &= np.isfinite(q).all(axis=-1)[..., :, None] & np.isfinite(k).all(axis=-1)[..., None, :]
+    if not out.any():  # a non-finite input, not an overflow: the caller's inf / NaN, kept as IEEE does
+        return
+    import warnings
+
+    b, h, i, j = (int(x[0]) for x in np.nonzero(out))
+    name = str(dtype).replace("torch.", "")
+    warnings.warn(f"q·kᵀ · scale overflows {name} (|score| > {big:.3g}) in {int(out.sum())} score(s), first at "
+                  f"batch {b}, head {h}, query {i}, key {j}: those scores are ±inf, and a row holding +inf has NaN "
+                  f"weights and output (inf - inf), as in torch. Inputs this large are usually a bug upstream; "
+                  f"scale q or k down (or pass a smaller scale=) to get finite scores.", RuntimeWarning,
+                  stacklevel=4)
 
 
 class Reference(Kernel):
