@@ -31,6 +31,7 @@ def test_cli_synthetic_writes_the_page_and_a_summary(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "synthetic input: L=S=4096, H=4, Hkv=2" in text
     assert "tile mass: B=1, H=4, L=4096, S=4096, tiles 64×64 (64×64)" in text
+    assert "query rows: 16384 live (of 16384 = H=4 × L=4096)" in text  # the count is over heads: said so
     assert "where the mass goes" in text and "heaviest tiles away from the diagonal" in text and f"wrote {out}" in text
     page = out.read_text()
     d = _data(page)
@@ -48,6 +49,9 @@ def test_cli_synthetic_writes_the_page_and_a_summary(tmp_path, capsys):
     (["--model", "minilm", "--text", "a", "--file", "b"], "expected one of them, got both"),
     (["--model", "minilm", "--file", "/nonexistent/notes.txt"], "--file: cannot read '/nonexistent/notes.txt'"),
     (["--out", "."], "--out: expected a file name for the page, got the directory '.'"),
+    # past this machine's memory: refused by the estimate, before q and k are made (was an allocator traceback)
+    (["--length", "1000000000"], "--length: L=1,000,000,000 with H=8, Hkv=8, D=64, --mask document"),
+    (["--length", "4000000", "--mask", "none"], "3,906,250,000 tiles and their page"),
 ])
 def test_cli_errors_are_one_line_with_the_fix(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -99,6 +99,42 @@ def _check_out(out: str) -> Path:
     return path
 
 
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(args) -> None:
+    """Refuse a synthetic input whose q, k and tile map could not fit in this machine's memory, before any work.
+
+    The estimate: q and k in fp32 (H + Hkv) · L · D · 4 bytes, twice over while they are made, and for each tile
+    the plan can compute its mass per head (4 bytes) and its place (16 bytes), and the page's float64 copies of
+    those masses with their mean over heads (2 · 8 · (H + 1)) and sorting of places (24). Tiles: all of them
+    without a mask, half under causal, and about L / block rows of (reach / block + 2) for a window or documents
+    (up to 2048 tokens).
+    """
+    from . import CLIError
+
+    L, H, D, block = args.length, args.heads, args.dim, args.block or 64
+    Hkv = args.kv_heads or H
+    nq = -(-L // block)
+    reach = {"window": args.window, "document": 2048}.get(args.mask)
+    if reach is not None:
+        tiles = nq * min(nq, reach // block + 2)
+    else:
+        tiles = nq * nq if args.mask == "none" else nq * (nq + 1) // 2
+    per_tile = 4 * H + 16 + 16 * (H + 1) + 24
+    need = 2 * 4 * (H + Hkv) * L * D + tiles * per_tile
+    have = _physical_memory()
+    if have is not None and need > 0.8 * have:
+        raise CLIError(f"--length: L={L:,} with H={H}, Hkv={Hkv}, D={D}, --mask {args.mask} and {block}-token tiles "
+                       f"needs about {need / 2**30:,.1f} GiB (q and k: {2 * 4 * (H + Hkv) * L * D / 2**30:,.1f}; "
+                       f"{tiles:,} tiles and their page: {tiles * per_tile / 2**30:,.1f}), and this machine has "
+                       f"{have / 2**30:.1f} GiB. Pass a smaller --length, fewer --heads, or a larger --block.")
+
+
 def _text(args):
     """The text of --text or --file (None when neither), checked."""
     from . import CLIError
@@ -140,6 +176,7 @@ def run(args) -> int:
         raise CLIError(f"--kv-heads: expected a divisor of --heads {args.heads}, got {args.kv_heads}.")
     if args.dim < 16:
         raise CLIError(f"--dim: expected a head dim >= 16, got {args.dim}.")
+    _check_memory(args)
     rows = _rows(args.rows, args.length)
     t0 = time.perf_counter()
     q, k, mask = synthetic(args.length, H=args.heads, Hkv=args.kv_heads, D=args.dim, mask=args.mask,

@@ -261,7 +261,9 @@ class TileMass:
         if self.mask_name:
             lines.append(f"mask: {self.mask_name}")
         dead = rows - live
-        lines.append(f"rows: {int(live)} live" + (f", {int(dead)} fully masked (weight 0)" if dead else ""))
+        over = " × ".join(f"{n}={x}" for n, x in (("B", self.B), ("H", self.H)) if x > 1)
+        lines.append(f"query rows: {int(live)} live" + (f", {int(dead)} fully masked (weight 0)" if dead else "")
+                     + (f" (of {rows} = {over} × L={self.L})" if over else ""))
         t = self.tiles
         qc = t[:, 0].double() * bm + bm / 2
         kc = t[:, 1].double() * bn + bn / 2
