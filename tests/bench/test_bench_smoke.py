@@ -39,8 +39,8 @@ def test_bench_tiny_run_measures_every_peer_and_writes_only_where_asked(run_dir,
     assert sorted(p.name for p in out_dir.iterdir()) == ["B.md", "r.json"]
 
     # stderr: the estimate comes first, then progress, then the wall time
-    assert re.match(r"attnkit bench: 4 case\(s\) × 4 peer\(s\) .*estimated \d+ s", err)
-    assert "] 17/17 " in err and re.search(r"done in \d+ s \(estimated \d+ s\)", err)
+    assert re.match(r"attnkit bench: 4 case\(s\) × 4 peer\(s\) .*estimated (under 1|\d+) s", err)
+    assert "] 17/17 " in err and re.search(r"done in (under 1|\d+) s \(estimated (under 1|\d+) s\)", err)
 
     data = json.loads(js.read_text())
     rows = {(r["case"], r["mode"], r["peer"]): r for r in data["results"]}
@@ -97,6 +97,9 @@ def test_default_run_writes_nothing(run_dir, capsys, monkeypatch):
     (["--memory", "0"], "--memory"),
     (["--json", "/nonexistent-dir/r.json"], "--json"),
     (["--markdown", "."], "--markdown"),
+    # past this machine's memory, refused by the estimate before anything is allocated (--dry-run too)
+    (["--length", "100000000", "--dry-run"], "--length"),
+    (["--memory", "100000000", "--dry-run"], "--memory"),
 ])
 def test_bad_flag_is_one_line_naming_it(run_dir, capsys, argv, flag):
     rc = cli.main(["bench", *argv])
@@ -123,3 +126,22 @@ def test_dry_run_prints_the_plan_and_runs_nothing(run_dir, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert rc == 0 and out.split() == ["document-2048", "float32", "fwd"]
     assert "1 case(s) × 4 peer(s)" in err and "estimated" in err and "--full" in err
+
+
+def test_durations_read_as_a_person_reads_them():
+    from attnkit._cli.bench import _fmt_s
+
+    assert [_fmt_s(x) for x in (0.2, 42, 7 * 60, 3.5 * 3600, 12 * 86400, 2.5e9 * 60)] == [
+        "under 1 s", "42 s", "7 min", "3.5 h", "12 days", "1,736,111 days"]
+
+
+def test_what_does_not_fit_is_named_with_its_size():
+    cases, peers = bench.select(cases="window", modes="fwdbwd", length=65536)
+    need = bench.runner.case_bytes(cases[0], peers)
+    # q, k, v, out, their gradients and saved tensors (10 × B·H·L·D fp32) and SDPA's (L, S) bool mask
+    assert need == 10 * 8 * 65536 * 64 * 4 + 65536 ** 2
+    bench.runner.check_fits(cases, peers, have=2 * need)
+    with pytest.raises(bench.BenchSettingsError, match=r"window-65536 float32 fwdbwd needs about 5\.2 GiB \(q, k, v, "
+                                                       r"output, gradients, SDPA's dense mask\)"):
+        bench.runner.check_fits(cases, peers, have=need)
+    bench.runner.check_fits(cases, ["auto", "tiled"], have=need)  # without SDPA's mask it fits

@@ -74,7 +74,16 @@ def _writable(path: str, flag: str):
 
 
 def _fmt_s(s: float) -> str:
-    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min"
+    """A duration as a person reads it: under 1 s, 42 s, 7 min, 3.5 h, 12 days."""
+    if s < 1:
+        return "under 1 s"
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 2 * 3600:
+        return f"{s / 60:.0f} min"
+    if s < 2 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:,.0f} days"
 
 
 def run(args) -> int:
@@ -88,6 +97,7 @@ def run(args) -> int:
         budget = args.budget if args.budget is not None else (20.0 if args.full else 2.0)
         memory = _memory(args.memory, args.full)
         bench.runner.check_settings(repeats=repeats, budget=budget, memory=memory)
+        bench.runner.check_fits(cases, peers, memory)
     except bench.BenchSettingsError as e:
         raise CLIError(f"--{e.option}: {e.message}") from None
     for path, flag in ((args.json, "--json"), (args.markdown, "--markdown")):

@@ -39,7 +39,8 @@ import attnkit
 from . import cases as _c
 from .cases import BenchSettingsError, Case, Result
 
-__all__ = ["Progress", "run", "run_case", "memory_rows", "machine", "estimate", "calibrate", "check_settings"]
+__all__ = ["Progress", "run", "run_case", "memory_rows", "machine", "estimate", "calibrate", "check_settings",
+           "check_fits", "case_bytes"]
 
 
 class Progress:
@@ -71,6 +72,44 @@ def check_settings(*, repeats: int, budget: float, memory=()) -> None:
     for L in memory:
         if isinstance(L, bool) or not isinstance(L, int) or L < 1:
             raise BenchSettingsError("memory", f"expected lengths >= 1 (or 'none'), got {L!r}")
+
+
+def case_bytes(case, peers) -> int:
+    """Peak bytes one case can hold: q, k, v, the output and (fwd+bwd) their gradients and the backward's
+    saved tensors, in the case's dtype; plus SDPA's dense (L, S) mask where SDPA gets one (bool; ALiBi's
+    float bias (1, H, L, S)). The naive peer is skipped past ``NAIVE_MAX_BYTES`` on its own."""
+    esize = torch.tensor([], dtype=case.dtype).element_size()
+    n = 4 if case.mode == "fwd" else 10
+    need = n * _c.B * _c.H * case.L * _c.D * esize
+    if "sdpa" in peers and case.name not in ("dense", "causal"):
+        need += case.L * case.L * (_c.H * esize if case.name == "alibi" else 1)
+    if "naive" in peers and _c.naive_fits(case.L):
+        need = max(need, _c.NAIVE_MAX_BYTES)
+    return need
+
+
+def check_fits(cases, peers, memory=(), have: int | None = None) -> None:
+    """Raise :class:`BenchSettingsError` for a case or memory length whose tensors cannot fit in this machine's
+    memory (``have`` bytes; default: physical memory), before anything is allocated."""
+    if have is None:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+    for case in cases:
+        need = case_bytes(case, peers)
+        if need > 0.8 * have:
+            raise BenchSettingsError("length", f"{case.label} needs about {need / 2**30:,.1f} GiB (q, k, v, output"
+                                     + (", gradients" if case.mode == "fwdbwd" else "")
+                                     + (", SDPA's dense mask" if "sdpa" in peers and case.name not in ("dense",
+                                                                                                       "causal")
+                                        else "") + f"), and this machine has {have / 2**30:.1f} GiB; expected a "
+                                     f"smaller --length (the default is {_c.DEFAULT_SIZE})")
+    for L in memory:
+        need = 10 * _c.B * _c.H * L * _c.D * 4
+        if need > 0.8 * have:
+            raise BenchSettingsError("memory", f"the peak-RSS check at L={L:,} needs about {need / 2**30:,.1f} GiB, "
+                                     f"and this machine has {have / 2**30:.1f} GiB; expected smaller lengths")
 
 
 # --- timing --------------------------------------------------------------------------
@@ -294,6 +333,7 @@ def run(cases, peers, *, repeats: int, budget: float, memory=(), progress: Progr
     """
     memory = list(memory)
     check_settings(repeats=repeats, budget=budget, memory=memory)
+    check_fits(cases, peers, memory)
     progress = progress or Progress(len(cases) * len(peers) + len(memory), enabled=False)
     results: list[dict] = []
     report = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
