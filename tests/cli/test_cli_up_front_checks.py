@@ -5,6 +5,8 @@ one line naming the option)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from attnkit import cli
@@ -110,14 +112,34 @@ def test_demo_refuses_an_out_that_is_a_file(tmp_path, capsys):
     assert rc == 2 and out == "" and err.startswith("attnkit demo: error: --out:")
 
 
-@pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
+@pytest.mark.parametrize("where", ["missing-folder", "a-folder", "a-full-device", "proc"])
 def test_explain_html_checks_the_path_before_printing(tmp_path, capsys, where):
-    path = tmp_path / "nope" / "x.html" if where == "missing-folder" else tmp_path
+    needs = {"a-full-device": "/dev/full", "proc": "/proc/self"}.get(where)
+    if needs and not os.path.exists(needs):
+        pytest.skip("needs Linux's /dev/full and /proc")
+    # /dev/full and /proc/x.html pass every check on the path (root may write anywhere) and fail only in the write:
+    # the page is written before the tables are printed, so that failure is the only output too
+    path = {"missing-folder": tmp_path / "nope" / "x.html", "a-folder": tmp_path, "a-full-device": "/dev/full",
+            "proc": "/proc/attnkit-page.html"}[where]
     rc, out, err = _run(capsys, ["explain", "--html", str(path)])
     assert rc == 2
     assert out == ""  # before: the whole explanation was printed, then the write failed
     assert err.startswith("attnkit explain: error: --html:") and err.strip().count("\n") == 0
-    assert ("does not exist" if where == "missing-folder" else "a directory") in err
+    assert {"missing-folder": "does not exist", "a-folder": "a directory", "a-full-device": "could not write",
+            "proc": "/proc/attnkit-page.html"}[where] in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--example", "cat", "--q", "q.txt", "--k", "q.txt", "--v", "q.txt"], "--example: runs a built-in example"),
+    (["--example", "random", "--q", "q.txt", "--k", "q.txt", "--v", "q.txt"], "got both (--example random)"),
+    (["--seed", "3"], "--seed: seeds --example random only, got --seed 3 with the default 3-token example"),
+    (["--seed", "3", "--example", "cat"], "got --seed 3 with --example cat"),
+])
+def test_explain_options_that_would_be_ignored_are_refused(tmp_path, capsys, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "q.txt").write_text("1 0\n0 1\n")
+    rc, out, err = _run(capsys, ["explain", *argv])
+    assert rc == 2 and out == "" and err.startswith("attnkit explain: error: ") and needle in err, err
 
 
 def test_explain_html_still_writes_a_good_path(tmp_path, capsys):

@@ -77,7 +77,7 @@ def add_arguments(p):
                 "separated\nby commas or whitespace, as np.savetxt writes). Q, K, V are read as float64.\n"
                 + "\n".join(_wrap(MASK_FILE_HELP)) +
                 "\nexit status: 0 ok, 2 bad input, 141 when the reader of stdout goes away (e.g. | head).")
-    p.add_argument("--example", type=_example, choices=sorted(EXAMPLES), default="3-token",
+    p.add_argument("--example", type=_example, choices=sorted(EXAMPLES), default=None,
                    help="worked example to run (default: 3-token; cat = the cat/mouse example; random; positional)")
     p.add_argument("--seed", type=_nonneg_int("an integer"), default=0,
                    help="random seed for --example random (default 0)")
@@ -365,6 +365,14 @@ def run(args) -> int:
 
     if args.html:  # where the page goes is checked before anything is computed or printed
         _check_html_path(args.html)
+    if args.example is not None and (args.q or args.k or args.v):
+        raise _err(f"--example: runs a built-in example, and --q/--k/--v give your own numbers; got both "
+                   f"(--example {args.example}). Pass one or the other.")
+    if args.seed != 0 and args.example != "random":
+        raise _err(f"--seed: seeds --example random only, got --seed {args.seed} with "
+                   + (f"--example {args.example}" if args.example else "--q/--k/--v" if args.q or args.k or args.v
+                      else "the default 3-token example") + ". Add --example random, or leave --seed out.")
+    args.example = args.example or "3-token"
     if args.example == "positional" and not (args.q or args.k or args.v):
         if args.html:
             raise _err("--html: the page walks through attention; --example positional has none. "
@@ -410,9 +418,11 @@ def run(args) -> int:
     for w in caught:
         if not (issubclass(w.category, RuntimeWarning) and "overflows" in str(w.message)):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    q_tokens, k_tokens = tokens if isinstance(tokens, tuple) else (tokens, tokens)
+    if args.html:  # written before anything is printed: a path that cannot take it fails alone, in one line
+        _write_page(args.html, t, title, q_tokens, k_tokens, args.precision)
     print(title)
     print(f"Q {q.shape}, K {k.shape}, V {v.shape}; scale = 1/√d_k = {t.scale:.6f}\n")
-    q_tokens, k_tokens = tokens if isinstance(tokens, tuple) else (tokens, tokens)
     print(format_trace(t, q_tokens=q_tokens, k_tokens=k_tokens, prec=args.precision, inputs=True))
     masked = bool(args.causal or args.mask)
     over = _overflow_note(t, q_tokens, k_tokens)
@@ -425,7 +435,7 @@ def run(args) -> int:
     if masked and bool(np.all(t.allowed)) and np.array_equal(t.masked, t.scaled, equal_nan=True):
         print("\nNote: " + _nothing_hidden(args.causal, q.shape[0], k.shape[0]))
     if args.html:
-        _write_page(args.html, t, title, q_tokens, k_tokens, args.precision)
+        print(f"\nPage: {args.html} (one offline file; open it in a browser)")
     return 0
 
 
@@ -486,5 +496,5 @@ def _write_page(path: Path, t, title, q_tokens, k_tokens, prec):
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as e:
-        raise _err(f"--html: could not write {str(path)!r}: {e.strerror or e}.") from None
-    print(f"\nPage: {path} (one offline file; open it in a browser)")
+        raise _err(f"--html: could not write {str(path)!r}: {e.strerror or e}. Pass a path in a writable folder "
+                   "with room for the page.") from None
