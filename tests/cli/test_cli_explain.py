@@ -499,10 +499,13 @@ def test_bad_files_are_one_line_exit_2(tmp_path, capsys, setup, needles):
     (["window", "-L", "0"], ["argument -L", "1..64", "'0'"]),
     (["window", "-S", "100"], ["argument -S", "1..64", "'100'"]),
     (["window", "--size", "0"], ["--size", "window size >= 1", "got 0"]),
-    (["window", "--size", "-3"], ["argument --size", ">= 0", "'-3'"]),
+    (["window", "--size", "-3"], ["--size", "window size >= 1", "got -3"]),  # said ">= 0", which 0 is not
+    (["window", "--size", "x"], ["argument --size", "whole number", "'x'"]),
+    (["padding", "--size", "-1"], ["--size", "valid keys in 0..S = 0..8", "got -1"]),
+    (["causal", "--size", "4"], ["--size", "the 'causal' mask has no size"]),  # was silently ignored
     (["chunked", "--size", "0"], ["--size", "chunk size >= 1", "got 0"]),
-    (["prefix", "--size", "99"], ["--size", "<= S = 8", "got 99"]),
-    (["padding", "--size", "9", "-L", "4", "-S", "8"], ["--size", "<= S = 8", "got 9"]),
+    (["prefix", "--size", "99"], ["--size", "in 0..S = 0..8", "got 99"]),
+    (["padding", "--size", "9", "-L", "4", "-S", "8"], ["--size", "in 0..S = 0..8", "got 9"]),
     (["document", "--docs", "a,b"], ["--docs", "integer ids", "'a,b'"]),
     (["document", "--docs", "0,1"], ["--docs", "one id per key (S = 8)", "got 2"]),
     (["document", "-L", "9", "-S", "3"], ["-L/-S", "L <= S", "L=9, S=3"]),
@@ -518,6 +521,19 @@ def test_masks_bad_sizes_are_one_line_exit_2(capsys, argv, needles):
     assert rc == 2 and "Traceback" not in err and out == ""
     for n in needles:
         assert n in line, (n, line)
+
+
+def test_masks_says_when_a_row_sees_no_key(capsys):
+    """padding --size 0 hides every key: each row is fully masked, which attention answers with 0, and the drawing
+    says so under the grid; causal with L > S leaves the first L - S queries without a key."""
+    assert cli.main(["masks", "padding", "--size", "0", "-L", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-4:-1] == ["q0 . . .", "q1 . . .", "q2 . . ."]
+    assert out[-1].startswith("note: every query row sees no key (fully masked)") and "output 0" in out[-1]
+    assert cli.main(["masks", "causal", "-L", "4", "-S", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("note: query rows q0, q1 see no key")
+    assert cli.main(["masks", "causal", "-L", "4"]) == 0
+    assert "note" not in capsys.readouterr().out
 
 
 def test_masks_draws_prefix_and_document(capsys):
@@ -536,9 +552,10 @@ def test_masks_draws_prefix_and_document(capsys):
                                          ("prefix_lm", "prefix"), ("causal_top_left", "causal-top-left")])
 def test_masks_takes_the_python_names(capsys, alias, kind):
     """``attnkit masks sliding_window`` draws what ``attnkit masks window`` draws (attnkit.masks' own names)."""
-    assert cli.main(["masks", alias, "--size", "2", "-L", "4"]) == 0
+    size = [] if kind.startswith("causal") else ["--size", "2"]
+    assert cli.main(["masks", alias, *size, "-L", "4"]) == 0
     got = capsys.readouterr().out
-    assert cli.main(["masks", kind, "--size", "2", "-L", "4"]) == 0
+    assert cli.main(["masks", kind, *size, "-L", "4"]) == 0
     assert got == capsys.readouterr().out
 
 
