@@ -665,11 +665,14 @@ def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str
               "bf16_grad": choice("bfloat16", "fwd+bwd", False),
               "bf16_small": choice("bfloat16", "fwd", True), "fp16_small": choice("float16", "fwd", True),
               "few_rows_grad": _rows_choice([p for p in points if p.case == "rows"])}
-    kept = [name for name, v in (("causal", causal), ("no mask", dense), ("bf16", values["bf16"]),
-                                 ("fp16", values["fp16"]), ("small bf16", values["bf16_small"]),
-                                 ("small fp16", values["fp16_small"])) if v is None]
+    # (named as the table's rows read: a bf16 decision at 512 × 512 is kept even where the 64 × 64 bf16 points are
+    # listed as measured, so the size is in the name)
+    big, small = f"{DTYPE_LENGTH} × {DTYPE_LENGTH}", f"{SMALL_LENGTH} × {SMALL_LENGTH}"
+    kept = [name for name, v in (("causal", causal), ("no mask", dense), (f"bf16 at {big}", values["bf16"]),
+                                 (f"fp16 at {big}", values["fp16"]), (f"bf16 at {small}", values["bf16_small"]),
+                                 (f"fp16 at {small}", values["fp16_small"])) if v is None]
     if values["bf16_grad"] is None and backward:  # (planned with backward only: not "kept" by a forward calibration)
-        kept.append("bf16 with gradients")
+        kept.append(f"bf16 with gradients at {GRAD_LENGTH} × {GRAD_LENGTH}")
     if values["few_rows_grad"] is None and backward:
         kept.append("a few rows with gradients")
     return values, kept

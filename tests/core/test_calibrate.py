@@ -365,19 +365,30 @@ def test_the_measured_calls_see_every_dtype_on_the_kernel(cache, monkeypatch):
     assert C.crossovers().bf16 == "torch"  # outside the calibration: the measured choice
 
 
+def test_a_kept_default_names_the_size_whose_points_were_not_measured(cache, monkeypatch):
+    """The small bf16 / fp16 points (64 × 64) are measured before the 512s: a budget that ends between them lists
+    measured bf16 rows, and the kept defaults say which size they are for (they said "bf16, fp16" beside bf16 rows)."""
+    fake = Fake(monkeypatch, cost=0.25)
+    c = C.calibrate(budget_s=2.5)  # (the fake clock: ten points of 0.25 s, the last two the 64 × 64 bf16 / fp16)
+    assert [x[:3] for x in fake.calls if x[1] != "float32"] == [("none", "bfloat16", 64), ("none", "float16", 64)]
+    assert c.source.endswith("; defaults kept for bf16 at 512 × 512, fp16 at 512 × 512 (not measured in the budget)")
+    assert (c.bf16, c.fp16) == (None, None) and c.bf16_small is not None and c.fp16_small is not None
+
+
 def test_the_budget_bounds_the_measurement_and_the_rest_keeps_its_default(cache, monkeypatch):
     fake = Fake(monkeypatch, cost=0.25)
     c = C.calibrate(budget_s=1.0)
     assert len(fake.calls) == 4 and {x[:2] for x in fake.calls} == {("causal", "float32")}
     assert c.calibrated and c.native_causal_min == 256  # measured: 64, 128 lose, 256, 512 win
     assert (c.native_dense_min_ls, c.bf16, c.fp16, c.bf16_grad) == (1024 * 1024, None, None, None)
-    kept = "defaults kept for no mask, bf16, fp16, small bf16, small fp16 (not measured in the budget)"
+    kept = ("defaults kept for no mask, bf16 at 512 × 512, fp16 at 512 × 512, bf16 at 64 × 64, fp16 at 64 × 64 (not "
+            "measured in the budget)")
     assert kept in c.source  # (bf16 with gradients:
     # planned only with backward=True, so not "kept" here)
     small = C.calibrate(budget_s=1.0, backward=True)
     assert small.bf16_grad is None and small.few_rows_grad is None
-    assert small.source.endswith("small fp16, bf16 with gradients, a few rows with gradients (not measured in the "
-                                 "budget)")
+    assert small.source.endswith("fp16 at 64 × 64, bf16 with gradients at 256 × 256, a few rows with gradients (not "
+                                 "measured in the budget)")
 
 
 def test_backward_decides_bf16_with_gradients_apart_from_bf16s_forward(cache, monkeypatch):
