@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["format_matrix", "format_trace", "trace_repr"]
+__all__ = ["format_matrix", "format_trace", "trace_repr", "display_width", "rjust"]
+
+
+def display_width(text: str) -> int:
+    """Columns ``text`` takes in a terminal: 2 for a wide character (CJK, most emoji), 0 for a combining mark."""
+    import unicodedata
+
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def rjust(text: str, width: int) -> str:
+    """``text`` right-aligned in ``width`` terminal columns (``str.rjust`` counts characters, not columns)."""
+    return " " * max(0, width - display_width(text)) + text
 
 
 def format_number(x: float, prec: int = 4) -> str:

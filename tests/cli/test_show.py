@@ -103,6 +103,32 @@ def test_bad_word_layer_head_are_one_line_exit_2(tmp_path, capsys, argv, needle)
 
 
 @needs_model
+@pytest.mark.parametrize("argv, needle", [(["--layer", "6"], "--layer: expected 0..5 (this model has 6 layers)"),
+                                          (["--layer", "-1"], "got -1"), (["--head", "12"], "--head: expected 0..11")])
+def test_a_bad_layer_or_head_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch, argv, needle):
+    """The sizes come from config.json: nothing is loaded to say --layer 6 is past the model's 6 layers."""
+    from attnkit.apps import sentences
+
+    monkeypatch.setattr(sentences, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    rc, out, err = _cli(capsys, *argv, "--out", str(tmp_path))
+    assert rc == 2 and out == "" and needle in _one_line_error(err)
+    assert "loading the model" not in err
+
+
+def test_model_sizes_read_config_json_only(tmp_path):
+    from attnkit.integrations.minilm import model_sizes
+
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4, "num_attention_heads": 8}')
+    (tmp_path / "model.safetensors").write_bytes(b"not read")
+    assert model_sizes(tmp_path) == (4, 8)
+    (tmp_path / "config.json").write_text('{"n_layer": 4}')  # other names: the loaded model's config decides
+    assert model_sizes(tmp_path) is None
+    (tmp_path / "config.json").write_text("{broken")
+    assert model_sizes(tmp_path) is None
+    assert model_sizes(tmp_path / "missing") is None
+
+
+@needs_model
 def test_model_path_without_weights_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     rc, out, err = _cli(capsys, "--model", str(tmp_path))

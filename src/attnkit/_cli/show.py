@@ -80,13 +80,22 @@ def run(args) -> int:
         except ModelUnavailable as e:
             raise CLIError(f"--model: {e}") from None
     check_out_dir("--out", args.out)
+    import warnings
+
     try:
-        res = show(sentences, layer=args.layer, head=args.head, word=args.word, model_path=args.model,
-                   out=args.out, top=args.top)
+        with warnings.catch_warnings(record=True) as caught:  # a glyph no font draws: a note, not a warning line
+            warnings.simplefilter("always", UserWarning)
+            res = show(sentences, layer=args.layer, head=args.head, word=args.word, model_path=args.model,
+                       out=args.out, top=args.top)
     except ShowInputError as e:
         raise CLIError(f"{_FLAG.get(e.param, e.param)}: {e.message}") from None
     except (ModelUnavailable, ShowDependencyError) as e:  # a missing or broken extra: the message says how to fix
         raise CLIError(str(e)) from None
+    for w in caught:
+        if str(w.message).startswith("no installed font draws"):
+            print(f"attnkit show: note: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     print(res.table)
     print(f"\nwrote {res.png}\nwrote {res.html}  (open it in a browser: pick layer and head, hover a token)")
     return 0

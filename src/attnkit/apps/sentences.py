@@ -180,19 +180,30 @@ def _table(tokens, rows, heads, top):
     """rows (H', S): the word's attention per head → text table of the strongest keys."""
     import numpy as np
 
+    from .._format import display_width, rjust
+
     lines = []
-    width = max(len(t) for t in tokens)
+    width = max(display_width(t) for t in tokens)  # columns, not characters: 我 and 🐱 take two
     labelled = [(str(h), rows[k]) for k, h in enumerate(heads)]
     if len(heads) > 1:
         labelled.append(("mean", rows.mean(0)))
     for label, r in labelled:
         order = np.argsort(-r, kind="stable")[:top]
         ent = float(-(r[r > 0] * np.log(r[r > 0])).sum())  # natural log: nats (ln S for a uniform row)
-        cells = "   ".join(f"{tokens[j]:>{width}} {r[j]:.2f}" for j in order)
+        cells = "   ".join(f"{rjust(tokens[j], width)} {r[j]:.2f}" for j in order)
         lines.append(f"{label:>4} │ {cells} │ {ent:5.2f}")
-    head = f"head │ {'attends most to (weight)':<{len(lines[0].split('│')[1]) - 1}}│ entropy (nats)"
-    rule = "─" * 5 + "┼" + "─" * (len(lines[0].split("│")[1])) + "┼" + "─" * 15
+    mid = display_width(lines[0].split("│")[1])
+    head = f"head │ {'attends most to (weight)':<{mid - 1}}│ entropy (nats)"
+    rule = "─" * 5 + "┼" + "─" * mid + "┼" + "─" * 15
     return "\n".join([head, rule, *lines])
+
+
+def _check_layer_head(layer, head, n_layers: int, n_heads: int) -> None:
+    if not 0 <= layer < n_layers:
+        raise ShowInputError("layer", f"expected 0..{n_layers - 1} (this model has {n_layers} layers), got {layer}")
+    if head is not None and not 0 <= head < n_heads:
+        raise ShowInputError("head", f"expected 0..{n_heads - 1} (this model has {n_heads} heads per layer), "
+                             f"got {head}")
 
 
 def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_path=None, out="attnkit-out", top=3,
@@ -219,14 +230,15 @@ def show(sentences=None, *, layer=DEFAULT_LAYER, head=None, word=None, model_pat
             raise ShowInputError(name, f"expected an int, got {value!r}")
     if top < 1:
         raise ShowInputError("top", f"expected a count >= 1, got {top}")
+    from ..integrations.minilm import model_sizes
+
+    sizes = model_sizes(model_path)  # from config.json: a bad layer or head is said before the model loads
+    if sizes is not None:
+        _check_layer_head(layer, head, *sizes)
     tok, model = _load(model_path, quiet)
     cfg = model.config
     n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
-    if not 0 <= layer < n_layers:
-        raise ShowInputError("layer", f"expected 0..{n_layers - 1} (this model has {n_layers} layers), got {layer}")
-    if head is not None and not 0 <= head < n_heads:
-        raise ShowInputError("head", f"expected 0..{n_heads - 1} (this model has {n_heads} heads per layer), "
-                             f"got {head}")
+    _check_layer_head(layer, head, n_layers, n_heads)
 
     from ..integrations.transformers import CaptureError, capture_attention
 

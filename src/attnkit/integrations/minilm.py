@@ -9,6 +9,7 @@ tokens, then L2 normalisation. Shapes: hidden ``(B, L, 384)`` → embedding ``(B
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,20 @@ def check_model_dir(path) -> Path:
         raise ModelUnavailable(f"{str(path)!r} has no config.json{found}; pass the Hugging Face model directory that "
                                f"holds config.json and the weights, {fix}")
     return path
+
+
+def model_sizes(path=None) -> tuple[int, int] | None:
+    """``(layers, heads per layer)`` read from ``config.json`` of ``path`` (default: the bundled model) without
+    loading anything else, so a bad layer or head is refused before the model loads; None where the config
+    cannot say (missing, unreadable, other field names): the loaded model's config is checked then."""
+    try:
+        path = check_model_dir(path if path is not None else default_model_path())
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    except (ModelUnavailable, OSError, ValueError, KeyError, TypeError):
+        return None
+    ok = all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (layers, heads))
+    return (layers, heads) if ok else None
 
 
 @contextlib.contextmanager

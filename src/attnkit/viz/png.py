@@ -14,8 +14,10 @@ each panel title names that row's strongest key.
 
 from __future__ import annotations
 
+import functools
 import math
 import textwrap
+import unicodedata
 
 import numpy as np
 
@@ -49,6 +51,41 @@ def _pyplot():
     matplotlib.use("Agg", force=True)  # files only: never open a window
     import matplotlib.pyplot as plt
     return plt
+
+
+@functools.lru_cache(maxsize=64)
+def _charmap(path: str) -> frozenset[int]:
+    from matplotlib import ft2font
+
+    try:
+        return frozenset(ft2font.FT2Font(path).get_charmap())
+    except (OSError, RuntimeError, ValueError):
+        return frozenset()
+
+
+def _glyphs(texts):
+    """Where matplotlib's font cannot draw a character of ``texts``: the installed fonts that can (to fall back
+    on, per glyph) and the characters none can, mapped to their code point (``<U+6211>``) so the PNG says what
+    it cannot show instead of an empty box. Returns ``(fallback family names, {char: replacement})``."""
+    import matplotlib
+    from matplotlib import font_manager
+
+    chars = {c for t in texts for c in str(t) if not c.isspace()}
+    if all(ord(c) < 0x250 for c in chars):  # Latin: every default font has it
+        return [], {}
+    default = font_manager.findfont(font_manager.FontProperties(family=matplotlib.rcParams["font.family"]))
+    missing = sorted(c for c in chars if ord(c) not in _charmap(default) and unicodedata.category(c)[0] != "M")
+    families: list[str] = []
+    nowhere = {}
+    for c in missing:
+        entry = next((f for f in font_manager.fontManager.ttflist
+                      if f.fname.lower().endswith((".ttf", ".otf")) and "last resort" not in f.name.lower()
+                      and ord(c) in _charmap(f.fname)), None)
+        if entry is None:
+            nowhere[c] = f"<U+{ord(c):04X}>"
+        elif entry.name not in families:
+            families.append(entry.name)
+    return families, nowhere
 
 
 def _cut(text: str, n: int) -> str:
@@ -87,6 +124,25 @@ def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=No
         raise ValueError(f"tokens: expected {L} query and {S} key labels, got {len(q_tokens)} and {len(k_tokens)}.")
     heads = list(range(H)) if heads is None else list(heads)
     plt = _pyplot()
+    fallback, nowhere = _glyphs([*q_tokens, *k_tokens, title])
+    if nowhere:  # no installed font has these: named by code point, and said once
+        import warnings
+
+        swap = str.maketrans(nowhere)
+        q_tokens, k_tokens, title = ([t.translate(swap) for t in q_tokens], [t.translate(swap) for t in k_tokens],
+                                     str(title).translate(swap))
+        warnings.warn("no installed font draws " + ", ".join(f"{c} as {u}" for c, u in nowhere.items())
+                      + ": the PNG names them by code point (an HTML page shows them as the browser draws them; "
+                      "a font such as Noto Sans CJK or Noto Color Emoji draws them in the PNG too)",
+                      UserWarning, stacklevel=2)
+    import matplotlib
+
+    with matplotlib.rc_context({"font.family": [*matplotlib.rcParams["font.family"], *fallback]}):
+        return _draw(plt, path, w, q_tokens, k_tokens, title, heads, highlight_row, cols, dpi)
+
+
+def _draw(plt, path, w, q_tokens, k_tokens, title, heads, highlight_row, cols, dpi) -> str:
+    H, L, S = w.shape
 
     ncols = min(cols, H)
     nrows = math.ceil(H / ncols)
