@@ -123,23 +123,36 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                          f"give key and value {H} heads.")
     want_lse = _check_aux(return_lse, return_aux)
     B, L, S = query.shape[0], query.shape[2], key.shape[2]
-    mask = None
-    if block_mask is not None:
-        if not is_block_mask(block_mask):
-            raise TypeError(f"block_mask: expected a torch BlockMask (from create_block_mask) or None, got "
-                            f"{type(block_mask).__name__}. Build one with attnkit.create_block_mask(mask_mod, B, H, "
-                            f"L, S), or pass a mask_mod to attnkit.attention(..., mask=mask_mod).")
-        mask = block_mask_plan(block_mask, B, H, L, S, query.device, "block_mask")
+    if block_mask is not None and not is_block_mask(block_mask):
+        raise TypeError(f"block_mask: expected a torch BlockMask (from create_block_mask) or None, got "
+                        f"{type(block_mask).__name__}. Build one with attnkit.create_block_mask(mask_mod, B, H, "
+                        f"L, S), or pass a mask_mod to attnkit.attention(..., mask=mask_mod).")
     if key.shape[0] != B and key.shape[0] == 1 and value.shape[0] == 1 and block_mask is not None \
             and block_mask.kv_num_blocks.shape[0] == B:
         key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)  # torch's rule: one key row for all
-    res = attention(query, key, value, mask=mask, score_mod=score_mod, scale=scale, return_lse=want_lse)
+    if (torch.compiler.is_compiling() or torch._C._is_tracing()) and query.is_cpu:
+        # traced on the CPU: one call of attnkit's torch op, the block mask's tensors among its inputs (attnkit._op),
+        # so torch.compile(fullgraph=True) has no graph break here
+        res = attention(query, key, value, mask=block_mask, score_mod=score_mod, scale=scale, return_lse=want_lse)
+    else:
+        res = _run(query, key, value, block_mask, score_mod, scale, want_lse)
     if return_aux is None:
         return res
     from torch.nn.attention.flex_attention import AuxOutput
 
     out, lse = res if want_lse else (res, None)
     return out, AuxOutput(lse=lse, max_scores=None)
+
+
+def _run(query, key, value, block_mask, score_mod, scale, want_lse):
+    """The eager call: the block mask read into a plan (kept by content), then :func:`attnkit.attention` (on a GPU
+    its dispatch may pick torch's own kernels, so compiled code calls this eagerly off the CPU)."""
+    B, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    mask = None if block_mask is None else block_mask_plan(block_mask, B, H, L, S, query.device, "block_mask")
+    return attention(query, key, value, mask=mask, score_mod=score_mod, scale=scale, return_lse=want_lse)
+
+
+_mods.opaque_to_torch_compile(_run, "attnkit.flex_attention off the CPU runs attnkit's dispatch eagerly")
 
 
 def _check_aux(return_lse, return_aux) -> bool:
@@ -199,5 +212,3 @@ def _check_kernel_options(kernel_options) -> None:
     warnings.warn(f"kernel_options: attnkit ignores {', '.join(sorted(keys))}, which only tune how torch computes "
                   f"the same result. {lines}. (Shown once for this set of keys.)", UserWarning, stacklevel=3)
 
-
-_mods.opaque_to_torch_compile(flex_attention, "attnkit.flex_attention runs attnkit's own kernels")

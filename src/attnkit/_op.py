@@ -45,6 +45,10 @@ Why this keeps results exact (never stale):
   call with another function, another window size or another captured constant recompiles and registers a
   new key. A function defined inside the compiled region is made by TorchDynamo from constants it traced,
   which it guards the same way.
+* A FlexAttention ``BlockMask`` (``mask=`` here, ``block_mask=`` of :func:`attnkit.flex_attention`) crosses as its
+  four kv index tensors (op inputs: an edited or new block mask of the same sizes is read when the op runs),
+  its block size and lengths (ints) and its ``mask_mod`` (a user function as above); inside the op it is a
+  ``BlockMask`` again (``from_kv_blocks``) and planned as eagerly, by content.
 * Globals a user function reads (``torch``, ``math``, helpers) are read live, inside the op, as eagerly.
 * A repeated call (every layer of every step) replays its forward where the compiled kernel runs it: the
   prepared call record is kept under the op's spec, numbers, the *content* of every tensor it was given (a
@@ -54,7 +58,7 @@ Why this keeps results exact (never stale):
 Not taken by the op (a ``TypeError`` / ``ValueError`` naming it, raised while tracing: under
 ``fullgraph=True`` the compile fails with that message; without it TorchDynamo breaks the graph there and
 the call runs eagerly): ``dropout_p``, ``return_weights``, a backend other than ``auto`` / ``tiled``, NumPy
-inputs, a FlexAttention ``BlockMask`` or ``attnkit.plan``, a user ``Mask`` or ``ScoreMod`` subclass or a
+inputs, an ``attnkit.plan``, a user ``Mask`` or ``ScoreMod`` subclass or a
 callable object, a closure holding something that is neither a tensor nor a constant. A function made
 inside the compiled region that captures a *tensor* cannot be described (TorchDynamo does not expose the
 closure of such a function): define it outside the compiled code, e.g. in the module's ``__init__``, or use
@@ -70,6 +74,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import types
 from collections import OrderedDict
 
@@ -78,6 +83,7 @@ import torch
 from . import _mods
 from . import masks as _m
 from . import score_mods as _sm
+from ._blockmask import is_block_mask
 from ._request import _check_sinks, _scale_value, make_request, positive_scale
 from .backends import _native, _softmax, native, tiled
 from .backends._tiled_ctx import TileContext
@@ -207,14 +213,38 @@ def _mask_spec(m, acc: _Acc, top: bool):
         if not top:
             raise TypeError("mask: a tensor inside a combined mask; pass it as mask= on its own.")
         return ("tensor", _slot(acc, m))
+    if top and is_block_mask(m):
+        return _block_mask_spec(m, acc)
     if isinstance(m, _m.Mask):
         raise TypeError(f"mask: {t.__name__} is a Mask subclass attnkit's torch op does not know; under "
                         "torch.compile / torch.export pass its mask_mod function (mask=fn) or a built-in mask.")
     if isinstance(m, types.FunctionType):
         return ("mod", _fn_spec(m, acc, "mask_mod"))
     raise TypeError(f"mask: under torch.compile / torch.export attnkit.attention takes None, a tensor, a built-in "
-                    f"attnkit.masks mask or a mask_mod function, got {t.__name__} (a BlockMask, a plan or a callable "
+                    f"attnkit.masks mask, a mask_mod function or a BlockMask, got {t.__name__} (a plan or a callable "
                     "object needs the eager call: make it outside the compiled code).")
+
+
+def _block_mask_spec(bm, acc: _Acc):
+    """``("block_mask", kv slots, full kv slots or None, block size, lengths, mod spec or None)``: a torch BlockMask
+    as the op's inputs — its four kv index tensors (the blocks: read when the op runs, so a new block mask with the
+    same sizes needs no new graph), its block size and lengths, and its mask_mod as any mask_mod is taken."""
+    mod = bm.mask_mod
+    flex = sys.modules["torch.nn.attention.flex_attention"]
+    full = None if bm.full_kv_num_blocks is None else (_slot(acc, bm.full_kv_num_blocks),
+                                                      _slot(acc, bm.full_kv_indices))
+    if mod is None or mod is flex.noop_mask:
+        mspec = None
+    elif isinstance(mod, types.FunctionType):
+        mspec = _fn_spec(mod, acc, "mask_mod")
+    else:
+        raise TypeError(f"mask: under torch.compile / torch.export a BlockMask's mask_mod must be a function, got "
+                        f"{type(mod).__name__}. Build the block mask from a function (def or lambda), or call "
+                        "outside the compiled code.")
+    # block size and lengths as the op's int inputs: a new length traced as a symbol (automatic dynamic) still
+    # reaches the op, where a constant in the key could not hold it
+    return ("block_mask", (_slot(acc, bm.kv_num_blocks), _slot(acc, bm.kv_indices)), full,
+            tuple(_num(acc, x) for x in bm.BLOCK_SIZE), tuple(_num(acc, x) for x in bm.seq_lengths), mspec)
 
 
 def _score_spec(fn, acc: _Acc):
@@ -290,6 +320,9 @@ def _enc_mask(s):
         return [kind, _enc_mask(s[1])]
     if kind == "mod":
         return [kind, _enc_fn(s[1])]
+    if kind == "block_mask":
+        return [kind, list(s[1]), None if s[2] is None else list(s[2]), [list(p) for p in s[3]],
+                [list(p) for p in s[4]], None if s[5] is None else _enc_fn(s[5])]
     return list(s)
 
 
@@ -411,6 +444,16 @@ def _build_mask(s, ts: list, ints: list, floats: list):
         return _m.from_mod(_fn(s[1], ts, ints, floats))
     if kind == "tensor":
         return ts[s[1]]
+    if kind == "block_mask":  # the BlockMask again, from this call's tensors (its q-side lists are not read)
+        from torch.nn.attention.flex_attention import BlockMask
+
+        (nb, ix), full = s[1], s[2]
+        fnb, fix = (None, None) if full is None else (ts[full[0]], ts[full[1]])
+        return BlockMask.from_kv_blocks(ts[nb], ts[ix], fnb, fix,
+                                        BLOCK_SIZE=tuple(_val(p, ts, ints, floats) for p in s[3]),
+                                        mask_mod=None if s[5] is None else _fn(s[5], ts, ints, floats),
+                                        seq_lengths=tuple(_val(p, ts, ints, floats) for p in s[4]),
+                                        compute_q_blocks=False)
     raise ValueError(f"attnkit op: unknown mask kind {kind!r}")
 
 
@@ -543,6 +586,8 @@ def _fns_of(key: str) -> tuple[int, ...]:
                 walk(m[1])
             elif m[0] == "mod":
                 nums.append(m[1])
+            elif m[0] == "block_mask" and m[5] is not None:
+                nums.append(m[5])
 
         if doc["mask"] is not None:
             walk(doc["mask"])

@@ -453,3 +453,80 @@ def test_create_block_mask_inside_compiled_code_runs_eagerly_after_an_eager_call
     for s in range(3):
         doc.copy_(torch.arange(L) // (4 + 4 * s))
         torch.testing.assert_close(f(q, k, v), attnkit.attention(q, k, v, mask=attnkit.masks.document(doc.clone())))
+
+
+def test_flex_attention_with_a_block_mask_compiles_fullgraph_and_matches_float64():
+    """attnkit.flex_attention under torch.compile(fullgraph=True): a BlockMask built outside, a score_mod capturing
+    a learnable table, GQA. It was opaque to TorchDynamo (a graph break, so fullgraph=True failed); on the CPU it is
+    now one call of attnkit's op with the block mask's four kv tensors among its inputs. Forward and every
+    gradient (the table's too) against a float64 eager reference; then the block mask's blocks are edited in
+    place and a new block mask of the same sizes is passed: both are read when the op runs, no stale blocks."""
+    Lq, Hq, Hkv = 72, 4, 2
+    torch.manual_seed(0)
+    q = torch.randn(2, Hq, Lq, D, requires_grad=True)
+    k, v = (torch.randn(2, Hkv, Lq, D, requires_grad=True) for _ in range(2))
+    table = torch.nn.Parameter(torch.randn(Hq, 2 * Lq - 1) * 0.5)
+
+    def make_rel(t):
+        def rel(score, b, h, qi, kj):
+            return score + t[h, qi - kj + Lq - 1]
+        return rel
+
+    rel = make_rel(table)
+    doc = torch.tensor([0] * 20 + [1] * 30 + [2] * 22)
+
+    def doc_causal(b, h, qi, kj):
+        return (doc[qi] == doc[kj]) & (kj <= qi)
+
+    bm = attnkit.create_block_mask(doc_causal, None, None, Lq, Lq, BLOCK_SIZE=16)
+
+    def step(q, k, v, bm):
+        return attnkit.flex_attention(q, k, v, score_mod=rel, block_mask=bm, enable_gqa=True)
+
+    cf = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = cf(q, k, v, bm)
+    go = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    got = torch.autograd.grad((out * go).sum(), (q, k, v, table))
+    qd, kd, vd, td = (x.detach().double().requires_grad_(True) for x in (q, k, v, table))
+    want = attnkit.attention(qd, kd, vd, mask=doc_causal, score_mod=make_rel(td), backend="eager")
+    wg = torch.autograd.grad((want * go.double()).sum(), (qd, kd, vd, td))
+    assert_close(out, want, budget(torch.float32, D, Lq), "compiled flex_attention vs float64")
+    for name, g, w in zip(("dq", "dk", "dv", "dtable"), got, wg, strict=True):
+        assert_close(g, w, 4 * budget(torch.float32, D, Lq), name)
+
+    # the blocks are read when the op runs: a BlockMask edited in place (every block of the first query block
+    # emptied: its rows see no key, output 0), then another one of the same sizes, without a recompile
+    from torch._dynamo.utils import counters
+
+    frames = counters["stats"]["unique_graphs"]
+    bm.kv_num_blocks[:, :, 0] = 0
+    if bm.full_kv_num_blocks is not None:
+        bm.full_kv_num_blocks[:, :, 0] = 0
+    edited = cf(q, k, v, bm).detach()
+    assert edited[:, :, :16].abs().max() == 0 and torch.equal(edited[:, :, 16:], out.detach()[:, :, 16:])
+    assert counters["stats"]["unique_graphs"] == frames  # the same graph: the blocks are op inputs
+    window = attnkit.create_block_mask(lambda b, h, qi, kj: (qi - kj).abs() <= 5, None, None, Lq, Lq, BLOCK_SIZE=16)
+    got_w = cf(q, k, v, window).detach()
+    want_w = attnkit.attention(qd, kd, vd, mask=lambda b, h, qi, kj: (qi - kj).abs() <= 5, score_mod=make_rel(td),
+                               backend="eager")
+    assert_close(got_w, want_w, budget(torch.float32, D, Lq), "a new BlockMask of the same sizes")
+    assert counters["stats"]["unique_graphs"] == frames + 1  # its mask_mod is another function: one recompile
+
+
+def test_flex_attention_with_a_block_mask_of_blocks_only_compiles_fullgraph():
+    """BlockMask.from_kv_blocks with no mask_mod (torch's noop_mask): the blocks alone decide, under
+    fullgraph=True as eagerly — query block i attends key blocks 0..i, each whole."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    Lq, bs = 64, 16
+    n = Lq // bs
+    idx = torch.arange(n).expand(1, 1, n, n).contiguous().to(torch.int32)
+    nb = torch.arange(1, n + 1, dtype=torch.int32).view(1, 1, n)
+    bm = BlockMask.from_kv_blocks(nb, idx, BLOCK_SIZE=bs)
+    q, k, v = (torch.randn(1, 2, Lq, D) for _ in range(3))
+    got = torch.compile(lambda q, k, v, bm: attnkit.flex_attention(q, k, v, block_mask=bm), fullgraph=True,
+                        backend="aot_eager")(q, k, v, bm)
+    blocks = lambda b, h, qi, kj: kj // bs <= qi // bs  # noqa: E731
+    want = attnkit.attention(q.double(), k.double(), v.double(), mask=blocks, backend="eager")
+    assert_close(got, want, budget(torch.float32, D, Lq), "blocks only")
+    assert_close(got, attnkit.flex_attention(q, k, v, block_mask=bm), 0.0, "compiled vs eager")
