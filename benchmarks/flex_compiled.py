@@ -61,10 +61,27 @@ class Block(torch.nn.Module):
         return x + self.mlp(self.n2(x))
 
 
+class DecodeBlock(Block):
+    """One new token over ``S`` cached keys (the cache fixed: one decode step's shapes)."""
+
+    def __init__(self, flex, S):
+        super().__init__(flex)
+        self.register_buffer("k_cache", torch.randn(1, H, S, D))
+        self.register_buffer("v_cache", torch.randn(1, H, S, D))
+
+    def forward(self, x, bm):
+        B, L, _ = x.shape
+        q = self.qkv(self.n1(x))[..., :H * D].view(B, L, H, D).transpose(1, 2)
+        a = self.flex(q, self.k_cache, self.v_cache, block_mask=bm).transpose(1, 2).reshape(B, L, H * D)
+        x = x + self.o(a)
+        return x + self.mlp(self.n2(x))
+
+
 class Model(torch.nn.Module):
-    def __init__(self, layers, flex):
+    def __init__(self, layers, flex, decode_S=None):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(flex) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(Block(flex) if decode_S is None else DecodeBlock(flex, decode_S)
+                                          for _ in range(layers))
 
     def forward(self, x, bm):
         for b in self.blocks:
@@ -75,6 +92,9 @@ class Model(torch.nn.Module):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="64,1024")
+    ap.add_argument("--decode", default="1024,4096",
+                    help="cache lengths S for the decode step (one new token over S cached keys, a sliding window "
+                         "of 1024 as the BlockMask; forward only); 'none' to skip")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=30)
     a = ap.parse_args()
@@ -84,7 +104,7 @@ def main() -> None:
     torch._dynamo.config.accumulated_recompile_limit = 4096
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; {torch.get_num_threads()} threads; {a.layers} layers, "
           f"H={H}, D={D}, B=1, fp32; median of {a.rounds} interleaved rounds")
-    print(f"{'L':>5} {'mode':>7} {'eager ms':>9} {'one op ms':>10} {'break ms':>9} {'eager/one op':>13} "
+    print(f"{'L':>6} {'mode':>7} {'eager ms':>9} {'one op ms':>10} {'break ms':>9} {'eager/one op':>13} "
           f"{'break/one op':>13}")
     for L in (int(x) for x in a.lengths.split(",")):
         torch.manual_seed(0)
@@ -115,10 +135,37 @@ def main() -> None:
             for f in fns.values():  # compile (and warm) each before timing
                 f()
                 f()
-            t = rounds_ms(fns, a.rounds)
-            med = {n: statistics.median(v) for n, v in t.items()}
-            print(f"{L:>5} {mode:>7} {med['eager']:>9.2f} {med['one op']:>10.2f} {med['break']:>9.2f} "
-                  f"{paired_ratio(t['eager'], t['one op']):>13.2f} {paired_ratio(t['break'], t['one op']):>13.2f}")
+            _row(str(L), mode, rounds_ms(fns, a.rounds))
+    for S in ([] if a.decode == "none" else [int(x) for x in a.decode.split(",")]):
+        torch.manual_seed(0)
+
+        def window(b, h, q_idx, kv_idx, S=S):
+            return (kv_idx <= q_idx + S - 1) & (q_idx + S - 1 - kv_idx < 1024)
+
+        bm = attnkit.create_block_mask(window, None, None, 1, S)
+        model = Model(a.layers, attnkit.flex_attention, decode_S=S)
+        old = Model(a.layers, _opaque_copy(_flex_api.flex_attention), decode_S=S)
+        old.load_state_dict(model.state_dict())
+        one_op, brk = torch.compile(model), torch.compile(old)
+        x = torch.randn(1, 1, H * D)
+
+        def step(m):
+            def f():
+                with torch.no_grad():
+                    m(x, bm)
+            return f
+
+        fns = {"eager": step(model), "one op": step(one_op), "break": step(brk)}
+        for f in fns.values():
+            f()
+            f()
+        _row(f"S={S}", "decode", rounds_ms(fns, a.rounds))
+
+
+def _row(what: str, mode: str, t: dict) -> None:
+    med = {n: statistics.median(v) for n, v in t.items()}
+    print(f"{what:>6} {mode:>7} {med['eager']:>9.2f} {med['one op']:>10.2f} {med['break']:>9.2f} "
+          f"{paired_ratio(t['eager'], t['one op']):>13.2f} {paired_ratio(t['break'], t['one op']):>13.2f}")
 
 
 if __name__ == "__main__":
