@@ -87,7 +87,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             ``waves_per_eu``, ``FORCE_USE_FLEX_ATTENTION``, ``BACKEND`` (tuning and kernel choice);
             ``PRESCALE_QK`` (torch's cheaper rounding; attnkit's differs by rounding only);
             ``ROWS_GUARANTEED_SAFE``, ``BLOCKS_ARE_CONTIGUOUS`` (promises that let torch skip
-            checks; attnkit needs none). An unknown key, or torch's internal ``OUTPUT_LOGSUMEXP`` /
+            checks; attnkit needs none); under ``torch.compile`` the keys are checked the same way and
+            the warning is left to eager calls. An unknown key, or torch's internal ``OUTPUT_LOGSUMEXP`` /
             ``OUTPUT_MAX``, raises ``ValueError`` naming it, as does a ``BACKEND`` torch would refuse.
         return_aux: None, or torch's ``AuxRequest``: ``AuxRequest(lse=True)`` returns
             ``(out, AuxOutput(lse=lse, max_scores=None))``. ``max_scores=True`` raises ``ValueError``
@@ -201,6 +202,8 @@ def _check_kernel_options(kernel_options) -> None:
         if kernel_options.get("FORCE_USE_FLEX_ATTENTION", False):
             raise ValueError("kernel_options: BACKEND and FORCE_USE_FLEX_ATTENTION together, which torch refuses "
                              "(BACKEND supersedes it). Keep only BACKEND.")
+    if torch.compiler.is_compiling():  # the keys are checked above; the once-per-set notice is an eager call's
+        return                          # (TorchDynamo cannot trace warnings.warn: fullgraph=True would fail on it)
     seen = frozenset(keys)
     if not seen or seen in _WARNED:
         return

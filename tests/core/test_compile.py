@@ -530,3 +530,31 @@ def test_flex_attention_with_a_block_mask_of_blocks_only_compiles_fullgraph():
     want = attnkit.attention(q.double(), k.double(), v.double(), mask=blocks, backend="eager")
     assert_close(got, want, budget(torch.float32, D, Lq), "blocks only")
     assert_close(got, attnkit.flex_attention(q, k, v, block_mask=bm), 0.0, "compiled vs eager")
+
+
+def test_flex_attention_options_under_fullgraph():
+    """return_lse, return_aux, scale and kernel_options compile with fullgraph=True and equal the eager call (the
+    ignored kernel_options' notice was a warnings.warn TorchDynamo could not trace); an unknown key still fails."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    q = torch.randn(1, 4, 48, 16)
+    k, v = torch.randn(1, 2, 48, 16), torch.randn(1, 2, 48, 16)
+    bm = attnkit.create_block_mask(lambda b, h, i, j: i >= j, None, None, 48, 48, BLOCK_SIZE=16)
+    calls = {
+        "return_lse": dict(return_lse=True), "return_aux": dict(return_aux=AuxRequest(lse=True)),
+        "scale": dict(scale=0.3), "kernel_options": dict(kernel_options={"BLOCK_M": 64, "PRESCALE_QK": True}),
+    }
+    for name, kw in calls.items():
+        def f(q, k, v, kw=kw):
+            return attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, **kw)
+
+        got, want = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v), f(q, k, v)
+        if name == "return_aux":
+            got, want = (got[0], got[1].lse), (want[0], want[1].lse)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                        strict=True):
+            assert_close(g, w, 0.0, name)
+    with pytest.raises(Exception, match="unknown key 'BLOCK_Q'"):
+        torch.compile(lambda q, k, v: attnkit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
+                                                             kernel_options={"BLOCK_Q": 1}),
+                      fullgraph=True, backend="aot_eager")(q, k, v)
