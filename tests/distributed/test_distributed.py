@@ -628,7 +628,7 @@ def test_balanced_layout_evens_tokens_and_work(mname, W):
 def test_balanced_layout_at_a_million_positions_and_64_ranks(mname):
     """The issue's case: packed documents at L = 1M over W = 64 ranks had one rank with 7.66x the mean
     tokens under the work-only balance; now tokens <= 1.05 and work <= 1.10 of the mean (tile work of
-    the plan at the layout's units), within a second or two on one core."""
+    the plan at the layout's units), in ~2.5 s of wall time and ~5 s of CPU time on 2 threads."""
     import time
 
     L, W = 1 << 20, 64
@@ -637,13 +637,15 @@ def test_balanced_layout_at_a_million_positions_and_64_ranks(mname):
     ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[:L]
     mask = {"doc": M.document(ids), "doc_causal": M.document(ids) & M.causal(), "causal": M.causal(),
             "window": M.sliding_window(4096)}[mname]
-    t = time.perf_counter()
+    # the work is timed as this process's CPU time, not wall time: the bound (4x a quiet run's ~5 s on 2 threads)
+    # guards against a blow-up of the work, and wall time on 2 shared cores grew to 14 s under others' load alone
+    t = time.process_time()
     lay = akd.layout("balanced", L, W, mask=mask)
-    took = time.perf_counter() - t
+    took = time.process_time() - t
     costs = akd.unit_costs(mask, L, lay.block).tolist()
     assert max(lay.lengths) / (L / W) <= 1.05
     assert akd.imbalance(costs, [sorted(u) for u in lay.units]) <= 1.10
-    assert took < 10, took
+    assert took < 20, took
     if mname == "window":  # still neighbours only
         sched = akd.schedule(lay, mask)
         assert max(len(x) for x in sched.recv_from) <= 2
