@@ -461,19 +461,14 @@ def test_flex_attention_with_a_block_mask_compiles_fullgraph_and_matches_float64
     now one call of attnkit's op with the block mask's four kv tensors among its inputs. Forward and every
     gradient (the table's too) against a float64 eager reference; then the block mask's blocks are edited in
     place and a new block mask of the same sizes is passed: both are read when the op runs, no stale blocks."""
-    Lq, Hq, Hkv = 72, 4, 2
+    Lq, Hq, Hkv = L, 4, 2
     torch.manual_seed(0)
     q = torch.randn(2, Hq, Lq, D, requires_grad=True)
     k, v = (torch.randn(2, Hkv, Lq, D, requires_grad=True) for _ in range(2))
     table = torch.nn.Parameter(torch.randn(Hq, 2 * Lq - 1) * 0.5)
-
-    def make_rel(t):
-        def rel(score, b, h, qi, kj):
-            return score + t[h, qi - kj + Lq - 1]
-        return rel
-
+    make_rel = _make_rel
     rel = make_rel(table)
-    doc = torch.tensor([0] * 20 + [1] * 30 + [2] * 22)
+    doc = IDS.clone()
 
     def doc_causal(b, h, qi, kj):
         return (doc[qi] == doc[kj]) & (kj <= qi)
