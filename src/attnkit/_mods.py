@@ -573,10 +573,11 @@ def _global_names(code) -> tuple:
 
 
 def opaque_to_torch_compile(fn, why: str) -> None:
-    """Let ``torch.compile`` run ``fn`` as it is instead of tracing attnkit's engines (which it cannot):
-    ``torch.compile(flex_attention)``, a FlexAttention script's usual line, and a compiled model calling
-    it both run attnkit eagerly. What ``torch.compiler.disable`` does, set without importing TorchDynamo
-    (seconds) for every attnkit user; on a torch without these hooks, calling ``fn`` directly still works."""
+    """Let ``torch.compile`` run ``fn`` as it is instead of tracing attnkit's engines (which it cannot): a
+    compiled caller runs ``fn`` eagerly at that point (a graph break) — ``create_block_mask``, and
+    ``flex_attention``'s eager call off the CPU. What ``torch.compiler.disable`` does, set without importing
+    TorchDynamo (seconds) for every attnkit user; on a torch without these hooks, calling ``fn`` directly still
+    works."""
     fn._torchdynamo_disable = True  # a compiled caller does not inline it: the call runs eagerly
     fn._torchdynamo_disable_msg = why
     try:  # and a frame of it, or of anything it calls, is never traced (torch.compile(flex_attention))
