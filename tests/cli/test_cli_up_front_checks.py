@@ -5,8 +5,6 @@ one line naming the option)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from attnkit import cli
@@ -112,21 +110,29 @@ def test_demo_refuses_an_out_that_is_a_file(tmp_path, capsys):
     assert rc == 2 and out == "" and err.startswith("attnkit demo: error: --out:")
 
 
-@pytest.mark.parametrize("where", ["missing-folder", "a-folder", "a-full-device", "proc"])
-def test_explain_html_checks_the_path_before_printing(tmp_path, capsys, where):
-    needs = {"a-full-device": "/dev/full", "proc": "/proc/self"}.get(where)
-    if needs and not os.path.exists(needs):
-        pytest.skip("needs Linux's /dev/full and /proc")
-    # /dev/full and /proc/x.html pass every check on the path (root may write anywhere) and fail only in the write:
-    # the page is written before the tables are printed, so that failure is the only output too
-    path = {"missing-folder": tmp_path / "nope" / "x.html", "a-folder": tmp_path, "a-full-device": "/dev/full",
-            "proc": "/proc/attnkit-page.html"}[where]
+@pytest.mark.parametrize("where", ["missing-folder", "a-folder", "a-full-disk"])
+def test_explain_html_checks_the_path_before_printing(tmp_path, capsys, monkeypatch, where):
+    path = tmp_path / "nope" / "x.html" if where == "missing-folder" else tmp_path
+    if where == "a-full-disk":
+        # a path that passes every check and fails only in the write (a full disk, /dev/full, /proc as root): the
+        # page is written before the tables are printed, so that failure is the only output too
+        import errno
+        from pathlib import Path
+
+        path = tmp_path / "page.html"
+
+        def full(self, *a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(Path, "write_text", full)
     rc, out, err = _run(capsys, ["explain", "--html", str(path)])
     assert rc == 2
     assert out == ""  # before: the whole explanation was printed, then the write failed
     assert err.startswith("attnkit explain: error: --html:") and err.strip().count("\n") == 0
-    assert {"missing-folder": "does not exist", "a-folder": "a directory", "a-full-device": "could not write",
-            "proc": "/proc/attnkit-page.html"}[where] in err
+    assert {"missing-folder": "does not exist", "a-folder": "a directory",
+            "a-full-disk": "could not write"}[where] in err
+    if where == "a-full-disk":
+        assert "No space left on device" in err and not path.exists()
 
 
 @pytest.mark.parametrize("argv, needle", [
