@@ -99,13 +99,6 @@ def _check_out(out: str) -> Path:
     return path
 
 
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _check_memory(args) -> None:
     """Refuse a synthetic input whose q, k and tile map could not fit in this machine's memory, before any work.
 
@@ -115,6 +108,7 @@ def _check_memory(args) -> None:
     without a mask, half under causal, and about L / block rows of (reach / block + 2) for a window or documents
     (up to 2048 tokens).
     """
+    from .._machine import physical_memory
     from . import CLIError
 
     L, H, D, block = args.length, args.heads, args.dim, args.block or 64
@@ -127,7 +121,7 @@ def _check_memory(args) -> None:
         tiles = nq * nq if args.mask == "none" else nq * (nq + 1) // 2
     per_tile = 4 * H + 16 + 16 * (H + 1) + 24
     need = 2 * 4 * (H + Hkv) * L * D + tiles * per_tile
-    have = _physical_memory()
+    have = physical_memory()
     if have is not None and need > 0.8 * have:
         raise CLIError(f"--length: L={L:,} with H={H}, Hkv={Hkv}, D={D}, --mask {args.mask} and {block}-token tiles "
                        f"needs about {need / 2**30:,.1f} GiB (q and k: {2 * 4 * (H + Hkv) * L * D / 2**30:,.1f}; "

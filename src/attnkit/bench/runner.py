@@ -40,7 +40,7 @@ from . import cases as _c
 from .cases import BenchSettingsError, Case, Result
 
 __all__ = ["Progress", "run", "run_case", "memory_rows", "machine", "estimate", "calibrate", "check_settings",
-           "check_fits", "case_bytes"]
+           "check_fits", "case_bytes", "case_parts"]
 
 
 class Progress:
@@ -74,39 +74,43 @@ def check_settings(*, repeats: int, budget: float, memory=()) -> None:
             raise BenchSettingsError("memory", f"expected lengths >= 1 (or 'none'), got {L!r}")
 
 
-def case_bytes(case, peers) -> int:
-    """Peak bytes one case can hold: q, k, v, the output and (fwd+bwd) their gradients and the backward's
-    saved tensors, in the case's dtype; plus SDPA's dense (L, S) mask where SDPA gets one (bool; ALiBi's
-    float bias (1, H, L, S)). The naive peer is skipped past ``NAIVE_MAX_BYTES`` on its own."""
+def case_parts(case, peers) -> dict[str, int]:
+    """What one case holds at its peak, in bytes: q, k, v, the output and (fwd+bwd) their gradients and the
+    backward's saved tensors, in the case's dtype; and SDPA's dense (L, S) mask where SDPA gets one (bool; ALiBi's
+    float bias (1, H, L, S))."""
     esize = torch.tensor([], dtype=case.dtype).element_size()
-    n = 4 if case.mode == "fwd" else 10
-    need = n * _c.B * _c.H * case.L * _c.D * esize
+    fwd = case.mode == "fwd"
+    parts = {"q, k, v, output" + ("" if fwd else ", gradients"): (4 if fwd else 10) * _c.B * _c.H * case.L * _c.D
+             * esize}
     if "sdpa" in peers and case.name not in ("dense", "causal"):
-        need += case.L * case.L * (_c.H * esize if case.name == "alibi" else 1)
-    if "naive" in peers and _c.naive_fits(case.L):
-        need = max(need, _c.NAIVE_MAX_BYTES)
-    return need
+        parts["SDPA's dense mask"] = case.L * case.L * (_c.H * esize if case.name == "alibi" else 1)
+    return parts
+
+
+def case_bytes(case, peers) -> int:
+    """Peak bytes one case can hold (:func:`case_parts`), at least the naive peer's ``NAIVE_MAX_BYTES`` where it
+    runs (it is skipped past them on its own)."""
+    need = sum(case_parts(case, peers).values())
+    return max(need, _c.NAIVE_MAX_BYTES) if "naive" in peers and _c.naive_fits(case.L) else need
 
 
 def check_fits(cases, peers, memory=(), have: int | None = None) -> None:
     """Raise :class:`BenchSettingsError` for a case or memory length whose tensors cannot fit in this machine's
     memory (``have`` bytes; default: physical memory), before anything is allocated."""
+    from .._machine import physical_memory
+
+    have = physical_memory() if have is None else have
     if have is None:
-        try:
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return
+        return
     for case in cases:
         need = case_bytes(case, peers)
         if need > 0.8 * have:
-            raise BenchSettingsError("length", f"{case.label} needs about {need / 2**30:,.1f} GiB (q, k, v, output"
-                                     + (", gradients" if case.mode == "fwdbwd" else "")
-                                     + (", SDPA's dense mask" if "sdpa" in peers and case.name not in ("dense",
-                                                                                                       "causal")
-                                        else "") + f"), and this machine has {have / 2**30:.1f} GiB; expected a "
-                                     f"smaller --length (the default is {_c.DEFAULT_SIZE})")
-    for L in memory:
-        need = 10 * _c.B * _c.H * L * _c.D * 4
+            raise BenchSettingsError("length", f"{case.label} needs about {need / 2**30:,.1f} GiB "
+                                     f"({', '.join(case_parts(case, peers))}), and this machine has "
+                                     f"{have / 2**30:.1f} GiB; expected a smaller --length (the default is "
+                                     f"{_c.DEFAULT_SIZE})")
+    for L in memory:  # the peak-RSS check runs window fwd+bwd through tiled
+        need = case_bytes(Case("window", L, torch.float32, "fwdbwd"), ("tiled",))
         if need > 0.8 * have:
             raise BenchSettingsError("memory", f"the peak-RSS check at L={L:,} needs about {need / 2**30:,.1f} GiB, "
                                      f"and this machine has {have / 2**30:.1f} GiB; expected smaller lengths")
