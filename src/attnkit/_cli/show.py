@@ -82,9 +82,11 @@ def run(args) -> int:
     check_out_dir("--out", args.out)
     import warnings
 
+    from ..viz.png import MissingGlyphWarning
+
     try:
         with warnings.catch_warnings(record=True) as caught:  # a glyph no font draws: a note, not a warning line
-            warnings.simplefilter("always", UserWarning)
+            warnings.simplefilter("always", MissingGlyphWarning)
             res = show(sentences, layer=args.layer, head=args.head, word=args.word, model_path=args.model,
                        out=args.out, top=args.top)
     except ShowInputError as e:
@@ -92,7 +94,7 @@ def run(args) -> int:
     except (ModelUnavailable, ShowDependencyError) as e:  # a missing or broken extra: the message says how to fix
         raise CLIError(str(e)) from None
     for w in caught:
-        if str(w.message).startswith("no installed font draws"):
+        if issubclass(w.category, MissingGlyphWarning):
             print(f"attnkit show: note: {w.message}", file=sys.stderr)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

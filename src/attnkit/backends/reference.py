@@ -16,6 +16,7 @@ tensors (their signatures are FlexAttention's), everything else is NumPy.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,7 +27,7 @@ from ._base import Request
 from ._kernel import Kernel
 from ._tiles import apply_score_mod, index_grid
 
-__all__ = ["NAME", "REFERENCE", "unsupported", "run", "trace", "Trace"]
+__all__ = ["NAME", "REFERENCE", "unsupported", "run", "trace", "Trace", "ScoreOverflowWarning", "overflowed"]
 
 NAME = "reference"
 
@@ -151,29 +152,37 @@ def trace(req: Request) -> Trace:
                  allowed=allowed, weights=weights, output=output, lse=lse, has_mask=req.has_mask)
 
 
+class ScoreOverflowWarning(RuntimeWarning):
+    """Finite q and k gave a scaled score past the call's dtype's range (±inf; a row holding +inf is NaN)."""
+
+
+def overflowed(q: np.ndarray, k: np.ndarray, scaled: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Bool, ``scaled``'s shape: where finite rows of ``q`` and ``k`` (``(..., L, D)``, ``(..., S, D)``) gave a
+    scaled score past ``dtype``'s range (or NaN, 0 · inf). The caller's own inf / NaN is not an overflow."""
+    big = float(torch.finfo(dtype).max)
+    with np.errstate(invalid="ignore"):
+        out = ~(np.abs(scaled) <= big)
+    if out.any():
+        out &= np.isfinite(q).all(axis=-1)[..., :, None] & np.isfinite(k).all(axis=-1)[..., None, :]
+    return out
+
+
 def _warn_overflow(q: np.ndarray, k: np.ndarray, scaled: np.ndarray, dtype: torch.dtype) -> None:
     """Warn, once per call, where finite q and k give a scaled score past the call's dtype's range.
 
     Such a score is ±inf in every backend (torch's too), and a row holding +inf has NaN weights and output
     (inf - inf): an honest IEEE answer, but not one a caller should meet unannounced.
     """
-    big = float(torch.finfo(dtype).max)
-    with np.errstate(invalid="ignore"):
-        out = ~(np.abs(scaled) <= big)  # past the range, or NaN (0 · inf)
+    out = overflowed(q, k, scaled, dtype)
     if not out.any():
         return
-    out &= np.isfinite(q).all(axis=-1)[..., :, None] & np.isfinite(k).all(axis=-1)[..., None, :]
-    if not out.any():  # a non-finite input, not an overflow: the caller's inf / NaN, kept as IEEE does
-        return
-    import warnings
-
     b, h, i, j = (int(x[0]) for x in np.nonzero(out))
     name = str(dtype).replace("torch.", "")
-    warnings.warn(f"q·kᵀ · scale overflows {name} (|score| > {big:.3g}) in {int(out.sum())} score(s), first at "
-                  f"batch {b}, head {h}, query {i}, key {j}: those scores are ±inf, and a row holding +inf has NaN "
-                  f"weights and output (inf - inf), as in torch. Inputs this large are usually a bug upstream; "
-                  f"scale q or k down (or pass a smaller scale=) to get finite scores.", RuntimeWarning,
-                  stacklevel=4)
+    warnings.warn(f"q·kᵀ · scale overflows {name} (|score| > {torch.finfo(dtype).max:.3g}) in {int(out.sum())} "
+                  f"score(s), first at batch {b}, head {h}, query {i}, key {j}: those scores are ±inf, and a row "
+                  f"holding +inf has NaN weights and output (inf - inf), as in torch. Inputs this large are usually "
+                  f"a bug upstream; scale q or k down (or pass a smaller scale=) to get finite scores.",
+                  ScoreOverflowWarning, stacklevel=4)
 
 
 class Reference(Kernel):

@@ -18,10 +18,15 @@ import functools
 import math
 import textwrap
 import unicodedata
+import warnings
 
 import numpy as np
 
-__all__ = ["save_heads_png", "short_title"]
+__all__ = ["save_heads_png", "short_title", "MissingGlyphWarning"]
+
+
+class MissingGlyphWarning(UserWarning):
+    """A label holds characters no installed font draws; the PNG names them by code point (``<U+6211>``)."""
 
 MAX_TITLE_LINES = 2
 
@@ -126,15 +131,13 @@ def save_heads_png(path, weights, q_tokens, k_tokens=None, *, title="", heads=No
     plt = _pyplot()
     fallback, nowhere = _glyphs([*q_tokens, *k_tokens, title])
     if nowhere:  # no installed font has these: named by code point, and said once
-        import warnings
-
         swap = str.maketrans(nowhere)
         q_tokens, k_tokens, title = ([t.translate(swap) for t in q_tokens], [t.translate(swap) for t in k_tokens],
                                      str(title).translate(swap))
         warnings.warn("no installed font draws " + ", ".join(f"{c} as {u}" for c, u in nowhere.items())
                       + ": the PNG names them by code point (an HTML page shows them as the browser draws them; "
                       "a font such as Noto Sans CJK or Noto Color Emoji draws them in the PNG too)",
-                      UserWarning, stacklevel=2)
+                      MissingGlyphWarning, stacklevel=2)
     import matplotlib
 
     with matplotlib.rc_context({"font.family": [*matplotlib.rcParams["font.family"], *fallback]}):
@@ -209,9 +212,7 @@ def _draw(plt, path, w, q_tokens, k_tokens, title, heads, highlight_row, cols, d
     cb.set_label("attention weight (square-root scale)", fontsize=fs)
     cb.set_ticks([0, 0.05, 0.2, 0.4, 0.6, 0.8, 1.0])
     cb.ax.tick_params(labelsize=fs)
-    import warnings
-
-    with warnings.catch_warnings():  # a token the font cannot draw (an emoji) is drawn as a box, not a warning
+    with warnings.catch_warnings():  # what is left undrawable (a combining mark: kept on its letter) is a box
         warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", category=UserWarning)
         fig.savefig(path, dpi=dpi, facecolor="white")
     plt.close(fig)
