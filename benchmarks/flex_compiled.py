@@ -2,10 +2,12 @@
 break it used to be, and against the eager model.
 
     OMP_NUM_THREADS=2 python benchmarks/flex_compiled.py                 # L = 64 and 1024
+    OMP_NUM_THREADS=2 python benchmarks/flex_compiled.py --score-mod softcap   # a user's score_mod in every call
     OMP_NUM_THREADS=2 python benchmarks/flex_compiled.py --lengths 256 --rounds 40
 
 The model: ``--layers`` (4) pre-norm transformer blocks of width H · D = 4 · 64 (q, k, v and output projections,
-``attnkit.flex_attention`` with a packed-documents causal ``BlockMask`` built once outside, a 4× GELU MLP), B = 1,
+``attnkit.flex_attention`` with a packed-documents causal ``BlockMask`` built once outside from a user's mask_mod,
+and with ``--score-mod softcap`` a user's score_mod too; a 4× GELU MLP), B = 1,
 fp32. Three peers, one call of each per round (interleaved), the median of ``--rounds`` and the median of the
 per-round ratios:
 
@@ -44,9 +46,14 @@ def _opaque_copy(fn):
     return copy
 
 
+def softcap(score, b, h, q_idx, kv_idx):  # --score-mod softcap: Gemma 2's soft cap, a user's score_mod
+    return 30.0 * torch.tanh(score / 30.0)
+
+
 class Block(torch.nn.Module):
-    def __init__(self, flex):
+    def __init__(self, flex, score_mod=None):
         super().__init__()
+        self.score_mod = score_mod
         w = H * D
         self.n1, self.n2 = torch.nn.LayerNorm(w), torch.nn.LayerNorm(w)
         self.qkv, self.o = torch.nn.Linear(w, 3 * w), torch.nn.Linear(w, w)
@@ -56,7 +63,7 @@ class Block(torch.nn.Module):
     def forward(self, x, bm):
         B, L, _ = x.shape
         q, k, v = self.qkv(self.n1(x)).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
-        a = self.flex(q, k, v, block_mask=bm).transpose(1, 2).reshape(B, L, H * D)
+        a = self.flex(q, k, v, score_mod=self.score_mod, block_mask=bm).transpose(1, 2).reshape(B, L, H * D)
         x = x + self.o(a)
         return x + self.mlp(self.n2(x))
 
@@ -64,24 +71,25 @@ class Block(torch.nn.Module):
 class DecodeBlock(Block):
     """One new token over ``S`` cached keys (the cache fixed: one decode step's shapes)."""
 
-    def __init__(self, flex, S):
-        super().__init__(flex)
+    def __init__(self, flex, S, score_mod=None):
+        super().__init__(flex, score_mod)
         self.register_buffer("k_cache", torch.randn(1, H, S, D))
         self.register_buffer("v_cache", torch.randn(1, H, S, D))
 
     def forward(self, x, bm):
         B, L, _ = x.shape
         q = self.qkv(self.n1(x))[..., :H * D].view(B, L, H, D).transpose(1, 2)
-        a = self.flex(q, self.k_cache, self.v_cache, block_mask=bm).transpose(1, 2).reshape(B, L, H * D)
+        a = self.flex(q, self.k_cache, self.v_cache, score_mod=self.score_mod, block_mask=bm)
+        a = a.transpose(1, 2).reshape(B, L, H * D)
         x = x + self.o(a)
         return x + self.mlp(self.n2(x))
 
 
 class Model(torch.nn.Module):
-    def __init__(self, layers, flex, decode_S=None):
+    def __init__(self, layers, flex, decode_S=None, score_mod=None):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(flex) if decode_S is None else DecodeBlock(flex, decode_S)
-                                          for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(Block(flex, score_mod) if decode_S is None
+                                          else DecodeBlock(flex, decode_S, score_mod) for _ in range(layers))
 
     def forward(self, x, bm):
         for b in self.blocks:
@@ -97,13 +105,16 @@ def main() -> None:
                          "of 1024 as the BlockMask; forward only); 'none' to skip")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--score-mod", choices=("none", "softcap"), default="none",
+                    help="a score_mod in every attention call: none, or softcap (30 · tanh(s / 30), a user function)")
     a = ap.parse_args()
     # the blocks share one forward's code, and each model instance, grad mode and length is another guard: room for
     # all of them, so no peer falls back to eager past TorchDynamo's default limit of 8
     torch._dynamo.config.recompile_limit = 256
     torch._dynamo.config.accumulated_recompile_limit = 4096
+    sm = softcap if a.score_mod == "softcap" else None
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; {torch.get_num_threads()} threads; {a.layers} layers, "
-          f"H={H}, D={D}, B=1, fp32; median of {a.rounds} interleaved rounds")
+          f"H={H}, D={D}, B=1, fp32; score_mod {a.score_mod}; median of {a.rounds} interleaved rounds")
     print(f"{'L':>6} {'mode':>7} {'eager ms':>9} {'one op ms':>10} {'break ms':>9} {'eager/one op':>13} "
           f"{'break/one op':>13}")
     for L in (int(x) for x in a.lengths.split(",")):
@@ -114,8 +125,8 @@ def main() -> None:
             return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
 
         bm = attnkit.create_block_mask(doc_causal, None, None, L, L)
-        model = Model(a.layers, attnkit.flex_attention)
-        old = Model(a.layers, _opaque_copy(_flex_api.flex_attention))
+        model = Model(a.layers, attnkit.flex_attention, score_mod=sm)
+        old = Model(a.layers, _opaque_copy(_flex_api.flex_attention), score_mod=sm)
         old.load_state_dict(model.state_dict())
         one_op, brk = torch.compile(model), torch.compile(old)
         x = torch.randn(1, L, H * D)
@@ -143,8 +154,8 @@ def main() -> None:
             return (kv_idx <= q_idx + S - 1) & (q_idx + S - 1 - kv_idx < 1024)
 
         bm = attnkit.create_block_mask(window, None, None, 1, S)
-        model = Model(a.layers, attnkit.flex_attention, decode_S=S)
-        old = Model(a.layers, _opaque_copy(_flex_api.flex_attention), decode_S=S)
+        model = Model(a.layers, attnkit.flex_attention, decode_S=S, score_mod=sm)
+        old = Model(a.layers, _opaque_copy(_flex_api.flex_attention), decode_S=S, score_mod=sm)
         old.load_state_dict(model.state_dict())
         one_op, brk = torch.compile(model), torch.compile(old)
         x = torch.randn(1, 1, H * D)

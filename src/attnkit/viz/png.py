@@ -28,6 +28,7 @@ __all__ = ["save_heads_png", "short_title", "MissingGlyphWarning"]
 class MissingGlyphWarning(UserWarning):
     """A label holds characters no installed font draws; the PNG names them by code point (``<U+6211>``)."""
 
+
 MAX_TITLE_LINES = 2
 
 _HIGHLIGHT = "#e8590c"
