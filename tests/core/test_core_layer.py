@@ -182,9 +182,9 @@ def test_return_weights_on_every_backend():
 # modules; ``attnkit`` alone is the package's own face (attnkit/__init__.py). Every module of
 # src/attnkit must stand in a layer, so a new one is placed here on purpose.
 LAYERS = [
-    ("leaves: index and number helpers, bounded caches, the display registry",
+    ("leaves: index and number helpers, bounded caches, the display registry, the machine's memory",
      {"attnkit._tiling", "attnkit._mods", "attnkit._ranges", "attnkit._format", "attnkit._display", "attnkit._lru",
-      "attnkit._args", "attnkit.score_mods", "attnkit.positional"}),
+      "attnkit._args", "attnkit._machine", "attnkit.score_mods", "attnkit.positional"}),
     ("masks and the score-mod compiler", {"attnkit.masks", "attnkit._scoreprog"}),
     ("plans (and a FlexAttention BlockMask read as one)", {"attnkit.plans", "attnkit._blockmask"}),
     ("engines: the backends, the tile-mass engine, the measured table they read",
