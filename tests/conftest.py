@@ -159,3 +159,13 @@ def pytest_collection_modifyitems(config, items):
         return len(_LONGEST_FILES) + next((i for i, d in enumerate(_LONG_FIRST) if d in path.parts), len(_LONG_FIRST))
 
     items.sort(key=rank)  # stable: each file's tests keep their order
+
+
+@pytest.fixture
+def kernel_takes_bf16(monkeypatch):
+    """``auto``'s default table as on a CPU without bf16 instructions, where the compiled kernel takes bf16 calls:
+    for tests whose subject is the kernel's bf16 path, so they test it on every CPU (on a CPU that multiplies bf16
+    in hardware the default keeps bf16 on torch's kernel, and such a test would see torch's answer)."""
+    from attnkit.backends import native
+
+    monkeypatch.setattr(native, "_BF16_HW", False)

@@ -144,7 +144,7 @@ def test_huge_negative_rows_and_nan_as_the_forward():
     assert not qq.grad[0, :2].isnan().any(), "heads of the other kv head stay finite"
 
 
-def test_strided_views_and_low_precision():
+def test_strided_views_and_low_precision(kernel_takes_bf16):
     """K / V as views into a bigger cache (read in place) and bf16 / fp16: the output in q's dtype is the fp32 row
     rounded once, the gradients within the low-precision budget of float64."""
     cache_k, cache_v = torch.randn(1, 2, 400, 32), torch.randn(1, 2, 400, 32)

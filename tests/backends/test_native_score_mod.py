@@ -331,7 +331,7 @@ _LOW_MODS = {  # (mod, whether torch computes part of it in bf16: the kernel's f
 
 @pytest.mark.parametrize("name", list(_LOW_MODS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_score_mod_reading_a_bf16_tensor_answers_as_torch_computes_it_on_every_path(name, dtype):
+def test_a_score_mod_reading_a_bf16_tensor_answers_as_torch_computes_it_on_every_path(name, dtype, kernel_takes_bf16):
     """torch rounds arithmetic on a bf16 tensor's values to bf16 where no fp32 operand joins it; the kernel's
     programs compute in fp32, so auto (the kernel) and eager (torch's promotion) differed by 0.18 for a bf16 slope
     times a distance. Such a program is refused (the plain worker runs it, as torch does); one where an fp32

@@ -371,7 +371,7 @@ def test_masks_keyed_by_identity_are_few_in_the_replay_cache():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "step2", "bshd"])
-def test_replayed_compiled_kernel_call_without_gradients_is_the_full_paths(dtype, layout, spy):
+def test_replayed_compiled_kernel_call_without_gradients_is_the_full_paths(dtype, layout, spy, kernel_takes_bf16):
     """Without gradients a replayed compiled-kernel call is one prepared record (``_native.forward_step``): each
     call writes its own strides, pointers and scale into it. Bit for bit the full path's answer, whatever the
     layout of this call (the signature does not hold strides) and the scale it passes; within budget of golden."""
@@ -466,7 +466,7 @@ USER_MASKS = [  # (name, make(L)): masks a user writes, each with a content key
 
 @pytest.mark.parametrize("name, make", USER_MASKS, ids=[m[0] for m in USER_MASKS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_users_masks_are_replayed_and_equal_the_full_path(name, make, dtype, spy):
+def test_users_masks_are_replayed_and_equal_the_full_path(name, make, dtype, spy, kernel_takes_bf16):
     """A mask the user writes (a mask_mod, bare or in & | ~, a plan of one) is replayed by its content key, built
     anew every call as a model does: bit for bit the full path's answer at any layout, within budget of golden."""
     require_kernel()
@@ -529,7 +529,7 @@ SCORE_MODS = [  # (name, make()): score_mods with a content key
 
 @pytest.mark.parametrize("name, make", SCORE_MODS, ids=[m[0] for m in SCORE_MODS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_score_mods_are_replayed_without_gradients_and_equal_the_full_path(name, make, dtype, spy):
+def test_score_mods_are_replayed_without_gradients_and_equal_the_full_path(name, make, dtype, spy, kernel_takes_bf16):
     """A score_mod with a content key is replayed where no gradient is wanted (its program or ALiBi's slopes kept in
     the call record): bit for bit the full path's answer, within budget of golden; with gradients, the full path."""
     require_kernel()
