@@ -347,3 +347,26 @@ def test_widened_sdpa_keeps_nan_where_fp32_has_it(monkeypatch):
     out = attnkit.attention(q, k, v)
     ref = attnkit.attention(q.detach().float(), k.float(), v.float())
     assert torch.equal(out.isnan(), ref.isnan()) and bool(out[0, 3].isnan().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bf16_stays_on_torch_only_where_torch_runs_the_call_whole(monkeypatch, dtype):
+    """On a CPU that multiplies bf16 in hardware the default table keeps bf16 on torch's kernel for a call it runs
+    as one fused kernel (no mask, causal); a structured mask or a score_mod would make it torch's kernel per run of
+    tiles or plain torch ops per tile, slower in bf16 than the compiled kernel's fp32 math, so the kernel takes
+    those, and answers as for fp32 inputs widened. fp16 follows its own (measured) rule: the kernel."""
+    require_kernel()
+    from attnkit.backends import native
+
+    monkeypatch.setattr(native, "_BF16_HW", True)
+    q, k, v = rand_qkv(1, 4, 2, 256, 256, 32, dtype=dtype)
+    with torch.no_grad():
+        causal = attnkit.dispatch(q, k, v, causal=True)
+        assert (causal.worker == "native") is (dtype == torch.float16), causal
+        for kw in (dict(mask=M.sliding_window(32)), dict(causal=True, score_mod=SM.softcap(5.0)),
+                   dict(mask=M.causal() & M.from_mod(lambda b, h, i, j: j % 3 != 1))):
+            d = attnkit.dispatch(q, k, v, **kw)
+            assert d.worker == "native", (kw, d)
+            out = attnkit.attention(q, k, v, **kw)
+            want = attnkit.attention(q.float(), k.float(), v.float(), **kw).to(dtype)
+            assert out.dtype is dtype and torch.equal(out, want), kw

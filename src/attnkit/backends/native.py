@@ -131,7 +131,13 @@ class Native(Kernel):
             # where the CPU multiplies bf16 in hardware (measured on a CPU with AMX: `python benchmarks/kernel.py
             # --dtype bf16 --cases dense,causal`, torch's bf16 kernel 2.2-2.5x the compiled kernel's forward)
             x = _calibrate.crossovers()
-            keep = x.torch_keeps(req.q.dtype, _bf16_hardware)
+            # ... and only for a call torch runs as one fused kernel (no mask or causal, no score_mod): a
+            # structured mask or a score_mod makes it torch's flash kernel per run of tiles or plain torch ops per
+            # tile, in bf16 slower than the compiled kernel's fp32 math (Intel Xeon with AMX, 2 threads, L = 4096,
+            # sliding window 256: forward 22.4 against 18.9 ms, forward + backward 194 against 66 ms;
+            # `python benchmarks/bf16_auto.py`, BENCHMARKS.md)
+            whole = req.score_mod is None and req.plan is None and (req.mask is None or req.causal)
+            keep = x.torch_keeps(req.q.dtype, _bf16_hardware) if whole else None
             # a bf16 call that wants gradients: the kernel where the table says its backward wins (bf16_grad),
             # whatever the forward's choice (the two are measured apart: `attnkit calibrate --backward`)
             if keep is not None and not (req.requires_grad() and x.grad_to_kernel(req.q.dtype, _bf16_hardware)):
