@@ -169,3 +169,20 @@ def kernel_takes_bf16(monkeypatch):
     from attnkit.backends import native
 
     monkeypatch.setattr(native, "_BF16_HW", False)
+
+
+@pytest.fixture
+def widened_bf16():
+    """The compiled kernel's bf16 forward widened to fp32 per tile, also on a CPU with AMX (where by default it
+    multiplies bf16 on tiles and rounds P to bf16: tests/backends/test_native_amx.py): for tests of the widening
+    path's contract, bit for bit the fp32 kernel's answer on the widened inputs."""
+    from attnkit.backends import _native
+
+    if not _native.available():
+        yield
+        return
+    before = _native.set_bf16_dot(False)
+    try:
+        yield
+    finally:
+        _native.set_bf16_dot(before)

@@ -295,12 +295,24 @@ def _attnkit_version() -> str:
         return "unknown"
 
 
+def _kernel_name() -> str:
+    """The compiled kernel as it runs here: its instruction set, and "+ AMX bf16" where its bf16 forward multiplies
+    on tiles ("unavailable" without it)."""
+    from .backends import _native  # lazy: the kernel's own entry points (the layer below everything that reads us)
+
+    if not _native.available():
+        return "unavailable"
+    return _native.isa() + (" + AMX bf16" if _native.bf16_dot() else "")
+
+
 def machine_key(threads: int | None = None) -> dict[str, object]:
     """What a calibration file must match: CPU model (with the ISA flags that change the kernels' speed),
-    torch version, attnkit version, schema and thread count."""
+    torch version, attnkit version, the compiled kernel's instruction set and bf16 products (a rebuild that
+    multiplies bf16 on AMX changes which kernel wins), schema and thread count."""
     global _KEY
     if _KEY is None:
-        _KEY = {"cpu": _cpu_name(), "torch": torch.__version__, "attnkit": _attnkit_version(), "schema": SCHEMA}
+        _KEY = {"cpu": _cpu_name(), "torch": torch.__version__, "attnkit": _attnkit_version(),
+                "kernel": _kernel_name(), "schema": SCHEMA}
     return {**_KEY, "threads": torch.get_num_threads() if threads is None else int(threads)}
 
 

@@ -1,5 +1,6 @@
 """bf16 / fp16 in the compiled kernel's forward and backward: the inputs are read as they are and widened to fp32
-tile by tile (csrc/attn_widen.h), never converted whole.
+tile by tile (csrc/attn_widen.h), never converted whole. (On a CPU with AMX a bf16 forward multiplies bf16 on tiles
+instead; these tests switch that off, and tests/backends/test_native_amx.py tests it.)
 
 Widening is exact and the math after it is the fp32 kernel's, so the strongest check is bitwise: a bf16 / fp16
 call gives exactly the fp32 kernel's results on the widened inputs, rounded once to the input dtype (forward and
@@ -31,8 +32,10 @@ UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 @pytest.fixture(autouse=True)
-def _kernel_even_where_bf16_has_hardware(monkeypatch):
-    """On a CPU with bf16 instructions auto keeps bf16 on torch's kernel; these tests are about the kernel's own."""
+def _kernel_even_where_bf16_has_hardware(monkeypatch, widened_bf16):
+    """On a CPU with bf16 instructions auto keeps bf16 on torch's kernel; these tests are about the kernel's own
+    widening path (on a CPU with AMX the kernel's bf16 forward multiplies on tiles instead, by default:
+    tests/backends/test_native_amx.py)."""
     monkeypatch.setattr(native, "_BF16_HW", False)
 
 

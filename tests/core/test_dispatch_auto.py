@@ -350,7 +350,7 @@ def test_widened_sdpa_keeps_nan_where_fp32_has_it(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_bf16_stays_on_torch_only_where_torch_runs_the_call_whole(monkeypatch, dtype):
+def test_bf16_stays_on_torch_only_where_torch_runs_the_call_whole(monkeypatch, dtype, widened_bf16):
     """On a CPU that multiplies bf16 in hardware the default table keeps bf16 on torch's kernel for a call it runs
     as one fused kernel (no mask, causal); a structured mask or a score_mod would make it torch's kernel per run of
     tiles or plain torch ops per tile, slower in bf16 than the compiled kernel's fp32 math, so the kernel takes

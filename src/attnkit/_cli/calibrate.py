@@ -60,9 +60,11 @@ def _fmt_ls(n: int) -> str:
 
 def _choice(v, dtype: str) -> str:
     if v is None:  # today's rule: bf16, with or without gradients, on torch's kernel where the CPU multiplies
-        from ..backends import native  # bf16 in hardware, else the kernel; fp16 on the kernel
+        from ..backends import native  # bf16 in hardware, else the kernel; fp16 on the kernel; bf16's forward on
 
-        v = "torch" if (dtype.startswith("bf16") or dtype == "fp16_small") and native._bf16_hardware() else "kernel"
+        # the kernel where it multiplies bf16 on AMX tiles itself
+        hw = native._torch_alone_multiplies_bf16() if dtype == "bf16" else native._bf16_hardware()
+        v = "torch" if (dtype.startswith("bf16") or dtype == "fp16_small") and hw else "kernel"
         return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v] + " (today's rule)"
     return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v]
 

@@ -101,6 +101,11 @@ def _load() -> None:
     # second call found the kernel "unavailable" with no reason and ran torch's kernels without a word)
     forced = os.environ.get("ATTNKIT_NATIVE_ISA", "")
     level = _isa_level(forced, "ATTNKIT_NATIVE_ISA") if forced else None
+    bdot = os.environ.get("ATTNKIT_NATIVE_BF16_DOT", "1").strip().lower()
+    if bdot not in _SWITCH_WORDS:
+        raise ValueError(f"ATTNKIT_NATIVE_BF16_DOT: expected one of {sorted(_SWITCH_WORDS)}, got {bdot!r}. Use 0 to "
+                         "widen bf16 to fp32 per tile on every CPU, or leave it unset (bf16 dot products where the "
+                         "CPU has them)")
     _loaded = True
     if os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"):
         _why = "switched off by ATTNKIT_NATIVE=0"
@@ -137,7 +142,13 @@ def _load() -> None:
     _ext = mod if hasattr(mod, "step") and hasattr(mod, "suspect_rows") else None
     if level is not None:
         lib.ak_set_isa(level)
+    if hasattr(lib, "ak_set_bf16_dot"):
+        lib.ak_set_bf16_dot(int(_SWITCH_WORDS[bdot]))
     _lib = lib
+
+
+_SWITCH_WORDS = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False,
+                 "no": False}
 
 
 def available() -> bool:
@@ -170,7 +181,8 @@ def status() -> str:
     """One line: the kernel and its instruction set, or why it is not used."""
     _load()
     if _lib is not None:
-        return f"attnkit's compiled CPU kernel ({isa()}, OpenMP {'on' if _lib.ak_openmp() else 'off'})"
+        bdot = ", bf16 dot products" if bf16_dot() else ""
+        return f"attnkit's compiled CPU kernel ({isa()}{bdot}, OpenMP {'on' if _lib.ak_openmp() else 'off'})"
     return f"attnkit's compiled CPU kernel is not used: {unavailable_reason()}"
 
 
@@ -182,6 +194,25 @@ def set_isa(name: str) -> str:
         raise RuntimeError(unavailable_reason())
     _lib.ak_set_isa(_isa_level(name, "name"))
     return isa()
+
+
+def bf16_dot() -> bool:
+    """Whether a bf16 forward multiplies bf16 itself (avx512_bf16 dot products, fp32 accumulation, P rounded to bf16
+    once per tile: docs/kernel.md) rather than widening to fp32 per tile: the AVX-512 build, on a CPU with
+    avx512_bf16, unless switched off (:func:`set_bf16_dot`, ``ATTNKIT_NATIVE_BF16_DOT=0``)."""
+    _load()
+    return _lib is not None and hasattr(_lib, "ak_bf16_dot_active") and bool(_lib.ak_bf16_dot_active())
+
+
+def set_bf16_dot(on: bool) -> bool:
+    """Switch the forward's bf16 dot products on (where the CPU has them) or off (bf16 widened to fp32 per tile, as
+    on every other CPU); returns the previous setting."""
+    lib = _require()
+    if not hasattr(lib, "ak_set_bf16_dot"):
+        raise RuntimeError("this build of the compiled kernel has no bf16 dot products; rebuild it (`make test`)")
+    before = bool(lib.ak_bf16_dot_get()) if hasattr(lib, "ak_bf16_dot_get") else True
+    lib.ak_set_bf16_dot(int(bool(on)))
+    return before
 
 
 def _require() -> ctypes.CDLL:

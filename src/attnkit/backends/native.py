@@ -57,6 +57,13 @@ def _row_intervals(mask, B: int, L: int, S: int):
 _BF16_HW: bool | None = None
 
 
+def _torch_alone_multiplies_bf16() -> bool:
+    """Whether torch's kernels multiply bf16 in hardware here and the compiled kernel does not (it does on AMX:
+    ``_native.bf16_dot()``; Intel Xeon with AMX, 2 threads, L = 4096, causal, forward: 36.8 ms against torch's
+    48.9 and the kernel's fp32 78.3; `python benchmarks/bf16_auto.py`)."""
+    return _bf16_hardware() and not _native.bf16_dot()
+
+
 def _bf16_hardware() -> bool:
     """Whether this CPU has bf16 matrix instructions (AVX512-BF16 / AMX) that torch's kernels use."""
     global _BF16_HW
@@ -137,7 +144,7 @@ class Native(Kernel):
             # sliding window 256: forward 22.4 against 18.9 ms, forward + backward 194 against 66 ms;
             # `python benchmarks/bf16_auto.py`, BENCHMARKS.md)
             whole = req.score_mod is None and req.plan is None and (req.mask is None or req.causal)
-            keep = x.torch_keeps(req.q.dtype, _bf16_hardware) if whole else None
+            keep = x.torch_keeps(req.q.dtype, _torch_alone_multiplies_bf16) if whole else None
             # a bf16 call that wants gradients: the kernel where the table says its backward wins (bf16_grad),
             # whatever the forward's choice (the two are measured apart: `attnkit calibrate --backward`)
             if keep is not None and not (req.requires_grad() and x.grad_to_kernel(req.q.dtype, _bf16_hardware)):

@@ -32,6 +32,11 @@ enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
 // (units of up to 8 rows). Set by ak_set_decode_order (tests: both orders give the same bits).
 extern int ak_decode_order;
 
+// The forward's bf16 matrix products on AMX tiles (attn_amx.h; the AVX-512 build, on a CPU with AMX): 1 used for
+// bf16 calls with D a multiple of 32 (the default), 0 never (bf16 widened to fp32 per tile, as on every other CPU).
+// Set by ak_set_bf16_dot (tests compare both; ATTNKIT_NATIVE_BF16_DOT=0).
+extern int ak_bf16_dot;
+
 // Element type of q, k, v (AkCall::dtype): fp32, bf16 or fp16 (the last two widened to fp32 in registers).
 enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
 

@@ -12,6 +12,7 @@
   int run_forward(const AkCall*);                                                                                \
   int run_backward(const AkCall*);                                                                               \
   int run_decode(const AkCall*);                                                                                 \
+  bool amx_available();                                                                                          \
   void release_scratch();                                                                                       \
   }
 AK_DECLARE(ak_base)
@@ -34,6 +35,7 @@ static int best_isa() {
 
 static int isa_in_use = -1;
 int ak_decode_order = -1;
+int ak_bf16_dot = 1;
 
 // ak_suspect_rows' loop, by element width (outside the C-linkage block: a template). T: uint32_t (fp32) or uint16_t
 // (bf16 / fp16); `inf`: the +inf bits of the magnitude (a NaN's magnitude is larger). The whole-row scan of a row
@@ -90,6 +92,24 @@ AK_API int ak_isa() {
 AK_API int ak_set_decode_order(int order) {
   ak_decode_order = order < -1 || order > 1 ? -1 : order;
   return ak_decode_order;
+}
+
+// The forward's bf16 products on AMX tiles: 1 on (where the CPU has AMX and the AVX-512 build runs), 0 off; returns
+// the new setting
+AK_API int ak_set_bf16_dot(int on) {
+  ak_bf16_dot = on != 0;
+  return ak_bf16_dot;
+}
+
+AK_API int ak_bf16_dot_get() { return ak_bf16_dot; }
+
+// Whether a bf16 forward would use them now: the setting, the instruction set in use, the CPU and the OS
+AK_API int ak_bf16_dot_active() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return ak_bf16_dot && ak_isa() == 2 && ak_avx512::amx_available();
+#else
+  return 0;
+#endif
 }
 
 AK_API int ak_openmp() {

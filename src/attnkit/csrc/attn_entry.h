@@ -17,7 +17,20 @@ static Shape shape_of(const AkCall* c, Prog* prog) {
   s.alibi = c->alibi;
   s.tkind = c->tkind, s.tidx = c->tidx, s.tbits = c->tbits, s.tkb = c->tkb, s.tkh = c->tkh;
   s.dt = (int)c->dtype;
+  s.bdot = false;
+#if AK_BDOT
+  s.bdot = ak_bf16_dot != 0 && s.dt == AK_BF16 && s.D % 32 == 0 && amx_usable();
+#endif
   return s;
+}
+
+// Whether the forward can multiply bf16 on AMX tiles here (attn_amx.h)
+bool amx_available() {
+#if AK_BDOT
+  return amx_usable();
+#else
+  return false;
+#endif
 }
 
 int run_forward(const AkCall* c) {

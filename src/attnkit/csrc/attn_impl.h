@@ -230,6 +230,7 @@ struct Shape {
   long tkb, tkh;
   const Prog* prog;  // a score_mod program run on the scaled scores (attn_prog.h), or null
   int dt;            // element type of q, k, v (and the backward's dO): AK_F32, AK_BF16 or AK_F16
+  bool bdot;         // the forward multiplies bf16 on AMX tiles (attn_amx.h): a bf16 call, D % 32 == 0, AMX here
 };
 
 enum { T_EMPTY = 0, T_PARTIAL = 1, T_FULL = 2 };
@@ -462,6 +463,8 @@ static void by_keys_trimmed(long m, long n, long j0, long N, const float* pt, co
   }
 }
 
+#include "attn_amx.h"
+
 // ---------------------------------------------------------------------------------------------------
 // forward: out (B, H, L, Dv) contiguous fp32 (or null), out_r the same rounded to the input dtype (or null),
 // lse (B, H, L) contiguous
@@ -472,7 +475,10 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
   const long Dvp = round_up(s.Dv, VW);
   const long items = s.B * s.H * nq;
   // fp32 K and V are read in place (V unless Dv needs padding); bf16 / fp16 tiles are widened into buffers
-  const bool k_in_place = s.dt == AK_F32, v_in_place = Dvp == s.Dv && s.dt == AK_F32, ab = s.alibi != nullptr;
+  // (AMX: K is read in place (a short last tile copied), V^T packed into the V slots, O kept transposed)
+  const bool bd = AK_BDOT && s.bdot;
+  const bool k_in_place = s.dt == AK_F32 || bd, v_in_place = Dvp == s.Dv && s.dt == AK_F32,
+             ab = s.alibi != nullptr;
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
     // packed (widened / padded) K and V tiles, tc of them kept by tile number: the next query block of a
@@ -484,8 +490,14 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
     // slots spaced by a cache line more than a tile and V's 2 KB off K's: packed tiles at page-aligned offsets
     // from each other (and from the score / accumulator buffers) made the GEMMs' loads alias the stores 4 KB apart
     const long ks = BN * s.D + 16, vs = BN * Dvp + 16;
-    Buf<float> qt(s.D * BM), st(BN * BM), kp(k_in_place ? 1 : tc * ks), vp(v_in_place ? 1 : tc * vs + 512),
+    Buf<float> qt(bd ? 1 : s.D * BM), st(BN * BM), kp(k_in_place ? 1 : tc * ks), vp(v_in_place ? 1 : tc * vs + 512),
         acc(BM * Dvp), mrow(BM), lrow(BM);
+    Buf<uint32_t> qtb(bd ? s.D / 2 * BM : 1), pb(bd ? BN / 2 * BM : 1);  // Q^T and P as bf16 pairs
+    Buf<uint16_t> kpad(bd ? BN * s.D : 1);  // a last key tile of fewer than BN keys, zero-padded
+    Buf<float> orow(bd ? Dvp : 1);
+#if AK_BDOT
+    const TileScope tiles(bd);
+#endif
     Buf<long> tag(tc);
     for (long t = 0; t < tc; t++) tag[t] = -1;
     Buf<int32_t> lo(BM), hi(BM), regs(s.prog ? s.prog->regs * SL : 1);
@@ -509,7 +521,12 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
       block_edges(s, b, i0, m, lo.p, hi.p);
       Edges edges;
       edges_of(edges, lo.p, hi.p);
-      pack_t(qt.p, q, b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], m, s.D, s.dt);
+      const long qoff = b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2];
+#if AK_BDOT
+      if (bd) pack_q_pairs(qtb.p, q, qoff, s.sq[2], m, s.D);
+      else
+#endif
+        pack_t(qt.p, q, qoff, s.sq[2], m, s.D, s.dt);
       fill(acc.p, acc.p + BM * Dvp, 0.f);
       fill(mrow.p, mrow.p + BM, NEG_INF);
       fill(lrow.p, lrow.p + BM, 0.f);
@@ -529,6 +546,18 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
           if (!packed) pack_rows(kp.p + slot * ks, k, koff + j0 * s.sk[2], s.sk[2], n, s.D, s.D, s.dt);
           kt = kp.p + slot * ks, ldk = s.D;
         }
+#if AK_BDOT
+        if (bd) {  // S^T = K Q^T on tiles, every BN x BM score (a partial tile masked below), K in place
+          const uint16_t* kb16 = (const uint16_t*)k + koff + j0 * s.sk[2];
+          long ldk16 = s.sk[2];
+          if (n < BN) {
+            for (long j = 0; j < BN; j++)
+              for (long d = 0; d < s.D; d++) kpad.p[j * s.D + d] = j < n ? kb16[j * s.sk[2] + d] : 0;
+            kb16 = kpad.p, ldk16 = s.D;
+          }
+          scores_amx(kb16, ldk16, qtb.p, s.D, st.p);
+        } else
+#endif
         if (full)
           gemm<true>(n, (int)mc, s.D, kt, ldk, 1, qt.p, BM, st.p, BM);  // S^T = K Q^T
         else
@@ -569,6 +598,10 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
           }
           store(lrow.p + cc, load(lrow.p + cc) * alpha + sum);
           store(mrow.p + cc, mnew);
+          if (bd) {  // O^T: one vector of VW queries per row of Dv
+            for (long d = 0; d < Dvp; d++) store(acc.p + d * BM + cc, load(acc.p + d * BM + cc) * alpha);
+            continue;
+          }
           for (int r = 0; r < VW; r++) {
             const float a = alpha[r];
             if (a != 1.f) {
@@ -578,6 +611,15 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
             }
           }
         }
+#if AK_BDOT
+        if (bd) {  // O^T += V^T P^T on tiles: P rounded once, V^T packed once per slot
+          uint16_t* vtp = (uint16_t*)(vp.p + 512 + slot * vs);
+          if (!packed) pack_v_t(vtp, Dvp, v, voff + j0 * s.sv[2], s.sv[2], n, s.Dv);
+          pack_p_pairs(pb.p, st.p, n, mc);
+          pv_amx(vtp, Dvp, pb.p, acc.p);
+          continue;
+        }
+#endif
         const float* vt = (const float*)v + voff + j0 * s.sv[2];
         long ldv = s.sv[2];
         if (!v_in_place) {
@@ -598,6 +640,10 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
         }
         const float inv = 1.f / lrow.p[i];
         float* ar = acc.p + i * Dvp;
+        if (bd) {  // (O^T: the row gathered from its column)
+          ar = orow.p;
+          for (long d = 0; d < s.Dv; d++) ar[d] = acc.p[d * BM + i];
+        }
         for (long d = 0; d < s.Dv; d++) ar[d] *= inv;
         if (o) std::memcpy(o + i * s.Dv, ar, s.Dv * sizeof(float));
         if (out_r) narrow_row(out_r, oo + i * s.Dv, ar, s.Dv, s.dt);  // rounded once, from the fp32 row

@@ -1,0 +1,225 @@
+// The forward's bf16 matrix products on AMX tiles (TDPBF16PS: a 16 x 16 fp32 tile += a 16 x 32 bf16 tile times a
+// 16 x 16 tile of bf16 pairs). Included by attn_impl.h inside AK_NS, in the AVX-512 build only (AK_BDOT 1; 0
+// elsewhere, or with a compiler too old for AMX); used where the CPU has AMX (and the OS grants its tile state)
+// and the call is bf16 with D a multiple of 32 (Shape::bdot, set by attn_entry.h).
+//
+// What changes against the widening path, and what does not:
+//   scores   S^T = K Q^T from the bf16 inputs themselves: each product is exact in fp32 (8-bit significands),
+//            accumulated in fp32 (another order of fp32 roundings than the widening path's); K is read in place;
+//   softmax  unchanged (fp32 scores, statistics, lse; masks, ALiBi and score_mod programs on the fp32 scores);
+//   O += P V P rounded to bf16 (to nearest even) once per tile, fp32 accumulation; the row's sum l stays the fp32
+//            sum of the unrounded P (lse is exact as before). The rounding of P is the one error this path adds:
+//            at most 2^-9 of each weight, so at most 2^-9 · max|v| in an output (FlashAttention's bf16 kernels
+//            and torch's CPU flash kernel round P the same way).
+// Measured (Intel Xeon with AMX, one thread): a 64 x 64 x 64 tile product at ~1.8 TFLOP/s on tiles against
+// ~150 GFLOP/s in fp32 FMAs; avx512_bf16's vector dot product (VDPBF16PS) ran at half fp32's rate there, so it
+// is not used.
+//
+// Layouts (uint32 = two bf16, the first in the low half), per query block (BM = 64 queries) and key tile (BN = 64):
+//   Q^T pairs  qtb[(d / 2) · BM + i] = (q[i][d], q[i][d + 1]),   zero in the padding columns i >= m
+//   P pairs    pb[(j / 2) · BM + i]  = (P[i][j], P[i][j + 1]),   zero past n keys and past the mc live columns
+//   V^T        vt[d · BN + j] = v[j][d],                         zero past n keys and past Dv
+//   O^T        acc[d · BM + i] (fp32; the widening path keeps O, acc[i · Dvp + d])
+//
+//     S^T (64 keys x 64 queries)  =  K (keys x D, in place)  .  Q^T pairs (D/2 x 64)        16 tile products / 32 d
+//     O^T (Dvp x 64 queries)     +=  V^T (Dvp x 64 keys)      .  P pairs (32 x 64)           4 per 16 rows of Dv
+#if AK_VW == 16 && AK_X86_INTRIN && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define AK_BDOT 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")
+
+// Whether this process may use AMX tiles: the CPU has them and Linux grants the tile data state (asked once)
+static bool amx_usable() {
+  static const bool ok = [] {
+    // CPUID leaf 7: subleaf 0 EDX bit 24 AMX-TILE, bit 22 AMX-BF16; subleaf 1 EAX bit 5 AVX512-BF16 (read here, not
+    // by __builtin_cpu_supports: older compilers do not know these names)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 22 & 1)) return false;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a >> 5 & 1)) return false;
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// The tile configuration (palette 1): eight tiles of 16 rows x 64 bytes. Loaded by each thread for the span of one
+// forward (TileScope), after saving the configuration it found (another library's — torch's bf16 kernels use AMX
+// too — restored when the scope ends; none: the tiles are released)
+struct alignas(64) TileCfg {
+  uint8_t palette, start;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// (a constant: GCC does not count LDTILECFG as a read of its operand, and dropped the stores that filled a local
+// configuration before it)
+static const TileCfg TILE_CFG = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+struct TileScope {
+  TileCfg saved;
+  bool on;
+  explicit TileScope(bool use) : on(use) {
+    if (!on) return;
+    _tile_storeconfig(&saved);
+    __asm__ volatile("" : : "r"(&saved) : "memory");  // (written by STTILECFG: read it from memory)
+    _tile_loadconfig(&TILE_CFG);
+  }
+  ~TileScope() {
+    if (!on) return;
+    if (saved.palette) _tile_loadconfig(&saved);
+    else _tile_release();
+  }
+};
+
+static inline uint32_t ld_pair(const uint16_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);  // (a row of bf16 may start at any even byte)
+  return x;
+}
+
+// A 16 x 16 block of 32-bit elements transposed in registers: r[t] row t in, column t out (4 rounds of
+// unpacks and 128-bit lane shuffles, 64 instructions for what was 256 scalar moves)
+static inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {  // lane k of u[i + c]: column 4k + c of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)  // t[h + 2c], t[h + 2c + 1]: columns (c, c + 8) and (c + 4, c + 12), rows h..h+7
+    for (int c = 0; c < 4; c++) {
+      t[h + 2 * c] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0x88);
+      t[h + 2 * c + 1] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0xdd);
+    }
+  for (int p = 0; p < 8; p++) {
+    const int col = (p >> 1) + 4 * (p & 1);
+    r[col] = _mm512_shuffle_i32x4(t[p], t[p + 8], 0x88);
+    r[col + 8] = _mm512_shuffle_i32x4(t[p], t[p + 8], 0xdd);
+  }
+}
+
+// Q^T pairs of a query block (m rows of D bf16 at src + off, row stride `stride`; D a multiple of 32)
+static void pack_q_pairs(uint32_t* dst, const void* src, long off, long stride, long m, long D) {
+  const uint16_t* q = (const uint16_t*)src + off;
+  const long D2 = D / 2;
+  long i0 = 0;
+  for (; i0 + 16 <= m; i0 += 16)  // 16 rows x 16 pairs at a time, transposed in registers
+    for (long d2 = 0; d2 < D2; d2 += 16) {
+      __m512i r[16];
+      for (int t = 0; t < 16; t++) r[t] = _mm512_loadu_si512(q + (i0 + t) * stride + 2 * d2);
+      transpose16(r);
+      for (int c = 0; c < 16; c++) _mm512_storeu_si512(dst + (d2 + c) * BM + i0, r[c]);
+    }
+  for (long i = i0; i < m; i++)
+    for (long d2 = 0; d2 < D2; d2++) dst[d2 * BM + i] = ld_pair(q + i * stride + 2 * d2);
+  for (long d2 = 0; d2 < D2; d2++)
+    for (long i = m; i < BM; i++) dst[d2 * BM + i] = 0;
+}
+
+// 16 bf16 halves (rounded from 16 fp32) widened to the low halves of 16 uint32 lanes
+static inline __m512i halves_of(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
+
+// P pairs of a tile from its fp32 P^T (st: n rows of BM), every one of the BN / 2 pair rows and BM columns written
+static void pack_p_pairs(uint32_t* dst, const float* st, long n, long mc) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (long j = 0; j < BN; j += 2)
+    for (long c = 0; c < BM; c += 16) {
+      __m512i a = zero, b = zero;
+      if (c < mc && j < n) a = halves_of(_mm512_loadu_ps(st + j * BM + c));
+      if (c < mc && j + 1 < n) b = halves_of(_mm512_loadu_ps(st + (j + 1) * BM + c));
+      _mm512_storeu_si512(dst + (j / 2) * BM + c, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+}
+
+// 16 bf16 at p widened to the low halves of 16 uint32 lanes
+static inline __m512i halves(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
+
+// V^T of a key tile (n rows of Dv bf16 at src + off, row stride `stride`) into Dvp rows of BN bf16, zero past n
+// keys and past Dv. A full tile with Dv a multiple of 16 goes 32 keys x 16 values at a time: pairs of keys
+// (2j, 2j + 1) side by side in 32-bit lanes, 16 x 16 of them transposed in registers
+static void pack_v_t(uint16_t* dst, long Dvp, const void* src, long off, long stride, long n, long Dv) {
+  const uint16_t* v = (const uint16_t*)src + off;
+  if (n == BN && Dv % 16 == 0) {
+    uint32_t* d32 = (uint32_t*)dst;  // row d: BN / 2 pairs of keys
+    for (long j2 = 0; j2 < BN / 2; j2 += 16)
+      for (long d0 = 0; d0 < Dv; d0 += 16) {
+        __m512i r[16];
+        for (int t = 0; t < 16; t++) {
+          const uint16_t* row = v + 2 * (j2 + t) * stride + d0;
+          r[t] = _mm512_or_si512(halves(row), _mm512_slli_epi32(halves(row + stride), 16));
+        }
+        transpose16(r);
+        for (int c = 0; c < 16; c++) _mm512_storeu_si512(d32 + (d0 + c) * (BN / 2) + j2, r[c]);
+      }
+    if (Dvp > Dv) std::memset(dst + Dv * BN, 0, (Dvp - Dv) * BN * 2);
+    return;
+  }
+  std::memset(dst, 0, Dvp * BN * 2);
+  for (long j = 0; j < n; j++)
+    for (long d = 0; d < Dv; d++) dst[d * BN + j] = v[j * stride + d];
+}
+
+// S^T (BN x BM, row stride BM) = K (BN rows of D bf16 from k, row stride ldk elements) . Q^T pairs (D / 2 x BM);
+// D a multiple of 32
+static void scores_amx(const uint16_t* k, long ldk, const uint32_t* qtb, long D, float* st) {
+  for (long kg = 0; kg < BN; kg += 16) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long d0 = 0; d0 < D; d0 += 32) {
+      _tile_loadd(4, k + kg * ldk + d0, ldk * 2);
+      const uint32_t* b = qtb + (d0 / 2) * BM;
+      _tile_loadd(5, b, BM * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + 16, BM * 4);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, b + 32, BM * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, b + 48, BM * 4);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    float* c = st + kg * BM;
+    _tile_stored(0, c, BM * 4);
+    _tile_stored(1, c + 16, BM * 4);
+    _tile_stored(2, c + 32, BM * 4);
+    _tile_stored(3, c + 48, BM * 4);
+  }
+}
+
+// O^T (Dvp x BM, row stride BM) += V^T (Dvp x BN bf16) . P pairs (BN / 2 x BM)
+static void pv_amx(const uint16_t* vt, long Dvp, const uint32_t* pb, float* acc) {
+  for (long dg = 0; dg < Dvp; dg += 16) {
+    float* c = acc + dg * BM;
+    _tile_loadd(0, c, BM * 4);
+    _tile_loadd(1, c + 16, BM * 4);
+    _tile_loadd(2, c + 32, BM * 4);
+    _tile_loadd(3, c + 48, BM * 4);
+    for (long k0 = 0; k0 < BN; k0 += 32) {
+      _tile_loadd(4, vt + dg * BN + k0, BN * 2);
+      const uint32_t* b = pb + (k0 / 2) * BM;
+      _tile_loadd(5, b, BM * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + 16, BM * 4);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, b + 32, BM * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, b + 48, BM * 4);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, c, BM * 4);
+    _tile_stored(1, c + 16, BM * 4);
+    _tile_stored(2, c + 32, BM * 4);
+    _tile_stored(3, c + 48, BM * 4);
+  }
+}
+
+#pragma GCC pop_options
+#else
+#define AK_BDOT 0
+#endif
