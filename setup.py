@@ -32,7 +32,7 @@ else:
         "attnkit._native",
         sources=[f"{SRC}/attn_dispatch.cpp", f"{SRC}/attn_base.cpp", f"{SRC}/attn_avx2.cpp", f"{SRC}/attn_avx512.cpp"],
         depends=[f"{SRC}/attn_impl.h", f"{SRC}/attn_common.h", f"{SRC}/attn_entry.h", f"{SRC}/attn_decode.h",
-                 f"{SRC}/attn_prog.h", f"{SRC}/attn_widen.h"],
+                 f"{SRC}/attn_prog.h", f"{SRC}/attn_widen.h", f"{SRC}/attn_amx.h"],
         extra_compile_args=args,
         extra_link_args=link,
         language="c++",

@@ -1,13 +1,16 @@
-"""The compiled kernel's bf16 forward on AMX tiles (csrc/attn_amx.h): on a CPU with AMX a bf16 call with D a
-multiple of 32 multiplies bf16 itself (S = Q Kᵀ and O += P V on tiles, fp32 accumulation), rounding P to bf16 once
-per tile; every other step is the fp32 kernel's (scores, softmax statistics, lse, masks, score_mods in fp32).
+"""The compiled kernel's bf16 forward and backward on AMX tiles (csrc/attn_amx.h): on a CPU with AMX a bf16 call
+with D a multiple of 32 multiplies bf16 itself (forward: S = Q Kᵀ and O += P V on tiles, fp32 accumulation, P
+rounded to bf16 once per tile; backward, where Dv is a multiple of 32 too: S, dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q
+and dQ = dS K on tiles, P and dS rounded to bf16 where they are multiplied); every other step is the fp32
+kernel's (scores, softmax statistics, lse, delta, masks, score_mods in fp32).
 
 The error budget, per output element, against the float64 golden on the same bf16 values:
   the fp32 kernel's budget (conftest's, on the exact products: bf16 × bf16 is exact in fp32)
   + 2⁻⁹ · max|v|      P rounded to bf16: at most half an ulp (2⁻⁹ relative) of each weight, Σ p = 1
   + 2⁻⁸ · |ref|       the output rounded once to bf16 (UNIT, as test_native_low_precision)
 lse is the fp32 statistics' own (P's rounding never reaches it): the fp32 budget.
-Gradients (the backward is the fp32 kernel's, from this forward's out and lse): 4 bf16 units of the largest.
+Gradients: 4 bf16 units of the largest (each is rounded to bf16 once; P's and dS's roundings add at most half a
+unit of each term; measured 2–4e-3 of the largest, the widening path's 1.4–3.8e-3).
 
 Skipped where the kernel does not run on AMX (no AMX, or ATTNKIT_NATIVE_BF16_DOT=0); the widening path those CPUs
 run is tests/backends/test_native_low_precision.py's.
@@ -138,19 +141,39 @@ def test_dead_rows_finfo_min_rows_and_a_nan_query_row():
             assert (out[0, 0, :40].double() - want).abs().max().item() <= 2.0 ** -9 * 4 + UNIT * 4
 
 
-def test_gradients_from_the_tile_forward_within_the_bf16_budget():
-    B, H, Hkv, L, S, D = 1, 4, 2, 150, 150, 64
-    q, k, v = _qkv(B, H, Hkv, L, S, D, D, grad=True)
-    for kw in (dict(causal=True), dict(mask=M.sliding_window(40)), dict(mask=M.causal(), score_mod=SM.softcap(5.0))):
-        assert attnkit.dispatch(q, k, v, backend="tiled", **kw).worker == "native"
-        out = attnkit.attention(q, k, v, backend="tiled", **kw)
-        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
-        got = torch.autograd.grad(out, (q, k, v), go)
-        q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        want = torch.autograd.grad(attnkit.attention(q2, k2, v2, backend="eager", **kw), (q2, k2, v2), go.double())
-        for n, a, b in zip("qkv", got, want, strict=True):
-            tol = 4 * EPS[torch.bfloat16] * max(1.0, b.abs().max().item())
-            assert (a.double() - b).abs().max().item() <= tol, (kw, n)
+@pytest.mark.parametrize("shape", [(1, 4, 2, 150, 150, 64, 64), (2, 2, 2, 70, 130, 128, 32),
+                                   (1, 2, 1, 100, 100, 32, 48)], ids=lambda s: "B{}H{}/{}L{}S{}D{}Dv{}".format(*s))
+def test_gradients_on_tiles_within_the_bf16_budget(shape, widened_bf16):
+    """Every mask kind, an expanded gradient (stride 0) and bshd inputs; Dv = 48 runs the forward on tiles and the
+    backward widened (dP's depth must be a multiple of 32). Against the widening path: the tiles ran (other bits)."""
+    B, H, Hkv, L, S, D, Dv = shape
+    _native.set_bf16_dot(True)
+    for layout in ("contiguous", "bshd"):
+        q, k, v = _qkv(B, H, Hkv, L, S, D, Dv, layout, grad=True)
+        for name, kw in _cases(B, H, L, S):
+            if name in ("causal", "alibi", "softcap") and L != S:
+                kw["mask"] = M.causal("top_left")
+            assert attnkit.dispatch(q, k, v, backend="tiled", **kw).worker == "native"
+            go = torch.randn(B, H, L, Dv, generator=torch.Generator().manual_seed(3)).bfloat16()
+            if name == "none":
+                go = torch.ones((), dtype=torch.bfloat16).expand(B, H, L, Dv)  # the gradient of out.sum()
+            got = torch.autograd.grad(attnkit.attention(q, k, v, backend="tiled", **kw), (q, k, v), go)
+            q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            want = torch.autograd.grad(attnkit.attention(q2, k2, v2, backend="eager", **kw), (q2, k2, v2),
+                                       go.double())
+            for n, a, b in zip("qkv", got, want, strict=True):
+                tol = 4 * EPS[torch.bfloat16] * max(1.0, b.abs().max().item())
+                assert a.dtype is torch.bfloat16 and (a.double() - b).abs().max().item() <= tol, (layout, name, n)
+    if Dv % 32 == 0:  # the backward's own products ran on tiles: with the forward's output fixed, other bits
+        q, k, v = _qkv(B, H, Hkv, L, S, D, Dv, grad=True)
+        out, lse = attnkit.attention(q, k, v, backend="tiled", causal=True, return_lse=True)
+        lo, hi = M.causal().row_intervals(1, L, S)
+        go = torch.randn(B, H, L, Dv).bfloat16()
+        args = (q.detach(), k.detach(), v.detach(), lo, hi, D ** -0.5, out.detach().float(), lse.detach(), go)
+        tiles = _native.backward(*args)
+        _native.set_bf16_dot(False)
+        widened = _native.backward(*args)
+        assert any(not torch.equal(a, b) for a, b in zip(tiles, widened, strict=True))
 
 
 def test_same_bits_on_one_and_two_threads():

@@ -1,4 +1,4 @@
-// The forward's bf16 matrix products on AMX tiles (TDPBF16PS: a 16 x 16 fp32 tile += a 16 x 32 bf16 tile times a
+// The forward's and the backward's bf16 matrix products on AMX tiles (TDPBF16PS: a 16 x 16 fp32 tile += a 16 x 32 bf16 tile times a
 // 16 x 16 tile of bf16 pairs). Included by attn_impl.h inside AK_NS, in the AVX-512 build only (AK_BDOT 1; 0
 // elsewhere, or with a compiler too old for AMX); used where the CPU has AMX (and the OS grants its tile state)
 // and the call is bf16 with D a multiple of 32 (Shape::bdot, set by attn_entry.h).
@@ -11,6 +11,9 @@
 //            sum of the unrounded P (lse is exact as before). The rounding of P is the one error this path adds:
 //            at most 2^-9 of each weight, so at most 2^-9 · max|v| in an output (FlashAttention's bf16 kernels
 //            and torch's CPU flash kernel round P the same way).
+// The backward (where Dv % 32 == 0 too: dP's depth): S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ = dS K on
+// tiles, from bf16 rows of Q, dO (per pair of tiles) and K, V (per key tile), P and dS rounded to bf16 where they
+// are multiplied; delta, the softmax and dS = P (dP - delta) stay fp32 (attn_impl.h's key_tile_item).
 // Measured (Intel Xeon with AMX, one thread): a 64 x 64 x 64 tile product at ~1.8 TFLOP/s on tiles against
 // ~150 GFLOP/s in fp32 FMAs; avx512_bf16's vector dot product (VDPBF16PS) ran at half fp32's rate there, so it
 // is not used.
@@ -164,62 +167,133 @@ static void pack_v_t(uint16_t* dst, long Dvp, const void* src, long off, long st
     for (long d = 0; d < Dv; d++) dst[d * BN + j] = v[j * stride + d];
 }
 
-// S^T (BN x BM, row stride BM) = K (BN rows of D bf16 from k, row stride ldk elements) . Q^T pairs (D / 2 x BM);
-// D a multiple of 32
-static void scores_amx(const uint16_t* k, long ldk, const uint32_t* qtb, long D, float* st) {
-  for (long kg = 0; kg < BN; kg += 16) {
+// C (M x N fp32, row stride ldc) (+)= A (M x K bf16 rows, row stride lda elements) . B (K / 2 x N bf16 pairs,
+// row stride ldb pairs): M, N multiples of 16, K a multiple of 32. Tiles 0-3: C (16 rows x up to 64 columns),
+// 4: A, 5 and 6: B (tile numbers are immediates: one instantiation per column count)
+template <int NB, bool ZERO>
+static inline void amx_block(long K, const uint16_t* A, long lda, const uint32_t* B, long ldb, float* C, long ldc) {
+  if (ZERO) {
     _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (long d0 = 0; d0 < D; d0 += 32) {
-      _tile_loadd(4, k + kg * ldk + d0, ldk * 2);
-      const uint32_t* b = qtb + (d0 / 2) * BM;
-      _tile_loadd(5, b, BM * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, b + 16, BM * 4);
+    if (NB > 1) {
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, C, ldc * 4);
+    if (NB > 1) {
+      _tile_loadd(1, C + 16, ldc * 4);
+      _tile_loadd(2, C + 32, ldc * 4);
+      _tile_loadd(3, C + 48, ldc * 4);
+    }
+  }
+  for (long k = 0; k < K; k += 32) {
+    _tile_loadd(4, A + k, lda * 2);
+    const uint32_t* b = B + (k / 2) * ldb;
+    _tile_loadd(5, b, ldb * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    if (NB > 1) {
+      _tile_loadd(6, b + 16, ldb * 4);
       _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, b + 32, BM * 4);
+      _tile_loadd(5, b + 32, ldb * 4);
       _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, b + 48, BM * 4);
+      _tile_loadd(6, b + 48, ldb * 4);
       _tile_dpbf16ps(3, 4, 6);
     }
-    float* c = st + kg * BM;
-    _tile_stored(0, c, BM * 4);
-    _tile_stored(1, c + 16, BM * 4);
-    _tile_stored(2, c + 32, BM * 4);
-    _tile_stored(3, c + 48, BM * 4);
+  }
+  _tile_stored(0, C, ldc * 4);
+  if (NB > 1) {
+    _tile_stored(1, C + 16, ldc * 4);
+    _tile_stored(2, C + 32, ldc * 4);
+    _tile_stored(3, C + 48, ldc * 4);
   }
 }
 
-// O^T (Dvp x BM, row stride BM) += V^T (Dvp x BN bf16) . P pairs (BN / 2 x BM)
-static void pv_amx(const uint16_t* vt, long Dvp, const uint32_t* pb, float* acc) {
-  for (long dg = 0; dg < Dvp; dg += 16) {
-    float* c = acc + dg * BM;
-    _tile_loadd(0, c, BM * 4);
-    _tile_loadd(1, c + 16, BM * 4);
-    _tile_loadd(2, c + 32, BM * 4);
-    _tile_loadd(3, c + 48, BM * 4);
-    for (long k0 = 0; k0 < BN; k0 += 32) {
-      _tile_loadd(4, vt + dg * BN + k0, BN * 2);
-      const uint32_t* b = pb + (k0 / 2) * BM;
-      _tile_loadd(5, b, BM * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, b + 16, BM * 4);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, b + 32, BM * 4);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, b + 48, BM * 4);
-      _tile_dpbf16ps(3, 4, 6);
-    }
-    _tile_stored(0, c, BM * 4);
-    _tile_stored(1, c + 16, BM * 4);
-    _tile_stored(2, c + 32, BM * 4);
-    _tile_stored(3, c + 48, BM * 4);
+template <bool ZERO>
+static void amx_gemm(long M, long N, long K, const uint16_t* A, long lda, const uint32_t* B, long ldb, float* C,
+                     long ldc) {
+  for (long i = 0; i < M; i += 16) {
+    long j = 0;
+    for (; j + 64 <= N; j += 64) amx_block<4, ZERO>(K, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc);
+    for (; j < N; j += 16) amx_block<1, ZERO>(K, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc);
   }
 }
+
+// S^T (BN x BM) = K (BN rows of D bf16, row stride ldk) . Q^T pairs (D / 2 x BM)
+static void scores_amx(const uint16_t* k, long ldk, const uint32_t* qtb, long D, float* st) {
+  amx_gemm<true>(BN, BM, D, k, ldk, qtb, BM, st, BM);
+}
+
+// O^T (Dvp x BM) += V^T (Dvp x BN bf16) . P pairs (BN / 2 x BM)
+static void pv_amx(const uint16_t* vt, long Dvp, const uint32_t* pb, float* acc) {
+  amx_gemm<false>(Dvp, BM, BN, vt, BN, pb, BM, acc, BM);
+}
+
+// ---- the backward's operands (row layout: S = Q K^T, queries x keys) ----
+
+// m rows of X bf16 (element stride sx along a row: 1, or e.g. 0 for an expanded gradient) into BM rows of X,
+// zero past m
+static void rows16(uint16_t* dst, const void* src, long off, long stride, long sx, long m, long X) {
+  const uint16_t* p = (const uint16_t*)src + off;
+  for (long i = 0; i < BM; i++) {
+    uint16_t* o = dst + i * X;
+    if (i >= m) std::memset(o, 0, X * 2);
+    else if (sx == 1) std::memcpy(o, p + i * stride, X * 2);
+    else
+      for (long d = 0; d < X; d++) o[d] = p[i * stride + d * sx];
+  }
+}
+
+// pairs of rows: dst[(i / 2) * X + d] = (r[i][d], r[i + 1][d]) from BM contiguous rows of X bf16 (X % 16 == 0)
+static void row_pairs(uint32_t* dst, const uint16_t* r, long X) {
+  for (long i = 0; i < BM; i += 2)
+    for (long d = 0; d < X; d += 16)
+      _mm512_storeu_si512(dst + (i / 2) * X + d,
+                          _mm512_or_si512(halves(r + i * X + d), _mm512_slli_epi32(halves(r + (i + 1) * X + d), 16)));
+}
+
+// the transpose of an fp32 tile (m rows of BN, row stride BN; zero past m) in bf16: dst (BN x BM), row j holding
+// the BM queries' values at key j (rounded to nearest even) -- pairs of rows side by side, 16 x 16 transposed
+static void t_bf16(uint16_t* dst, const float* src, long m) {
+  uint32_t* d32 = (uint32_t*)dst;
+  const __m512i zero = _mm512_setzero_si512();
+  for (long i2 = 0; i2 < BM / 2; i2 += 16)
+    for (long j0 = 0; j0 < BN; j0 += 16) {
+      __m512i r[16];
+      for (int t = 0; t < 16; t++) {
+        const long i = 2 * (i2 + t);
+        const __m512i a = i < m ? halves_of(_mm512_loadu_ps(src + i * BN + j0)) : zero;
+        const __m512i b = i + 1 < m ? halves_of(_mm512_loadu_ps(src + (i + 1) * BN + j0)) : zero;
+        r[t] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+      }
+      transpose16(r);
+      for (int c = 0; c < 16; c++) _mm512_storeu_si512(d32 + (j0 + c) * (BM / 2) + i2, r[c]);
+    }
+}
+
+// an fp32 tile (m rows of BN) in bf16 rows, zero past m
+static void rows_bf16(uint16_t* dst, const float* src, long m) {
+  for (long i = 0; i < BM; i++)
+    for (long c = 0; c < BN; c += 16)
+      _mm256_storeu_si256((__m256i*)(dst + i * BN + c),
+                          i < m ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i * BN + c)) : _mm256_setzero_si256());
+}
+
+// A thread's bf16 operands for the backward on tiles: Q and dO rows (BM x D, BM x Dv) and their pairs of rows, K rows
+// and pairs of keys, K^T and V^T pairs along D (per key tile), P^T / dS^T and dS in bf16
+struct AmxBwd {
+  Buf<uint16_t> q16, do16, k16, pt, ds;
+  Buf<uint32_t> qp, dop, ktp, vtp, kp;
+  AmxBwd(bool on, long D, long Dv)
+      : q16(on ? BM * D : 1), do16(on ? BM * Dv : 1), k16(on ? BN * D : 1), pt(on ? BN * BM : 1), ds(on ? BM * BN : 1),
+        qp(on ? BM / 2 * D : 1), dop(on ? BM / 2 * Dv : 1), ktp(on ? D / 2 * BN : 1), vtp(on ? Dv / 2 * BN : 1),
+        kp(on ? BN / 2 * D : 1) {}
+};
 
 #pragma GCC pop_options
 #else
 #define AK_BDOT 0
+struct AmxBwd {  // (no tiles in this build)
+  AmxBwd(bool, long, long) {}
+};
 #endif

@@ -826,7 +826,8 @@ struct BwdBufs {
 static void probabilities(const Shape& s, long b, long h, long i0, long m, long j0, long n, bool full,
                           const TileMask& tm, const float* q_rows, long ldq, const float* kt, const float* lr,
                           BwdBufs& w) {
-  if (full)
+  if (!q_rows) {  // (the scores are in w.p already: AMX tiles)
+  } else if (full)
     gemm<true>(m, BN, s.D, q_rows, ldq, 1, kt, BN, w.p.p, BN);
   else
     rows_trimmed(m, j0, n, (int)s.D, q_rows, ldq, kt, w.p.p, w.lo.p, w.hi.p);
@@ -858,7 +859,8 @@ static void probabilities(const Shape& s, long b, long h, long i0, long m, long 
 // dP = dO V^T, then dS = P * (dP - delta) into w.dp (where P is 0, dS is 0: never 0 * garbage)
 static void score_grads(const Shape& s, long b, long h, long i0, long m, long j0, long n, bool full,
                         const float* do_rows, long lddo, const float* vt, const float* dr, BwdBufs& w) {
-  if (full)
+  if (!do_rows) {  // (dP is in w.dp already: AMX tiles)
+  } else if (full)
     gemm<true>(m, BN, s.Dv, do_rows, lddo, 1, vt, BN, w.dp.p, BN);
   else
     rows_trimmed(m, j0, n, (int)s.Dv, do_rows, lddo, vt, w.dp.p, w.lo.p, w.hi.p);
@@ -902,7 +904,8 @@ static void dq_share(long m, long j0, long n, long Dp, bool full, const float* k
 static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void* q, const void* k, const void* v,
                           const void* dout, const long* sdo, const float* lse, const float* delta,
                           const TileRange* ranges, int32_t* turns, float* dq, void* dk, void* dv, int gdt,
-                          BwdBufs& w) {
+                          BwdBufs& w, AmxBwd& x, bool amx) {
+  (void)x, (void)amx;  // (the builds without AMX tiles)
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN, g = s.H / s.Hkv;
   const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(Dp, 16);
   const long sdl = sdo[3];  // dO's last-dim stride (1, or e.g. 0 for an expanded gradient)
@@ -926,6 +929,31 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void*
       block_edges(s, b, i0, m, w.lo.p, w.hi.p);
       const bool full = !tm.bits && n == BN && j0 >= bl.flo && j0 + n <= bl.fhi;
       const bool meets = tm.kind != T_EMPTY && (full || tile_touched(w.lo.p, w.hi.p, m, j0, j0 + n));
+#if AK_BDOT
+      if (meets && amx) {  // the five products on bf16 tiles (attn_amx.h); P, dS rounded to bf16 where multiplied
+        if (!packed) {  // this tile's K^T and V^T as pairs along D (S, dP) and K as pairs of keys (dQ)
+          pack_q_pairs(x.ktp.p, k, kro, s.sk[2], n, s.D);
+          pack_q_pairs(x.vtp.p, v, vro, s.sv[2], n, s.Dv);
+          rows16(x.k16.p, k, kro, s.sk[2], 1, n, s.D);
+          row_pairs(x.kp.p, x.k16.p, s.D);
+          packed = true;
+        }
+        rows16(x.q16.p, q, b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], 1, m, s.D);
+        rows16(x.do16.p, dout, b * sdo[0] + h * sdo[1] + i0 * sdo[2], sdo[2], sdl, m, s.Dv);
+        amx_gemm<true>(BM, BN, s.D, x.q16.p, s.D, x.ktp.p, BN, w.p.p, BN);  // S = Q K^T
+        probabilities(s, b, h, i0, m, j0, n, full, tm, nullptr, 0, nullptr, lse + bh2 * s.L + i0, w);
+        amx_gemm<true>(BM, BN, s.Dv, x.do16.p, s.Dv, x.vtp.p, BN, w.dp.p, BN);  // dP = dO V^T
+        row_pairs(x.dop.p, x.do16.p, s.Dv);
+        t_bf16(x.pt.p, w.p.p, m);
+        amx_gemm<false>(BN, s.Dv, BM, x.pt.p, BM, x.dop.p, s.Dv, w.dva.p, Dvp);  // dV += P^T dO
+        score_grads(s, b, h, i0, m, j0, n, full, nullptr, 0, nullptr, delta + bh2 * s.L + i0, w);
+        row_pairs(x.qp.p, x.q16.p, s.D);
+        t_bf16(x.pt.p, w.dp.p, m);
+        amx_gemm<false>(BN, s.D, BM, x.pt.p, BM, x.qp.p, s.D, w.dka.p, Dp);  // dK += dS^T Q (scaled at the end)
+        rows_bf16(x.ds.p, w.dp.p, m);
+        amx_gemm<true>(BM, s.D, BN, x.ds.p, BN, x.kp.p, s.D, w.dqs.p, Dq);  // dQ's share = dS K
+      } else
+#endif
       if (meets) {
         if (!packed) {  // this tile's K^T and V^T (zero beyond n keys; pack_t: BN == BM), K rows padded if needed
           if (Dp != s.D || !f32) {  // K rows widened / padded once (dQ's right-hand side)
@@ -993,6 +1021,8 @@ static int backward(const Shape& s, const void* q, const void* k, const void* v,
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN;
   const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(Dp, 16);
   const long nblk = s.B * s.H * nq, chains = s.B * s.Hkv, items = chains * nk;
+  // bf16 products on AMX tiles (attn_amx.h): as the forward's, and Dv a multiple of 32 too (dP's depth)
+  const bool amx = AK_BDOT && s.bdot && s.Dv % 32 == 0;
   float* delta = scratch<float>(0, s.B * s.H * s.L);
   int32_t* turns = scratch<int32_t>(1, nblk);
   TileRange* ranges = scratch<TileRange>(2, nblk);
@@ -1011,13 +1041,17 @@ static int backward(const Shape& s, const void* q, const void* k, const void* v,
 #pragma omp parallel num_threads(s.threads) if (s.threads > 1 && items > 1)
   {
     BwdBufs w(s.D, s.Dv, Dp, Dvp, Dq, s.prog);
+    AmxBwd x(amx, s.D, s.Dv);
+#if AK_BDOT
+    const TileScope tiles(amx);
+#endif
     // items in key-tile-major order: consecutive items are other (batch, kv head) chains, whose dQ turns are
     // independent, and within a chain the key tiles are taken in increasing order (see wait_turn)
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++) {
       const long kbk = it / chains, bh = it % chains;
       key_tile_item(s, bh / s.Hkv, bh % s.Hkv, kbk, q, k, v, dout, sdo, lse, delta, ranges, turns, dq, dk, dv, gdt,
-                    w);
+                    w, x, amx);
       if (w.acc.nt) {  // the tables' gradients are summed item by item, in item order: the same bits every run
         wait_turn(&item_turn, (int32_t)it);
         w.flush(*s.prog);
