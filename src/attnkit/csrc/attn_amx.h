@@ -34,6 +34,12 @@
 #include <unistd.h>
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")
+// GCC 12's AVX-512 headers pass `_mm512_undefined_epi32()` (a self-initialised variable) to the unmasked forms of
+// unpack, shift, shuffle and widen, and -Wall then reports it "used uninitialized" where they inline (GCC PR 105593,
+// fixed in GCC 13); nothing of ours is uninitialised. Those two warnings only, only in this file.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 // Whether this process may use AMX tiles: the CPU has them and Linux grants the tile data state (asked once)
 static bool amx_usable() {
@@ -290,6 +296,7 @@ struct AmxBwd {
         kp(on ? BN / 2 * D : 1) {}
 };
 
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #else
 #define AK_BDOT 0
