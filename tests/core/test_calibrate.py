@@ -483,7 +483,7 @@ def test_the_bf16_gradient_rule():
         raise AssertionError("bf16_hardware asked although the table decided")
 
     today = C.Crossovers()
-    assert "without bf16 instructions" in today.grad_to_kernel(torch.bfloat16, lambda: False)
+    assert "no bf16 instructions" in today.grad_to_kernel(torch.bfloat16, lambda: False)
     assert today.grad_to_kernel(torch.bfloat16, lambda: True) is None
     assert today.grad_to_kernel(torch.float32, hw) is None and today.grad_to_kernel(torch.float16, hw) is None
     measured = C.Crossovers(bf16_grad="kernel", source="calibrated 2026-11-27 on X")

@@ -156,6 +156,7 @@ def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instru
     assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g, gref, strict=True))
     # SDPA keeps: a CPU with bf16 instructions, fp32, or a call of fewer than 128 x 64 scores
     monkeypatch.setattr(native, "_BF16_HW", True)
+    monkeypatch.setattr(native._native, "bf16_dot", lambda: False)  # (and a kernel that widens bf16: no AMX)
     assert attnkit.dispatch(q, k, v, **kw).worker == "fused"
     monkeypatch.setattr(native, "_BF16_HW", False)
     assert attnkit.dispatch(q.float(), k.float(), v.float(), **kw).worker == "fused"
@@ -203,6 +204,7 @@ def test_low_precision_below_the_fp32_crossovers_goes_to_the_kernel(monkeypatch,
     bias = torch.zeros(L, L, dtype=dtype)
     assert attnkit.dispatch(q, k, v, mask=bias).worker == "fused"
     monkeypatch.setattr(native, "_BF16_HW", True)
+    monkeypatch.setattr(native._native, "bf16_dot", lambda: False)  # (and a kernel that widens bf16: no AMX)
     assert attnkit.dispatch(q, k, v, **kw).worker == "fused"
     monkeypatch.setattr(native, "_BF16_HW", False)
     choice = {"bf16_small" if dtype == torch.bfloat16 else "fp16_small": "torch"}
@@ -259,6 +261,7 @@ def test_bf16_with_gradients_where_sdpa_keeps_it_runs_sdpa_in_fp32_on_widened_co
     if case == "decode":  # fewer than WIDEN_MIN_SCORES scores (8 heads over 128 keys): the casts would cost more
         assert attnkit.dispatch(q, k[:, :, :128], v[:, :, :128]).kernel.name == "sdpa"
     monkeypatch.setattr(native, "_BF16_HW", True)
+    monkeypatch.setattr(native._native, "bf16_dot", lambda: False)  # (and a kernel that widens bf16: no AMX)
     assert attnkit.dispatch(q, k, v, **kw).kernel.name == "sdpa"
 
 
@@ -289,6 +292,7 @@ def test_bf16_grads_at_a_few_rows_go_to_the_kernel_from_its_score_floor(monkeypa
     tile_map = {"mask": lambda b, h, qi, kv: (kv % 3) != 0}  # rows of many stretches: the key-tile backward
     assert attnkit.dispatch(q, k, v, **tile_map).kernel.name != "native"
     monkeypatch.setattr(native, "_BF16_HW", True)
+    monkeypatch.setattr(native._native, "bf16_dot", lambda: False)  # (and a kernel that widens bf16: no AMX)
     assert attnkit.dispatch(q, k, v, causal=True).kernel.name == "sdpa"
 
 
@@ -359,6 +363,7 @@ def test_bf16_stays_on_torch_only_where_torch_runs_the_call_whole(monkeypatch, d
     from attnkit.backends import native
 
     monkeypatch.setattr(native, "_BF16_HW", True)
+    monkeypatch.setattr(native._native, "bf16_dot", lambda: False)  # (and a kernel that widens bf16: no AMX)
     q, k, v = rand_qkv(1, 4, 2, 256, 256, 32, dtype=dtype)
     with torch.no_grad():
         causal = attnkit.dispatch(q, k, v, causal=True)
@@ -370,3 +375,25 @@ def test_bf16_stays_on_torch_only_where_torch_runs_the_call_whole(monkeypatch, d
             out = attnkit.attention(q, k, v, **kw)
             want = attnkit.attention(q.float(), k.float(), v.float(), **kw).to(dtype)
             assert out.dtype is dtype and torch.equal(out, want), kw
+
+
+def test_where_the_kernel_multiplies_bf16_on_amx_bf16_with_gradients_leaves_torchs_bf16_kernels(monkeypatch):
+    """A CPU with AMX whose bf16 the kernel multiplies on tiles: torch's bf16 backward there measured 2.4x its fp32
+    one at L = S = 64 and 2.4x the kernel's at 256 (Intel Xeon), so by default a bf16 call with gradients goes to the
+    kernel from its score floor, and below it (where SDPA keeps the call) SDPA runs in fp32 on widened copies; a
+    calibration that measured torch's bf16 backward faster keeps it on torch's."""
+    require_kernel()
+    from attnkit import _calibrate
+    from attnkit.backends import native
+
+    monkeypatch.setattr(native, "_BF16_HW", True)
+    monkeypatch.setattr(native._native, "bf16_dot", lambda: True)
+    q, k, v = rand_qkv(1, 4, 4, 128, 128, 32, dtype=torch.bfloat16, requires_grad=True)
+    d = attnkit.dispatch(q, k, v)
+    assert d.worker == "native" and "AMX" in d.reason, d
+    qd, kd, vd = rand_qkv(1, 8, 2, 1, 512, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert attnkit.dispatch(qd, kd, vd).kernel.name == "sdpa-fp32"
+    table = _calibrate.Crossovers(bf16_grad="torch", source="calibrated 2026-11-29 on X")
+    monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: table)
+    assert attnkit.dispatch(q, k, v).worker == "fused"
+    assert attnkit.dispatch(qd, kd, vd).kernel.name == "sdpa"

@@ -63,7 +63,7 @@ def _choice(v, dtype: str) -> str:
         from ..backends import native  # bf16 in hardware, else the kernel; fp16 on the kernel; bf16's forward on
 
         # the kernel where it multiplies bf16 on AMX tiles itself
-        hw = native._torch_alone_multiplies_bf16() if dtype == "bf16" else native._bf16_hardware()
+        hw = native._torch_alone_multiplies_bf16() if dtype in ("bf16", "bf16_grad") else native._bf16_hardware()
         v = "torch" if (dtype.startswith("bf16") or dtype == "fp16_small") and hw else "kernel"
         return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v] + " (today's rule)"
     return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v]

@@ -60,7 +60,8 @@ _BF16_HW: bool | None = None
 def _torch_alone_multiplies_bf16() -> bool:
     """Whether torch's kernels multiply bf16 in hardware here and the compiled kernel does not (it does on AMX:
     ``_native.bf16_dot()``; Intel Xeon with AMX, 2 threads, L = 4096, causal, forward: 36.8 ms against torch's
-    48.9 and the kernel's fp32 78.3; `python benchmarks/bf16_auto.py`)."""
+    48.9 and the kernel's fp32 78.3; `python benchmarks/bf16_auto.py`). Today's rules keep bf16 on torch's kernels
+    only then (the forward without a calibration; with gradients, and SDPA's widening, unless measured)."""
     return _bf16_hardware() and not _native.bf16_dot()
 
 
@@ -147,7 +148,8 @@ class Native(Kernel):
             keep = x.torch_keeps(req.q.dtype, _torch_alone_multiplies_bf16) if whole else None
             # a bf16 call that wants gradients: the kernel where the table says its backward wins (bf16_grad),
             # whatever the forward's choice (the two are measured apart: `attnkit calibrate --backward`)
-            if keep is not None and not (req.requires_grad() and x.grad_to_kernel(req.q.dtype, _bf16_hardware)):
+            to_kernel = req.requires_grad() and x.grad_to_kernel(req.q.dtype, _torch_alone_multiplies_bf16)
+            if keep is not None and not to_kernel:
                 why.append(keep)
         if req.dropout_p > 0:
             why.append("dropout (the compiled kernel has none)")

@@ -310,9 +310,9 @@ class Fused(Kernel):
         L, S = req.q.shape[2], req.k.shape[2]
         x = _calibrate.crossovers()
         if req.q.dtype == torch.bfloat16 and req.requires_grad() and _bf16_grads_fit_kernel(req):
-            from .native import _bf16_hardware
+            from .native import _torch_alone_multiplies_bf16
 
-            why = x.grad_to_kernel(req.q.dtype, _bf16_hardware)
+            why = x.grad_to_kernel(req.q.dtype, _torch_alone_multiplies_bf16)
             if why is not None:
                 return why
         few = _few_rows_grad_to_kernel(req, x)
@@ -491,12 +491,15 @@ def widen_reason(req: Request) -> str | None:
     B, H, L, S, *_ = req.shape
     if B * H * L * S < WIDEN_MIN_SCORES:
         return None
-    from .native import _bf16_hardware
+    from .native import _torch_alone_multiplies_bf16
 
-    if _bf16_hardware():
+    measured = _calibrate.crossovers().bf16_grad  # torch's bf16 backward against the kernel's, measured here
+    if measured == "torch" or (measured is None and _torch_alone_multiplies_bf16()):
         return None
-    return ("bfloat16 with gradients on a CPU without bf16 instructions, where SDPA keeps the call: torch's bf16 "
-            "kernels convert every block through fp32; SDPA in fp32 on widened copies, the output rounded back")
+    return ("bfloat16 with gradients where SDPA keeps the call and its bf16 backward is the slower (no bf16 "
+            "instructions: it converts every block through fp32; AMX: measured, or the kernel multiplies bf16 itself; "
+            "on an Intel Xeon with AMX its bf16 forward + backward at L = S = 64 cost 2.4x its fp32 one): SDPA in fp32 "
+            "on widened copies, the output rounded back")
 
 
 class Widened(Kernel):
