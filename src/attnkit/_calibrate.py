@@ -162,14 +162,28 @@ class Crossovers:
             return self.fp16
         return None
 
-    def torch_keeps(self, dtype: torch.dtype, bf16_hardware: Callable[[], bool]) -> str | None:
+    def case_choice(self, dtype: torch.dtype, case: str) -> str | None:
+        """The choice measured for ``dtype``'s forward at L = S = :data:`DTYPE_LENGTH` at this mask ``case``
+        (``"causal"`` or ``"none"``) alone; None where that point was not measured. (An Intel Xeon with AMX measured
+        the kernel 1.2x faster than torch's bf16 kernel causal and 1.3x slower with no mask: one choice for both
+        sent causal bf16 calls to the slower kernel.)"""
+        name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
+        return _dtype_choice([p for p in self.points if p.dtype == name and p.case == case and p.mode == "fwd"
+                              and p.L == DTYPE_LENGTH and p.S == DTYPE_LENGTH])
+
+    def torch_keeps(self, dtype: torch.dtype, bf16_hardware: Callable[[], bool], case: str | None = None
+                    ) -> str | None:
         """Why a call in ``dtype`` stays on torch's kernel instead of the compiled kernel (None: the kernel may
-        take it): the measured choice, else today's rule (bf16 on a CPU with bf16 instructions, asked of
-        ``bf16_hardware`` only then)."""
-        choice = self.dtype_choice(dtype)
+        take it): the choice measured at this mask ``case`` (``"causal"``, ``"none"``; None: a mask of another
+        kind), else the one measured for the dtype, else today's rule (bf16 on a CPU with bf16 instructions, asked
+        of ``bf16_hardware`` only then)."""
+        measured = self.case_choice(dtype, case) if case is not None else None
+        choice = measured or self.dtype_choice(dtype)
         if choice == "torch":
             name = "bfloat16" if dtype == torch.bfloat16 else "float16"
-            return f"{name}: torch's kernel measured faster than the compiled kernel here ({self.source})"
+            kind = "causal" if case == "causal" else "no mask"
+            at = f" at {kind}, {DTYPE_LENGTH} x {DTYPE_LENGTH}" if measured else ""
+            return f"{name}: torch's kernel measured faster than the compiled kernel here{at} ({self.source})"
         if choice is None and dtype == torch.bfloat16 and bf16_hardware():
             return ("bfloat16 on a CPU that multiplies bf16 in hardware (torch's kernel keeps bf16 GEMMs; ours is "
                     "fp32)")

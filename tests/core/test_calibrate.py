@@ -633,3 +633,23 @@ def test_cli_bad_options(argv, says, capsys):
         cli.main(["calibrate", *argv])
     _, err = capsys.readouterr()
     assert e.value.code == 2 and says in err
+
+
+def test_a_dtypes_forward_choice_is_taken_per_mask_case_where_its_points_disagree():
+    """bf16 at 512 x 512: the kernel faster causal, torch's kernel faster with no mask (an Intel Xeon with AMX
+    measured 1.2x and 0.76x): a causal bf16 call goes to the kernel and one without a mask stays on torch's, whatever
+    the dtype's one choice (the geometric mean: torch); a mask of another kind follows that choice."""
+    causal = C.Point("causal", "bfloat16", C.DTYPE_LENGTH, C.DTYPE_LENGTH, "fwd", 1.0, 1.2, 5)
+    none = C.Point("none", "bfloat16", C.DTYPE_LENGTH, C.DTYPE_LENGTH, "fwd", 1.0, 0.76, 5)
+    values = C._decide([causal, none])[0]
+    assert values["bf16"] == "torch"
+    x = C.Crossovers(bf16=values["bf16"], points=(causal, none), source="calibrated 2026-11-29 on X")
+
+    def hw():
+        raise AssertionError("bf16_hardware asked although the table decided")
+
+    assert x.torch_keeps(torch.bfloat16, hw, "causal") is None
+    why = x.torch_keeps(torch.bfloat16, hw, "none")
+    assert why is not None and "no mask, 512 x 512" in why and "on X" in why
+    assert x.torch_keeps(torch.bfloat16, hw) is not None  # another mask kind: the dtype's choice
+    assert C.Crossovers(bf16="torch").torch_keeps(torch.bfloat16, hw, "causal") is not None  # no points: the choice

@@ -69,6 +69,18 @@ def _choice(v, dtype: str) -> str:
     return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v]
 
 
+def _by_case(c, dtype: str) -> str:
+    """The measured choice for ``dtype``'s forward, per mask case where the causal and the no-mask points disagree
+    (auto follows each for its own case: ``Crossovers.case_choice``)."""
+    import torch
+
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    causal, none = c.case_choice(dt, "causal"), c.case_choice(dt, "none")
+    if causal and none and causal != none:
+        return f"{_choice(causal, dtype)} causal, {_choice(none, dtype)} no mask"
+    return _choice(c.bf16 if dtype == "bf16" else c.fp16, dtype)
+
+
 def _verdict(p, margin: float) -> str:
     return "kernel" if p.ratio >= margin else "SDPA" if p.ratio <= 1 / margin else "tie"
 
@@ -87,7 +99,7 @@ def _print_table(c, defaults) -> None:
     rows = [("causal (L = S or top-left): kernel from min(L, S) >=", str(defaults.native_causal_min),
              str(c.native_causal_min)),
             ("no mask: kernel from L·S >=", _fmt_ls(defaults.native_dense_min_ls), _fmt_ls(c.native_dense_min_ls)),
-            ("bf16 runs on", _choice(defaults.bf16, "bf16"), _choice(c.bf16, "bf16")),
+            ("bf16 runs on", _choice(defaults.bf16, "bf16"), _by_case(c, "bf16")),
             ("fp16 runs on", _choice(defaults.fp16, "fp16"), _choice(c.fp16, "fp16")),
             ("bf16 with gradients (where SDPA would run it) on", _choice(defaults.bf16_grad, "bf16_grad"),
              _choice(c.bf16_grad, "bf16_grad")),

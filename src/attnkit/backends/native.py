@@ -145,7 +145,9 @@ class Native(Kernel):
             # sliding window 256: forward 22.4 against 18.9 ms, forward + backward 194 against 66 ms;
             # `python benchmarks/bf16_auto.py`, BENCHMARKS.md)
             whole = req.score_mod is None and req.plan is None and (req.mask is None or req.causal)
-            keep = x.torch_keeps(req.q.dtype, _torch_alone_multiplies_bf16) if whole else None
+            case = None if req.dense_mask is not None or req.bias is not None else "causal" if req.causal else (
+                "none" if req.mask is None else None)
+            keep = x.torch_keeps(req.q.dtype, _torch_alone_multiplies_bf16, case) if whole else None
             # a bf16 call that wants gradients: the kernel where the table says its backward wins (bf16_grad),
             # whatever the forward's choice (the two are measured apart: `attnkit calibrate --backward`)
             to_kernel = req.requires_grad() and x.grad_to_kernel(req.q.dtype, _torch_alone_multiplies_bf16)
