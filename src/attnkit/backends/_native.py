@@ -181,7 +181,7 @@ def status() -> str:
     """One line: the kernel and its instruction set, or why it is not used."""
     _load()
     if _lib is not None:
-        bdot = ", bf16 dot products" if bf16_dot() else ""
+        bdot = ", bf16 on AMX tiles" if bf16_dot() else ""
         return f"attnkit's compiled CPU kernel ({isa()}{bdot}, OpenMP {'on' if _lib.ak_openmp() else 'off'})"
     return f"attnkit's compiled CPU kernel is not used: {unavailable_reason()}"
 
