@@ -1,7 +1,7 @@
-// The forward's and the backward's bf16 matrix products on AMX tiles (TDPBF16PS: a 16 x 16 fp32 tile += a 16 x 32 bf16 tile times a
-// 16 x 16 tile of bf16 pairs). Included by attn_impl.h inside AK_NS, in the AVX-512 build only (AK_BDOT 1; 0
-// elsewhere, or with a compiler too old for AMX); used where the CPU has AMX (and the OS grants its tile state)
-// and the call is bf16 with D a multiple of 32 (Shape::bdot, set by attn_entry.h).
+// The forward's and the backward's bf16 matrix products on AMX tiles (TDPBF16PS: a 16 x 16 fp32 tile += a 16 x 32
+// bf16 tile times a 16 x 16 tile of bf16 pairs). Included by attn_impl.h inside AK_NS, in the AVX-512 build only
+// (AK_BDOT 1; 0 elsewhere, or with a compiler too old for AMX); used where the CPU has AMX (and the OS grants its
+// tile state) and the call is bf16 with D a multiple of 32 (Shape::bdot, set by attn_entry.h).
 //
 // What changes against the widening path, and what does not:
 //   scores   S^T = K Q^T from the bf16 inputs themselves: each product is exact in fp32 (8-bit significands),
@@ -95,7 +95,10 @@ static inline uint32_t ld_pair(const uint16_t* p) {
 // unpacks and 128-bit lane shuffles, 64 instructions for what was 256 scalar moves)
 static inline void transpose16(__m512i* r) {
   __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
   for (int i = 0; i < 16; i += 4) {  // lane k of u[i + c]: column 4k + c of rows i..i+3
     u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
     u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
@@ -280,9 +283,10 @@ static void t_bf16(uint16_t* dst, const float* src, long m) {
 // an fp32 tile (m rows of BN) in bf16 rows, zero past m
 static void rows_bf16(uint16_t* dst, const float* src, long m) {
   for (long i = 0; i < BM; i++)
-    for (long c = 0; c < BN; c += 16)
-      _mm256_storeu_si256((__m256i*)(dst + i * BN + c),
-                          i < m ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i * BN + c)) : _mm256_setzero_si256());
+    for (long c = 0; c < BN; c += 16) {
+      const __m256i h = i < m ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i * BN + c)) : _mm256_setzero_si256();
+      _mm256_storeu_si256((__m256i*)(dst + i * BN + c), h);
+    }
 }
 
 // A thread's bf16 operands for the backward on tiles: Q and dO rows (BM x D, BM x Dv) and their pairs of rows, K rows
