@@ -203,3 +203,24 @@ def test_torchs_own_bf16_kernels_answer_the_same_around_a_tile_call():
             attnkit.attention(q, k, v, backend="tiled", mask=M.sliding_window(50))
         assert torch.equal(a @ b, mm0)
         assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), sd0)
+
+
+def test_the_switch_and_a_bad_value_of_it():
+    """ATTNKIT_NATIVE_BF16_DOT=0 widens bf16 on a CPU with AMX too (status says which); a value that is not a switch
+    is a ValueError naming the variable at every call (another process per value), never tiles quietly off."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from attnkit.backends import _native\n"
+            "for _ in range(2):\n"
+            "    try:\n"
+            "        print(_native.bf16_dot(), _native.status())\n"
+            "    except ValueError as e:\n"
+            "        print('ValueError', e)\n")
+    for value, want in (("0", "False attnkit's compiled CPU kernel (AVX-512, OpenMP"), ("1", "True"),
+                        ("amx", "ValueError ATTNKIT_NATIVE_BF16_DOT: expected")):
+        env = dict(os.environ, ATTNKIT_NATIVE_BF16_DOT=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        lines = out.stdout.strip().splitlines()
+        assert len(lines) == 2 and all(line.startswith(want) for line in lines), (value, out.stdout, out.stderr)
