@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attnkit
 from attnkit import masks as M
 from attnkit import score_mods as SM
-from attnkit.backends import _native, native
+from attnkit.backends import _native
 
 pytestmark = pytest.mark.skipif(os.environ.get("ATTNKIT_NATIVE", "1").lower() in ("0", "off", "false", "no"),
                                 reason="the compiled kernel is switched off by ATTNKIT_NATIVE=0")
@@ -31,12 +31,10 @@ LOW = [torch.bfloat16, torch.float16]
 UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
-@pytest.fixture(autouse=True)
-def _kernel_even_where_bf16_has_hardware(monkeypatch, widened_bf16):
-    """On a CPU with bf16 instructions auto keeps bf16 on torch's kernel; these tests are about the kernel's own
-    widening path (on a CPU with AMX the kernel's bf16 forward multiplies on tiles instead, by default:
-    tests/backends/test_native_amx.py)."""
-    monkeypatch.setattr(native, "_BF16_HW", False)
+# On a CPU with bf16 instructions auto may keep bf16 on torch's kernel (kernel_takes_bf16 sends it to the kernel);
+# these tests are about the kernel's own widening path (on a CPU with AMX its bf16 products run on tiles by default,
+# tests/backends/test_native_amx.py; widened_bf16 switches that off)
+pytestmark = [pytestmark, pytest.mark.usefixtures("kernel_takes_bf16", "widened_bf16")]
 
 
 def _checkerboard(b, h, q_idx, kv_idx):  # a mask_mod that is not intervals: the tile map with partial bits
@@ -283,3 +281,24 @@ def test_a_decode_step_has_no_conversion_pass(dtype):
         for o in outs:
             assert o.dtype == dtype
             assert_close(o.float(), ref, UNIT[dtype] * ref.abs().max().item() + 1e-6, f"{kw}")
+
+
+def test_the_amx_switch_and_a_bad_value_of_it():
+    """ATTNKIT_NATIVE_BF16_DOT=0 widens bf16 on every CPU (status says which path runs, on a CPU with AMX too); a
+    value that is not a switch is a ValueError naming the variable at every call (another process per value), never
+    tiles quietly off."""
+    import subprocess
+    import sys
+
+    code = ("from attnkit.backends import _native\n"
+            "for _ in range(2):\n"
+            "    try:\n"
+            "        print(_native.bf16_dot(), 'AMX' in _native.status())\n"
+            "    except ValueError as e:\n"
+            "        print('ValueError', e)\n")
+    for value, want in (("0", ("False False",)), ("1", ("True True", "False False")),
+                        ("amx", ("ValueError ATTNKIT_NATIVE_BF16_DOT: expected",))):
+        env = dict(os.environ, ATTNKIT_NATIVE_BF16_DOT=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        lines = out.stdout.strip().splitlines()
+        assert len(lines) == 2 and lines[0] == lines[1] and lines[0].startswith(want), (value, out.stdout, out.stderr)
