@@ -1,6 +1,6 @@
 """bf16 against fp32 through ``auto``: the time of the same call in each dtype, forward and forward + backward.
 
-    OMP_NUM_THREADS=2 python benchmarks/bf16_auto.py [--length 4096] [--rounds 10]
+    OMP_NUM_THREADS=2 python benchmarks/bf16_auto.py [--length 4096] [--rounds 10] [--user]
 
 B = 1, H = 8, D = 64; causal and sliding window 256; the fastest of ``--rounds`` runs of each (after one
 warm-up), the two dtypes interleaved (one call of each in turn, so the machine's load hits both alike). Prints
@@ -24,11 +24,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--user", action="store_true", help="also the window written as a user's mask_mod and causal with "
+                    "a user's soft-cap score_mod (lambdas: traced on the kernel)")
     a = ap.parse_args()
     torch.manual_seed(0)
     L = a.length
     print(f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for name, kw in (("causal", dict(causal=True)), ("window 256", dict(mask=M.sliding_window(256)))):
+    cases = [("causal", dict(causal=True)), ("window 256", dict(mask=M.sliding_window(256)))]
+    if a.user:
+        cases += [("window 256 as a mask_mod", dict(mask=lambda b, h, q, kv: (kv <= q) & (q - kv < 256))),
+                  ("causal + a soft-cap score_mod", dict(causal=True,
+                                                         score_mod=lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0)))]
+    for name, kw in cases:
         fns, workers = {}, {}
         for dt in (torch.float32, torch.bfloat16):
             q, k, v = (torch.randn(1, 8, L, 64).to(dt).requires_grad_() for _ in range(3))
