@@ -12,7 +12,8 @@ bf16 caches. Three calls, timed interleaved (one of each in turn), medians:
 
 "kernel / read" is the goal's ratio (<= 1.25); GB/s is K and V's bytes over each call's time.
 
-``--order blocked|memory``: the decode entry's read order forced (default: its per-call rule).
+``--order blocked|memory``: the decode entry's read order forced (default: this machine's calibration, ``attnkit
+calibrate``, else the per-call rule: memory order from 8 MB).
 
 ``--user``: a second table, MHA fp32, the same step through ``attnkit.attention`` as a user writes it: the
 built-in ``masks.causal()``, the same mask as a ``mask_mod`` (``kv <= q + S - 1``: the query is the last
@@ -98,15 +99,16 @@ def main(argv=None) -> int:
     ap.add_argument("--user", action="store_true", help="also the step through attnkit.attention: a built-in mask, "
                     "the same as a mask_mod, score_mods (soft cap, ALiBi)")
     ap.add_argument("--order", choices=("auto", "blocked", "memory"), default="auto",
-                    help="the decode entry's read order: chosen per call (auto: memory order from 8 MB of K and V, a "
-                         "rule measured on an AMD EPYC), register-blocked, or memory order")
+                    help="the decode entry's read order: as its records say (auto: this machine's calibration, else "
+                         "memory order from 8 MB of K and V, a rule measured on an AMD EPYC), register-blocked, or "
+                         "memory order")
     a = ap.parse_args(argv)
     _native._require().ak_set_decode_order({"auto": -1, "blocked": 0, "memory": 1}[a.order])  # (as the tests do)
     threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
     torch.set_num_threads(threads)
     S, D = a.S, 128
     print(f"{cpu_name()}, {_native.status()}, {threads} threads, B = 1, L = 1, D = {D}, S = {S}, read order "
-          f"{a.order}, {a.repeats} interleaved repeats, medians\n")
+          f"{a.order if a.order != 'auto' else 'auto: ' + _native.read_order(threads)}, {a.repeats} interleaved repeats, medians\n")
     print("| case | dtype | kernel ms | SDPA ms | read K+V ms | kernel / read | SDPA / read | kernel GB/s | "
           "read GB/s |")
     print("|---|---|---|---|---|---|---|---|---|")

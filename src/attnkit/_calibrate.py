@@ -54,9 +54,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Crossovers", "Point", "crossovers", "calibrate", "cache_dir", "cache_path", "machine_key", "forget",
-           "reset", "WIN_MARGIN", "DEFAULT_NATIVE_CAUSAL_MIN", "DEFAULT_NATIVE_DENSE_MIN_LS", "DEFAULT_BUDGET_S",
-           "SCHEMA"]
+__all__ = ["Crossovers", "Point", "OrderPoint", "crossovers", "calibrate", "cache_dir", "cache_path", "machine_key",
+           "forget", "reset", "WIN_MARGIN", "DEFAULT_NATIVE_CAUSAL_MIN", "DEFAULT_NATIVE_DENSE_MIN_LS",
+           "DEFAULT_BUDGET_S", "SCHEMA"]
 
 # Today's table (2 threads, fp32, D = 64, an AMD EPYC (Zen 3, AVX2): benchmarks/auto_grid.py): the compiled kernel
 # beats SDPA's is_causal from min(L, S) = 64 (measured 2026-11-27 with the kernel's replayed call: L = 64 forward
@@ -65,7 +65,8 @@ __all__ = ["Crossovers", "Point", "crossovers", "calibrate", "cache_dir", "cache
 DEFAULT_NATIVE_CAUSAL_MIN = 64
 DEFAULT_NATIVE_DENSE_MIN_LS = 1024 * 1024
 DEFAULT_BUDGET_S = 2.0
-SCHEMA = 3  # the file's layout (2: bf16_grad; 3: bf16_small, fp16_small); another schema is ignored and rewritten
+SCHEMA = 4  # the file's layout (2: bf16_grad; 3: bf16_small, fp16_small; 4: decode_order, order_points); another
+# schema is ignored and rewritten
 
 ENV_SWITCH = "ATTNKIT_CALIBRATION"
 ENV_DIR = "ATTNKIT_CACHE_DIR"
@@ -80,6 +81,9 @@ DTYPE_LENGTH = 512  # bf16 / fp16: kernel against torch's kernel at this L = S, 
 GRAD_LENGTH = 256  # bf16 with gradients: kernel against torch's kernel at this L = S, no mask (SDPA's ground)
 SMALL_LENGTH = 64  # bf16 / fp16 below the fp32 crossovers: kernel against torch's kernel in that dtype, no mask
 ROWS_KEYS = 4096  # fp32 with gradients at a few query rows: one query row over this many keys, no mask ("rows")
+# the decode entry's read order of K and V: one fp32 query row per head over this many keys of D = ORDER_D, MHA and
+# GQA (ORDER_HEADS: H / Hkv), K and V 32 MiB (four times the 8 MB from which today's rule reads in memory order)
+ORDER_KEYS, ORDER_D, ORDER_HEADS = 4096, 128, ((8, 8), (32, 8))
 _POINT_TARGET_S = 0.06  # time spent on one point (both peers), rounds in [_MIN_ROUNDS, _MAX_ROUNDS]
 _MIN_ROUNDS, _MAX_ROUNDS = 3, 15
 
@@ -88,6 +92,7 @@ _MIN_ROUNDS, _MAX_ROUNDS = 3, 15
 WIN_MARGIN = 1.03
 
 _CHOICES = ("kernel", "torch")
+_ORDERS = ("blocked", "memory")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -118,6 +123,28 @@ class Point:
 
 
 @dataclass(frozen=True)
+class OrderPoint:
+    """The decode entry's two read orders of K and V, measured: one fp32 query row per head, q (1, H, 1, D), k / v
+    (1, Hkv, S, D), no mask; the fastest round's milliseconds reading them register-blocked (each unit of query rows
+    scores a register block of keys at a time) and in memory order (each key's row, then each value's, read through
+    in turn: the hardware prefetcher follows it), over ``rounds`` interleaved rounds. The same bits either way."""
+
+    H: int
+    Hkv: int
+    S: int
+    D: int
+    dtype: str
+    blocked_ms: float
+    memory_ms: float
+    rounds: int
+
+    @property
+    def ratio(self) -> float:
+        """Memory order's time over register-blocked's: above 1 register-blocked is faster."""
+        return self.memory_ms / self.blocked_ms if self.blocked_ms > 0 else math.inf
+
+
+@dataclass(frozen=True)
 class Crossovers:
     """The sizes and dtypes where ``auto`` prefers attnkit's compiled kernel to torch's kernels (CPU).
 
@@ -134,6 +161,9 @@ class Crossovers:
       instructions);
     * ``few_rows_grad``: ``"kernel"`` (an fp32 call that wants gradients at a few query rows over a long cache goes
       to the compiled kernel's few-rows backward), ``"torch"`` (SDPA keeps it) or None (today's rule: the kernel);
+    * ``decode_order``: how the decode entry reads K and V — ``"blocked"`` (register-blocked at every size: measured
+      faster here over a long cache), ``"memory"`` (today's rule, measured here: memory order from 8 MB of K and V,
+      register-blocked below) or None (today's rule, not measured); ``order_points``: its measurements;
     * ``source``: which table decided, in words (``dispatch`` quotes it);
     * ``calibrated``: measured on this machine (else the defaults); ``path``: the file it came from or
       went to; ``points``: the measurements; ``failure``: why a calibration gave the defaults instead.
@@ -147,10 +177,12 @@ class Crossovers:
     bf16_small: str | None = None
     fp16_small: str | None = None
     few_rows_grad: str | None = None
+    decode_order: str | None = None
     source: str = "defaults"
     calibrated: bool = False
     path: str | None = None
     points: tuple[Point, ...] = ()
+    order_points: tuple[OrderPoint, ...] = ()
     failure: str | None = None
     elapsed_s: float | None = None
 
@@ -475,7 +507,11 @@ def _from_json(data: dict, path: Path) -> Crossovers:
         if val is not None and val not in _CHOICES:
             raise ValueError(f"{name}: expected one of {_CHOICES} or null, got {val!r}")
         choice[name] = val
+    order = c.get("decode_order")
+    if order is not None and order not in _ORDERS:
+        raise ValueError(f"decode_order: expected one of {_ORDERS} or null, got {order!r}")
     points = tuple(_point(p) for p in _typed(data.get("points", []), list, "points"))
+    order_points = tuple(_order_point(p) for p in _typed(data.get("order_points", []), list, "order_points"))
     elapsed = data.get("elapsed_s")
     if elapsed is not None and not _is_number(elapsed):
         raise ValueError(f"elapsed_s: expected a number of seconds or null, got {elapsed!r}")
@@ -484,9 +520,9 @@ def _from_json(data: dict, path: Path) -> Crossovers:
         raise ValueError(f"defaults_kept: expected a list of names, got {kept!r}")
     key, when = data["key"], str(data.get("created", "?"))[:10]
     return Crossovers(causal, dense, choice["bf16"], choice["fp16"], choice["bf16_grad"], choice["bf16_small"],
-                      choice["fp16_small"], choice["few_rows_grad"],
+                      choice["fp16_small"], choice["few_rows_grad"], decode_order=order,
                       source=_source(key, when, path, kept), calibrated=True,
-                      path=str(path), points=points, elapsed_s=elapsed)
+                      path=str(path), points=points, order_points=order_points, elapsed_s=elapsed)
 
 
 def _is_number(x) -> bool:
@@ -511,6 +547,20 @@ def _point(p) -> Point:
         if not (_is_number(p[name]) and p[name] >= 0):
             raise ValueError(f"points[].{name}: expected milliseconds >= 0, got {p[name]!r}")
     return Point(**{f.name: p[f.name] for f in dataclasses.fields(Point)})
+
+
+def _order_point(p) -> OrderPoint:
+    """A stored :class:`OrderPoint`, each field of its own type."""
+    _typed(p, dict, "order_points[]")
+    for name in ("H", "Hkv", "S", "D", "rounds"):
+        if not isinstance(p[name], int) or isinstance(p[name], bool) or p[name] < 1:
+            raise ValueError(f"order_points[].{name}: expected a whole number >= 1, got {p[name]!r}")
+    if not isinstance(p["dtype"], str):
+        raise ValueError(f"order_points[].dtype: expected a str, got {p['dtype']!r}")
+    for name in ("blocked_ms", "memory_ms"):
+        if not (_is_number(p[name]) and p[name] >= 0):
+            raise ValueError(f"order_points[].{name}: expected milliseconds >= 0, got {p[name]!r}")
+    return OrderPoint(**{f.name: p[f.name] for f in dataclasses.fields(OrderPoint)})
 
 
 def _threads(n) -> str:
@@ -613,6 +663,50 @@ def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: floa
     return min(tk), min(ts), len(tk)
 
 
+def _measure_order(deadline: float, clock: Callable[[], float]) -> list[OrderPoint]:
+    """The decode entry's two read orders (:class:`OrderPoint`) at each of :data:`ORDER_HEADS`, one fp32 query row
+    over :data:`ORDER_KEYS` keys of D = :data:`ORDER_D` (K and V shared by both: 32 MiB), interleaved round by round,
+    alternating which goes first; the fastest round of each. Empty when even the fewest rounds would not end before
+    ``deadline``. Raises :class:`_NoKernel` when the kernel is not here."""
+    from .backends import _native  # lazy: the kernel's own entry points (the layer below everything that reads us)
+
+    if not _native.available():
+        raise _NoKernel(f"the compiled kernel is not available here ({_native.unavailable_reason()})")
+    g = torch.Generator().manual_seed(ORDER_KEYS)
+    Hkv = ORDER_HEADS[0][1]
+    k, v = (torch.randn(1, Hkv, ORDER_KEYS, ORDER_D, generator=g) for _ in range(2))
+    lo = torch.zeros(1, 1, dtype=torch.int32)
+    hi = torch.full((1, 1), ORDER_KEYS, dtype=torch.int32)
+    scale = ORDER_D ** -0.5
+    got: list[OrderPoint] = []
+    for H, hkv in ORDER_HEADS:
+        assert hkv == Hkv  # (one K and V for every layout)
+        q = torch.randn(1, H, 1, ORDER_D, generator=g)
+        run = {o: _native.decode_step(q, k, v, lo, hi, order=o) for o in _ORDERS}
+
+        def timed(o, q=q, run=run):
+            t0 = clock()
+            run[o](q, k, v, scale)
+            return clock() - t0
+
+        pair = timed("blocked") + timed("memory")  # the warm-up, and what one round costs
+        rounds = min(_MAX_ROUNDS, max(_MIN_ROUNDS, int(_POINT_TARGET_S / max(pair, 1e-9))),
+                     int((deadline - clock()) / max(pair, 1e-9)))
+        if rounds < _MIN_ROUNDS:
+            break
+        ts: dict[str, list[float]] = {o: [] for o in _ORDERS}
+        for r in range(rounds):
+            if r and clock() + min(ts["blocked"]) + min(ts["memory"]) > deadline:
+                break
+            for o in (_ORDERS if r % 2 == 0 else _ORDERS[::-1]):
+                ts[o].append(timed(o))
+        if len(ts["blocked"]) < _MIN_ROUNDS:
+            break
+        got.append(OrderPoint(H, Hkv, ORDER_KEYS, ORDER_D, "float32", min(ts["blocked"]) * 1e3,
+                              min(ts["memory"]) * 1e3, len(ts["blocked"])))
+    return got
+
+
 def _warm_backward() -> None:
     """One tiny SDPA forward and ``out.backward(grad)``, as the measured SDPA call runs them: torch's first backward
     given a gradient tensor in a process imports sympy (``torch.autograd`` checks the gradient's shape through
@@ -631,6 +725,8 @@ def _plan(backward: bool) -> list[tuple[str, str, int, int, str]]:
     pts = [("causal", "float32", L, L, m) for L in CAUSAL_LENGTHS for m in modes]
     if backward:  # (cheap: one query row, ~30 ms a round on a 2-core AMD EPYC; after causal 64 and 128)
         pts.insert(2 * len(modes), ("rows", "float32", 1, ROWS_KEYS, "fwd+bwd"))
+    # the decode entry's read order (~0.1 s on an Intel Xeon with AMX: 4 decode steps a round over 32 MiB)
+    pts.append(("order", "float32", 1, ORDER_KEYS, "fwd"))
     pts += [("none", "float32", L, L, m) for L in DENSE_LENGTHS[:-1] for m in modes]
     small = SMALL_LENGTH
     pts += [("none", dt, small, small, "fwd") for dt in ("bfloat16", "float16")]  # (cheap: before the 512s)
@@ -676,9 +772,21 @@ def _rows_choice(points: list[Point]) -> str | None:
     return "kernel" if all(p.kernel_wins for p in points) else "torch"
 
 
-def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str]]:
-    """({native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, bf16_small, fp16_small, few_rows_grad}, what
-    kept its default) from the points of a calibration (``backward``: one that planned forward + backward points)."""
+def _order_choice(points: list[OrderPoint]) -> str | None:
+    """``"blocked"`` when reading K and V register-blocked was at least :data:`WIN_MARGIN` faster than memory order
+    (geometric mean over the measured layouts), ``"memory"`` otherwise (today's rule, which reads in memory order
+    from 8 MB, stays: a tie keeps it); None when nothing was measured."""
+    if not points:
+        return None
+    g = math.exp(sum(math.log(max(p.ratio, 1e-12)) for p in points) / len(points))
+    return "blocked" if g >= WIN_MARGIN else "memory"
+
+
+def _decide(points: list[Point], backward: bool = False, order_points: list[OrderPoint] | None = None
+            ) -> tuple[dict, list[str]]:
+    """({native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, bf16_small, fp16_small, few_rows_grad,
+    decode_order}, what kept its default) from the points of a calibration (``backward``: one that planned forward +
+    backward points; ``order_points``: the decode entry's read orders)."""
     f32 = [p for p in points if p.dtype == "float32"]
     causal = _crossover([p for p in f32 if p.case == "causal"], DEFAULT_NATIVE_CAUSAL_MIN, lambda n: n)
     dense = _crossover([p for p in f32 if p.case == "none"], DEFAULT_NATIVE_DENSE_MIN_LS, lambda n: n * n)
@@ -692,7 +800,8 @@ def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str
               "bf16": choice("bfloat16", "fwd", False), "fp16": choice("float16", "fwd", False),
               "bf16_grad": choice("bfloat16", "fwd+bwd", False),
               "bf16_small": choice("bfloat16", "fwd", True), "fp16_small": choice("float16", "fwd", True),
-              "few_rows_grad": _rows_choice([p for p in points if p.case == "rows"])}
+              "few_rows_grad": _rows_choice([p for p in points if p.case == "rows"]),
+              "decode_order": _order_choice(order_points or [])}
     # (named as the table's rows read: a bf16 decision at 512 × 512 is kept even where the 64 × 64 bf16 points are
     # listed as measured, so the size is in the name)
     big, small = f"{DTYPE_LENGTH} × {DTYPE_LENGTH}", f"{SMALL_LENGTH} × {SMALL_LENGTH}"
@@ -703,6 +812,8 @@ def _decide(points: list[Point], backward: bool = False) -> tuple[dict, list[str
         kept.append(f"bf16 with gradients at {GRAD_LENGTH} × {GRAD_LENGTH}")
     if values["few_rows_grad"] is None and backward:
         kept.append("a few rows with gradients")
+    if values["decode_order"] is None:
+        kept.append("the decode's read order")
     return values, kept
 
 
@@ -719,8 +830,10 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
     forward only, or forward and forward+backward with ``backward`` (the kernel must win both; and bf16 with
     no mask at L = S = 256 forward + backward, which decides ``bf16_grad``: torch's first bf16 backward in a
     process can take seconds, more than the budget; and one fp32 query row over 4096 keys forward + backward, the
-    kernel's decode entry and few-rows backward, which decides ``few_rows_grad``). Points are measured most useful
-    first; what the budget leaves unmeasured keeps its default.
+    kernel's decode entry and few-rows backward, which decides ``few_rows_grad``); and the decode entry's two read
+    orders of K and V, one fp32 query row over 4096 keys of D = 128, MHA 8/8 and GQA 32/8 (:class:`OrderPoint`,
+    ``decode_order``: on an AMD EPYC memory order won past 8 MB, on an Intel Xeon with AMX register-blocked won
+    everywhere). Points are measured most useful first; what the budget leaves unmeasured keeps its default.
 
     Args:
         budget_s: wall-time bound in seconds (> 0) of the measuring; the calibration stops before it would exceed
@@ -753,6 +866,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
     n = before if threads is None else threads
     was_measuring = _local.measuring
     points: list[Point] = []
+    order_points: list[OrderPoint] = []
     try:
         _local.measuring = True
         if n != before:
@@ -774,6 +888,9 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
             est = 0.0 if last is None else (last.kernel_ms + last.sdpa_ms) / 1e3 * (L * S) / (last.L * last.S)
             if clock() + (1 + _MIN_ROUNDS) * est > deadline:
                 continue
+            if case == "order":  # (its own rounds within the deadline; none when they would not fit)
+                order_points += _measure_order(deadline, clock)
+                continue
             try:
                 got = _measure_point(case, dtype, L, mode == "fwd+bwd", deadline, clock, S=S)
             except _NoKernel:
@@ -787,7 +904,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
             points.append(p)
             if progress is not None:
                 progress(p)
-        values, kept = _decide(points, backward)
+        values, kept = _decide(points, backward, order_points)
         key = machine_key(n)
         elapsed = clock() - t0
         path = cache_path(n) if write else None
@@ -795,9 +912,11 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         data = {"key": key, "created": created, "budget_s": float(budget_s), "elapsed_s": round(elapsed, 3),
                 "load_before": load,  # the 1-minute load average as it began: high means shared cores, noisy times
                 "crossovers": values, "defaults_kept": kept, "points": [dataclasses.asdict(p) for p in points],
+                "order_points": [dataclasses.asdict(p) for p in order_points],
                 "defaults": {"native_causal_min": DEFAULT_NATIVE_CAUSAL_MIN,
                              "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS, "bf16": None, "fp16": None,
-                             "bf16_grad": None, "bf16_small": None, "fp16_small": None, "few_rows_grad": None}}
+                             "bf16_grad": None, "bf16_small": None, "fp16_small": None, "few_rows_grad": None,
+                             "decode_order": None}}
         unstored = None
         if path is not None:
             try:
@@ -812,7 +931,8 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
         if unstored is not None:
             source = source.replace(" (not written)", f" (not stored: {unstored})", 1)
         result = Crossovers(**values, source=source, calibrated=True,
-                            path=None if path is None else str(path), points=tuple(points), elapsed_s=elapsed)
+                            path=None if path is None else str(path), points=tuple(points),
+                            order_points=tuple(order_points), elapsed_s=elapsed)
     except _NoKernel as e:  # nothing to measure: not a failure, nothing written
         return Crossovers(source=f"defaults (nothing to calibrate: {e})", failure=str(e), points=tuple(points),
                           elapsed_s=clock() - t0)

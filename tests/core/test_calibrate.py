@@ -31,13 +31,17 @@ RATIO = {("none", "bfloat16", "grad"): lambda L: 3.0,
 
 
 class Fake:
-    """A stand-in for ``_measure_point``: times from RATIO, each point costing ``cost`` seconds of a fake clock."""
+    """A stand-in for ``_measure_point``: times from RATIO, each point costing ``cost`` seconds of a fake clock; and
+    for ``_measure_order``: memory order ``order_ratio`` times register-blocked's time (no clock time: the real one
+    is a tenth of a second), its calls counted in ``orders``."""
 
-    def __init__(self, monkeypatch, cost=0.0, fail_at=None, exc=None):
+    def __init__(self, monkeypatch, cost=0.0, fail_at=None, exc=None, order_ratio=1.2):
         self.now, self.cost, self.calls, self.fail_at = 0.0, cost, [], fail_at
         self.exc = RuntimeError("the kernel fell over") if exc is None else exc
         self.tables = []
+        self.order_ratio, self.orders = order_ratio, 0
         monkeypatch.setattr(C, "_measure_point", self)
+        monkeypatch.setattr(C, "_measure_order", self.order)
         monkeypatch.setattr(C, "_warm_backward", lambda: None)
         monkeypatch.setattr(C, "_clock", lambda: self.now)
 
@@ -50,6 +54,11 @@ class Fake:
         sdpa = 1e-3 * L / 64
         ratio = RATIO.get((case, dtype, "grad"), RATIO[case, dtype]) if backward else RATIO[case, dtype]
         return sdpa / ratio(L), sdpa, 5
+
+    def order(self, deadline, clock):
+        self.orders += 1
+        return [C.OrderPoint(H, Hkv, C.ORDER_KEYS, C.ORDER_D, "float32", 1.0, self.order_ratio, 5)
+                for H, Hkv in C.ORDER_HEADS]
 
 
 @pytest.fixture
@@ -92,7 +101,7 @@ def test_calibration_decides_from_the_measurements_and_is_stored_where_the_env_s
     assert data["key"] == C.machine_key(n) and data["key"]["torch"] == torch.__version__
     assert data["crossovers"] == {"native_causal_min": 256, "native_dense_min_ls": 1048576, "bf16": "torch",
                                   "fp16": "kernel", "bf16_grad": None, "bf16_small": "kernel",
-                                  "fp16_small": "kernel", "few_rows_grad": None}
+                                  "fp16_small": "kernel", "few_rows_grad": None, "decode_order": "blocked"}
     assert not list(cache.glob(".calibration-*"))  # the temporary file was renamed, none left behind
     # this process decides by it now, and a fresh one reads it back from the file
     assert C.crossovers() is c
@@ -182,7 +191,8 @@ def test_a_file_from_another_cpu_or_torch_version_is_ignored_and_rewritten(cache
 
 
 @pytest.mark.parametrize("field, value", [("native_causal_min", -4), ("native_causal_min", "256"),
-                                          ("bf16", "fast"), ("native_dense_min_ls", None)])
+                                          ("bf16", "fast"), ("native_dense_min_ls", None),
+                                          ("decode_order", "kernel")])
 def test_a_file_with_bad_values_is_corrupt(cache, monkeypatch, field, value):
     _, path = _stored(cache, monkeypatch)
     data = json.loads(path.read_text())
@@ -197,6 +207,10 @@ def test_a_file_with_bad_values_is_corrupt(cache, monkeypatch, field, value):
                                           ("points", [{"case": "causal", "dtype": "float32", "L": 64.5, "S": 64,
                                                        "mode": "fwd", "kernel_ms": 1.0, "sdpa_ms": 1.0,
                                                        "rounds": 3}]),
+                                          ("order_points", {"H": 8}),
+                                          ("order_points", [{"H": 8, "Hkv": 8, "S": 4096, "D": 128,
+                                                             "dtype": "float32", "blocked_ms": -1.0,
+                                                             "memory_ms": 1.0, "rounds": 3}]),
                                           ("defaults_kept", "bf16")])
 def test_a_file_with_a_bad_record_beside_its_table_is_corrupt_and_show_still_prints(cache, monkeypatch, capsys,
                                                                                     field, value):
@@ -381,14 +395,14 @@ def test_the_budget_bounds_the_measurement_and_the_rest_keeps_its_default(cache,
     assert len(fake.calls) == 4 and {x[:2] for x in fake.calls} == {("causal", "float32")}
     assert c.calibrated and c.native_causal_min == 256  # measured: 64, 128 lose, 256, 512 win
     assert (c.native_dense_min_ls, c.bf16, c.fp16, c.bf16_grad) == (1024 * 1024, None, None, None)
-    kept = ("defaults kept for no mask, bf16 at 512 × 512, fp16 at 512 × 512, bf16 at 64 × 64, fp16 at 64 × 64 (not "
-            "measured in the budget)")
+    kept = ("defaults kept for no mask, bf16 at 512 × 512, fp16 at 512 × 512, bf16 at 64 × 64, fp16 at 64 × 64, the "
+            "decode's read order (not measured in the budget)")
     assert kept in c.source  # (bf16 with gradients:
     # planned only with backward=True, so not "kept" here)
     small = C.calibrate(budget_s=1.0, backward=True)
     assert small.bf16_grad is None and small.few_rows_grad is None
-    assert small.source.endswith("fp16 at 64 × 64, bf16 with gradients at 256 × 256, a few rows with gradients (not "
-                                 "measured in the budget)")
+    assert small.source.endswith("fp16 at 64 × 64, bf16 with gradients at 256 × 256, a few rows with gradients, the "
+                                 "decode's read order (not measured in the budget)")
 
 
 def test_backward_decides_bf16_with_gradients_apart_from_bf16s_forward(cache, monkeypatch):
@@ -653,3 +667,82 @@ def test_a_dtypes_forward_choice_is_taken_per_mask_case_where_its_points_disagre
     assert why is not None and "no mask, 512 x 512" in why and "on X" in why
     assert x.torch_keeps(torch.bfloat16, hw) is not None  # another mask kind: the dtype's choice
     assert C.Crossovers(bf16="torch").torch_keeps(torch.bfloat16, hw, "causal") is not None  # no points: the choice
+
+
+# --- the decode entry's read order ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ratio, want", [(1.2, "blocked"), (1.02, "memory"), (0.7, "memory")])
+def test_the_decode_read_order_is_measured_stored_and_read_back(cache, monkeypatch, ratio, want):
+    """Register-blocked must win by WIN_MARGIN over memory order to replace today's rule (a tie, or memory order
+    faster, keeps the rule: memory order from 8 MB); the points and the choice are stored and read back."""
+    fake = Fake(monkeypatch, order_ratio=ratio)
+    c = C.calibrate()
+    assert fake.orders == 1 and c.decode_order == want
+    assert [(o.H, o.Hkv, o.S, o.D) for o in c.order_points] == [(H, Hkv, C.ORDER_KEYS, C.ORDER_D)
+                                                               for H, Hkv in C.ORDER_HEADS]
+    assert all(o.ratio == pytest.approx(ratio) for o in c.order_points)
+    C.forget()
+    again = C.crossovers()
+    assert again.decode_order == want and again.order_points == c.order_points
+    assert "read order" not in again.source  # measured: not a kept default
+
+
+def test_the_decode_read_order_not_measured_keeps_todays_rule_and_says_so(cache, monkeypatch):
+    fake = Fake(monkeypatch)
+    monkeypatch.setattr(C, "_measure_order", lambda deadline, clock: [])  # (did not fit in the budget)
+    c = C.calibrate()
+    assert c.decode_order is None and c.order_points == () and "the decode's read order" in c.source
+    assert fake.calls  # the rest was measured
+    assert C.Crossovers().decode_order is None  # the defaults: today's rule
+
+
+def test_the_decode_records_carry_the_calibrated_read_order(cache, monkeypatch):
+    """The kernel's decode records ask the table once, when prepared: register-blocked where it was measured faster,
+    else today's rule; an explicit order wins; an unknown order is refused, named."""
+    assert _native.read_order(torch.get_num_threads()) == "rule"  # the defaults
+    Fake(monkeypatch, order_ratio=1.2)
+    C.calibrate(threads=2)
+    assert _native.read_order(2) == "blocked"
+    Fake(monkeypatch, order_ratio=1.0)
+    C.calibrate(threads=1)
+    assert _native.read_order(1) == "rule" and _native.read_order(2) == "blocked"  # per thread count
+    if not _native.available():
+        return
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+    lo, hi = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), 100, dtype=torch.int32)
+    recs = [_native._decode_call(q, k, v, lo, hi, 0.25, 0, 2, order) for order in (None, "rule", "memory")]
+    assert [r.order for r in recs] == [_native.READ_ORDERS[o] for o in ("blocked", "rule", "memory")]
+    with pytest.raises(ValueError, match=r"decode: order must be one of .*got 'fast'"):
+        _native._decode_call(q, k, v, lo, hi, 0.25, 0, 2, "fast")
+
+
+def test_the_read_orders_give_the_same_bits(monkeypatch):
+    """Each read order, asked by the record (no global override), over a cache past the 8 MB line (fp32 and bf16,
+    MHA and GQA, strided): the same bits as the others, and the float64 reference's values."""
+    if not _native.available():
+        pytest.skip("the compiled kernel is not built here: `make test` builds it")
+    g = torch.Generator().manual_seed(3)
+    S, D = 8192, 128  # K and V: 8 x 8192 x 128 x 4 x 2 = 64 MiB (fp32)
+    for dtype in (torch.float32, torch.bfloat16):
+        for H in (8, 32):
+            q = torch.randn(1, H, 1, D, generator=g).to(dtype)
+            big = torch.randn(1, 8, S + 5, D, generator=g).to(dtype)
+            k = big[:, :, 5:]  # a view into a bigger cache: read in place
+            v = torch.randn(1, 8, S, D, generator=g).to(dtype)
+            lo, hi = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), S, dtype=torch.int32)
+            outs = [_native.decode(q, k, v, lo, hi, D ** -0.5, order=o)[0] for o in _native.READ_ORDERS]
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
+            kr, vr = (t.double().repeat_interleave(H // 8, dim=1) for t in (k, v))
+            ref = torch.softmax(q.double() @ kr.transpose(-1, -2) * D ** -0.5, -1) @ vr
+            assert torch.allclose(outs[0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_calibrate_prints_the_read_order(cache, monkeypatch, capsys):
+    Fake(monkeypatch, order_ratio=1.2)
+    rc, out, _ = _cli(capsys)
+    assert rc == 0 and "decode read order" in out and "memory/blocked" in out
+    assert "one fp32 query row    8/8  4096  128" in out and "blocked" in out
+    line = next(x for x in out.splitlines() if x.startswith("the decode entry reads K and V of >= 8 MB"))
+    assert "in memory order (today's rule)" in line and line.endswith("register-blocked (as below 8 MB)")
+    rc, out, _ = _cli(capsys, "--show")
+    assert "decode read order" in out and "register-blocked (as below 8 MB)" in out

@@ -69,6 +69,12 @@ def _choice(v, dtype: str) -> str:
     return {"kernel": "the compiled kernel", "torch": "torch's kernel"}[v]
 
 
+def _order(v) -> str:
+    if v == "blocked":
+        return "register-blocked (as below 8 MB)"
+    return "in memory order" + (" (today's rule)" if v is None else "")
+
+
 def _by_case(c, dtype: str) -> str:
     """The measured choice for ``dtype``'s forward, per mask case where the causal and the no-mask points disagree
     (auto follows each for its own case: ``Crossovers.case_choice``)."""
@@ -96,6 +102,15 @@ def _print_table(c, defaults) -> None:
             print(f"{p.case:<8}{p.dtype:<10}{f'{p.L} x {p.S}':>12}{p.mode:>9}{p.kernel_ms:>11.3f}{p.sdpa_ms:>10.3f}"
                   f"{p.ratio:>13.2f}  {_verdict(p, C.WIN_MARGIN):<6}  {p.rounds:>6}")
         print(f"(a kernel less than {100 * (C.WIN_MARGIN - 1):.0f} % faster is a tie; a tie stays on SDPA)\n")
+    if c.order_points:
+        print(f"{'decode read order':<19}{'H/Hkv':>6}{'S':>6}{'D':>5}{'blocked ms':>12}{'memory ms':>11}"
+              f"{'memory/blocked':>16}  faster   rounds")
+        for o in c.order_points:
+            faster = "blocked" if o.ratio >= C.WIN_MARGIN else "memory" if o.ratio <= 1 / C.WIN_MARGIN else "tie"
+            print(f"{'one fp32 query row':<19}{f'{o.H}/{o.Hkv}':>6}{o.S:>6}{o.D:>5}{o.blocked_ms:>12.3f}"
+                  f"{o.memory_ms:>11.3f}{o.ratio:>16.2f}  {faster:<7}  {o.rounds:>6}")
+        print("(K and V of 32 MiB; register-blocked must be 3 % faster to replace today's rule: memory order from "
+              "8 MB)\n")
     rows = [("causal (L = S or top-left): kernel from min(L, S) >=", str(defaults.native_causal_min),
              str(c.native_causal_min)),
             ("no mask: kernel from L·S >=", _fmt_ls(defaults.native_dense_min_ls), _fmt_ls(c.native_dense_min_ls)),
@@ -108,7 +123,8 @@ def _print_table(c, defaults) -> None:
             ("fp16 below the fp32 crossovers (no gradients) on", _choice(defaults.fp16_small, "fp16_small"),
              _choice(c.fp16_small, "fp16_small")),
             (f"fp32 with grads, <= {DECODE_MAX_L} query rows, >= {FEW_ROWS_GRAD_MIN_KEYS} keys, on",
-             _choice(defaults.few_rows_grad, "few_rows_grad"), _choice(c.few_rows_grad, "few_rows_grad"))]
+             _choice(defaults.few_rows_grad, "few_rows_grad"), _choice(c.few_rows_grad, "few_rows_grad")),
+            ("the decode entry reads K and V of >= 8 MB", _order(defaults.decode_order), _order(c.decode_order))]
     head = "measured" if c.calibrated else "in use"
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len("default"), *(len(r[1]) for r in rows))

@@ -38,6 +38,7 @@ import importlib.util
 import os
 import threading
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -86,10 +87,11 @@ class _Call(ctypes.Structure):
                 ("pntables", ctypes.c_int64),
                 *((n, ctypes.c_void_p) for n in ("dout", "fwd_out", "fwd_lse", "dlse", "dq", "dk", "dv")),
                 ("nst", ctypes.c_int64), ("lst", ctypes.c_int64),
-                ("ort", ctypes.c_int64), ("out_r", ctypes.c_void_p), ("grads_r", ctypes.c_int64)]
+                ("ort", ctypes.c_int64), ("out_r", ctypes.c_void_p), ("grads_r", ctypes.c_int64),
+                ("order", ctypes.c_int64)]
 
 
-_ABI_VERSION = 9  # AK_ABI_VERSION in csrc/attn_common.h
+_ABI_VERSION = 10  # AK_ABI_VERSION in csrc/attn_common.h
 MAX_PLANES = 8  # AK_MAX_STRETCHES: the stretch planes a decode call may bring (lo / hi (n, 1 or B, L))
 
 
@@ -351,15 +353,15 @@ def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=Fa
 
 
 def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse: bool = False,
-                rounded: bool = False):
+                rounded: bool = False, order: str | None = None):
     """:func:`decode` for one call signature prepared once (as :func:`forward_step`): returns ``run(q, k, v,
     scale) -> out`` ((B, H, L, Dv) fp32; with ``rounded``, in q's dtype, as :func:`decode`) for inputs of these
     shapes and dtypes at any strides. ``alibi`` / ``prog``: as :func:`decode` (kept by the prepared call).
-    ``with_lse``: ``run`` returns ``(out, lse)``.
+    ``with_lse``: ``run`` returns ``(out, lse)``. ``order``: as :func:`decode` (asked here, once).
     ``run(q, k, v, scale, lo, hi)`` takes a cache of any length S with that call's row intervals (of the shapes of
     these ``lo`` / ``hi``; a program's ``max_s`` bounds S: the caller checks it)."""
     lib = _require()
-    c0 = _decode_call(q, k, v, lo, hi, 1.0, chunk, torch.get_num_threads())
+    c0 = _decode_call(q, k, v, lo, hi, 1.0, chunk, torch.get_num_threads(), order)
     c0.ort = int(rounded and q.dtype is not torch.float32)
     if v.shape[2] != k.shape[2] or not (lo.is_contiguous() and hi.is_contiguous()):
         raise ValueError(f"decode: k and v must hold the same S keys and lo / hi be contiguous; got k "
@@ -506,13 +508,26 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DECODE_MAX_L = 64  # query rows per head that :func:`decode` takes (the kernel's query block)
+# The decode entry's read orders of K and V (AkCall::order): "rule" — memory order from 8 MB of K and V in units of
+# up to 8 rows, register-blocked below (measured on an AMD EPYC, Zen 3); "blocked" — register-blocked at every size;
+# "memory" — memory order wherever the units allow. Both orders give the same bits.
+READ_ORDERS = {"rule": 0, "blocked": 1, "memory": 2}
+
+
+def _rule_order(threads: int) -> str:
+    return "rule"
+
+
+# The read order a new decode record carries at a thread count (one of READ_ORDERS' names), asked once per record:
+# backends/native.py points it at this machine's calibration (``attnkit calibrate``), which sits above this module
+read_order: Callable[[int], str] = _rule_order
 _STEP = _Call.S.offset // 8  # the 8-byte slot where a decode step's block (S .. lse: 14 slots) starts
 _tls = threading.local()  # per thread: prepared decode records by call signature (ctypes releases the GIL)
 
 
-def _decode_call(q, k, v, lo, hi, scale: float, chunk: int, threads: int) -> _Call:
+def _decode_call(q, k, v, lo, hi, scale: float, chunk: int, threads: int, order: str | None = None) -> _Call:
     """Check a decode signature and build its call record (all but the per-step block: S, K / V strides, pointers,
-    outputs)."""
+    outputs). ``order``: K and V's read order (a name of :data:`READ_ORDERS`; None: :data:`read_order`'s)."""
     _require()
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"decode: q, k, v must be 4-d (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv); got shapes "
@@ -540,10 +555,14 @@ def _decode_call(q, k, v, lo, hi, scale: float, chunk: int, threads: int) -> _Ca
                          f"{tuple(hi.shape)}")
     if chunk < 0 or chunk % TILE:
         raise ValueError(f"decode: chunk must be 0 (chosen from S) or a positive multiple of {TILE}; got {chunk}")
+    order = read_order(threads) if order is None else order
+    if order not in READ_ORDERS:
+        raise ValueError(f"decode: order must be one of {sorted(READ_ORDERS)} or None; got {order!r}")
     TB = lo.shape[-2]
     c = _Call(size=ctypes.sizeof(_Call), version=_ABI_VERSION, B=B, H=H, Hkv=Hkv, L=L, D=D, Dv=Dv,
               lob=(L if TB == B and B > 1 else 0), threads=threads, scale=float(scale),
-              dtype=_DTYPE_CODE[q.dtype], chunk=chunk, nst=lo.shape[0] if lo.dim() == 3 else 1, lst=TB * L)
+              dtype=_DTYPE_CODE[q.dtype], chunk=chunk, nst=lo.shape[0] if lo.dim() == 3 else 1, lst=TB * L,
+              order=READ_ORDERS[order])
     c.sq[:] = q.stride()[:3]
     return c
 
@@ -551,7 +570,7 @@ def _decode_call(q, k, v, lo, hi, scale: float, chunk: int, threads: int) -> _Ca
 def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int):
     """:func:`_decode_call` for a new signature of :func:`decode`, kept per thread under ``key``; returns (its 8-byte
     slots, its pointer, out shape, lse shape, D > 1, Dv > 1, the record)."""
-    c = _decode_call(q, k, v, lo, hi, scale, chunk, key[-1])
+    c = _decode_call(q, k, v, lo, hi, scale, chunk, key[-1], key[-3])
     c.ort = int(key[-2])
     B, H, L, D = q.shape
     Dv = v.shape[3]
@@ -565,7 +584,7 @@ def _decode_record(key, q, k, v, lo, hi, scale: float, chunk: int):
 
 
 def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True, alibi=None, prog=None,
-           rounded: bool = False):
+           rounded: bool = False, order: str | None = None):
     """(out (B, H, L, Dv) fp32, lse (B, H, L) fp32, or None when not ``need_lse``) of attention for a few query
     rows over a key/value cache — with ``rounded`` and bf16 / fp16 inputs, out in their dtype, each row merged in
     fp32 and rounded once by the kernel as it writes it (the bits of ``out.to(q.dtype)``, without that pass) —
@@ -586,19 +605,22 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
     A row that sees no key: out 0, lse -inf. ``chunk``: keys per split-K chunk (a multiple of 64), 0 to let the
     kernel choose from S. ``alibi``: (H,) slopes added as ``slope[h] · (kv − q)``, or
     ``prog``: a traced score_mod (:class:`attnkit._scoreprog.Program`, query index ``0 … L-1``) run on the scaled
-    scores before the mask, as in :func:`forward`. No autograd, no tile map (the forward has them).
+    scores before the mask, as in :func:`forward`. No autograd, no tile map (the forward has them). ``order``: K
+    and V's read order, a name of :data:`READ_ORDERS` (the same bits in each); None: this machine's (:data:`read_order`,
+    asked when a signature's record is first prepared).
 
     Per call only S, K / V strides, the pointers and the outputs are written (one block of the record), into a
     record prepared once per signature (q's shape and strides, dtypes, B / Hkv / D / Dv, lo / hi shapes, scale,
-    chunk, threads) and kept per thread."""
+    chunk, order, threads) and kept per thread."""
     if alibi is not None or prog is not None:  # the record points at them: prepared for this call only
         if not need_lse:
-            return decode_step(q, k, v, lo, hi, chunk, alibi, prog, rounded=rounded)(q, k, v, scale), None
-        return decode_step(q, k, v, lo, hi, chunk, alibi, prog, with_lse=True, rounded=rounded)(q, k, v, scale)
+            return decode_step(q, k, v, lo, hi, chunk, alibi, prog, rounded=rounded, order=order)(q, k, v, scale), None
+        return decode_step(q, k, v, lo, hi, chunk, alibi, prog, with_lse=True, rounded=rounded,
+                           order=order)(q, k, v, scale)
     ksh, vsh = k.shape, v.shape
     ort = rounded and q.dtype is not torch.float32
     key = (q.shape, q.stride(), q.dtype, k.dtype, v.dtype, ksh[0], ksh[1], ksh[3], vsh[0], vsh[1], vsh[3],
-           lo.shape, hi.shape, scale, chunk, ort, torch.get_num_threads())
+           lo.shape, hi.shape, scale, chunk, order, ort, torch.get_num_threads())
     try:
         f, ref, oshape, lshape, dk, dv, _ = _tls.decode[key]
     except (AttributeError, KeyError):

@@ -659,8 +659,14 @@ class NativeDecode(Kernel):
         prog = req.memo.get("score_prog")
         mod = (f", the score_mod run as a {len(prog.ops)}-instruction program" if prog is not None
                else ", ALiBi's bias added" if _alibi(req) is not None else "")
+        order = ""
+        if H // Hkv * L <= 8 and B * Hkv * S * (D + Dv) * req.k.element_size() >= 8 << 20:  # (the rule's line)
+            x = _calibrate.crossovers()
+            order = ("; K/V of >= 8 MB read register-blocked (measured faster here: " + x.source + ")"
+                     if x.decode_order == "blocked" else "; K/V of >= 8 MB read in memory order ("
+                     + ("measured faster here" if x.decode_order == "memory" else "today's rule") + ")")
         return (f"attnkit's compiled kernel, decode entry ({_native.isa()}): {H // Hkv * L} rows per kv head "
-                f"against its K/V read once, split-K over the threads with an exact lse merge{mod}")
+                f"against its K/V read once, split-K over the threads with an exact lse merge{mod}{order}")
 
     def run(self, req: Request):
         stretches = req.memo.get("row_stretches")

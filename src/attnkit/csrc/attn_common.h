@@ -24,12 +24,13 @@
 
 // Bumped whenever AkCall changes; the caller (attnkit/backends/_native.py) sends the version and
 // sizeof(AkCall) it was built for, and a call whose record does not match is refused (returns AK_E_ABI).
-#define AK_ABI_VERSION 9
+#define AK_ABI_VERSION 10
 
 enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
 
-// The decode's read order (attn_decode.h): -1 chosen per call (the default), 0 register-blocked, 1 memory order
-// (units of up to 8 rows). Set by ak_set_decode_order (tests: both orders give the same bits).
+// The decode's read order (attn_decode.h), for every call: -1 as each call's record says (AkCall::order; the
+// default), 0 register-blocked, 1 memory order (units of up to 8 rows). Set by ak_set_decode_order (tests and
+// benchmarks force one: both orders give the same bits).
 extern int ak_decode_order;
 
 // The forward's bf16 matrix products on AMX tiles (attn_amx.h; the AVX-512 build, on a CPU with AMX): 1 used for
@@ -97,5 +98,9 @@ struct AkCall {
   int64_t ort;
   void* out_r;
   int64_t grads_r;
+  // decode: K and V's read order (unless ak_decode_order forces one): 0 the per-call rule (memory order from
+  // STREAM_BYTES of K and V, in units of <= FEW_ROWS rows), 1 register-blocked, 2 memory order (where the units
+  // allow). The caller fills it from this machine's calibration (a zeroed record: the rule).
+  int64_t order;
 };
 #define AK_MAX_STRETCHES 8

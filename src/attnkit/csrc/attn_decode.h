@@ -877,8 +877,9 @@ int run_decode(const AkCall* c) {
   s.nrb = (s.g * s.L + s.rb - 1) / s.rb;
   s.Dp = round_up(s.D, VW), s.Dvp = round_up(s.Dv, VW);
   const long esz = c->dtype == AK_F32 ? 4 : 2;
-  s.stream = s.rb <= FEW_ROWS && (ak_decode_order < 0 ? s.B * s.Hkv * s.S * (s.D + s.Dv) * esz >= STREAM_BYTES
-                                                      : ak_decode_order == 1);
+  // the order: forced for every call (ak_decode_order), else the record's (this machine's calibration), else the rule
+  const int order = ak_decode_order >= 0 ? 1 + ak_decode_order : c->order == 1 || c->order == 2 ? (int)c->order : 0;
+  s.stream = s.rb <= FEW_ROWS && (order == 0 ? s.B * s.Hkv * s.S * (s.D + s.Dv) * esz >= STREAM_BYTES : order == 2);
   s.q = c->q, s.k = c->k, s.v = c->v;
   s.alibi = c->pcode ? nullptr : c->alibi;
   Prog prog;

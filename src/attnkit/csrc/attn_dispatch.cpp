@@ -88,7 +88,8 @@ AK_API int ak_isa() {
   return isa_in_use;
 }
 
-// The decode's read order: -1 per call (the default), 0 register-blocked, 1 memory order; returns the new setting
+// The decode's read order for every call: -1 as each call's record says (the default), 0 register-blocked, 1 memory
+// order; returns the new setting
 AK_API int ak_set_decode_order(int order) {
   ak_decode_order = order < -1 || order > 1 ? -1 : order;
   return ak_decode_order;
