@@ -249,9 +249,77 @@ static void dots(bool stream, long rows, long n, long D, const float* qb, long l
 // acc (RR rows x NV vectors, row stride lda) += P (RR rows, stride BN; n keys) . V (n rows at vr, stride ldv);
 // with `ahead`, the same columns of the next tile's V rows are prefetched, one row per key: the next tile's V
 // streams in while this one is multiplied (its K is prefetched while this tile's keys are scored)
+// Lane indices of two vectors (x, y) taken as one of 2 VW: their even lanes, their odd lanes; and back (the first
+// VW / the last VW lanes of the interleave of e and o)
+static inline vi lanes_even() { vi r; for (int i = 0; i < VW; i++) r[i] = 2 * i; return r; }
+static inline vi lanes_odd() { vi r; for (int i = 0; i < VW; i++) r[i] = 2 * i + 1; return r; }
+static inline vi lanes_lo() { vi r; for (int i = 0; i < VW; i++) r[i] = (i % 2 ? VW : 0) + i / 2; return r; }
+static inline vi lanes_hi() { vi r; for (int i = 0; i < VW; i++) r[i] = (i % 2 ? VW : 0) + VW / 2 + i / 2; return r; }
+
+typedef uint32_t vu_u __attribute__((vector_size(VW * 4), aligned(2)));
+
+// pv_block of a bf16 V, NV even: each 2 VW columns of a key's row are one load, as VW pairs; x << 16 widens the
+// even columns, x & 0xffff0000 the odd ones (two plain integer ops, no widening shuffle: bf16's cost over fp32's in
+// this loop, 1.5x its instructions, is what a small bf16 decode step paid). The accumulators are held split into
+// even and odd columns through the key loop and interleaved back at the end: per (row, column) the same sums in the
+// same order as the plain loop (the same bits)
+template <int RR, int NV>
+static inline void pv_block_bf16_pairs(long n, const float* P, const void* vr, long ldv, long col, float* acc,
+                                       long lda, const Ahead* ahead) {
+  constexpr int NP = NV / 2;
+  const vi ev = lanes_even(), od = lanes_odd(), lo = lanes_lo(), hi = lanes_hi();
+  vf e[RR][NP], o[RR][NP];
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; r++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NP; c++) {
+      const vf x = load(acc + r * lda + col + 2 * c * VW), y = load(acc + r * lda + col + (2 * c + 1) * VW);
+      e[r][c] = __builtin_shuffle(x, y, ev);
+      o[r][c] = __builtin_shuffle(x, y, od);
+    }
+  constexpr long span = NV * VW * 2;
+  const long np = ahead ? mn<long>(n, ahead->nk) : 0;
+  const char* pf = ahead ? ahead->pv + col * 2 : nullptr;
+  const long pld = ahead ? ahead->ldv : 0;
+  const uint16_t* v16 = (const uint16_t*)vr + col;
+  const vu himask = (uint32_t)0xffff0000u - (vu){};
+  auto key = [&](long j) {
+    vf be[NP], bo[NP];
+#pragma GCC unroll 4
+    for (int c = 0; c < NP; c++) {
+      const vu w = *(const vu_u*)(v16 + j * ldv + 2 * c * VW);
+      be[c] = (vf)(w << 16), bo[c] = (vf)(w & himask);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; r++) {
+      const vf p = splat(P[r * BN + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; c++) e[r][c] += p * be[c], o[r][c] += p * bo[c];
+    }
+  };
+  long j = 0;
+  for (; j < np; j++) {
+#pragma GCC unroll 4
+    for (long x = 0; x < span; x += 64) __builtin_prefetch(pf + j * pld + x, 0, 2);
+    key(j);
+  }
+  for (; j < n; j++) key(j);
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; r++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NP; c++) {
+      store(acc + r * lda + col + 2 * c * VW, __builtin_shuffle(e[r][c], o[r][c], lo));
+      store(acc + r * lda + col + (2 * c + 1) * VW, __builtin_shuffle(e[r][c], o[r][c], hi));
+    }
+}
+
 template <int RR, int NV, int DT>
 static inline void pv_block(long n, const float* P, const void* vr, long ldv, long col, float* acc, long lda,
                             const Ahead* ahead) {
+  if constexpr (DT == AK_BF16 && NV % 2 == 0) {
+    pv_block_bf16_pairs<RR, NV>(n, P, vr, ldv, col, acc, lda, ahead);
+    return;
+  }
   vf a[RR][NV];
 #pragma GCC unroll 4
   for (int r = 0; r < RR; r++)
