@@ -249,6 +249,23 @@ static void dots(bool stream, long rows, long n, long D, const float* qb, long l
 // acc (RR rows x NV vectors, row stride lda) += P (RR rows, stride BN; n keys) . V (n rows at vr, stride ldv);
 // with `ahead`, the same columns of the next tile's V rows are prefetched, one row per key: the next tile's V
 // streams in while this one is multiplied (its K is prefetched while this tile's keys are scored)
+// key(j) for the n keys of a P.V block, j ascending; keys [0, min(n, ahead->nk)) first prefetch their twin row in the
+// next tile (`span` bytes from column `col`, elements of `esz` bytes), the rest do not (the test out of the key
+// loop: it cost as many instructions as the multiply-adds' broadcasts in a small call)
+template <long esz, long span, class Key>
+static inline void pv_keys_ahead(long n, long col, const Ahead* ahead, Key&& key) {
+  const long np = ahead ? mn<long>(n, ahead->nk) : 0;
+  const char* pf = ahead ? ahead->pv + col * esz : nullptr;
+  const long pld = ahead ? ahead->ldv : 0;
+  long j = 0;
+  for (; j < np; j++) {
+#pragma GCC unroll 4
+    for (long x = 0; x < span; x += 64) __builtin_prefetch(pf + j * pld + x, 0, 2);
+    key(j);
+  }
+  for (; j < n; j++) key(j);
+}
+
 // Lane indices of two vectors (x, y) taken as one of 2 VW: their even lanes, their odd lanes; and back (the first
 // VW / the last VW lanes of the interleave of e and o)
 static inline vi lanes_even() { vi r; for (int i = 0; i < VW; i++) r[i] = 2 * i; return r; }
@@ -277,10 +294,6 @@ static inline void pv_block_bf16_pairs(long n, const float* P, const void* vr, l
       e[r][c] = __builtin_shuffle(x, y, ev);
       o[r][c] = __builtin_shuffle(x, y, od);
     }
-  constexpr long span = NV * VW * 2;
-  const long np = ahead ? mn<long>(n, ahead->nk) : 0;
-  const char* pf = ahead ? ahead->pv + col * 2 : nullptr;
-  const long pld = ahead ? ahead->ldv : 0;
   const uint16_t* v16 = (const uint16_t*)vr + col;
   const vu himask = (uint32_t)0xffff0000u - (vu){};
   auto key = [&](long j) {
@@ -297,13 +310,7 @@ static inline void pv_block_bf16_pairs(long n, const float* P, const void* vr, l
       for (int c = 0; c < NP; c++) e[r][c] += p * be[c], o[r][c] += p * bo[c];
     }
   };
-  long j = 0;
-  for (; j < np; j++) {
-#pragma GCC unroll 4
-    for (long x = 0; x < span; x += 64) __builtin_prefetch(pf + j * pld + x, 0, 2);
-    key(j);
-  }
-  for (; j < n; j++) key(j);
+  pv_keys_ahead<2, NV * VW * 2>(n, col, ahead, key);
 #pragma GCC unroll 4
   for (int r = 0; r < RR; r++)
 #pragma GCC unroll 4
@@ -325,12 +332,7 @@ static inline void pv_block(long n, const float* P, const void* vr, long ldv, lo
   for (int r = 0; r < RR; r++)
 #pragma GCC unroll 4
     for (int c = 0; c < NV; c++) a[r][c] = load(acc + r * lda + col + c * VW);
-  constexpr long esz = DT == AK_F32 ? 4 : 2, span = NV * VW * esz;
-  // keys [0, np) prefetch their twin in the next tile; the rest do not (the test out of the key loop: it cost as
-  // many instructions as the multiply-adds' broadcasts in a small call)
-  const long np = ahead ? mn<long>(n, ahead->nk) : 0;
-  const char* pf = ahead ? ahead->pv + col * esz : nullptr;
-  const long pld = ahead ? ahead->ldv : 0;
+  constexpr long esz = DT == AK_F32 ? 4 : 2;
   auto key = [&](long j) {
     vf b[NV];
 #pragma GCC unroll 4
@@ -342,13 +344,7 @@ static inline void pv_block(long n, const float* P, const void* vr, long ldv, lo
       for (int c = 0; c < NV; c++) a[r][c] += p * b[c];
     }
   };
-  long j = 0;
-  for (; j < np; j++) {
-#pragma GCC unroll 4
-    for (long x = 0; x < span; x += 64) __builtin_prefetch(pf + j * pld + x, 0, 2);
-    key(j);
-  }
-  for (; j < n; j++) key(j);
+  pv_keys_ahead<esz, NV * VW * esz>(n, col, ahead, key);
 #pragma GCC unroll 4
   for (int r = 0; r < RR; r++)
 #pragma GCC unroll 4
