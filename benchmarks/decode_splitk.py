@@ -107,8 +107,9 @@ def main(argv=None) -> int:
     threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
     torch.set_num_threads(threads)
     S, D = a.S, 128
+    order = a.order if a.order != "auto" else "auto: " + _native.read_order(threads)
     print(f"{cpu_name()}, {_native.status()}, {threads} threads, B = 1, L = 1, D = {D}, S = {S}, read order "
-          f"{a.order if a.order != 'auto' else 'auto: ' + _native.read_order(threads)}, {a.repeats} interleaved repeats, medians\n")
+          f"{order}, {a.repeats} interleaved repeats, medians\n")
     print("| case | dtype | kernel ms | SDPA ms | read K+V ms | kernel / read | SDPA / read | kernel GB/s | "
           "read GB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
