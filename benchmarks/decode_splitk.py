@@ -15,8 +15,8 @@ bf16 caches. Three calls, timed interleaved (one of each in turn), medians:
 ``--order blocked|memory``: the decode entry's read order forced (default: this machine's calibration, ``attnkit
 calibrate``, else the per-call rule: memory order from 8 MB).
 
-``--user``: a second table, MHA fp32, the same step through ``attnkit.attention`` as a user writes it: the
-built-in ``masks.causal()``, the same mask as a ``mask_mod`` (``kv <= q + S - 1``: the query is the last
+``--user``: two more tables, MHA 8/8 and GQA 32/8 fp32, the same step through ``attnkit.attention`` as a user
+writes it: the built-in ``masks.causal()``, the same mask as a ``mask_mod`` (``kv <= q + S - 1``: the query is the last
 position), a soft-cap ``score_mod`` (built-in, and as a user's lambda: a traced program) and ALiBi (its slopes), all
 on the decode entry, and SDPA's plain step for scale (it runs neither score_mod), each / the read.
 """
@@ -64,14 +64,13 @@ def _case(name, H, Hkv, S, D, dtype, repeats, g) -> str:
             f"{nbytes / t_ours / 1e9:.1f} | {nbytes / t_read / 1e9:.1f} |")
 
 
-def _user_rows(S: int, D: int, repeats: int, g) -> None:
+def _user_rows(S: int, D: int, repeats: int, g, H: int = 8, Hkv: int = 8) -> None:
     import attnkit
     from attnkit import masks, score_mods
 
-    H = 8
     q = torch.randn(1, H, 1, D, generator=g)
-    k = torch.randn(1, H, S, D, generator=g)
-    v = torch.randn(1, H, S, D, generator=g)
+    k = torch.randn(1, Hkv, S, D, generator=g)
+    v = torch.randn(1, Hkv, S, D, generator=g)
     last = S - 1
     alibi = score_mods.alibi(attnkit.positional.alibi_slopes(H))
     calls = {
@@ -83,10 +82,12 @@ def _user_rows(S: int, D: int, repeats: int, g) -> None:
             q, k, v, mask=masks.causal(), score_mod=lambda s, b, h, i, j: 30.0 * torch.tanh(s / 30.0)),
         "`masks.causal()` + `score_mods.alibi(slopes)`":
             lambda: attnkit.attention(q, k, v, mask=masks.causal(), score_mod=alibi),
-        "SDPA, `is_causal=False` (its plain step)": lambda: F.scaled_dot_product_attention(q, k, v),
+        "SDPA, `is_causal=False` (its plain step)": lambda: F.scaled_dot_product_attention(q, k, v,
+                                                                                          enable_gqa=H != Hkv),
     }
     times = _bench([*calls.values(), lambda: (k.sum(), v.sum())], repeats)
-    print("\n| MHA 8/8 fp32, through `attnkit.attention` | ms | / read |\n|---|---|---|")
+    kind = "MHA" if H == Hkv else "GQA"
+    print(f"\n| {kind} {H}/{Hkv} fp32, through `attnkit.attention` | ms | / read |\n|---|---|---|")
     for name, t in zip(calls, times[:-1], strict=True):
         print(f"| {name} | {t * 1e3:.2f} | {t / times[-1]:.2f} |")
     print(f"| read K+V | {times[-1] * 1e3:.2f} | 1.00 |")
@@ -118,7 +119,8 @@ def main(argv=None) -> int:
         for dtype in (torch.float32, torch.bfloat16):
             print(_case(name, H, Hkv, S, D, dtype, a.repeats, g), flush=True)
     if a.user:
-        _user_rows(S, D, a.repeats, g)
+        for H, Hkv in ((8, 8), (32, 8)):
+            _user_rows(S, D, a.repeats, g, H, Hkv)
     return 0
 
 
