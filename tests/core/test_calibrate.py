@@ -756,3 +756,20 @@ def test_calibrate_prints_the_read_order(cache, monkeypatch, capsys):
     assert "in memory order (today's rule)" in line and line.endswith("register-blocked (as below 8 MB)")
     rc, out, _ = _cli(capsys, "--show")
     assert "decode read order" in out and "register-blocked (as below 8 MB)" in out
+
+
+def test_dispatch_names_the_read_order_and_the_table_that_chose_it(monkeypatch):
+    """A decode step of 8 MB or more of K and V in units of <= 8 rows: `dispatch` says how its K and V are read and
+    by which table; a smaller step says nothing of it. Without the compiled kernel the step is SDPA's, whose
+    explanation has no read order."""
+    q, k, v = torch.zeros(1, 32, 1, 128), torch.zeros(1, 8, 2048, 128), torch.zeros(1, 8, 2048, 128)  # 16 MiB
+    if not _native.available():
+        said = str(attnkit.dispatch(q, k, v))
+        assert said.startswith("sdpa:") and "read order" not in said and "K/V of >= 8 MB" not in said
+        return
+    assert "K/V of >= 8 MB read in memory order (today's rule)" in str(attnkit.dispatch(q, k, v))
+    table = C.Crossovers(decode_order="blocked", source="calibrated 2026-11-29 on X")
+    monkeypatch.setattr(C, "crossovers", lambda threads=None: table)
+    said = str(attnkit.dispatch(q, k, v))
+    assert "K/V of >= 8 MB read register-blocked (measured faster here: calibrated 2026-11-29 on X)" in said
+    assert "K/V of >= 8 MB" not in str(attnkit.dispatch(q, k[:, :, :512], v[:, :, :512]))  # 4 MiB

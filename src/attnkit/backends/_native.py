@@ -512,6 +512,9 @@ DECODE_MAX_L = 64  # query rows per head that :func:`decode` takes (the kernel's
 # up to 8 rows, register-blocked below (measured on an AMD EPYC, Zen 3); "blocked" — register-blocked at every size;
 # "memory" — memory order wherever the units allow. Both orders give the same bits.
 READ_ORDERS = {"rule": 0, "blocked": 1, "memory": 2}
+# the rule's line (STREAM_BYTES, FEW_ROWS in csrc/attn_decode.h): memory order for units of at most this many query
+# rows (a kv head's g · L) over K and V of at least this many bytes
+STREAM_ROWS, STREAM_BYTES = 8, 8 << 20
 
 
 def _rule_order(threads: int) -> str:

@@ -660,7 +660,8 @@ class NativeDecode(Kernel):
         mod = (f", the score_mod run as a {len(prog.ops)}-instruction program" if prog is not None
                else ", ALiBi's bias added" if _alibi(req) is not None else "")
         order = ""
-        if H // Hkv * L <= 8 and B * Hkv * S * (D + Dv) * req.k.element_size() >= 8 << 20:  # (the rule's line)
+        kv_bytes = B * Hkv * S * (D + Dv) * req.k.element_size()
+        if H // Hkv * L <= _native.STREAM_ROWS and kv_bytes >= _native.STREAM_BYTES:  # (the rule's line)
             x = _calibrate.crossovers()
             order = ("; K/V of >= 8 MB read register-blocked (measured faster here: " + x.source + ")"
                      if x.decode_order == "blocked" else "; K/V of >= 8 MB read in memory order ("
