@@ -1,9 +1,12 @@
 """bf16 against fp32 through ``auto`` at the small shapes models run every step (decode, short prompts).
 
-    OMP_NUM_THREADS=2 python benchmarks/bf16_small.py [--rounds 200] [--only SUBSTRING]
+    OMP_NUM_THREADS=2 python benchmarks/bf16_small.py [--rounds 200] [--only SUBSTRING] [--accumulate]
 
 Each row calls ``attnkit.attention`` on the same shape in fp32 and in bf16, timed in turns (one call of each per
-round, after one warm-up each), without gradients and then with a backward of ``out.sum()`` (rows marked "+ bwd").
+round, after one warm-up each), without gradients and then with a backward of ``out.sum()`` (rows marked "+ bwd"):
+each backward into gradients set to None first, as a training step's ``optimizer.zero_grad()`` leaves them (with
+``--accumulate`` they are kept, and autograd adds each call's into them: torch's ``add_``, in the gradients' dtype,
+outside attention; at a decode step's size its bf16 ``add_`` costs more than its fp32 one).
 Prints the fp32 time (median), bf16 / fp32 as the median of the rounds' own ratios (< 1: bf16 faster), and the
 worker ``auto`` chose for each dtype (``attnkit.dispatch``). Shapes as in ``benchmarks/everyday.py``.
 """
@@ -38,8 +41,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--only", default="")
+    ap.add_argument("--accumulate", action="store_true", help="keep the gradients between calls (autograd adds)")
     a = ap.parse_args()
-    print(f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; gradients "
+          f"{'accumulated' if a.accumulate else 'set to None before each backward'}")
     print("| call | fp32 | bf16 / fp32 | workers fp32 / bf16 |\n|---|---|---|---|")
     torch.manual_seed(0)
     for name, B, H, Hkv, L, S, D, kw in CASES:
@@ -56,8 +61,12 @@ def main() -> None:
                     kws["mask"][:, 0] = True
                 workers[dt] = attnkit.dispatch(q, k, v, **kws).worker
 
-                if grad:
+                if grad and a.accumulate:
                     def call(q=q, k=k, v=v, kws=kws):
+                        attnkit.attention(q, k, v, **kws).sum().backward()
+                elif grad:
+                    def call(q=q, k=k, v=v, kws=kws):
+                        q.grad = k.grad = v.grad = None
                         attnkit.attention(q, k, v, **kws).sum().backward()
                 else:
                     def call(q=q, k=k, v=v, kws=kws):

@@ -240,3 +240,56 @@ def test_more_rows_than_a_block_per_kv_head():
     for H, Hkv, L in [(8, 1, 16), (4, 1, 16)]:
         q, k, v = rand_qkv(1, H, Hkv, L, 140, 16, requires_grad=True)
         _check(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("entry", ["decode", "forward"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prepared_backward_and_a_rounded_copy_beside_give_the_one_shot_calls_bits(entry, dtype):
+    """``backward_step`` (the backward's record prepared once per signature) gives the bits of ``backward`` on calls
+    of other strides, scales and values than the prepared one — dO expanded (``out.sum()``'s) or strided — and a
+    forward step's ``beside`` output (bf16: out rounded by the kernel beside its fp32 out) the bits of
+    ``out.to(bf16)``. A call of another shape or dtype is refused, naming the prepared one."""
+    B, H, Hkv, L, S, D, Dv = 2, 4, 2, 3, 200, 16, 24
+    g = torch.Generator().manual_seed(4)
+
+    def qkv():
+        return (torch.randn(B, H, L, D, generator=g).to(dtype), torch.randn(B, Hkv, S, D, generator=g).to(dtype),
+                torch.randn(B, Hkv, S, Dv, generator=g).to(dtype))
+
+    q, k, v = qkv()
+    lo = torch.zeros(1, L, dtype=torch.int32)
+    hi = torch.arange(S - L + 1, S + 1, dtype=torch.int32)[None]  # bottom-right causal
+    half = dtype is not torch.float32
+    if entry == "decode":
+        fwd = _native.decode_step(q, k, v, lo, hi, with_lse=True, beside=half)
+    else:
+        fwd = _native.forward_step(q, k, v, lo, hi, with_lse=True, beside=half)
+    bwd = _native.backward_step(q, k, v, lo, hi, rounded=True)
+    for scale, strided in ((D ** -0.5, False), (0.3, True)):
+        q, k, v = qkv()
+        if strided:
+            k = k.transpose(1, 2).contiguous().transpose(1, 2)
+        got = fwd(q, k, v, scale)
+        out, lse = got[:2]
+        one_out, one_lse, _ = _native.forward(q, k, v, lo, hi, scale)
+        assert_close(out, one_out, budget(torch.float32, D, S), entry)
+        assert_close(lse, one_lse, budget(torch.float32, D, S), entry)
+        if half:
+            assert torch.equal(got[2], out.to(dtype))
+        for dout in (torch.ones(B, H, L, Dv, dtype=dtype),
+                     torch.ones((), dtype=dtype).expand(B, H, L, Dv),
+                     torch.randn(B, H, L, 2 * Dv, generator=g).to(dtype)[..., ::2]):
+            want = _native.backward(q, k, v, lo, hi, scale, out, lse, dout, rounded=True)[:3]
+            have = bwd(q, k, v, out, lse, dout, scale)
+            assert all(torch.equal(a, b) for a, b in zip(have, want, strict=True)), (entry, scale, dout.stride())
+            assert all(x.dtype == dtype for x in have)
+    with pytest.raises(ValueError, match="backward prepared for q"):
+        bwd(q[:, :, :2], k, v, out, lse, torch.ones(B, H, L, Dv, dtype=dtype), 0.3)
+    with pytest.raises(TypeError, match="backward prepared for"):
+        bwd(q, k, v, out, lse, torch.ones(B, H, L, Dv, dtype=torch.float16), 0.3)
+    if half:
+        with pytest.raises(ValueError, match="beside"):
+            _native.decode_step(q, k, v, lo, hi, with_lse=True, beside=True, rounded=True)
+    else:
+        with pytest.raises(ValueError, match="beside"):
+            _native.forward_step(q, k, v, lo, hi, with_lse=True, beside=True)

@@ -135,32 +135,36 @@ def test_named_backend_raises_where_auto_would_switch(ran, backend, kw, auto_run
     assert ran == [auto_runs]
 
 
-@pytest.mark.parametrize("L, S, kw", [(128, 128, {}), (16, 1024, dict(mask=M.sliding_window(64)))])
+@pytest.mark.parametrize("L, S, kw", [(128, 128, {}), (16, 1024, dict(mask=M.sliding_window(64))), (1, 128, {}),
+                                      (64, 64, {}), (3, 40, dict(score_mod=SM.softcap(5.0)))])
 def test_bf16_with_gradients_goes_to_the_kernel_where_the_cpu_has_no_bf16_instructions(monkeypatch, ran, L, S, kw):
     """Where SDPA would take a bf16 call, one that wants gradients goes to the compiled kernel on a CPU without bf16
-    instructions (torch's bf16 backward there: 4-5x its fp32 time); with bf16 instructions, or at the
-    smallest sizes (below 128 x 64 scores), SDPA keeps it. The answer is the kernel's, bit for bit. (No
-    mask below the fp32 crossover, and a decode-sized call with a mask: SDPA's ground.)"""
+    instructions (torch's bf16 backward there: 4-5x its fp32 time) at every size, a decode step's too (its replays
+    run the kernel's forward and backward prepared once); with bf16 instructions SDPA keeps it. The answer of the
+    first call and of its replays is the kernel's, bit for bit: output and gradients. (No mask below the fp32
+    crossover, and a decode-sized call with a mask: SDPA's ground.)"""
     require_kernel()
     from attnkit.backends import native
 
     q, k, v = rand_qkv(1, 4, 4, L, S, 32, dtype=torch.bfloat16, requires_grad=True)
     monkeypatch.setattr(native, "_BF16_HW", False)
     d = attnkit.dispatch(q, k, v, **kw)
-    assert d.worker == "native" and "bfloat16 with gradients" in d.reason, d
-    out = attnkit.attention(q, k, v, **kw)
-    assert ran[-1] == "tiled"
-    g = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert d.worker == "native" and ("bfloat16 with gradients" in d.reason or "score_mod" in d.reason), d
     ref = attnkit.attention(q, k, v, backend="tiled", **kw)
     gref = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
-    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g, gref, strict=True))
-    # SDPA keeps: a CPU with bf16 instructions, fp32, or a call of fewer than 128 x 64 scores
+    for _ in range(3):  # the first call, then its replays
+        out = attnkit.attention(q, k, v, **kw)
+        assert ran[-1] == "tiled"
+        g = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g, gref, strict=True))
+        assert all(x.dtype == torch.bfloat16 for x in g)
+    # SDPA keeps: a CPU with bf16 instructions, or fp32
     monkeypatch.setattr(native, "_BF16_HW", True)
     monkeypatch.setattr(native._native, "bf16_dot", lambda: False)  # (and a kernel that widens bf16: no AMX)
-    assert attnkit.dispatch(q, k, v, **kw).worker == "fused"
-    monkeypatch.setattr(native, "_BF16_HW", False)
-    assert attnkit.dispatch(q.float(), k.float(), v.float(), **kw).worker == "fused"
-    assert attnkit.dispatch(q[:, :, :1], k[:, :, :128], v[:, :, :128], **kw).worker == "fused"
+    if "score_mod" not in kw:
+        assert attnkit.dispatch(q, k, v, **kw).worker == "fused"
+        monkeypatch.setattr(native, "_BF16_HW", False)
+        assert attnkit.dispatch(q.float(), k.float(), v.float(), **kw).worker == "fused"
 
 
 def test_a_measured_bf16_gradient_choice_holds_where_bf16s_forward_stays_on_torch(monkeypatch):
@@ -224,7 +228,8 @@ def _widened_reference(q, k, v, go, **kw):
 
 @pytest.mark.parametrize("case", ["decode", "bool64", "decode_window"])
 def test_bf16_with_gradients_where_sdpa_keeps_it_runs_sdpa_in_fp32_on_widened_copies(monkeypatch, case):
-    """A bf16 call that wants gradients, which SDPA keeps (a decode-sized call, a bool mask of one tile), runs torch
+    """A bf16 call that wants gradients, which SDPA keeps and the compiled kernel does not run (a tensor mask: a
+    decode step's, a bool mask of one tile), runs torch
     SDPA in fp32 on fp32 copies with the output rounded back (the sdpa-fp32 row) on a CPU without bf16 instructions:
     the same bits as doing that by hand — output and bf16 gradients — on the first call and its replays, and within
     bf16's budget of the float64 golden. SDPA's bf16 kernel keeps it with bf16 instructions, without gradients, and
@@ -238,9 +243,10 @@ def test_bf16_with_gradients_where_sdpa_keeps_it_runs_sdpa_in_fp32_on_widened_co
         mask = torch.rand(L, S, generator=g) < 0.6
         mask[5] = False  # a row that sees nothing: out 0, gradients 0
         kw = dict(mask=mask)
-    else:
+    else:  # a decode step's padding, and a window of it, as bool tensors
         L, S, H, Hkv = 1, 512, 8, 2
-        kw = {} if case == "decode" else dict(mask=M.sliding_window(300))
+        keep = torch.arange(S) >= 7
+        kw = dict(mask=keep if case == "decode" else keep & (torch.arange(S) > 211))
     q, k, v = rand_qkv(1, H, Hkv, L, S, 32, dtype=torch.bfloat16, requires_grad=True)
     go = torch.randn(1, H, L, 32, generator=g).to(torch.bfloat16)
     d = attnkit.dispatch(q, k, v, **kw)
@@ -259,22 +265,22 @@ def test_bf16_with_gradients_where_sdpa_keeps_it_runs_sdpa_in_fp32_on_widened_co
         assert attnkit.dispatch(q2, k2, v2, **kw).kernel.name != "sdpa-fp32"
     assert attnkit.dispatch(q, k, v, backend="sdpa", **kw).kernel.name == "sdpa"
     if case == "decode":  # fewer than WIDEN_MIN_SCORES scores (8 heads over 128 keys): the casts would cost more
-        assert attnkit.dispatch(q, k[:, :, :128], v[:, :, :128]).kernel.name == "sdpa"
+        assert attnkit.dispatch(q, k[:, :, :128], v[:, :, :128], mask=keep[:128]).kernel.name == "sdpa"
+        assert attnkit.dispatch(q, k, v, mask=M.padding(torch.tensor([505]))).kernel.name == "native"  # (a mask object)
     monkeypatch.setattr(native, "_BF16_HW", True)
     monkeypatch.setattr(native._native, "bf16_dot", lambda: False)  # (and a kernel that widens bf16: no AMX)
     assert attnkit.dispatch(q, k, v, **kw).kernel.name == "sdpa"
 
 
-def test_bf16_grads_at_a_few_rows_go_to_the_kernel_from_its_score_floor(monkeypatch):
-    """bf16 with gradients at a few query rows (the kernel's few-rows backward: row intervals, no score_mod program)
-    runs the compiled kernel from FEW_ROWS_BF16_GRAD_MIN_SCORES scores on a CPU without bf16 instructions — its
-    output the kernel's own bits, its gradients within bf16's budget of float64 — and stays widened below the floor,
-    with a mask the few-rows backward does not take (a tile map), and SDPA's with bf16 instructions."""
-    from attnkit.backends import native, sdpa
+def test_bf16_grads_at_a_few_rows_go_to_the_kernel_at_every_size(monkeypatch):
+    """bf16 with gradients at a few query rows (the kernel's few-rows backward: row intervals, no score_mod program;
+    or its key-tile backward for a tile map) runs the compiled kernel on a CPU without bf16 instructions, over 2048
+    keys and over 64 — its output the kernel's own bits, its gradients within bf16's budget of float64 — and SDPA's
+    with bf16 instructions."""
+    from attnkit.backends import native
 
     monkeypatch.setattr(native, "_BF16_HW", False)
     q, k, v = rand_qkv(1, 8, 2, 1, 2048, 32, dtype=torch.bfloat16, requires_grad=True)
-    assert 8 * 2048 >= sdpa.FEW_ROWS_BF16_GRAD_MIN_SCORES and 2048 < sdpa.GRAD_BF16_MIN_LS
     for kw in ({"causal": True}, {"mask": M.sliding_window(700)}):
         d = attnkit.dispatch(q, k, v, **kw)
         assert d.kernel.name == "native", (kw, d)
@@ -287,10 +293,12 @@ def test_bf16_grads_at_a_few_rows_go_to_the_kernel_from_its_score_floor(monkeypa
         for name, a, b in zip("qkv", grads, want, strict=True):
             assert a.dtype == torch.bfloat16
             assert_close(a, b, 2.0 ** -6 * max(1.0, b.abs().max().item()), f"{kw} d{name}")
-    short = k[:, :, :512].detach().requires_grad_(), v[:, :, :512].detach().requires_grad_()
-    assert attnkit.dispatch(q, *short, causal=True).kernel.name == "sdpa-fp32"  # 4096 scores: below the floor
-    tile_map = {"mask": lambda b, h, qi, kv: (kv % 3) != 0}  # rows of many stretches: the key-tile backward
-    assert attnkit.dispatch(q, k, v, **tile_map).kernel.name != "native"
+    short = k[:, :, :64].detach().requires_grad_(), v[:, :, :64].detach().requires_grad_()
+    assert attnkit.dispatch(q, *short, causal=True).kernel.name == "native"  # 512 scores
+    tile_map = {"mask": lambda b, h, qi, kv: (kv % 3) != 0}  # rows of many stretches: a tile map, below 128 x 64
+    assert attnkit.dispatch(q, k, v, **tile_map).kernel.name != "native"  # (its hidden inf fault: SDPA's route)
+    q128 = torch.randn(1, 8, 4, 32).to(torch.bfloat16).requires_grad_()
+    assert attnkit.dispatch(q128, k, v, **tile_map).kernel.name == "native"  # 4 x 2048: from 128 x 64 on
     monkeypatch.setattr(native, "_BF16_HW", True)
     monkeypatch.setattr(native._native, "bf16_dot", lambda: False)  # (and a kernel that widens bf16: no AMX)
     assert attnkit.dispatch(q, k, v, causal=True).kernel.name == "sdpa"
@@ -340,17 +348,28 @@ def test_fp32_grads_at_a_few_rows_over_a_long_cache_go_to_the_kernel(monkeypatch
 
 
 def test_widened_sdpa_keeps_nan_where_fp32_has_it(monkeypatch):
-    """NaN in a bf16 query row on the sdpa-fp32 row: NaN on that row's output, the rest finite (as fp32)."""
+    """NaN in a bf16 query row on the sdpa-fp32 row (a bool mask tensor) and on the compiled kernel's (no mask; the
+    first call and its replays, on the kernel's forward and backward prepared once): NaN on that row's output and
+    on the gradients it reaches, as fp32."""
     from attnkit.backends import native
 
     monkeypatch.setattr(native, "_BF16_HW", False)
     q, k, v = rand_qkv(1, 8, 2, 1, 512, 32, dtype=torch.bfloat16)
     q[0, 3, 0, 0] = float("nan")
     q.requires_grad_()
-    assert attnkit.dispatch(q, k, v).kernel.name == "sdpa-fp32"
-    out = attnkit.attention(q, k, v)
-    ref = attnkit.attention(q.detach().float(), k.float(), v.float())
-    assert torch.equal(out.isnan(), ref.isnan()) and bool(out[0, 3].isnan().all())
+    keep = torch.arange(512) >= 3
+    for kw, name in ((dict(mask=keep), "sdpa-fp32"), ({}, "native")):
+        if name == "native" and not native._native.available():
+            continue
+        assert attnkit.dispatch(q, k, v, **kw).kernel.name == name
+        q32 = q.detach().float().requires_grad_()
+        ref = attnkit.attention(q32, k.float(), v.float(), **kw)
+        (gref,) = torch.autograd.grad(ref.sum(), q32)
+        for _ in range(3):
+            out = attnkit.attention(q, k, v, **kw)
+            assert torch.equal(out.isnan(), ref.isnan()) and bool(out[0, 3].isnan().all()), name
+            (g,) = torch.autograd.grad(out.sum(), q)
+            assert torch.equal(g.isnan(), gref.isnan()) and bool(g[0, 3].isnan().all()), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -380,8 +399,8 @@ def test_bf16_stays_on_torch_only_where_torch_runs_the_call_whole(monkeypatch, d
 def test_where_the_kernel_multiplies_bf16_on_amx_bf16_with_gradients_leaves_torchs_bf16_kernels(monkeypatch):
     """A CPU with AMX whose bf16 the kernel multiplies on tiles: torch's bf16 backward there measured 2.4x its fp32
     one at L = S = 64 and 2.4x the kernel's at 256 (Intel Xeon), so by default a bf16 call with gradients goes to the
-    kernel from its score floor, and below it (where SDPA keeps the call) SDPA runs in fp32 on widened copies; a
-    calibration that measured torch's bf16 backward faster keeps it on torch's."""
+    kernel at every size (a decode step's too), and where the kernel does not run it (a tensor mask SDPA keeps) SDPA
+    runs in fp32 on widened copies; a calibration that measured torch's bf16 backward faster keeps it on torch's."""
     require_kernel()
     from attnkit import _calibrate
     from attnkit.backends import native
@@ -392,8 +411,11 @@ def test_where_the_kernel_multiplies_bf16_on_amx_bf16_with_gradients_leaves_torc
     d = attnkit.dispatch(q, k, v)
     assert d.worker == "native" and "AMX" in d.reason, d
     qd, kd, vd = rand_qkv(1, 8, 2, 1, 512, 32, dtype=torch.bfloat16, requires_grad=True)
-    assert attnkit.dispatch(qd, kd, vd).kernel.name == "sdpa-fp32"
+    keep = torch.arange(512) >= 3
+    assert attnkit.dispatch(qd, kd, vd).kernel.name == "native"
+    assert attnkit.dispatch(qd, kd, vd, mask=keep).kernel.name == "sdpa-fp32"
     table = _calibrate.Crossovers(bf16_grad="torch", source="calibrated 2026-11-29 on X")
     monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: table)
     assert attnkit.dispatch(q, k, v).worker == "fused"
     assert attnkit.dispatch(qd, kd, vd).kernel.name == "sdpa"
+    assert attnkit.dispatch(qd, kd, vd, mask=keep).kernel.name == "sdpa"

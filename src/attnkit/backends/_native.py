@@ -335,29 +335,33 @@ def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None, ro
     return out, lse, out_r
 
 
-def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=False, rounded=False):
+def forward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, with_lse=False, rounded=False,
+                 beside: bool = False):
     """The forward of one call signature prepared once, for calls without gradients (:mod:`attnkit._fast`):
     returns ``run(q, k, v, scale) -> out`` ((B, H, L, Dv) fp32), for inputs of the shapes and dtypes of these
     ``q, k, v`` at any strides. The call record (shapes, dtype, threads, the mask's rows ``lo`` / ``hi`` and tile
     map, ALiBi's slopes or a score_mod's program, which the prepared call keeps) is built here; a call writes only
     the strides, pointers, outputs and scale into it (one record per thread: ctypes releases the GIL during the
     kernel). ``with_lse``: ``run`` returns ``(out, lse (B, H, L) fp32)``. ``rounded``: out in q's dtype, rounded
-    by the kernel from its fp32 rows (bf16 / fp16: no fp32 output and no conversion pass), not fp32."""
+    by the kernel from its fp32 rows (bf16 / fp16: no fp32 output and no conversion pass), not fp32. ``beside``
+    (bf16 / fp16, with ``with_lse``): ``run`` returns ``(out fp32, lse, out in q's dtype)``, the second output
+    rounded by the kernel from the first's rows (the bits of ``out.to(q.dtype)``, without that pass)."""
     lib = _require()
     q, k, v = _fit_all(q, k, v)
     c0, keep = _call(q, k, v, lo, hi, 1.0, alibi, tiles, prog)
     c0.ort = int(rounded and q.dtype is not torch.float32)
     # lo, hi (as the record points at them), the slopes, tile map and program: not the first call's q, k, v
     return _stepper(lib.ak_forward, c0, keep[3:], q, k, v, need_lse=True, prog=prog, with_lse=with_lse,
-                    rows=tuple(keep[3].shape))
+                    rows=tuple(keep[3].shape), beside=beside)
 
 
 def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse: bool = False,
-                rounded: bool = False, order: str | None = None):
+                rounded: bool = False, order: str | None = None, beside: bool = False):
     """:func:`decode` for one call signature prepared once (as :func:`forward_step`): returns ``run(q, k, v,
     scale) -> out`` ((B, H, L, Dv) fp32; with ``rounded``, in q's dtype, as :func:`decode`) for inputs of these
     shapes and dtypes at any strides. ``alibi`` / ``prog``: as :func:`decode` (kept by the prepared call).
-    ``with_lse``: ``run`` returns ``(out, lse)``. ``order``: as :func:`decode` (asked here, once).
+    ``with_lse``: ``run`` returns ``(out, lse)``. ``order``: as :func:`decode` (asked here, once). ``beside``: as
+    :func:`forward_step`'s (``run`` returns ``(out fp32, lse, out in q's dtype)``).
     ``run(q, k, v, scale, lo, hi)`` takes a cache of any length S with that call's row intervals (of the shapes of
     these ``lo`` / ``hi``; a program's ``max_s`` bounds S: the caller checks it)."""
     lib = _require()
@@ -369,12 +373,12 @@ def decode_step(q, k, v, lo, hi, chunk: int = 0, alibi=None, prog=None, with_lse
     c0.lo, c0.hi = lo.data_ptr(), hi.data_ptr()
     keep = [lo, hi, *_score_parts(c0, q.shape[1], alibi, prog)]
     return _stepper(lib.ak_decode, c0, keep, q, k, v, need_lse=with_lse, prog=prog, with_lse=with_lse, any_s=True,
-                    rows=tuple(lo.shape),
+                    rows=tuple(lo.shape), beside=beside,
                     span_rows=q.shape[2] if lo.dim() == 2 and lo.shape[0] == 1 else 0)
 
 
 def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, with_lse: bool = False,
-             any_s: bool = False, span_rows: int = 0, rows: tuple = ()):
+             any_s: bool = False, span_rows: int = 0, rows: tuple = (), beside: bool = False):
     """The per-call part of :func:`forward_step` / :func:`decode_step`: a copy of the record ``c0`` per thread,
     into which each call writes q's strides, then the step block (S, K / V strides, the pointers, the outputs):
     with the extension's ``step`` (one vectorcall writes the slots and runs the same entry, the GIL released), else
@@ -385,7 +389,10 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
     ``span_rows`` (a decode record of one interval row per query, lo / hi of shape (1, L)): a call may bring
     ``lo`` / ``hi`` as two ints, one interval for all ``span_rows`` rows, which it writes into its thread's own
     int32 buffer (no tensors built per call: 15.4 against 27.4 µs for a decode step over 128 keys on a 2-core AMD
-    EPYC, ``benchmarks/call_costs.py``)."""
+    EPYC, ``benchmarks/call_costs.py``). ``beside``: a bf16 / fp16 record with an fp32 out also writes out rounded
+    to q's dtype (``out_r``); ``run`` returns ``(out, lse, out_r)``."""
+    if beside and (c0.ort or q.dtype is torch.float32 or not with_lse):
+        raise ValueError("beside: a rounded copy beside an fp32 out, for bf16 / fp16 inputs with lse")
     B, H, L, _ = q.shape
     S, Dv = k.shape[2], v.shape[-1]
     template = bytes(c0)
@@ -432,6 +439,9 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
         c.scale = scale
         out = torch.empty(*oshape, dtype=odt)  # (the sizes as arguments: parsed faster than one tuple)
         lse = torch.empty(*lshape) if need_lse else None
+        if beside:
+            out_r = torch.empty(*oshape, dtype=dt)
+            c.out_r = out_r.data_ptr()
         if err is not None:
             err.value = 0
         if lo is None:
@@ -461,6 +471,8 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
                                                              f"1: no memory for its scratch)")
         if err is not None and err.value:
             _check_reads(prog, [(err.value,)])
+        if beside:
+            return out, lse, out_r
         return (out, lse) if with_lse else out
 
     run.keep = keep  # type: ignore[attr-defined]  # what the record points into lives as long as the call
@@ -505,6 +517,77 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
     del keep
     return dq, dk, dv, tgrads
 
+
+
+def backward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, rounded: bool = False):
+    """:func:`backward` for one call signature prepared once (as :func:`forward_step` for the forward): returns
+    ``run(q, k, v, out, lse, dout, scale) -> (dq, dk, dv)`` for inputs of the shapes and dtype of these ``q, k, v``
+    at any strides, ``out`` / ``lse`` the forward's fp32 results (contiguous), ``dout`` in q's dtype at any strides,
+    no gradient into lse. The call record (shapes, dtype, threads, the mask's rows ``lo`` / ``hi`` and tile map,
+    ALiBi's slopes or a score_mod's program, which the prepared call keeps) is built here, one copy per thread; a
+    call writes only the strides, pointers and scale into it. ``rounded``: dq, dk, dv in q's dtype (bf16 / fp16:
+    summed in fp32, rounded once by the kernel), else fp32. A program whose tables want gradients is refused (the
+    table gradients are :func:`backward`'s). The per-call Python of :func:`backward` (the record built again, its
+    checks) cost more than the kernel at a decode step's size: 66 against 27 µs for 8 heads over 128 keys."""
+    lib = _require()
+    if prog is not None and prog.wants_grads:
+        raise ValueError("backward_step: a score_mod program whose tables want gradients runs backward() instead")
+    q, k, v = _fit_all(q, k, v)
+    dt = q.dtype
+    B, H, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    c0, keep = _call(q, k, v, lo, hi, 1.0, alibi, tiles, prog)
+    gdt = dt if rounded else torch.float32
+    c0.grads_r = int(gdt is not torch.float32)
+    c0.dlse = None
+    template = bytes(c0)
+    keep = keep[3:]  # lo, hi (as the record points at them), the tile map, slopes, program: not this call's q, k, v
+    tls = threading.local()
+    qshape, kshape, vshape, oshape = (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv), (B, H, L, Dv)
+
+    def record():
+        c = _Call.from_buffer_copy(template)
+        err = None
+        if prog is not None:  # this thread's own out-of-range flag (as the forward's stepper)
+            err = ctypes.c_int32(0)
+            c.perr = ctypes.addressof(err)
+        tls.r = r = (c, ctypes.byref(c), err)
+        return r
+
+    def run(q, k, v, out, lse, dout, scale: float):
+        if q.dtype is not dt or k.dtype is not dt or v.dtype is not dt or dout.dtype is not dt:
+            raise TypeError(f"attnkit's compiled kernel: backward prepared for {dt}; got q, k, v, dout in {q.dtype}, "
+                            f"{k.dtype}, {v.dtype}, {dout.dtype}")
+        if q.shape != qshape or k.shape != kshape or v.shape != vshape or dout.shape != oshape:
+            raise ValueError(f"attnkit's compiled kernel: backward prepared for q {qshape}, k {kshape}, v {vshape}, "
+                             f"dout {oshape}; "
+                             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, dout {tuple(dout.shape)}")
+        if out.dtype is not torch.float32 or lse.dtype is not torch.float32 or not out.is_contiguous() \
+                or not lse.is_contiguous():
+            raise ValueError("attnkit's compiled kernel: the backward reads the forward's fp32 out and lse, "
+                             "contiguous")
+        q, k, v = _fit(q), _fit(k), _fit(v)
+        try:
+            c, ref, err = tls.r
+        except AttributeError:
+            c, ref, err = record()
+        c.scale = scale
+        c.sq[:], c.sk[:], c.sv[:], c.sdo[:] = q.stride()[:3], k.stride()[:3], v.stride()[:3], dout.stride()
+        dq = torch.empty(*qshape, dtype=gdt)
+        dk = torch.empty(*kshape, dtype=gdt)
+        dv = torch.empty(*vshape, dtype=gdt)
+        c.q, c.k, c.v, c.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr()
+        c.fwd_out, c.fwd_lse = out.data_ptr(), lse.data_ptr()
+        c.dq, c.dk, c.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+        if err is not None:
+            err.value = 0
+        _check(lib.ak_backward(ref), B, H, L)
+        if err is not None and err.value:
+            _check_reads(prog, [(err.value,)])
+        return dq, dk, dv
+
+    run.keep = keep  # type: ignore[attr-defined]  # what the record points into lives as long as the call
+    return run
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DECODE_MAX_L = 64  # query rows per head that :func:`decode` takes (the kernel's query block)

@@ -243,6 +243,12 @@ class Native(Kernel):
         # the first call's request without its tensors (kept alive by nothing here): its mask, flags and memo
         nothing = torch.empty(0)
         base = dataclasses.replace(req, q=nothing, k=nothing, v=nothing)
+        pair = _step_pair(req, base, alibi)
+        if pair is not None:
+            def run_pair(q, k, v, mask, scale):
+                return _NativeStep.apply(q, k, v, pair, default if scale is None else scale)
+
+            return run_pair
 
         def run(q, k, v, mask, scale):
             r = dataclasses.replace(base, q=q, k=k, v=v, scale=default if scale is None else scale)
@@ -1026,30 +1032,103 @@ class _NativeAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        req, captured = ctx.req, list(ctx.captured)
-        if torch.is_grad_enabled():  # create_graph: the gradients must be a graph (a double backward reads them)
-            gq, gk, gv, _, gcap = eager.graph_backward(req, q, k, v, None, captured, dout, dlse)
-            return (gq, gk, gv, None, *gcap)
+        return _backward(ctx.req, list(ctx.captured), q, k, v, out, lse, dout, dlse)
+
+
+def _backward(req: Request, captured: list, q, k, v, out, lse, dout, dlse):
+    """:class:`_NativeAttention`'s backward (and :class:`_NativeStep`'s where its prepared one does not fit): the
+    gradients of q, k, v, None for the request, then those of the ``captured`` tensors."""
+    if torch.is_grad_enabled():  # create_graph: the gradients must be a graph (a double backward reads them)
+        gq, gk, gv, _, gcap = eager.graph_backward(req, q, k, v, None, captured, dout, dlse)
+        return (gq, gk, gv, None, *gcap)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    # Rows where exp(s - lse) is not exact (scores all at finfo.min / -1e9: issue 18) leave the kernel:
+    # their dout and dlse are zeroed, so its share there is exactly 0, and exact_rows_backward adds theirs.
+    dout_all, dlse_all = dout, dlse
+    rows, dout, dlse = _softmax.split_inexact(lse, dout, dlse)
+    fix = rows is not None
+    lo, hi, tiles = _mask_of(req)
+    prog = req.memo.get("score_prog")
+    # grads in q's dtype from the kernel (rounded once) unless the exact-rows fix adds to them in fp32 first
+    dq, dk, dv, tgrads = _native.backward(q, k, v, lo, hi, req.scale, out, lse, dout, dlse,
+                                          alibi=_alibi(req), tiles=tiles, prog=prog, rounded=not fix)
+    dcap: list = [None] * len(captured)
+    if prog is not None and tgrads:  # the learnable tables' gradients, to the tensors autograd routes
+        by_id = {id(t): g for t, g in zip(prog.grad_of, tgrads, strict=True) if t is not None}
+        dcap = [by_id.get(id(t)) for t in captured]
+    if fix:
+        rq, rk, rv, rext = _tiles.exact_rows_backward(req, rows, dout_all, dlse_all, captured)
+        dq, dk, dv = dq + rq, dk + rk, dv + rv
+        dcap = [b if a is None else a if b is None else a + b.to(a.dtype)
+                for a, b in zip(dcap, rext, strict=True)]
+    dcap = [None if g is None else g.to(t.dtype) for g, t in zip(dcap, captured, strict=True)]
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *dcap)
+
+
+class _NativeStep(torch.autograd.Function):
+    """The compiled kernel's forward and backward for a replayed call signature that wants gradients
+    (:meth:`Native.replay`): both prepared once (``_native.forward_step`` / ``decode_step`` and
+    ``_native.backward_step``), so a call runs no request and no record building (at a decode step's size that
+    Python cost more than the kernel). Inputs: q, k, v, then the prepared pair and the scale. A backward the
+    prepared one does not take — a graph of gradients (create_graph), a gradient in another dtype, rows whose
+    ``exp(s - lse)`` is inexact — runs :func:`_backward` on the request rebuilt by ``pair.request``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pair, scale):
+        if q.dtype is torch.float32:
+            out, lse = pair.forward(q, k, v, scale)
+            out_r = out
+        else:  # (out in q's dtype rounded by the kernel beside the fp32 out the backward reads)
+            out, lse, out_r = pair.forward(q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pair, ctx.scale = pair, scale
+        ctx.set_materialize_grads(False)
+        return out_r
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
-            dout = torch.zeros_like(out)
-        # Rows where exp(s - lse) is not exact (scores all at finfo.min / -1e9: issue 18) leave the kernel:
-        # their dout and dlse are zeroed, so its share there is exactly 0, and exact_rows_backward adds theirs.
-        dout_all, dlse_all = dout, dlse
-        rows, dout, dlse = _softmax.split_inexact(lse, dout, dlse)
-        fix = rows is not None
-        lo, hi, tiles = _mask_of(req)
-        prog = req.memo.get("score_prog")
-        # grads in q's dtype from the kernel (rounded once) unless the exact-rows fix adds to them in fp32 first
-        dq, dk, dv, tgrads = _native.backward(q, k, v, lo, hi, req.scale, out, lse, dout, dlse,
-                                              alibi=_alibi(req), tiles=tiles, prog=prog, rounded=not fix)
-        dcap: list = [None] * len(captured)
-        if prog is not None and tgrads:  # the learnable tables' gradients, to the tensors autograd routes
-            by_id = {id(t): g for t, g in zip(prog.grad_of, tgrads, strict=True) if t is not None}
-            dcap = [by_id.get(id(t)) for t in captured]
-        if fix:
-            rq, rk, rv, rext = _tiles.exact_rows_backward(req, rows, dout_all, dlse_all, captured)
-            dq, dk, dv = dq + rq, dk + rk, dv + rv
-            dcap = [b if a is None else a if b is None else a + b.to(a.dtype)
-                    for a, b in zip(dcap, rext, strict=True)]
-        dcap = [None if g is None else g.to(t.dtype) for g, t in zip(dcap, captured, strict=True)]
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *dcap)
+            return None, None, None, None, None
+        if torch.is_grad_enabled() or dout.dtype is not q.dtype or _softmax.any_inexact(lse):
+            dq, dk, dv = _backward(ctx.pair.request(q, k, v, ctx.scale), [], q, k, v, out, lse, dout, None)[:3]
+        else:
+            dq, dk, dv = ctx.pair.backward(q, k, v, out, lse, dout, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _step_pair(req: Request, base: Request, alibi) -> _StepPair | None:
+    """The prepared forward and backward of ``req``'s signature (:class:`_NativeStep`), or None where the
+    prepared calls do not take it (q, k, v in different dtypes; a program whose tables want gradients)."""
+    q, k, v = req.q, req.k, req.v
+    prog = req.memo.get("score_prog")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _native._DTYPE_CODE or \
+            getattr(prog, "wants_grads", False):
+        return None
+    lo, hi, tiles = _mask_of(req)
+    slopes = None if alibi is None else alibi.detach().clone()  # (the record outlives the call: a copy)
+    half = q.dtype is not torch.float32
+    with torch.no_grad():
+        if tiles is None and q.shape[2] <= DECODE_ROWS:  # a few query rows: the decode entry, as the forward above
+            fwd = _native.decode_step(_rows(q), _rows(k), _rows(v), lo.contiguous(), hi.contiguous(), alibi=slopes,
+                                      prog=prog, with_lse=True, beside=half)
+        else:
+            fwd = _native.forward_step(q, k, v, lo, hi, tiles, alibi=slopes, prog=prog, with_lse=True, beside=half)
+        bwd = _native.backward_step(q, k, v, lo, hi, tiles, alibi=slopes, prog=prog, rounded=True)
+    return _StepPair(fwd, bwd, base)
+
+
+class _StepPair:
+    """What :class:`_NativeStep` replays for one signature: ``forward(q, k, v, scale) -> (out fp32, lse)`` (bf16 /
+    fp16: ``(out fp32, lse, out in q's dtype)``),
+    ``backward(q, k, v, out, lse, dout, scale) -> (dq, dk, dv)`` in q's dtype, and ``request(q, k, v, scale)``,
+    the signature's first request around these tensors (for the backward's general path)."""
+
+    __slots__ = ("backward", "base", "forward")
+
+    def __init__(self, forward, backward, base: Request):
+        self.forward, self.backward, self.base = forward, backward, base
+
+    def request(self, q, k, v, scale: float) -> Request:
+        return dataclasses.replace(self.base, q=q, k=k, v=v, scale=scale)

@@ -189,20 +189,6 @@ def backward_flaw(req: Request) -> str | None:
 # forward+backward); no mask from L·S = 1024², forward 1.03-1.04x, forward+backward 1.12x).
 NATIVE_CAUSAL_MIN = _calibrate.DEFAULT_NATIVE_CAUSAL_MIN
 NATIVE_DENSE_MIN_LS = _calibrate.DEFAULT_NATIVE_DENSE_MIN_LS
-# bf16 with gradients goes to the compiled kernel (where the table says so: Crossovers.grad_to_kernel) from this
-# L·S on; below it torch's call costs less than the kernel's: SDPA in fp32 on widened copies (the sdpa-fp32 row,
-# from WIDEN_MIN_SCORES), else torch's bf16 kernel. A 2-core AMD EPYC, forward + backward of 8 heads, D = 64, bf16
-# against fp32 through auto (the fourteenth and fifteenth sessions): L = 1, S = 128: torch's bf16 1.14-1.38x,
-# widened 1.22-1.32x, kernel 1.99x; L = 1, S = 512: 1.56x / 1.25-1.32x; L = S = 64: 2.20x / 1.20x / 1.54-1.77x;
-# L = 16, S = 1024: widened 1.10x, kernel 1.04x; L = S = 256: torch's 4.24x, kernel 0.93-1.12x
-GRAD_BF16_MIN_LS = 128 * 64
-# bf16 with gradients at a few query rows (the kernel's few-rows backward: native.few_rows_backward) goes to the
-# compiled kernel from this many scores (B·H·L·S) too, where L·S is below GRAD_BF16_MIN_LS. A default measured on one
-# CPU (a 2-core AMD EPYC, AVX2, the sixteenth session), forward + backward, 8 heads over 2 kv heads, D = 64, bf16
-# against fp32 through auto: L = 1, S = 2048 (16384 scores) widened 1.20-1.30x, kernel 0.87-0.91x
-# (`benchmarks/bf16_small.py`, its decode row + backward, before / after this rule); where the floor sits, from a
-# throwaway script of the same calls: L = 1, S = 512 (4096 scores) widened 1.21x, kernel 1.58x (its fixed costs)
-FEW_ROWS_BF16_GRAD_MIN_SCORES = 16384
 # fp32 with gradients at a few query rows (the kernel's few-rows backward: native.few_rows_backward) goes to the
 # compiled kernel where its rows reach at least this many keys (the span of their intervals; the table may say
 # otherwise: Crossovers.few_rows_grad). A default measured on one CPU (a 2-core AMD EPYC, AVX2, 2 threads), forward +
@@ -211,8 +197,9 @@ FEW_ROWS_BF16_GRAD_MIN_SCORES = 16384
 # or causal as a user's mask_mod. Over 1024 keys the kernel's lead came and went between runs (0.82-1.19x, by hand):
 # SDPA keeps those, and a window of 256 keys (the kernel 1.21x SDPA's time there)
 FEW_ROWS_GRAD_MIN_KEYS = 2048
-# the sdpa-fp32 row from this many scores (B·H·L·S) on: below, the four casts cost more than torch's bf16 kernel
-# loses (see GRAD_BF16_MIN_LS's numbers: 8 heads over 128 keys lose, over 512 win)
+# the sdpa-fp32 row (a bf16 call with gradients the kernel does not run: a tensor mask) from this many scores
+# (B·H·L·S) on: below, the four casts cost more than torch's bf16 kernel loses (a 2-core AMD EPYC, forward + backward
+# of 8 heads, D = 64: over 128 keys torch's bf16 1.14-1.38x fp32, widened 1.22-1.32x; over 512, 1.56x / 1.25-1.32x)
 WIDEN_MIN_SCORES = 4096
 # Above this fraction of partial tiles a user bool mask stays with SDPA (tiled ≈ 0.96× there: nothing to skip).
 DENSE_PARTIAL_MAX = 0.9
@@ -236,18 +223,26 @@ def _small_to_kernel(req: Request, x) -> str | None:
     return x.small_to_kernel(req.q.dtype, _bf16_hardware)
 
 
-def _bf16_grads_fit_kernel(req: Request) -> bool:
-    """Whether a bf16 call with gradients is one the compiled kernel's backward beats torch's at: from L·S =
-    GRAD_BF16_MIN_LS, or a few query rows (its few-rows backward) from FEW_ROWS_BF16_GRAD_MIN_SCORES scores B·H·L·S —
-    and the kernel runs it (asked only past the sizes: that check reads the mask)."""
-    B, H, L, S = req.q.shape[0], req.q.shape[1], req.q.shape[2], req.k.shape[2]
-    if L * S >= GRAD_BF16_MIN_LS:
-        return _native_runs(req)
-    if B * H * L * S < FEW_ROWS_BF16_GRAD_MIN_SCORES or not _native_runs(req):
-        return False
-    from .native import few_rows_backward
+# bf16 with gradients goes to the compiled kernel wherever it runs the call and the table says its backward wins
+# (Crossovers.grad_to_kernel), at every size: a replayed signature runs the kernel's forward and backward prepared
+# once (native._NativeStep), so its fixed cost is below torch's. An Intel Xeon with AMX (2 threads, the
+# twenty-ninth session), forward + backward, bf16 against fp32 through auto, before / after: a decode step of
+# 8 heads over 2 kv heads and 128 keys, D = 64, torch's bf16 kernel 1.55x / the kernel 1.07x; L = S = 64, 8
+# heads, no mask, widened 1.33x / the kernel 1.06x (`benchmarks/bf16_small.py`). (The floors this replaced —
+# 128 x 64 scores, a few rows from 16384 — were the kernel's call built afresh each time, on a 2-core AMD EPYC.)
+# Below this L·S a mask the kernel reads as a tile map (not row intervals) keeps SDPA's route: the kernel's partial
+# tiles multiply a hidden key's value by its weight 0, so an inf there makes NaN rows (a fault of the tile-map
+# path at every size, not yet fixed: tests/backends/test_nonfinite_inputs.py, its xfail); SDPA reads a decode
+# step's mask as a tensor and never reads a hidden value
+GRAD_BF16_TILE_MAP_MIN_LS = 128 * 64
 
-    return few_rows_backward(req)  # (its rule reads the mask's rows that _native_runs left in req.memo)
+
+def _bf16_grads_fit_kernel(req: Request) -> bool:
+    """Whether a bf16 call with gradients is one the compiled kernel runs (it goes there where the table says the
+    kernel's backward wins: the rule above) — with a tile map from ``GRAD_BF16_TILE_MAP_MIN_LS`` on."""
+    if not _native_runs(req):
+        return False
+    return "tile_bits" not in req.memo or req.q.shape[2] * req.k.shape[2] >= GRAD_BF16_TILE_MAP_MIN_LS
 
 
 def _few_rows_grad_to_kernel(req: Request, x) -> str | None:

@@ -618,9 +618,10 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
 }
 
 // out (B, H, L, Dv) contiguous, fp32 or (ort) of the input dtype DT, each row merged in fp32 and rounded once as
-// it is written; lse (B, H, L) contiguous fp32, or null
+// it is written; out_r: null, or (fp32 out) the same rows rounded to DT beside it (contiguous); lse (B, H, L)
+// contiguous fp32, or null
 template <int DT>
-static int decode_t(Dec& s, void* out, float* lse, bool ort) {
+static int decode_t(Dec& s, void* out, float* lse, bool ort, void* out_r) {
   const long units = s.B * s.Hkv * s.nrb;
   Unit* un = scratch<Unit>(4, units);
   if (!un) return AK_E_NOMEM;
@@ -711,12 +712,14 @@ static int decode_t(Dec& s, void* out, float* lse, bool ort) {
         if (lsum == 0.f) {  // no key (or every score -inf): out 0, lse -inf
           if (ort) zero_row(out, oo, s.Dv, DT);
           else fill(o, o + s.Dv, 0.f);
+          if (out_r) zero_row(out_r, oo, s.Dv, DT);
           *ls = NEG_INF;
           continue;
         }
         const float inv = 1.f / lsum;
         for (long d = 0; d < s.Dv; d++) o[d] *= inv;
         if (ort) narrow_row(out, oo, o, s.Dv, DT);
+        else if (out_r) narrow_row(out_r, oo, o, s.Dv, DT);
         *ls = M + std::log(lsum);
       }
     }
@@ -924,7 +927,8 @@ static bool rows_backward_fits(const Shape& s) {
 int run_decode(const AkCall* c) {
   if (c->L < 1 || c->L > BM || c->H % c->Hkv != 0 || c->dtype < AK_F32 || c->dtype > AK_F16 ||
       (c->chunk != 0 && (c->chunk < 0 || c->chunk % BN != 0)) || c->nst < 0 || c->nst > AK_MAX_STRETCHES ||
-      c->out_r)  // (ort: out itself in the input dtype; no second, rounded copy beside an fp32 out)
+      (c->out_r && (c->ort || c->dtype == AK_F32)))  // (ort: out itself in the input dtype; out_r: a rounded copy
+                                                     // beside an fp32 out, bf16 / fp16 only)
     return AK_E_ARG;
   Dec s;
   s.B = c->B, s.H = c->H, s.Hkv = c->Hkv, s.L = c->L, s.S = c->S, s.D = c->D, s.Dv = c->Dv;
@@ -954,9 +958,9 @@ int run_decode(const AkCall* c) {
     s.prog = &prog;
   }
   switch (c->dtype) {
-    case AK_BF16: return decode_t<AK_BF16>(s, c->out, c->lse, c->ort != 0);
-    case AK_F16: return decode_t<AK_F16>(s, c->out, c->lse, c->ort != 0);
-    default: return decode_t<AK_F32>(s, c->out, c->lse, false);
+    case AK_BF16: return decode_t<AK_BF16>(s, c->out, c->lse, c->ort != 0, c->out_r);
+    case AK_F16: return decode_t<AK_F16>(s, c->out, c->lse, c->ort != 0, c->out_r);
+    default: return decode_t<AK_F32>(s, c->out, c->lse, false, nullptr);
   }
 }
 
