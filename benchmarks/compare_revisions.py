@@ -34,6 +34,9 @@ CASES = [
     ("softcap window L=2048 fwd+bwd", 1, 8, 8, 2048, 2048, 64,
      "mask=masks.sliding_window(256), score_mod=score_mods.softcap(30.0)", "fwdbwd"),
     ("from_mod band L=2048 fwd (same fn each call)", 1, 8, 8, 2048, 2048, 64, "mask=BAND", "fwd"),
+    # a mask the kernel reads as a tile map (sinks and a window: two stretches a row), its partial tiles' bits
+    ("tile map: sinks + window 256 as a mask_mod L=2048 fwd", 1, 8, 8, 2048, 2048, 64, "mask=SINKS", "fwd"),
+    ("tile map: sinks + window 256 as a mask_mod L=2048 fwd+bwd", 1, 8, 8, 2048, 2048, 64, "mask=SINKS", "fwdbwd"),
     ("BlockMask of one head, causal mod, L=2048 fwd", 1, 8, 8, 2048, 2048, 64, "mask=BM_CAUSAL", "fwd"),
     ("decode L=1 S=2048 GQA causal", 1, 8, 2, 1, 2048, 64, "causal=True", "fwd"),
     ("decode L=1 S=128 GQA causal", 1, 8, 2, 1, 128, 64, "causal=True", "fwd"),
@@ -69,6 +72,9 @@ from attnkit import masks, score_mods
 def BAND_FN(b, h, q, kv):
     return (q - kv).abs() <= 128
 BAND = masks.from_mod(BAND_FN)
+def SINKS_FN(b, h, q, kv):
+    return (kv < 4) | ((kv <= q) & (kv > q - 256))
+SINKS = masks.from_mod(SINKS_FN)
 # a FlexAttention BlockMask of one batch row and head (B = H = None), used at H = 8: its tile map asks once whether
 # the mod reads the head (cached by content after that)
 BM_CAUSAL = attnkit.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 2048, 2048)

@@ -265,28 +265,35 @@ def test_a_few_rows_read_only_their_own_values(case, value, dtype):
             assert (x[ok] - w[ok]).abs().max().item() <= tol * max(1.0, w[ok].abs().max().item()), (name, *why)
 
 
-def _kernel_loaded() -> bool:
-    from attnkit.backends import _native
 
-    return _native.available()
-
-
-@pytest.mark.xfail(condition=_kernel_loaded(), strict=True,
-                   reason="a known fault, not yet fixed: the compiled kernel's forward multiplies the values of a "
-                          "partial tile of a mask's tile map by their weights, 0 where hidden, so an inf value at a "
-                          "hidden key makes every row of the tile NaN (0 * inf); masks read as row intervals skip "
-                          "hidden keys and are exact")
+@pytest.mark.parametrize("L", [5, 17, 130])
+@pytest.mark.parametrize("D", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_inf_value_at_a_hidden_key_of_a_tile_map_reaches_no_row(dtype):
-    """A sink and a window as a user's mask_mod (the kernel reads it as a tile map), 17 query rows over 300 keys,
-    an inf in the value of a key between the sink and the window, which no row sees: no row of the output is NaN,
-    as in the float64 formula. (auto sends this call to the compiled kernel.)"""
-    S, L = 300, 17
+def test_an_inf_value_at_a_hidden_key_of_a_tile_map_reaches_no_row(dtype, D, L):
+    """A sink and a window as a user's mask_mod (the kernel reads it as a tile map: its partial tiles' bits), L query
+    rows over 300 keys, an inf in the value of a key between the sink and the window, which no row sees: no NaN in
+    the output or the gradients, as in the float64 formula, which never reads a hidden value (the kernel's partial
+    tiles multiplied every key's value by its weight, 0 where hidden: 0 * inf made every row of the tile NaN). bf16
+    at D = 64: the AMX tiles where the CPU has them. The first call and its replays; with and without gradients."""
+    S = 300
     mask = masks.from_mod(lambda b, h, qi, kv: (kv < 4) | (kv > qi + S - 1 - 40))
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, h, n, 16, generator=g).to(dtype) for h, n in ((4, L), (1, S), (1, S)))
+    q, k, v = (torch.randn(1, h, n, D, generator=g).to(dtype) for h, n in ((4, L), (1, S), (1, S)))
     v[0, 0, 10, 5] = float("inf")
-    want = attnkit.attention(q.double(), k.double(), v.double(), mask=mask, backend="eager")
-    assert not bool(want.isnan().any())
-    out = attnkit.attention(q, k, v, mask=mask)
-    assert not bool(out.isnan().any()), f"{int(out.isnan().any(-1).sum())} NaN rows"
+    go = torch.randn(1, 4, L, D, generator=g)
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    want = attnkit.attention(*ref, mask=mask, backend="eager")
+    want_g = torch.autograd.grad(want, ref, go.double())
+    assert not bool(want.isnan().any()) and not any(bool(x.isnan().any()) for x in want_g)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for grad in (False, True):
+        a = [x.detach().requires_grad_(grad) for x in (q, k, v)]
+        for _ in range(2):
+            out = attnkit.attention(*a, mask=mask)
+            pairs = [("out", out, want)]
+            if grad:
+                pairs += list(zip(("dq", "dk", "dv"), torch.autograd.grad(out, a, go.to(dtype)), want_g, strict=True))
+            for name, x, w in pairs:
+                x, w = x.detach().double(), w.detach()
+                assert not bool(x.isnan().any()), (name, grad, int(x.isnan().any(-1).sum()))
+                assert (x - w).abs().max().item() <= tol * max(1.0, w.abs().max().item()), (name, grad)

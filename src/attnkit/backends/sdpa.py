@@ -230,19 +230,10 @@ def _small_to_kernel(req: Request, x) -> str | None:
 # 8 heads over 2 kv heads and 128 keys, D = 64, torch's bf16 kernel 1.55x / the kernel 1.07x; L = S = 64, 8
 # heads, no mask, widened 1.33x / the kernel 1.06x (`benchmarks/bf16_small.py`). (The floors this replaced —
 # 128 x 64 scores, a few rows from 16384 — were the kernel's call built afresh each time, on a 2-core AMD EPYC.)
-# Below this L·S a mask the kernel reads as a tile map (not row intervals) keeps SDPA's route: the kernel's partial
-# tiles multiply a hidden key's value by its weight 0, so an inf there makes NaN rows (a fault of the tile-map
-# path at every size, not yet fixed: tests/backends/test_nonfinite_inputs.py, its xfail); SDPA reads a decode
-# step's mask as a tensor and never reads a hidden value
-GRAD_BF16_TILE_MAP_MIN_LS = 128 * 64
-
-
 def _bf16_grads_fit_kernel(req: Request) -> bool:
     """Whether a bf16 call with gradients is one the compiled kernel runs (it goes there where the table says the
-    kernel's backward wins: the rule above) — with a tile map from ``GRAD_BF16_TILE_MAP_MIN_LS`` on."""
-    if not _native_runs(req):
-        return False
-    return "tile_bits" not in req.memo or req.q.shape[2] * req.k.shape[2] >= GRAD_BF16_TILE_MAP_MIN_LS
+    kernel's backward wins: the rule above)."""
+    return _native_runs(req)
 
 
 def _few_rows_grad_to_kernel(req: Request, x) -> str | None:

@@ -465,6 +465,40 @@ static void by_keys_trimmed(long m, long n, long j0, long N, const float* pt, co
 
 #include "attn_amx.h"
 
+// whether elements off .. off + n of p (type dt) hold an inf or NaN (its exponent bits all set)
+static inline bool row_nonfinite(const void* p, long off, long n, int dt) {
+  int bad = 0;
+  if (dt == AK_F32) {
+    const uint32_t* u = (const uint32_t*)p + off;
+    for (long d = 0; d < n; d++) bad |= (u[d] & 0x7f800000u) == 0x7f800000u;
+  } else {
+    const uint16_t* u = (const uint16_t*)p + off;
+    const uint16_t e = dt == AK_BF16 ? 0x7f80 : 0x7c00;
+    for (long d = 0; d < n; d++) bad |= (u[d] & e) == e;
+  }
+  return bad != 0;
+}
+
+// A partial tile of the map: the weight of a key the mask hides is 0, and 0 * inf is NaN in O += P V, so where a
+// value row of the tile (n rows of vb at voff, ldv apart, type vdt) holds an inf or NaN the tile is multiplied here
+// instead, each row only over the keys it sees (the tile's bit and the row's interval), as the formula, which never
+// reads a hidden value; returns whether it did (false: no such row, the caller's product). P^T at pt[j * BM + i];
+// acc(i, d) at acc[i * si + d * sd].
+static bool pv_nonfinite_tile(long m, long n, long j0, const float* pt, const void* vb, long voff, long ldv,
+                              int vdt, long Dv, float* acc, long si, long sd, const uint32_t* bits,
+                              const int32_t* lo, const int32_t* hi) {
+  bool any = false;
+  for (long j = 0; j < n && !any; j++) any = row_nonfinite(vb, voff + j * ldv, Dv, vdt);
+  if (!any) return false;
+  for (long i = 0; i < m; i++)
+    for (long j = 0; j < n; j++) {
+      if (!(((bits[(j < 32 ? 0 : BM) + i]) >> (j & 31)) & 1u) || j0 + j < lo[i] || j0 + j >= hi[i]) continue;
+      const float p = pt[j * BM + i];
+      for (long d = 0; d < Dv; d++) acc[i * si + d * sd] += p * widen1(vb, voff + j * ldv + d, vdt);
+    }
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // forward: out (B, H, L, Dv) contiguous fp32 (or null), out_r the same rounded to the input dtype (or null),
 // lse (B, H, L) contiguous
@@ -614,7 +648,10 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
 #if AK_BDOT
         if (bd) {  // O^T += V^T P^T on tiles: P rounded once, V^T packed once per slot
           uint16_t* vtp = (uint16_t*)(vp.p + 512 + slot * vs);
-          if (!packed) pack_v_t(vtp, Dvp, v, voff + j0 * s.sv[2], s.sv[2], n, s.Dv);
+          if (!packed) pack_v_t(vtp, Dvp, v, voff + j0 * s.sv[2], s.sv[2], n, s.Dv);  // (kept for the next block)
+          if (tm.bits && pv_nonfinite_tile(m, n, j0, st.p, v, voff + j0 * s.sv[2], s.sv[2], s.dt, s.Dv, acc.p, 1,
+                                           BM, tm.bits, lo.p, hi.p))  // (O^T: acc(i, d) at d * BM + i)
+            continue;
           pack_p_pairs(pb.p, st.p, n, mc);
           pv_amx(vtp, Dvp, pb.p, acc.p);
           continue;
@@ -626,6 +663,9 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
           if (!packed) pack_rows(vp.p + 512 + slot * vs, v, voff + j0 * s.sv[2], s.sv[2], n, s.Dv, Dvp, s.dt);
           vt = vp.p + 512 + slot * vs, ldv = Dvp;
         }
+        if (tm.bits && pv_nonfinite_tile(m, n, j0, st.p, vt, 0, ldv, AK_F32, s.Dv, acc.p, Dvp, 1, tm.bits, lo.p,
+                                         hi.p))
+          continue;
         if (full)
           gemm(m, Dvp, n, st.p, 1, BM, vt, ldv, acc.p, Dvp);  // O += P V, P(i, j) = S^T[j][i]
         else
