@@ -40,6 +40,8 @@ extern int ak_bf16_dot;
 
 // Element type of q, k, v (AkCall::dtype): fp32, bf16 or fp16 (the last two widened to fp32 in registers).
 enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
+// the exponent bits of an element of dtype dt (all set: inf or NaN; above them, within the magnitude bits: NaN)
+static inline uint32_t ak_exp_bits(int dt) { return dt == AK_F32 ? 0x7f800000u : dt == AK_BF16 ? 0x7f80u : 0x7c00u; }
 
 // One kernel call, forward or backward. Shapes: q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv); strides in
 // elements (batch, head, row), the last dimension contiguous. The mask is per-row key intervals lo/hi

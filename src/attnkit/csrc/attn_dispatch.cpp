@@ -178,8 +178,9 @@ AK_API int ak_decode(const AkCall* c) {
 AK_API int ak_suspect_rows(const void* p, int dtype, int64_t n0, int64_t n1, int64_t n2, int64_t n3, int64_t s0,
                            int64_t s1, int64_t s2, int64_t s3, int whole) {
   if (dtype == 0)
-    return suspect_rows_of(static_cast<const uint32_t*>(p), 0x7f800000u, n0, n1, n2, n3, s0, s1, s2, s3, whole);
-  return suspect_rows_of(static_cast<const uint16_t*>(p), dtype == 1 ? 0x7f80u : 0x7c00u, n0, n1, n2, n3, s0, s1,
+    return suspect_rows_of(static_cast<const uint32_t*>(p), ak_exp_bits(AK_F32), n0, n1, n2, n3, s0, s1, s2, s3,
+                           whole);
+  return suspect_rows_of(static_cast<const uint16_t*>(p), ak_exp_bits(dtype), n0, n1, n2, n3, s0, s1,
                          s2, s3, whole);
 }
 

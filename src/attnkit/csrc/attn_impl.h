@@ -467,13 +467,13 @@ static void by_keys_trimmed(long m, long n, long j0, long N, const float* pt, co
 
 // whether elements off .. off + n of p (type dt) hold an inf or NaN (its exponent bits all set)
 static inline bool row_nonfinite(const void* p, long off, long n, int dt) {
+  const uint32_t e = ak_exp_bits(dt);
   int bad = 0;
   if (dt == AK_F32) {
     const uint32_t* u = (const uint32_t*)p + off;
-    for (long d = 0; d < n; d++) bad |= (u[d] & 0x7f800000u) == 0x7f800000u;
+    for (long d = 0; d < n; d++) bad |= (u[d] & e) == e;
   } else {
     const uint16_t* u = (const uint16_t*)p + off;
-    const uint16_t e = dt == AK_BF16 ? 0x7f80 : 0x7c00;
     for (long d = 0; d < n; d++) bad |= (u[d] & e) == e;
   }
   return bad != 0;
