@@ -227,9 +227,10 @@ def _small_to_kernel(req: Request, x) -> str | None:
 # (Crossovers.grad_to_kernel), at every size: a replayed signature runs the kernel's forward and backward prepared
 # once (native._NativeStep), so its fixed cost is below torch's. An Intel Xeon with AMX (2 threads, the
 # twenty-ninth session), forward + backward, bf16 against fp32 through auto, before / after: a decode step of
-# 8 heads over 2 kv heads and 128 keys, D = 64, torch's bf16 kernel 1.55x / the kernel 1.07x; L = S = 64, 8
-# heads, no mask, widened 1.33x / the kernel 1.06x (`benchmarks/bf16_small.py`). (The floors this replaced —
-# 128 x 64 scores, a few rows from 16384 — were the kernel's call built afresh each time, on a 2-core AMD EPYC.)
+# 8 heads over 2 kv heads and 128 keys, D = 64, torch's bf16 kernel 1.55x / the kernel 0.98x; L = S = 64, 8
+# heads, no mask, widened 1.35x / the kernel 0.89x (`benchmarks/bf16_small.py --rounds 200`). (The floors this
+# replaced — 128 x 64 scores, a few rows from 16384 — were the kernel's call built afresh each time, on a 2-core AMD
+# EPYC.)
 def _bf16_grads_fit_kernel(req: Request) -> bool:
     """Whether a bf16 call with gradients is one the compiled kernel runs (it goes there where the table says the
     kernel's backward wins: the rule above)."""
