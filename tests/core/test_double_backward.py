@@ -64,3 +64,20 @@ def test_bf16_on_the_kernel():
     want = _penalised(q, k, v, "eager", dict(mask=M.causal()))
     for a, b in zip(got, want, strict=True):  # the same bf16 math on both sides, up to fp32 rounding
         assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("dtype, L", [(torch.float32, 70), (torch.bfloat16, 3)])
+def test_a_replayed_call_on_the_kernel_keeps_its_second_order_terms(dtype, L):
+    """auto's replays of one signature run the kernel's forward and backward prepared once (native._NativeStep);
+    under ``create_graph`` they too differentiate the eager path's forward: the first call and two replays each
+    match float64's penalty gradients (fp32 causal at L = 70; a bf16 decode-sized call over 70 keys)."""
+    q, k, v = rand_qkv(1, 4, 2, L, 70, 16, dtype=dtype, requires_grad=True)
+    kw = dict(mask=M.causal())
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = _penalised(q2, k2, v2, "eager", kw)
+    bound = 1e-4 if dtype == torch.float32 else 3e-2
+    for _ in range(3):
+        got = _penalised(q, k, v, "auto", kw)
+        for n, a, b in zip("qkv", got, want, strict=True):
+            err = ((a.double() - b).abs().max() / b.abs().max()).item()
+            assert err < bound, f"d{n}: {err:.2e} from float64"
