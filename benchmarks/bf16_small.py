@@ -23,6 +23,11 @@ import attnkit
 
 CASES = (  # name, B, H, Hkv, L, S, D, keyword arguments
     ("decode L=1, S=128, GQA 8/2, D=64", 1, 8, 2, 1, 128, 64, {"causal": True}),
+    # the same step with causal as a user's mask_mod, and with a soft cap as a user's score_mod
+    ("decode L=1, S=128, GQA 8/2, D=64, causal as a mask_mod", 1, 8, 2, 1, 128, 64,
+     {"mask": lambda b, h, q, kv: kv <= q + 127}),
+    ("decode L=1, S=128, GQA 8/2, D=64, causal + a soft-cap score_mod", 1, 8, 2, 1, 128, 64,
+     {"causal": True, "score_mod": lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0)}),
     ("decode L=1, S=2048, GQA 8/2, D=64", 1, 8, 2, 1, 2048, 64, {"causal": True}),
     # the same step with causal written as a user's mask_mod (the query is the last position), and with a soft cap
     # written as a user's score_mod (a traced program on the kernel)
