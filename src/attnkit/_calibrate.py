@@ -344,13 +344,14 @@ def _attnkit_version() -> str:
 
 
 def _kernel_name() -> str:
-    """The compiled kernel as it runs here: its instruction set, and "+ AMX bf16" where its bf16 forward multiplies
-    on tiles ("unavailable" without it)."""
+    """The compiled kernel as it runs here: its instruction set, "+ AMX bf16" where its bf16 forward multiplies on
+    tiles, "+ avx512_bf16 decode" where its bf16 decode takes vector dot products ("unavailable" without it)."""
     from .backends import _native  # lazy: the kernel's own entry points (the layer below everything that reads us)
 
     if not _native.available():
         return "unavailable"
-    return _native.isa() + (" + AMX bf16" if _native.bf16_dot() else "")
+    return (_native.isa() + (" + AMX bf16" if _native.bf16_dot() else "")
+            + (" + avx512_bf16 decode" if _native.bf16_vdot() else ""))
 
 
 def machine_key(threads: int | None = None) -> dict[str, object]:

@@ -127,13 +127,42 @@ def test_both_read_orders_give_the_same_bits_at_every_unit_size(rows, dtype):
         assert torch.equal(blocked[0], streamed[0]) and torch.equal(blocked[1], streamed[1]), (rows, D, dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64])
+def test_bf16_decode_dot_products_within_the_fp32_budget(rows):
+    """Where the CPU has avx512_bf16 (``_native.bf16_vdot()``), a bf16 decode takes its scores by VDPBF16PS: bf16
+    products (exact in fp32) summed in fp32 in pairs, another order than the widening path's. Held to the same fp32
+    budget against float64 on the same bf16 values, in both read orders, with head dims off 32 (a masked tail) and a
+    strided cache, and its bits differ from the widening path's somewhere (the path ran); a unit whose q values pass
+    the packing buffer (64 rows of D = 256) widens instead: the widening path's bits. Without avx512_bf16 the
+    widening path, the same budget."""
+    H, L = (rows, 1) if rows % 2 else (rows // 2, 2)
+    for D in (33, 64, 200, 256):
+        q, k, v = _qkv(2, H, 1, L, 700, D, dtype=torch.bfloat16)
+        big_k = torch.zeros(2, 1, 800, D + 5, dtype=torch.bfloat16)
+        big_k[:, :, :700, :D] = k
+        k = big_k[:, :, :700, :D]  # a view into a bigger cache
+        lo, hi = _intervals("window_padding", 2, L, 700)
+        before = _native.set_bf16_dot(False)
+        try:
+            wide = _native.decode(q, k, v, lo, hi, D ** -0.5)
+        finally:
+            _native.set_bf16_dot(before)
+        for order in (0, 1):
+            with _order(order):
+                got = _check(q, k, v, lo, hi, f"rows={rows} D={D} order={order}")
+            packed = rows * -(-D // 32) * 32 <= 8192
+            same = torch.equal(got[0], wide[0]) and torch.equal(got[1], wide[1])
+            assert same == (not (_native.bf16_vdot() and packed)), (rows, D, order, same)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 8, 9])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_caches_give_the_fp32_bits_of_their_widened_values(rows, dtype):
-    """A bf16 / fp16 cache below the memory-order size: its scores at up to 8 rows a unit are the memory-order dot
-    products (each key vector widened in a register), at 9 the register-blocked ones on a widened key block; either
-    way the output and lse are the fp32 call's on the widened values, bit for bit (the same sums in the same order),
-    in both read orders, with a head dim off the vector width and a strided cache."""
+def test_low_precision_caches_give_the_fp32_bits_of_their_widened_values(rows, dtype, widened_bf16):
+    """A bf16 / fp16 cache below the memory-order size, widened (bf16's vector dot products off, as on a CPU without
+    avx512_bf16): its scores at up to 8 rows a unit are the memory-order dot products (each key vector widened in a
+    register), at 9 the register-blocked ones on a widened key block; either way the output and lse are the fp32
+    call's on the widened values, bit for bit (the same sums in the same order), in both read orders, with a head dim
+    off the vector width and a strided cache."""
     H, L = (rows, 1) if rows % 2 else (rows // 2, 2)
     for D in (33, 64):
         q, k, v = _qkv(2, H, 1, L, 700, D, dtype=dtype)

@@ -184,6 +184,7 @@ def status() -> str:
     _load()
     if _lib is not None:
         bdot = ", bf16 on AMX tiles" if bf16_dot() else ""
+        bdot += ", bf16 decode dot products" if bf16_vdot() else ""
         return f"attnkit's compiled CPU kernel ({isa()}{bdot}, OpenMP {'on' if _lib.ak_openmp() else 'off'})"
     return f"attnkit's compiled CPU kernel is not used: {unavailable_reason()}"
 
@@ -199,11 +200,20 @@ def set_isa(name: str) -> str:
 
 
 def bf16_dot() -> bool:
-    """Whether a bf16 forward multiplies bf16 itself (avx512_bf16 dot products, fp32 accumulation, P rounded to bf16
-    once per tile: docs/kernel.md) rather than widening to fp32 per tile: the AVX-512 build, on a CPU with
-    avx512_bf16, unless switched off (:func:`set_bf16_dot`, ``ATTNKIT_NATIVE_BF16_DOT=0``)."""
+    """Whether a bf16 forward (D a multiple of 32) multiplies bf16 itself on AMX tiles (fp32 accumulation, P rounded
+    to bf16 once per tile: docs/kernel.md) rather than widening to fp32 per tile: the AVX-512 build, on a CPU with
+    AMX, unless switched off (:func:`set_bf16_dot`, ``ATTNKIT_NATIVE_BF16_DOT=0``)."""
     _load()
     return _lib is not None and hasattr(_lib, "ak_bf16_dot_active") and bool(_lib.ak_bf16_dot_active())
+
+
+def bf16_vdot() -> bool:
+    """Whether a bf16 decode (a call of at most 64 query rows per kv head, and its few-rows backward) takes its
+    scores by avx512_bf16's vector dot products (VDPBF16PS: fp32 sums of exact bf16 products, in pairs) rather than
+    widening each key to fp32: the AVX-512 build, on a CPU with avx512_bf16 (AMX or not), unless switched off with
+    the same setting as :func:`bf16_dot`."""
+    _load()
+    return _lib is not None and hasattr(_lib, "ak_bf16_vdot_active") and bool(_lib.ak_bf16_vdot_active())
 
 
 def set_bf16_dot(on: bool) -> bool:

@@ -83,6 +83,7 @@ struct Dec {
   long chunk;     // keys per chunk (a multiple of BN)
   long rb, nrb;   // rows per unit (<= BM) and units per (batch, kv head)
   bool stream;    // K and V read in memory order (units of <= FEW_ROWS rows of a call of >= STREAM_BYTES)
+  bool bdot;      // bf16 scores by VDPBF16PS (dots_bdot): a bf16 call, the bf16 products on, avx512_bf16 here
   const float* alibi;  // (H,) ALiBi slopes: score + slope[h] * (kv - q), or null
   const Prog* prog;    // a score_mod program run on the scaled scores (before the mask, as the forward), or null
   long Dp, Dvp;   // D, Dv rounded up to VW
@@ -214,6 +215,118 @@ static inline bool dots_few(long rows, long D, const float* qb, long ldq, const 
   }
 }
 
+#if AK_BDOT
+// bf16 scores by avx512_bf16's VDPBF16PS (lane i of a 16-lane fp32 sum += q[2i] k[2i] + q[2i+1] k[2i+1], 32 values
+// of d per instruction, no widening), where the CPU has it and the bf16 products are on (ak_set_bf16_dot): a bf16
+// call's decode and few-rows backward. Against the widening order (dots_keys) it reads the same bytes, spends one
+// instruction per 32 products where that spent two FMAs and a widening of the key shared by the rows, and sums in
+// another order: each product is exact in fp32 (8-bit significands), the sums round in fp32 as before, in pairs;
+// the instruction treats subnormal inputs as zero and flushes a subnormal sum (a product with a subnormal factor is
+// below 2^-126 · |the other factor|: against a score's fp32 rounding, only where every other product is as small).
+// The contract "bit for bit the fp32 kernel on the widened inputs" is the widening order's (bf16 products off).
+// Measured (Intel Xeon with AMX, 2 threads; benchmarks/bf16_small.py, bf16 / fp32 through `auto`), a decode step
+// over 128 keys, GQA 8 / 2, D = 64: see BENCHMARKS.md.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,f16c,avx512bf16")
+
+// Whether the CPU has avx512_bf16 (CPUID leaf 7, subleaf 1, EAX bit 5; the AVX-512 build runs only where the OS keeps
+// the vector state)
+static bool bdot_cpu() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1);
+  }();
+  return ok;
+}
+
+// part[r][c + t] = the 16 lanes of q_r . k_(c + t) (t < KP): R rows of bf16 pairs at qh (row stride D2, zero past D),
+// K's rows at kc[t] (D bf16 each; the last 32-block's tail loaded under a mask, zero)
+template <int R, int KP>
+static inline void bdot_group(long D, const uint16_t* qh, long D2, const uint16_t* const* kc, vf (*part)[VW],
+                              int c) {
+  __m512 a[R][KP];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int t = 0; t < KP; t++) a[r][t] = _mm512_setzero_ps();
+  for (long d = 0; d < D; d += 32) {
+    const __mmask32 m = D - d >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (D - d)) - 1);
+    __m512bh kv[KP];
+#pragma GCC unroll 4
+    for (int t = 0; t < KP; t++) kv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, kc[t] + d);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      const __m512bh qv = (__m512bh)_mm512_load_si512(qh + r * D2 + d);
+#pragma GCC unroll 4
+      for (int t = 0; t < KP; t++) a[r][t] = _mm512_dpbf16_ps(a[r][t], qv, kv[t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int t = 0; t < KP; t++) part[r][c + t] = (vf)a[r][t];
+}
+
+// the scores of R rows against the VW keys at k + off[c], into sc (row stride BN)
+template <int R>
+static inline void bdot_keys(long D, const uint16_t* qh, long D2, const uint16_t* k, const long* off, float* sc) {
+  constexpr int KP = R <= 2 ? 4 : 2;
+  vf part[R][VW];
+#pragma GCC unroll 16
+  for (int c = 0; c < VW; c += KP) {
+    const uint16_t* kc[KP];
+#pragma GCC unroll 4
+    for (int t = 0; t < KP; t++) kc[t] = k + off[c + t];
+    bdot_group<R, KP>(D, qh, D2, kc, part, c);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++) store(sc + r * BN, reduce_lanes(part[r]));
+}
+
+constexpr long BDOT_Q = 8192;  // bf16 q values packed per tile call (64 rows of D = 128); more: the widening order
+
+// sc[r * BN + j] = q_r . k_j as dots (rows r < rows, keys j < n; lanes past n: key n - 1) from bf16 K rows (stride
+// ldk elements) and q rows qb (fp32 holding bf16 values, stride ldq, zero past D): packed back to bf16 (exact) once
+// per call. false (nothing done): too many q values for the packing buffer
+static bool dots_bdot(long rows, long n, long D, const float* qb, long ldq, const uint16_t* k, long ldk, float* sc,
+                      const Ahead& ahead) {
+  const long D2 = round_up(D, 32);
+  if (rows * D2 > BDOT_Q) return false;
+  alignas(64) uint16_t qh[BDOT_Q];
+  for (long r = 0; r < rows; r++)
+    for (long d = 0; d < D2; d += 32) {
+      const float* q = qb + r * ldq + d;
+      const __m512 lo = _mm512_loadu_ps(q), hi = d + 16 < round_up(D, VW) ? _mm512_loadu_ps(q + 16) : _mm512_setzero_ps();
+      _mm512_store_si512(qh + r * D2 + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  for (long j0 = 0; j0 < n; j0 += VW) {
+    prefetch_rows(ahead, j0);
+    long off[VW];
+    for (int c = 0; c < VW; c++) off[c] = mn<long>(j0 + c, n - 1) * ldk;
+    long r = 0;
+    for (; r + 4 <= rows; r += 4) bdot_keys<4>(D, qh + r * D2, D2, k, off, sc + r * BN + j0);
+    switch (rows - r) {
+      case 1: bdot_keys<1>(D, qh + r * D2, D2, k, off, sc + r * BN + j0); break;
+      case 2: bdot_keys<2>(D, qh + r * D2, D2, k, off, sc + r * BN + j0); break;
+      case 3: bdot_keys<3>(D, qh + r * D2, D2, k, off, sc + r * BN + j0); break;
+      default: break;
+    }
+  }
+  return true;
+}
+#pragma GCC pop_options
+#endif
+
+// Whether a call of dtype dt takes dots_bdot
+static inline bool bdot_on(int dt) {
+#if AK_BDOT
+  return dt == AK_BF16 && ak_bf16_dot != 0 && bdot_cpu();
+#else
+  (void)dt;
+  return false;
+#endif
+}
+
 // kbuf: VW x Dp floats, for widening a bf16 / fp16 block of VW keys once when more than FEW_ROWS rows read it. A
 // bf16 / fp16 key block read by 2 to FEW_ROWS rows takes the memory-order dot products in any call (dots_keys: each
 // key vector widened once in a register and multiplied into every row there) rather than widened into kbuf and read
@@ -224,7 +337,12 @@ static inline bool dots_few(long rows, long D, const float* qb, long ldq, const 
 // The same sums in the same order either way: the same bits.
 template <int DT>
 static void dots(bool stream, long rows, long n, long D, const float* qb, long ldq, const void* kr, long ldk,
-                 float* sc, const Ahead& ahead, float* kbuf, long Dp) {
+                 float* sc, const Ahead& ahead, float* kbuf, long Dp, bool bdot) {
+#if AK_BDOT
+  if (DT == AK_BF16 && bdot && dots_bdot(rows, n, D, qb, ldq, (const uint16_t*)kr, ldk, sc, ahead)) return;
+#else
+  (void)bdot;
+#endif
   for (long j0 = 0; j0 < n; j0 += VW) {
     prefetch_rows(ahead, j0);
     long off[VW];
@@ -550,7 +668,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const long nn = mn<long>(BN, kb - j0 - BN);  // keys of the next tile of this chunk
     const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
                       s.sv[2] * esz, s.D * esz, s.Dv * esz};
-    dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp);
+    dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp, s.bdot);
     bool whole = true;  // every row sees every key of the tile: P . V runs over all rows at once
     for (long r = 0; r < rows; r++) {
       float* srow = w.sc + r * BN;
@@ -750,6 +868,7 @@ struct RowsBwd {
   void *dk, *dv;
   int gdt;
   long g, rows, chunk, nc, Dp, Dvp, Dm;
+  bool bdot;  // bf16 scores and dP by VDPBF16PS, as the decode forward's (Dec::bdot)
 };
 
 // one item: keys [c * chunk, (c + 1) * chunk) of unit u (batch b, kv head hk); its rows' dQ share at dqs
@@ -805,8 +924,8 @@ static void rows_bwd_item(const RowsBwd& x, long u, long c, float* dqs, float* b
     }
     const char* kr = kbase + j0 * s.sk[2] * esz;
     const char* vr = vbase + j0 * s.sv[2] * esz;
-    dots<DT>(false, rows, n, s.D, qb, Dp, kr, s.sk[2], p, none, kb, x.Dm);
-    dots<DT>(false, rows, n, s.Dv, dob, Dvp, vr, s.sv[2], dp, none, kb, x.Dm);
+    dots<DT>(false, rows, n, s.D, qb, Dp, kr, s.sk[2], p, none, kb, x.Dm, x.bdot);
+    dots<DT>(false, rows, n, s.Dv, dob, Dvp, vr, s.sv[2], dp, none, kb, x.Dm, x.bdot);
     for (long r = 0; r < rows; r++) {
       float* pr = p + r * BN;
       float* dsr = dp + r * BN;
@@ -866,6 +985,7 @@ static int rows_backward(const Shape& s, const void* q, const void* k, const voi
   RowsBwd x;
   x.s = &s, x.q = q, x.k = k, x.v = v, x.dout = dout, x.sdo = sdo, x.out = out, x.lse = lse, x.dlse = dlse;
   x.dk = dk, x.dv = dv, x.gdt = rounded ? s.dt : AK_F32;
+  x.bdot = bdot_on(s.dt);
   x.g = s.H / s.Hkv, x.rows = x.g * s.L;
   x.Dp = round_up(s.D, VW), x.Dvp = round_up(s.Dv, VW), x.Dm = mx2<long>(x.Dp, x.Dvp);
   // S keys in at most 64 chunks of at least 256 (a multiple of BN): from S alone, so the bits never depend on the
@@ -947,6 +1067,7 @@ int run_decode(const AkCall* c) {
   const long esz = c->dtype == AK_F32 ? 4 : 2;
   // the order: forced for every call (ak_decode_order), else the record's (this machine's calibration), else the rule
   const int order = ak_decode_order >= 0 ? 1 + ak_decode_order : c->order == 1 || c->order == 2 ? (int)c->order : 0;
+  s.bdot = bdot_on(c->dtype);
   s.stream = s.rb <= FEW_ROWS && (order == 0 ? s.B * s.Hkv * s.S * (s.D + s.Dv) * esz >= STREAM_BYTES : order == 2);
   s.q = c->q, s.k = c->k, s.v = c->v;
   s.alibi = c->pcode ? nullptr : c->alibi;

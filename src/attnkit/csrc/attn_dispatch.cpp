@@ -13,6 +13,7 @@
   int run_backward(const AkCall*);                                                                               \
   int run_decode(const AkCall*);                                                                                 \
   bool amx_available();                                                                                          \
+  bool vdot_available();                                                                                         \
   void release_scratch();                                                                                       \
   }
 AK_DECLARE(ak_base)
@@ -108,6 +109,16 @@ AK_API int ak_bf16_dot_get() { return ak_bf16_dot; }
 AK_API int ak_bf16_dot_active() {
 #if defined(__x86_64__) && defined(__GNUC__)
   return ak_bf16_dot && ak_isa() == 2 && ak_avx512::amx_available();
+#else
+  return 0;
+#endif
+}
+
+// Whether a bf16 decode (and the few-rows backward) takes its scores by avx512_bf16's vector dot products now
+// (attn_decode.h, dots_bdot): the same setting, the AVX-512 build in use, a CPU with avx512_bf16 (AMX or not)
+AK_API int ak_bf16_vdot_active() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return ak_bf16_dot && ak_isa() == 2 && ak_avx512::vdot_available();
 #else
   return 0;
 #endif

@@ -33,6 +33,15 @@ bool amx_available() {
 #endif
 }
 
+// Whether the decode's bf16 scores can take avx512_bf16's vector dot products here (attn_decode.h, dots_bdot)
+bool vdot_available() {
+#if AK_BDOT
+  return bdot_cpu();
+#else
+  return false;
+#endif
+}
+
 int run_forward(const AkCall* c) {
   if (c->dtype < AK_F32 || c->dtype > AK_F16) return AK_E_ARG;
   Prog prog;
