@@ -62,6 +62,15 @@ CASES = [
     ("rows: L=1 S=8192 MHA mask_mod causal fwd+bwd", 1, 8, 8, 1, 8192, 64, "mask=lambda b, h, i, j: j <= i + 8191",
      "fwdbwd"),
     ("rows: L=1 S=8192 GQA window 256 fwd+bwd", 1, 8, 2, 1, 8192, 64, "mask=masks.sliding_window(256)", "fwdbwd"),
+    # a user's bool tensor mask (the kernel reads its tiles off its values; before: torch's flash kernel per run of
+    # keys, SDPA at one tile); "bf16" in a name: bf16 inputs
+    ("bool tensor: 4 documents L=2048 fwd", 1, 8, 8, 2048, 2048, 64, "mask=DOCS_T", "fwd"),
+    ("bool tensor: 4 documents L=2048 fwd+bwd", 1, 8, 8, 2048, 2048, 64, "mask=DOCS_T", "fwdbwd"),
+    ("bool tensor: band 128 L=2048 fwd", 1, 8, 8, 2048, 2048, 64, "mask=BAND_T", "fwd"),
+    ("bool tensor: band 128 L=2048 fwd+bwd", 1, 8, 8, 2048, 2048, 64, "mask=BAND_T", "fwdbwd"),
+    ("bool tensor: 4 documents L=2048 bf16 fwd+bwd", 1, 8, 8, 2048, 2048, 64, "mask=DOCS_T", "fwdbwd"),
+    ("bool tensor: random 70% L=S=64 bf16 fwd+bwd", 1, 8, 8, 64, 64, 64, "mask=RAND64", "fwdbwd"),
+    ("bool tensor: padding L=1 S=512 GQA bf16 fwd+bwd", 1, 8, 2, 1, 512, 64, "mask=PAD512", "fwdbwd"),
 ]
 
 WORKER = r'''
@@ -78,14 +87,21 @@ SINKS = masks.from_mod(SINKS_FN)
 # a FlexAttention BlockMask of one batch row and head (B = H = None), used at H = 8: its tile map asks once whether
 # the mod reads the head (cached by content after that)
 BM_CAUSAL = attnkit.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 2048, 2048)
+_I = torch.arange(2048)
+DOCS_T = (_I[:, None] // 512 == _I[None, :] // 512) & (_I[None, :] <= _I[:, None])  # causal within 4 documents
+BAND_T = (_I[:, None] - _I[None, :]).abs() <= 128
+RAND64 = torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) < 0.7
+RAND64[:, 0] = True
+PAD512 = torch.arange(512) >= 7
 for line in sys.stdin:
     c = json.loads(line)
     torch.manual_seed(0)
     B, H, Hkv, L, S, D = c["B"], c["H"], c["Hkv"], c["L"], c["S"], c["D"]
     grad = c["mode"] == "fwdbwd"
-    q = torch.randn(B, H, L, D, requires_grad=grad)
-    k = torch.randn(B, Hkv, S, D, requires_grad=grad)
-    v = torch.randn(B, Hkv, S, D, requires_grad=grad)
+    dt = torch.bfloat16 if c.get("bf16") else torch.float32
+    q = torch.randn(B, H, L, D).to(dt).requires_grad_(grad)
+    k = torch.randn(B, Hkv, S, D).to(dt).requires_grad_(grad)
+    v = torch.randn(B, Hkv, S, D).to(dt).requires_grad_(grad)
     kw = eval("dict(" + c["kw"] + ")")
     def step():
         if grad:
@@ -130,7 +146,7 @@ def main(argv=None) -> int:
     rows = []
     print("| case | before | after | before/after |\n|---|---|---|---|", flush=True)
     for name, B, H, Hkv, L, S, D, kw, mode in cases:
-        c = dict(B=B, H=H, Hkv=Hkv, L=L, S=S, D=D, kw=kw, mode=mode, repeats=a.repeats)
+        c = dict(B=B, H=H, Hkv=Hkv, L=L, S=S, D=D, kw=kw, mode=mode, repeats=a.repeats, bf16="bf16" in name)
         got = {"before": [], "after": []}
         for r in range(a.rounds):  # interleaved: before, after, before, after, ...
             order = ("before", "after") if r % 2 == 0 else ("after", "before")

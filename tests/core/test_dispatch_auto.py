@@ -228,13 +228,13 @@ def _widened_reference(q, k, v, go, **kw):
 
 @pytest.mark.parametrize("case", ["decode", "bool64", "decode_window"])
 def test_bf16_with_gradients_where_sdpa_keeps_it_runs_sdpa_in_fp32_on_widened_copies(monkeypatch, case):
-    """A bf16 call that wants gradients, which SDPA keeps and the compiled kernel does not run (a tensor mask: a
-    decode step's, a bool mask of one tile), runs torch
-    SDPA in fp32 on fp32 copies with the output rounded back (the sdpa-fp32 row) on a CPU without bf16 instructions:
-    the same bits as doing that by hand — output and bf16 gradients — on the first call and its replays, and within
-    bf16's budget of the float64 golden. SDPA's bf16 kernel keeps it with bf16 instructions, without gradients, and
-    for a named backend="sdpa"."""
-    from attnkit.backends import native
+    """A bf16 call that wants gradients, which SDPA keeps and the compiled kernel does not run (switched off, or not
+    built: a bool mask of a decode step, of one tile) runs torch SDPA in fp32 on fp32 copies with the output rounded
+    back (the sdpa-fp32 row) on a CPU without bf16 instructions: the same bits as doing that by hand — output and
+    bf16 gradients — on the first call and its replays, and within bf16's budget of the float64 golden. SDPA's bf16
+    kernel keeps it with bf16 instructions, without gradients, and for a named backend="sdpa". With the kernel on,
+    the kernel takes these calls (a bool mask's tile map: tests/backends/test_native_bool_mask.py)."""
+    from attnkit.backends import native, tiled
 
     monkeypatch.setattr(native, "_BF16_HW", False)
     g = torch.Generator().manual_seed(3)
@@ -249,6 +249,9 @@ def test_bf16_with_gradients_where_sdpa_keeps_it_runs_sdpa_in_fp32_on_widened_co
         kw = dict(mask=keep if case == "decode" else keep & (torch.arange(S) > 211))
     q, k, v = rand_qkv(1, H, Hkv, L, S, 32, dtype=torch.bfloat16, requires_grad=True)
     go = torch.randn(1, H, L, 32, generator=g).to(torch.bfloat16)
+    if native._native.available():
+        assert attnkit.dispatch(q, k, v, **kw).kernel.name == "native"
+    monkeypatch.setattr(tiled, "NATIVE", False)
     d = attnkit.dispatch(q, k, v, **kw)
     assert d.kernel is not None and d.kernel.name == "sdpa-fp32" and "widened copies" in d.reason, d
     ref, gref = _widened_reference(q, k, v, go, **kw)
@@ -266,7 +269,7 @@ def test_bf16_with_gradients_where_sdpa_keeps_it_runs_sdpa_in_fp32_on_widened_co
     assert attnkit.dispatch(q, k, v, backend="sdpa", **kw).kernel.name == "sdpa"
     if case == "decode":  # fewer than WIDEN_MIN_SCORES scores (8 heads over 128 keys): the casts would cost more
         assert attnkit.dispatch(q, k[:, :, :128], v[:, :, :128], mask=keep[:128]).kernel.name == "sdpa"
-        assert attnkit.dispatch(q, k, v, mask=M.padding(torch.tensor([505]))).kernel.name == "native"  # (a mask object)
+        assert attnkit.dispatch(q, k, v, mask=M.padding(torch.tensor([505]))).kernel.name == "sdpa-fp32"
     monkeypatch.setattr(native, "_BF16_HW", True)
     monkeypatch.setattr(native._native, "bf16_dot", lambda: False)  # (and a kernel that widens bf16: no AMX)
     assert attnkit.dispatch(q, k, v, **kw).kernel.name == "sdpa"
@@ -346,19 +349,20 @@ def test_fp32_grads_at_a_few_rows_over_a_long_cache_go_to_the_kernel(monkeypatch
 
 
 def test_widened_sdpa_keeps_nan_where_fp32_has_it(monkeypatch):
-    """NaN in a bf16 query row on the sdpa-fp32 row (a bool mask tensor) and on the compiled kernel's (no mask; the
-    first call and its replays, on the kernel's forward and backward prepared once): NaN on that row's output and
-    on the gradients it reaches, as fp32."""
-    from attnkit.backends import native
+    """NaN in a bf16 query row on the compiled kernel's route (no mask, a bool mask tensor: the first call and its
+    replays, on the kernel's forward and backward prepared once) and, the kernel switched off, on the sdpa-fp32 row
+    (the bool mask): NaN on that row's output and on the gradients it reaches, as fp32."""
+    from attnkit.backends import native, tiled
 
     monkeypatch.setattr(native, "_BF16_HW", False)
     q, k, v = rand_qkv(1, 8, 2, 1, 512, 32, dtype=torch.bfloat16)
     q[0, 3, 0, 0] = float("nan")
     q.requires_grad_()
     keep = torch.arange(512) >= 3
-    for kw, name in ((dict(mask=keep), "sdpa-fp32"), ({}, "native")):
+    for kw, name in ((dict(mask=keep), "native"), ({}, "native"), (dict(mask=keep), "sdpa-fp32")):
         if name == "native" and not native._native.available():
             continue
+        monkeypatch.setattr(tiled, "NATIVE", name == "native")
         assert attnkit.dispatch(q, k, v, **kw).kernel.name == name
         q32 = q.detach().float().requires_grad_()
         ref = attnkit.attention(q32, k.float(), v.float(), **kw)
@@ -398,10 +402,11 @@ def test_where_the_kernel_multiplies_bf16_on_amx_bf16_with_gradients_leaves_torc
     """A CPU with AMX whose bf16 the kernel multiplies on tiles: torch's bf16 backward there measured 2.4x its fp32
     one at L = S = 64 and 2.4x the kernel's at 256 (Intel Xeon), so by default a bf16 call with gradients goes to the
     kernel at every size (a decode step's too), and where the kernel does not run it (a tensor mask SDPA keeps) SDPA
-    runs in fp32 on widened copies; a calibration that measured torch's bf16 backward faster keeps it on torch's."""
+    runs in fp32 on widened copies (the kernel switched off; with it, a bool mask is its tile map); a calibration
+    that measured torch's bf16 backward faster keeps it on torch's."""
     require_kernel()
     from attnkit import _calibrate
-    from attnkit.backends import native
+    from attnkit.backends import native, tiled
 
     monkeypatch.setattr(native, "_BF16_HW", True)
     monkeypatch.setattr(native._native, "bf16_dot", lambda: True)
@@ -411,7 +416,10 @@ def test_where_the_kernel_multiplies_bf16_on_amx_bf16_with_gradients_leaves_torc
     qd, kd, vd = rand_qkv(1, 8, 2, 1, 512, 32, dtype=torch.bfloat16, requires_grad=True)
     keep = torch.arange(512) >= 3
     assert attnkit.dispatch(qd, kd, vd).kernel.name == "native"
+    assert attnkit.dispatch(qd, kd, vd, mask=keep).kernel.name == "native"  # (a bool mask: its tile map)
+    monkeypatch.setattr(tiled, "NATIVE", False)
     assert attnkit.dispatch(qd, kd, vd, mask=keep).kernel.name == "sdpa-fp32"
+    monkeypatch.setattr(tiled, "NATIVE", True)
     table = _calibrate.Crossovers(bf16_grad="torch", source="calibrated 2026-11-29 on X")
     monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: table)
     assert attnkit.dispatch(q, k, v).worker == "fused"

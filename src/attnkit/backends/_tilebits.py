@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import _mods
+from .. import _mods, _tiling
 from .. import masks as _m
 from .._tiling import FULL, PARTIAL, host_array
 
-__all__ = ["TileBits", "TILE", "tile_bits", "plan_bits", "unpack"]
+__all__ = ["TileBits", "TILE", "tile_bits", "plan_bits", "dense_bits", "unpack"]
 
 TILE = 64  # the kernel's tile (BM = BN in csrc/attn_impl.h)
 # Points per evaluation call of the mask on stacked partial tiles (bounds the bool temporaries).
@@ -117,6 +117,41 @@ def plan_bits(plan, extra: _m.Mask | None, B: int, H: int, L: int, S: int) -> Ti
     tb = _with_bits(k64, mask, B, H, L, S)
     if key is not None and key[3] is not None:
         _keep(key, tb)
+    return tb
+
+
+def dense_bits(dense: torch.Tensor, L: int, S: int) -> TileBits:
+    """The tile map of a user's bool tensor mask (4-D, broadcastable to ``(B, H, L, S)``, True = attend), read off
+    its values in one pass: kinds ``(TB, TH, nq, nk)`` with ``TB``, ``TH`` its own batch and head dims (1 where it
+    broadcasts), each partial tile's bits packed as :func:`tile_bits`'. Cached by content (a digest of the mask's
+    bytes taken on this call: the same values give the same map, an in-place edit a new one)."""
+    ck = _mods._content(dense)
+    key = None if ck is None else ("dense", ck, L, S)
+    if key is not None:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    TB, TH = dense.shape[0], dense.shape[1]
+    a = dense.cpu().expand(TB, TH, L, S)
+    nq, nk = -(-L // TILE), -(-S // TILE)
+    kinds = _tiling.reduce_allowed(a, TILE, TILE).to(torch.int8).contiguous()  # (ragged edges: only what exists)
+    partial = (kinds == PARTIAL).nonzero()  # (P, 4): (b, h, query block, key block)
+    index = torch.full(kinds.shape, -1, dtype=torch.int32)
+    index[tuple(partial.t())] = torch.arange(partial.shape[0], dtype=torch.int32)
+    if partial.shape[0]:
+        padded = a
+        if L % TILE or S % TILE:  # keys past S cleared (the kernel never reads rows past L)
+            padded = torch.zeros(TB, TH, nq * TILE, nk * TILE, dtype=torch.bool)
+            padded[:, :, :L, :S] = a
+        tiles = padded.reshape(TB, TH, nq, TILE, nk, TILE).permute(0, 1, 2, 4, 3, 5)
+        picked = tiles[tuple(partial.t())]  # (P, rows, keys)
+        packed = np.packbits(host_array(picked.contiguous()), axis=-1, bitorder="little")
+        bits = torch.from_numpy(packed.view("<u4").view(np.int32)).view(-1, TILE, 2).transpose(1, 2).contiguous()
+    else:
+        bits = torch.zeros(0, 2, TILE, dtype=torch.int32)
+    tb = TileBits(kinds, index, bits)
+    _keep(key, tb)
     return tb
 
 

@@ -155,8 +155,10 @@ class Native(Kernel):
                 why.append(keep)
         if req.dropout_p > 0:
             why.append("dropout (the compiled kernel has none)")
-        if req.bias is not None or req.dense_mask is not None:
-            why.append("a tensor mask (the compiled kernel takes a mask as row intervals)")
+        if req.bias is not None:
+            why.append("a float mask (the compiled kernel takes a mask as row intervals or a tile map)")
+        if req.dense_mask is not None and (req.mask is not None or req.plan is not None):
+            why.append("a bool tensor mask with another mask on top (the compiled kernel reads one bool mask's tiles)")
         if req.plan is not None and (req.plan.block[0] % _tilebits.TILE or req.plan.block[1] % _tilebits.TILE):
             why.append(f"an explicit plan of {req.plan.block[0]} x {req.plan.block[1]} tiles "
                        "(the kernel's are 64 x 64)")
@@ -168,6 +170,9 @@ class Native(Kernel):
         refused = _score_program(req)
         if refused:
             return [refused]
+        if req.dense_mask is not None and "tile_bits" not in req.memo and "row_intervals" not in req.memo:
+            # a user's bool tensor: its tiles read off its values (cached by their digest, taken on this call)
+            _keep_map_or_intervals(req, _tilebits.dense_bits(req.dense_mask, L, S), L, S)
         if req.plan is not None and "tile_bits" not in req.memo and "row_intervals" not in req.memo:
             try:  # its tiles as given (a BlockMask's), the mask evaluated in the partial ones
                 tb = _tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S)
@@ -214,9 +219,10 @@ class Native(Kernel):
         """The prepared call for :mod:`attnkit._fast` (see ``sdpa.Fused.replay``): a built-in mask's row intervals
         or tile map (values of this signature) kept, the request rebuilt around each call's tensors; None for what
         the signature does not fix (a score_mod, a tensor mask, a plan) or for more than an output."""
-        if (req.need_lse or req.weight_heads is not None or req.sinks is not None
-                or type(user_mask) is torch.Tensor or req.grad_tensors):
+        if req.need_lse or req.weight_heads is not None or req.sinks is not None or req.grad_tensors:
             return None
+        if type(user_mask) is torch.Tensor:
+            return self._replay_dense(req, user_mask)
         if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
             return None
         default = req.scale
@@ -256,6 +262,48 @@ class Native(Kernel):
 
         return run
 
+    def _replay_dense(self, req: Request, user_mask: torch.Tensor):
+        """The prepared forward and backward (:class:`_NativeStep`) for a bool tensor mask of a bf16 / fp16 call that
+        wants gradients — a decision the mask's values do not enter (``auto`` sends such a call to the kernel
+        whatever its mask holds: ``sdpa._bf16_grads_fit_kernel``). The mask is the call's own: each call takes a
+        digest of its bytes (``_mods._content``, a few µs for a tile's 4 KB) and runs the pair prepared for that
+        content (its tile map read off a frozen copy, :func:`_tilebits.dense_bits`), the last ``_DENSE_PAIRS``
+        contents kept; a mask edited in place is a new content. None (the full path) for anything else: fp32 (its
+        route reads the mask's tiles), no gradient, a score_mod, more than ``CONTENT_KEY_MAX_BYTES`` of mask."""
+        if (user_mask.dtype is not torch.bool or req.dense_mask is None or req.score_mod is not None
+                or not req.requires_grad() or req.q.dtype is torch.float32 or req.memo.get("score_prog") is not None):
+            return None
+        first = _mods._content(user_mask)
+        if first is None:
+            return None
+        shape4 = req.dense_mask.shape
+        default = req.scale
+        nothing = torch.empty(0)
+        pairs: OrderedDict = OrderedDict()
+
+        def prepare(r: Request) -> _StepPair | None:
+            base = dataclasses.replace(r, q=nothing, k=nothing, v=nothing)
+            return _step_pair(r, base, None)
+
+        frozen = dataclasses.replace(req, dense_mask=req.dense_mask.clone())  # (its memo: this content's tile map)
+        pairs[first] = prepare(frozen)
+
+        def run(q, k, v, mask, scale):
+            key = _mods._content(mask)
+            if key is None:
+                return None
+            pair = _lru.get(pairs, key)
+            if pair is _lru.MISSING:
+                # (the signature fixes its shape, dtype and device: the 4-d view the full path takes of it)
+                r = dataclasses.replace(req, q=q, k=k, v=v, dense_mask=mask.reshape(shape4).clone(), memo={})
+                pair = None if self.not_supported(r) else prepare(r)
+                _lru.put(pairs, key, pair, _DENSE_PAIRS)
+            if pair is None:
+                return None
+            return _NativeStep.apply(q, k, v, pair, default if scale is None else scale)
+
+        return run
+
     def run(self, req: Request):
         if "row_intervals" not in req.memo and "tile_bits" not in req.memo:
             why = self.not_supported(req)
@@ -266,6 +314,7 @@ class Native(Kernel):
 
 
 NATIVE = Native()
+_DENSE_PAIRS = 4  # the mask contents a bool tensor mask's replayed signature keeps prepared (Native._replay_dense)
 
 
 def _keep_map_or_intervals(req: Request, tb, L: int, S: int) -> None:
