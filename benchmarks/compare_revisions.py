@@ -25,6 +25,7 @@ import sys
 CASES = [
     ("window-256 L=4096 fwd", 1, 8, 8, 4096, 4096, 64, "mask=masks.sliding_window(256)", "fwd"),
     ("window-256 L=4096 fwd+bwd", 1, 8, 8, 4096, 4096, 64, "mask=masks.sliding_window(256)", "fwdbwd"),
+    ("window-256 L=4096 bf16 fwd", 1, 8, 8, 4096, 4096, 64, "mask=masks.sliding_window(256)", "fwd"),
     ("causal L=2048 fwd (auto)", 1, 8, 8, 2048, 2048, 64, "causal=True", "fwd"),
     ("causal L=2048 fwd (tiled)", 1, 8, 8, 2048, 2048, 64, "causal=True, backend='tiled'", "fwd"),
     ("causal L=2048 fwd+bwd (tiled)", 1, 8, 8, 2048, 2048, 64, "causal=True, backend='tiled'", "fwdbwd"),
@@ -40,6 +41,8 @@ CASES = [
     ("BlockMask of one head, causal mod, L=2048 fwd", 1, 8, 8, 2048, 2048, 64, "mask=BM_CAUSAL", "fwd"),
     ("decode L=1 S=2048 GQA causal", 1, 8, 2, 1, 2048, 64, "causal=True", "fwd"),
     ("decode L=1 S=128 GQA causal", 1, 8, 2, 1, 128, 64, "causal=True", "fwd"),
+    ("decode L=1 S=128 GQA causal bf16", 1, 8, 2, 1, 128, 64, "causal=True", "fwd"),
+    ("decode L=1 S=2048 GQA causal bf16", 1, 8, 2, 1, 2048, 64, "causal=True", "fwd"),
     ("prefill L=S=64 causal", 2, 4, 4, 64, 64, 16, "causal=True", "fwd"),
     ("prefill L=S=200 GQA causal", 1, 4, 2, 200, 200, 64, "causal=True", "fwd"),
     # a decode step whose rows see different keys (the decode entry's tiles where a row does not see every key)

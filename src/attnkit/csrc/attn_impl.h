@@ -528,7 +528,7 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
         acc(BM * Dvp), mrow(BM), lrow(BM);
     Buf<uint32_t> qtb(bd ? s.D / 2 * BM : 1), pb(bd ? BN / 2 * BM : 1);  // Q^T and P as bf16 pairs
     Buf<uint16_t> kpad(bd ? BN * s.D : 1);  // a last key tile of fewer than BN keys, zero-padded
-    Buf<float> orow(bd ? Dvp : 1);
+    Buf<float> orow(bd ? BM * Dvp : 1);  // (AMX: the block's O rows, from O^T)
 #if AK_BDOT
     const TileScope tiles(bd);
 #endif
@@ -671,6 +671,9 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
         else
           by_keys_trimmed(m, n, j0, Dvp, st.p, vt, ldv, acc.p, Dvp, edges);
       }
+#if AK_BDOT
+      if (bd) rows_of_ot(acc.p, Dvp, mc, orow.p);  // (O^T: the block's rows, transposed back)
+#endif
       for (long i = 0; i < m; i++) {
         if (lrow.p[i] == 0.f) {
           if (o) fill(o + i * s.Dv, o + (i + 1) * s.Dv, 0.f);
@@ -679,11 +682,7 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
           continue;
         }
         const float inv = 1.f / lrow.p[i];
-        float* ar = acc.p + i * Dvp;
-        if (bd) {  // (O^T: the row gathered from its column)
-          ar = orow.p;
-          for (long d = 0; d < s.Dv; d++) ar[d] = acc.p[d * BM + i];
-        }
+        float* ar = (bd ? orow.p : acc.p) + i * Dvp;
         for (long d = 0; d < s.Dv; d++) ar[d] *= inv;
         if (o) std::memcpy(o + i * s.Dv, ar, s.Dv * sizeof(float));
         if (out_r) narrow_row(out_r, oo + i * s.Dv, ar, s.Dv, s.dt);  // rounded once, from the fp32 row
