@@ -10,8 +10,8 @@ CPU (auto order)::
     native-decode  the compiled kernel's decode entry           a few query rows over a cache, no gradient
     sdpa         torch SDPA (+ the grouped-query decode fold)   declines what the rows below do faster
     sdpa-fp32    torch SDPA in fp32 on widened bf16 copies      bf16 with gradients SDPA keeps, no bf16 instructions
-    native       attnkit's compiled kernel                      any mask the plan describes, score_mods
-    flash-runs   torch's flash kernel per run of keys           masks the kernel cannot take (a tensor mask)
+    native       attnkit's compiled kernel                      any mask the plan describes, bool tensors, score_mods
+    flash-runs   torch's flash kernel per run of keys           masks the kernel cannot take (a float mask)
     plain        the tile loop in torch ops                     anything else, exact gradients
     eager        dense scores in torch ops                      dropout; the last resort
 

@@ -197,9 +197,10 @@ NATIVE_DENSE_MIN_LS = _calibrate.DEFAULT_NATIVE_DENSE_MIN_LS
 # or causal as a user's mask_mod. Over 1024 keys the kernel's lead came and went between runs (0.82-1.19x, by hand):
 # SDPA keeps those, and a window of 256 keys (the kernel 1.21x SDPA's time there)
 FEW_ROWS_GRAD_MIN_KEYS = 2048
-# the sdpa-fp32 row (a bf16 call with gradients the kernel does not run: a tensor mask) from this many scores
-# (B·H·L·S) on: below, the four casts cost more than torch's bf16 kernel loses (a 2-core AMD EPYC, forward + backward
-# of 8 heads, D = 64: over 128 keys torch's bf16 1.14-1.38x fp32, widened 1.22-1.32x; over 512, 1.56x / 1.25-1.32x)
+# the sdpa-fp32 row (a bf16 call with gradients the kernel does not run: switched off or not built) from this many
+# scores (B·H·L·S) on: below, the four casts cost more than torch's bf16 kernel loses (a 2-core AMD EPYC, forward +
+# backward of 8 heads, D = 64: over 128 keys torch's bf16 1.14-1.38x fp32, widened 1.22-1.32x; over 512, 1.56x /
+# 1.25-1.32x)
 WIDEN_MIN_SCORES = 4096
 # Above this fraction of partial tiles a user bool mask stays with SDPA (tiled ≈ 0.96× there: nothing to skip).
 DENSE_PARTIAL_MAX = 0.9

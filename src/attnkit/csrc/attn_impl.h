@@ -909,10 +909,10 @@ static inline void zero_hidden(float* dsr, int32_t lo, int32_t hi, long j0, long
 }
 
 // dP = dO V^T, then dS = P * (dP - delta) into w.dp (where P is 0, dS is 0: never 0 * garbage; where the mask hides
-// the key, 0: zero_hidden)
+// the key, 0: zero_hidden, for the rows whose lse lr[i] is NaN or +inf — elsewhere P is exactly 0 there already)
 static void score_grads(const Shape& s, long b, long h, long i0, long m, long j0, long n, bool full,
                         const TileMask& tm, const float* do_rows, long lddo, const float* vt, const float* dr,
-                        BwdBufs& w) {
+                        const float* lr, BwdBufs& w) {
   if (!do_rows) {  // (dP is in w.dp already: AMX tiles)
   } else if (full)
     gemm<true>(m, BN, s.Dv, do_rows, lddo, 1, vt, BN, w.dp.p, BN);
@@ -932,7 +932,8 @@ static void score_grads(const Shape& s, long b, long h, long i0, long m, long j0
       for (int c = 0; c < BN; c += VW)  // where P is 0 the gradient is 0 (never 0 * inf from the program)
         store(dsr + c, load(w.p.p + i * BN + c) == splat(0.f) ? splat(0.f) : load(w.dsrow.p + c));
     }
-    if (!full) zero_hidden(w.dp.p + i * BN, w.lo[i], w.hi[i], j0, n, tm.bits, i);
+    if (!full && !(lr[i] < std::numeric_limits<float>::infinity()))
+      zero_hidden(w.dp.p + i * BN, w.lo[i], w.hi[i], j0, n, tm.bits, i);
   }
 }
 
@@ -1001,7 +1002,8 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void*
         row_pairs(x.dop.p, x.do16.p, s.Dv);
         t_bf16(x.pt.p, w.p.p, m);
         amx_gemm<false>(BN, s.Dv, BM, x.pt.p, BM, x.dop.p, s.Dv, w.dva.p, Dvp);  // dV += P^T dO
-        score_grads(s, b, h, i0, m, j0, n, full, tm, nullptr, 0, nullptr, delta + bh2 * s.L + i0, w);
+        score_grads(s, b, h, i0, m, j0, n, full, tm, nullptr, 0, nullptr, delta + bh2 * s.L + i0,
+                    lse + bh2 * s.L + i0, w);
         row_pairs(x.qp.p, x.q16.p, s.D);
         t_bf16(x.pt.p, w.dp.p, m);
         amx_gemm<false>(BN, s.D, BM, x.pt.p, BM, x.qp.p, s.D, w.dka.p, Dp);  // dK += dS^T Q (scaled at the end)
@@ -1043,7 +1045,8 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void*
           gemm(n, Dvp, m, w.p.p, 1, BN, do_rows, lddo, w.dva.p, Dvp);
         else
           by_queries_trimmed(n, m, j0, Dvp, w.p.p, do_rows, lddo, w.dva.p, Dvp, w.lo.p, w.hi.p);
-        score_grads(s, b, h, i0, m, j0, n, full, tm, do_rows, lddo, w.vt.p, delta + bh2 * s.L + i0, w);
+        score_grads(s, b, h, i0, m, j0, n, full, tm, do_rows, lddo, w.vt.p, delta + bh2 * s.L + i0,
+                    lse + bh2 * s.L + i0, w);
         // dK += dS^T Q (the softmax scale applied once, at the end)
         if (full)
           gemm(n, Dp, m, w.dp.p, 1, BN, q_rows, ldq, w.dka.p, Dp);
