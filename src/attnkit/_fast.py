@@ -16,8 +16,10 @@ key: code plus the values they read, tensors by a digest of their bytes taken on
 tensor mask by its shape, dtype, device and gradient flag — its *values* are the call's own: a replayed call
 reads them at every call where the decision did (the decode entry takes a bool mask whose rows are one stretch of
 keys each, read off that call's mask; a mask it refused for its values is asked again per call, and the full path
-serves one it would now take), ``causal``, the kind of ``scale``, the thread
-count and the switches tests flip (``tiled.NATIVE`` / ``tiled.FUSED``). A replayed call returns
+serves one it would now take; the kernel's bf16 call with gradients, a decision the values do not enter, runs the
+forward and backward prepared for the mask's content, a digest of its bytes taken at every call), ``causal``, the
+kind of ``scale``, the thread count and the switches tests flip (``tiled.NATIVE`` / ``tiled.FUSED``). A replayed
+call returns
 ``None`` where the full path must look closer (an all-zero output row: torch's CPU kernel writes
 zeros where a row's scores hold NaN/inf; a NaN row: an inf in a key the mask hides reaches the row
 there) and the caller then takes the full path.
