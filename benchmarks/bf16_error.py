@@ -4,6 +4,15 @@
 
 Rounding the inputs once and using them for the float64 attention too isolates the
 kernels' own error from the (shared) input rounding. Shape: B=1, H=8, L=S, D=64, dense.
+
+Then two calls ``auto`` sends to the compiled kernel, each against its budget (the tests' own):
+
+* a decode step over 2048 keys (GQA 8/2, D = 64) — on a CPU with avx512_bf16 its scores by VDPBF16PS, and the same
+  call with the bf16 products off (the widening order): the fp32 budget ``16 eps32 (sqrt(D) + sqrt(S))`` of the
+  largest value plus one rounding of the output (``2^-8 |ref|``), in fp32 output units before that rounding;
+* your own bool mask at L = S = 64 (H = 8, D = 64) with gradients (the kernel's prepared forward and backward, the
+  mask's tile map): output within one bf16 unit of the largest value plus the fp32 budget, gradients within four
+  (tests/backends/test_native_bool_mask.py).
 """
 
 import sys
@@ -11,6 +20,13 @@ import sys
 import torch
 
 import attnkit
+from attnkit.backends import _native
+
+EPS32, UNIT = 2.0 ** -23, 2.0 ** -8
+
+
+def _fp32_budget(D: int, S: int, top: float) -> float:
+    return 16 * EPS32 * (D ** 0.5 + S ** 0.5) * max(1.0, top)
 
 
 def main(L: int = 2048) -> None:
@@ -20,6 +36,49 @@ def main(L: int = 2048) -> None:
     for backend in ("sdpa", "tiled", "auto"):
         err = (attnkit.attention(q, k, v, backend=backend).double() - ref).abs()
         print(f"{backend:6s} max error {err.max():.3e}   mean error {err.mean():.3e}")
+
+    # a decode step: the kernel's fp32 output (before its one rounding), the products on and off
+    S = 2048
+    qd = torch.randn(1, 8, 1, 64).bfloat16()
+    kd, vd = (torch.randn(1, 2, S, 64).bfloat16() for _ in range(2))
+    lo, hi = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), S, dtype=torch.int32)
+    refd = attnkit.attention(qd.double(), kd.double(), vd.double(), backend="eager")
+    bound = _fp32_budget(64, S, refd.abs().max().item())
+    if _native.available():
+        first = "vector dot products" if _native.bf16_vdot() else "widened (no avx512_bf16)"
+        for name, on in ((first, True), ("widened", False)):
+            before = _native.set_bf16_dot(on)
+            try:
+                out, _ = _native.decode(qd, kd, vd, lo, hi, 64 ** -0.5)
+            finally:
+                _native.set_bf16_dot(before)
+            err = (out.double() - refd).abs().max().item()
+            print(f"decode S={S} GQA 8/2, fp32 out, {name:26s} max error {err:.3e}   budget {bound:.3e}")
+    got = attnkit.attention(qd, kd, vd)
+    err = (got.double() - refd).abs()
+    over = (err - UNIT * refd.abs()).max().item()
+    print(f"decode S={S} GQA 8/2, auto, bf16 out: max error {err.max():.3e}; its excess over one rounding "
+          f"(2^-8 |ref|) {over:.3e}, within the budget {bound:.3e}: {over <= bound}   "
+          f"[{attnkit.dispatch(qd, kd, vd).worker}]")
+
+    # your own bool mask with gradients: the kernel's prepared pair
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(64, 64, generator=g) < 0.7
+    mask[:, 0] = True
+    qb, kb, vb = (torch.randn(1, 8, 64, 64, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    go = torch.randn(1, 8, 64, 64, generator=g).bfloat16()
+    for _ in range(2):  # the first call, then its replay
+        out = attnkit.attention(qb, kb, vb, mask=mask)
+        grads = torch.autograd.grad(out, (qb, kb, vb), go)
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (qb, kb, vb))
+    r2 = attnkit.attention(q2, k2, v2, mask=mask, backend="eager")
+    want = torch.autograd.grad(r2, (q2, k2, v2), go.double())
+    print(f"bool mask L=S=64 with gradients [{attnkit.dispatch(qb, kb, vb, mask=mask).worker}]:")
+    for name, a, b, units in (("out", out, r2, 1), *((f"d{n}", x, y, 4) for n, x, y in zip("qkv", grads, want,
+                                                                                          strict=True))):
+        top = max(1.0, b.abs().max().item())
+        bound = units * UNIT * top + _fp32_budget(64, 64, top)
+        print(f"  {name:4s} max error {(a.double() - b).abs().max().item():.3e}   budget {bound:.3e}")
 
 
 if __name__ == "__main__":
