@@ -73,6 +73,31 @@ def test_a_bool_tensor_mask_on_the_kernel_matches_float64(shape):
     assert torch.equal(_tilebits.unpack(tb, B, H, L, S), m4.expand(B, H, L, S)), "the tile map is the mask"
 
 
+@pytest.mark.parametrize("kind", ["documents", "key padding (B, 1, 1, S)", "a prefix of keys (1, S)"])
+def test_auto_sends_a_structured_bool_mask_to_the_kernel(kind):
+    """Through ``auto``: a bool mask with most tiles empty or full goes to the kernel (its route's tile summary of the
+    mask reused for the kernel's map), a mask broadcast over rows too; the answer within the fp32 budget of float64,
+    dead rows 0; and the same tensor edited in place is read as it is at the next call."""
+    require_kernel()
+    B, H, L, S, D = 2, 2, 200, 260, 32
+    if kind == "documents":
+        i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+        mask = (i // 70 == j // 90) & (j <= i + 60)
+    elif kind.startswith("key padding"):
+        mask = (torch.arange(S) < torch.tensor([S, 130])[:, None]).reshape(B, 1, 1, S)
+    else:
+        mask = (torch.arange(S) < 150).reshape(1, S)
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64).float() for n in (L, S, S))
+    for step in range(2):
+        d = attnkit.dispatch(q, k, v, mask=mask)
+        assert d.worker == "native", d
+        out = attnkit.attention(q, k, v, mask=mask)
+        ref, ref_lse = golden(q, k, v, mask=mask)
+        assert_close(out, ref, budget(torch.float32, D, S), f"{kind} step {step}")
+        assert (out[~torch.isfinite(ref_lse)] == 0).all()
+        mask[..., :64] = False  # edited in place: the next call reads it so (rows seeing only those keys die)
+
+
 def _bf16_step(q, k, v, mask, go):
     out = attnkit.attention(q, k, v, mask=mask)
     return (out, *torch.autograd.grad(out, (q, k, v), go))

@@ -171,8 +171,8 @@ class Native(Kernel):
         if refused:
             return [refused]
         if req.dense_mask is not None and "tile_bits" not in req.memo and "row_intervals" not in req.memo:
-            # a user's bool tensor: its tiles read off its values (cached by their digest, taken on this call)
-            _keep_map_or_intervals(req, _tilebits.dense_bits(req.dense_mask, L, S), L, S)
+            # a user's bool tensor: its tiles read off its values (the route's tile summary of it reused)
+            _keep_map_or_intervals(req, _tilebits.dense_bits(req.dense_mask, L, S, req.memo), L, S)
         if req.plan is not None and "tile_bits" not in req.memo and "row_intervals" not in req.memo:
             try:  # its tiles as given (a BlockMask's), the mask evaluated in the partial ones
                 tb = _tilebits.plan_bits(req.plan, req.plan_extra, B, H, L, S)
@@ -267,7 +267,7 @@ class Native(Kernel):
         wants gradients — a decision the mask's values do not enter (``auto`` sends such a call to the kernel
         whatever its mask holds: ``sdpa._bf16_grads_fit_kernel``). The mask is the call's own: each call takes a
         digest of its bytes (``_mods._content``, a few µs for a tile's 4 KB) and runs the pair prepared for that
-        content (its tile map read off a frozen copy, :func:`_tilebits.dense_bits`), the last ``_DENSE_PAIRS``
+        content (its tile map read off a frozen copy once, :func:`_tilebits.dense_bits`), the last ``_DENSE_PAIRS``
         contents kept; a mask edited in place is a new content. None (the full path) for anything else: fp32 (its
         route reads the mask's tiles), no gradient, a score_mod, more than ``CONTENT_KEY_MAX_BYTES`` of mask."""
         if (user_mask.dtype is not torch.bool or req.dense_mask is None or req.score_mod is not None
@@ -287,6 +287,8 @@ class Native(Kernel):
 
         frozen = dataclasses.replace(req, dense_mask=req.dense_mask.clone())  # (its memo: this content's tile map)
         pairs[first] = prepare(frozen)
+        # the first call's request without its tensors or mask (kept alive by nothing here), for a new content's
+        template = dataclasses.replace(req, q=nothing, k=nothing, v=nothing, dense_mask=None, memo={})
 
         def run(q, k, v, mask, scale):
             key = _mods._content(mask)
@@ -295,7 +297,7 @@ class Native(Kernel):
             pair = _lru.get(pairs, key)
             if pair is _lru.MISSING:
                 # (the signature fixes its shape, dtype and device: the 4-d view the full path takes of it)
-                r = dataclasses.replace(req, q=q, k=k, v=v, dense_mask=mask.reshape(shape4).clone(), memo={})
+                r = dataclasses.replace(template, q=q, k=k, v=v, dense_mask=mask.reshape(shape4).clone(), memo={})
                 pair = None if self.not_supported(r) else prepare(r)
                 _lru.put(pairs, key, pair, _DENSE_PAIRS)
             if pair is None:
