@@ -1,6 +1,6 @@
 """bf16 against fp32 through ``auto`` at the small shapes models run every step (decode, short prompts).
 
-    OMP_NUM_THREADS=2 python benchmarks/bf16_small.py [--rounds 200] [--only SUBSTRING] [--accumulate]
+    OMP_NUM_THREADS=2 python benchmarks/bf16_small.py [--rounds 200] [--only SUBSTRING] [--accumulate] [--bf16-first]
 
 Each row calls ``attnkit.attention`` on the same shape in fp32 and in bf16, timed in turns (one call of each per
 round, after one warm-up each), without gradients and then with a backward of ``out.sum()`` (rows marked "+ bwd"):
@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--only", default="")
     ap.add_argument("--accumulate", action="store_true", help="keep the gradients between calls (autograd adds)")
+    ap.add_argument("--bf16-first", action="store_true",
+                    help="time the bf16 call first in each round (default: fp32 first): an order effect shows as a "
+                         "different ratio")
     a = ap.parse_args()
     print(f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; gradients "
           f"{'accumulated' if a.accumulate else 'set to None before each backward'}")
@@ -57,7 +60,7 @@ def main() -> None:
             continue
         for grad in (False, True):
             fns, workers = {}, {}
-            for dt in (torch.float32, torch.bfloat16):
+            for dt in (torch.bfloat16, torch.float32) if a.bf16_first else (torch.float32, torch.bfloat16):
                 q = torch.randn(B, H, L, D).to(dt).requires_grad_(grad)
                 k, v = (torch.randn(B, Hkv, S, D).to(dt).requires_grad_(grad) for _ in range(2))
                 kws = dict(kw)

@@ -217,8 +217,9 @@ def bf16_vdot() -> bool:
 
 
 def set_bf16_dot(on: bool) -> bool:
-    """Switch the forward's bf16 dot products on (where the CPU has them) or off (bf16 widened to fp32 per tile, as
-    on every other CPU); returns the previous setting."""
+    """Switch the kernel's bf16 products on (where the CPU has them: the forward's and backward's AMX tiles, the
+    decode's vector dot products) or off (bf16 widened to fp32 per tile, as on every other CPU, bit for bit the fp32
+    kernel's answer on the widened values); returns the previous setting."""
     lib = _require()
     if not hasattr(lib, "ak_set_bf16_dot"):
         raise RuntimeError("this build of the compiled kernel has no bf16 dot products; rebuild it (`make test`)")
