@@ -171,3 +171,31 @@ def test_fp32_and_no_gradient_calls_are_not_replayed_by_content():
                                             dropout_p=0.0, return_lse=False, backend="tiled")
         assert not native.NATIVE.not_supported(req)
         assert native.NATIVE.replay(req, mask) is None, (dt, grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_under_torch_compile_a_bool_tensor_mask_gives_the_eager_answer(dtype):
+    """Inside ``torch.compile`` (fullgraph) the call runs attnkit's op with the mask as an input: the same output and
+    gradients as the eager call, bit for bit, on the kernel's route — and after the mask is edited in place, the
+    edited mask's."""
+    require_kernel()
+    L, S = 100, 130
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(L, S, generator=g) < 0.6
+    mask[:, :3] = True
+    mask[:, 64:] = False  # an empty key tile
+    q, k, v = (torch.randn(1, 2, n, 32, generator=g).to(dtype).requires_grad_() for n in (L, S, S))
+
+    def fn(q, k, v, m):
+        return attnkit.attention(q, k, v, mask=m)
+
+    assert attnkit.dispatch(q, k, v, mask=mask).worker == "native"
+    cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for step in range(2):
+        got = cf(q, k, v, mask)
+        want = fn(q, k, v, mask)
+        assert torch.equal(got, want), step
+        for a, b in zip(torch.autograd.grad(got.float().sum(), (q, k, v)),
+                        torch.autograd.grad(want.float().sum(), (q, k, v)), strict=True):
+            assert torch.equal(a, b), step
+        mask[5] = ~mask[5]  # edited in place: the next call reads it
