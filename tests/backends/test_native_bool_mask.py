@@ -95,6 +95,9 @@ def test_auto_sends_a_structured_bool_mask_to_the_kernel(kind):
         ref, ref_lse = golden(q, k, v, mask=mask)
         assert_close(out, ref, budget(torch.float32, D, S), f"{kind} step {step}")
         assert (out[~torch.isfinite(ref_lse)] == 0).all()
+        m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        tb = _tilebits.dense_bits(m4, L, S)  # (gathered from the broadcast mask: only its partial tiles' points)
+        assert torch.equal(_tilebits.unpack(tb, B, H, L, S), m4.expand(B, H, L, S)), "the tile map is the mask"
         mask[..., :64] = False  # edited in place: the next call reads it so (rows seeing only those keys die)
 
 
@@ -160,17 +163,28 @@ def test_the_replay_keeps_a_frozen_copy_of_each_mask():
     _bf16_close(_bf16_step(q, k, v, a, go), _bf16_want(q, k, v, a, go), 16, S, "all True")
 
 
-def test_fp32_and_no_gradient_calls_are_not_replayed_by_content():
-    """Only a decision the mask's values do not enter is replayed by content: fp32 (its route reads the mask's tiles)
-    and bf16 without gradients keep the full path (None from the kernel's replay)."""
+def test_fp32_and_no_gradient_calls_are_not_replayed_by_content(monkeypatch):
+    """Only a decision the mask's values do not enter is replayed by content: fp32 (its route reads the mask's tiles),
+    bf16 without gradients, and bf16 with gradients where this machine's table measured torch's bf16 backward
+    faster (SDPA's choice then reads the tiles) keep the full path (None from the kernel's replay)."""
     require_kernel()
+    from attnkit import _calibrate
+
     mask = _mask((64, 64), 1, 64, 64)
-    for dt, grad in ((torch.float32, True), (torch.bfloat16, False)):
+
+    def request(dt, grad):  # (as the full path leaves it: the kernel's tile map in its memo)
         q, k, v = (torch.randn(1, 2, 64, 16).to(dt).requires_grad_(grad) for _ in range(3))
         req = attnkit._request.make_request(q, k, v, mask=mask, causal=False, scale=None, score_mod=None,
                                             dropout_p=0.0, return_lse=False, backend="tiled")
         assert not native.NATIVE.not_supported(req)
-        assert native.NATIVE.replay(req, mask) is None, (dt, grad)
+        return req
+
+    for dt, grad in ((torch.float32, True), (torch.bfloat16, False)):
+        assert native.NATIVE.replay(request(dt, grad), mask) is None, (dt, grad)
+    assert native.NATIVE.replay(request(torch.bfloat16, True), mask) is not None
+    table = _calibrate.Crossovers(bf16_grad="torch", source="calibrated 2026-11-29 on X")
+    monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: table)
+    assert native.NATIVE.replay(request(torch.bfloat16, True), mask) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

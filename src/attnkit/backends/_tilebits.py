@@ -140,12 +140,16 @@ def dense_bits(dense: torch.Tensor, L: int, S: int, memo: dict | None = None) ->
     index = torch.full(kinds.shape, -1, dtype=torch.int32)
     index[tuple(partial.t())] = torch.arange(partial.shape[0], dtype=torch.int32)
     if partial.shape[0]:
-        padded = a
-        if L % TILE or S % TILE:  # keys past S cleared (the kernel never reads rows past L)
-            padded = torch.zeros(TB, TH, nq * TILE, nk * TILE, dtype=torch.bool)
-            padded[:, :, :L, :S] = a
-        tiles = padded.reshape(TB, TH, nq, TILE, nk, TILE).permute(0, 1, 2, 4, 3, 5)
-        picked = tiles[tuple(partial.t())]  # (P, rows, keys)
+        # the partial tiles' points gathered from the (broadcast) mask, P x 64 x 64 — never a copy of all L x S (a
+        # key padding mask (B, 1, 1, S) stays S wide); rows past L repeat row L - 1 (never read, as _bits'), keys
+        # past S are cleared
+        P = partial.shape[0]
+        ar = torch.arange(TILE)
+        rows = (partial[:, 2:3] * TILE + ar).clamp(max=L - 1).view(P, TILE, 1)
+        cols_raw = partial[:, 3:4] * TILE + ar
+        cols = cols_raw.clamp(max=S - 1).view(P, 1, TILE)
+        picked = a[partial[:, 0].view(P, 1, 1), partial[:, 1].view(P, 1, 1), rows, cols]  # (P, rows, keys)
+        picked &= (cols_raw < S).view(P, 1, TILE)
         packed = np.packbits(host_array(picked.contiguous()), axis=-1, bitorder="little")
         bits = torch.from_numpy(packed.view("<u4").view(np.int32)).view(-1, TILE, 2).transpose(1, 2).contiguous()
     else:
