@@ -246,9 +246,7 @@ class Native(Kernel):
             prog = req.memo.get("score_prog")  # its code and numbers are the signature's; a table or ALiBi's slopes
             if prog is None or prog.tables:  # are the first call's objects (the backward's exact-rows fix reads them)
                 return None
-        # the first call's request without its tensors (kept alive by nothing here): its mask, flags and memo
-        nothing = torch.empty(0)
-        base = dataclasses.replace(req, q=nothing, k=nothing, v=nothing)
+        base = _bare(req)  # the first call's request without its tensors: its mask, flags and memo
         pair = _step_pair(req, base, alibi)
         if pair is not None:
             def run_pair(q, k, v, mask, scale):
@@ -265,30 +263,34 @@ class Native(Kernel):
     def _replay_dense(self, req: Request, user_mask: torch.Tensor):
         """The prepared forward and backward (:class:`_NativeStep`) for a bool tensor mask of a bf16 / fp16 call that
         wants gradients — a decision the mask's values do not enter (``auto`` sends such a call to the kernel
-        whatever its mask holds: ``sdpa._bf16_grads_fit_kernel``). The mask is the call's own: each call takes a
-        digest of its bytes (``_mods._content``, a few µs for a tile's 4 KB) and runs the pair prepared for that
-        content (its tile map read off a frozen copy once, :func:`_tilebits.dense_bits`), the last ``_DENSE_PAIRS``
-        contents kept; a mask edited in place is a new content. None (the full path) for anything else: fp32 (its
-        route reads the mask's tiles), no gradient, a score_mod, more than ``CONTENT_KEY_MAX_BYTES`` of mask."""
+        whatever its mask holds: ``sdpa._bf16_grads_fit_kernel``, where the table says the kernel's backward wins
+        for bf16; where it does not, SDPA's choice reads the mask's tiles, and the call takes the full path). The mask
+        is the call's own: each call takes a digest of its bytes (``_mods._content``, a few µs for a tile's 4 KB) and
+        runs the pair prepared for that content (its tile map read off a frozen copy once,
+        :func:`_tilebits.dense_bits`), the last ``_DENSE_PAIRS`` contents kept; a mask edited in place is a new
+        content. None (the full path) for anything else: fp32 (its route reads the mask's tiles), no gradient, a
+        score_mod, more than ``CONTENT_KEY_MAX_BYTES`` of mask."""
         if (user_mask.dtype is not torch.bool or req.dense_mask is None or req.score_mod is not None
                 or not req.requires_grad() or req.q.dtype is torch.float32 or req.memo.get("score_prog") is not None):
+            return None
+        # bf16 where this machine's table keeps torch's bf16 backward in the race: SDPA's choice then reads the
+        # mask's tiles (DENSE_PARTIAL_MAX), a decision of each content — the full path
+        if req.q.dtype is torch.bfloat16 and _calibrate.crossovers().grad_to_kernel(
+                torch.bfloat16, _torch_alone_multiplies_bf16) is None:
             return None
         first = _mods._content(user_mask)
         if first is None:
             return None
         shape4 = req.dense_mask.shape
         default = req.scale
-        nothing = torch.empty(0)
         pairs: OrderedDict = OrderedDict()
 
         def prepare(r: Request) -> _StepPair | None:
-            base = dataclasses.replace(r, q=nothing, k=nothing, v=nothing)
-            return _step_pair(r, base, None)
+            return _step_pair(r, _bare(r), None)
 
         frozen = dataclasses.replace(req, dense_mask=req.dense_mask.clone())  # (its memo: this content's tile map)
         pairs[first] = prepare(frozen)
-        # the first call's request without its tensors or mask (kept alive by nothing here), for a new content's
-        template = dataclasses.replace(req, q=nothing, k=nothing, v=nothing, dense_mask=None, memo={})
+        template = dataclasses.replace(_bare(req), dense_mask=None, memo={})  # (for a new content's request)
 
         def run(q, k, v, mask, scale):
             key = _mods._content(mask)
@@ -316,6 +318,7 @@ class Native(Kernel):
 
 
 NATIVE = Native()
+_NOTHING = torch.empty(0)
 _DENSE_PAIRS = 4  # the mask contents a bool tensor mask's replayed signature keeps prepared (Native._replay_dense)
 
 
@@ -1147,6 +1150,11 @@ class _NativeStep(torch.autograd.Function):
         else:
             dq, dk, dv = ctx.pair.backward(q, k, v, out, lse, dout, ctx.scale)
         return dq, dk, dv, None, None
+
+
+def _bare(req: Request) -> Request:
+    """``req`` without its q, k, v (a replay's record of its first call keeps no tensor of it alive)."""
+    return dataclasses.replace(req, q=_NOTHING, k=_NOTHING, v=_NOTHING)
 
 
 def _step_pair(req: Request, base: Request, alibi) -> _StepPair | None:
