@@ -213,3 +213,28 @@ def test_under_torch_compile_a_bool_tensor_mask_gives_the_eager_answer(dtype):
                         torch.autograd.grad(want.float().sum(), (q, k, v)), strict=True):
             assert torch.equal(a, b), step
         mask[5] = ~mask[5]  # edited in place: the next call reads it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_nonfinite_query_row_reaches_no_hidden_key_in_the_gradients(dtype, value, widened_bf16):
+    """A query row with an inf or NaN (its weights NaN at every key): the kernel's backward on a tile map gives the
+    NaN of the formula (autograd through ``where(mask, s, -inf)`` in float64) and no more — at a key the mask hides
+    from that row, dK is NaN only in the dimension 0 · inf reaches, dV is the row's NaN weights' (the widening
+    path: bf16 products off, as on a CPU without them)."""
+    require_kernel()
+    L = S = 130
+    g = torch.Generator().manual_seed(2)
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    dense = ((i // 8 + j // 8) % 2 == 0) | (i == j)  # not intervals: partial tiles with their own bits
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (L, S, S))
+    q[0, 0, 3, 5] = value
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(attnkit.attention(q2, k2, v2, mask=dense, backend="eager").sum(), (q2, k2, v2))
+    # the bool tensor, and the same mask as a user's mask_mod (its tile map evaluated from the mod)
+    for mask in (dense, lambda b, h, qi, ki: ((qi // 8 + ki // 8) % 2 == 0) | (qi == ki)):
+        assert attnkit.dispatch(q, k, v, mask=mask, backend="tiled").worker == "native"
+        got = torch.autograd.grad(attnkit.attention(q, k, v, mask=mask, backend="tiled").float().sum(), (q, k, v))
+        for name, a, b in zip("qkv", got, want, strict=True):
+            assert torch.equal(a.isnan(), b.isnan()), (type(mask).__name__, name)

@@ -323,12 +323,12 @@ static inline void mask_bits_t(float* st, long n, const uint32_t* bits) {
   }
 }
 
-// row i (BN keys) of a partial tile of the map, row layout: -inf where the tile's bit is clear
-static inline void mask_bits_row(float* srow, const uint32_t* bits, long i) {
+// row i (BN keys) of a partial tile of the map, row layout: -inf (or `fill`) where the tile's bit is clear
+static inline void mask_bits_row(float* srow, const uint32_t* bits, long i, float fill = NEG_INF) {
   const int32_t w[2] = {(int32_t)bits[i], (int32_t)bits[BM + i]};
   for (int c = 0; c < BN; c += VW) {
     const vi keep = ((splati(w[c >> 5]) >> (iota() + (c & 31))) & 1) != 0;
-    store(srow + c, keep ? load(srow + c) : splat(NEG_INF));
+    store(srow + c, keep ? load(srow + c) : splat(fill));
   }
 }
 
@@ -743,12 +743,12 @@ static void rows_trimmed(long m, long j0, long n, int K, const float* A, long ld
 }
 
 // row i of S (BN keys): -inf outside [lo, hi) and beyond n keys
-static inline void mask_row(float* srow, int32_t lo, int32_t hi, long j0, long n) {
+static inline void mask_row(float* srow, int32_t lo, int32_t hi, long j0, long n, float fill = NEG_INF) {
   vi lov = splati(lo), hiv = splati((int32_t)mn<long>(hi, j0 + n));
   for (int c = 0; c < BN; c += VW) {
     vi j = splati((int32_t)(j0 + c)) + iota();
     vi keep = (j >= lov) & (j < hiv);
-    store(srow + c, keep ? load(srow + c) : splat(NEG_INF));
+    store(srow + c, keep ? load(srow + c) : splat(fill));
   }
 }
 
@@ -895,21 +895,10 @@ static void probabilities(const Shape& s, long b, long h, long i0, long m, long 
   }
 }
 
-// Row i of a tile that is not full: dS 0 where the mask hides the key (the row's interval, the tile's bits) — the
-// formula's where(mask, s, -inf) passes no gradient there, whatever P holds (a NaN row's P is NaN at every key)
-static inline void zero_hidden(float* dsr, int32_t lo, int32_t hi, long j0, long n, const uint32_t* bits, long i) {
-  const vi lov = splati(lo), hiv = splati((int32_t)mn<long>(hi, j0 + n));
-  const int32_t wb[2] = {bits ? (int32_t)bits[i] : -1, bits ? (int32_t)bits[BM + i] : -1};
-  for (int c = 0; c < BN; c += VW) {
-    const vi j = splati((int32_t)(j0 + c)) + iota();
-    vi keep = (j >= lov) & (j < hiv);
-    if (bits) keep &= ((splati(wb[c >> 5]) >> (iota() + (c & 31))) & 1) != 0;
-    store(dsr + c, keep ? load(dsr + c) : splat(0.f));
-  }
-}
-
-// dP = dO V^T, then dS = P * (dP - delta) into w.dp (where P is 0, dS is 0: never 0 * garbage; where the mask hides
-// the key, 0: zero_hidden, for the rows whose lse lr[i] is NaN or +inf — elsewhere P is exactly 0 there already)
+// dP = dO V^T, then dS = P * (dP - delta) into w.dp (where P is 0, dS is 0: never 0 * garbage). Where the mask hides
+// the key, dS is 0 too — the formula's where(mask, s, -inf) passes no gradient there, whatever P holds: in a row whose
+// lse lr[i] is NaN or +inf, P is NaN at every key, so the mask (the row's interval, the tile's bits) is applied to its
+// dS as to its scores, with 0 (elsewhere P is exactly 0 there already)
 static void score_grads(const Shape& s, long b, long h, long i0, long m, long j0, long n, bool full,
                         const TileMask& tm, const float* do_rows, long lddo, const float* vt, const float* dr,
                         const float* lr, BwdBufs& w) {
@@ -932,8 +921,10 @@ static void score_grads(const Shape& s, long b, long h, long i0, long m, long j0
       for (int c = 0; c < BN; c += VW)  // where P is 0 the gradient is 0 (never 0 * inf from the program)
         store(dsr + c, load(w.p.p + i * BN + c) == splat(0.f) ? splat(0.f) : load(w.dsrow.p + c));
     }
-    if (!full && !(lr[i] < std::numeric_limits<float>::infinity()))
-      zero_hidden(w.dp.p + i * BN, w.lo[i], w.hi[i], j0, n, tm.bits, i);
+    if (!full && !(lr[i] < std::numeric_limits<float>::infinity())) {
+      mask_row(w.dp.p + i * BN, w.lo[i], w.hi[i], j0, n, 0.f);
+      if (tm.bits) mask_bits_row(w.dp.p + i * BN, tm.bits, i, 0.f);
+    }
   }
 }
 
