@@ -150,8 +150,7 @@ def dense_bits(dense: torch.Tensor, L: int, S: int, memo: dict | None = None) ->
         cols = cols_raw.clamp(max=S - 1).view(P, 1, TILE)
         picked = a[partial[:, 0].view(P, 1, 1), partial[:, 1].view(P, 1, 1), rows, cols]  # (P, rows, keys)
         picked &= (cols_raw < S).view(P, 1, TILE)
-        packed = np.packbits(host_array(picked.contiguous()), axis=-1, bitorder="little")
-        bits = torch.from_numpy(packed.view("<u4").view(np.int32)).view(-1, TILE, 2).transpose(1, 2).contiguous()
+        bits = _words(picked)
     else:
         bits = torch.zeros(0, 2, TILE, dtype=torch.int32)
     return TileBits(kinds, index, bits)
@@ -192,12 +191,15 @@ def _bits(fn, tiles: torch.Tensor, L: int, S: int) -> torch.Tensor:
             raise ValueError(f"mask_mod gave shape {tuple(allowed.shape)} on stacked tiles (expected (T, 1, 64, 64))")
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).expand(T, 1, TILE, TILE)
         allowed = allowed[:, 0] & (kv_raw < S).view(T, 1, TILE)  # (T, rows, keys)
-        # 8 keys a byte, key j at bit j % 8 of byte j // 8 ("little"); 4 bytes make a little-endian word whose
-        # bit j is key j: (T, rows, 2 words)
-        packed = np.packbits(host_array(allowed.contiguous()), axis=-1, bitorder="little")
-        words = torch.from_numpy(packed.view("<u4").view(np.int32)).view(T, TILE, 2)
-        out[t0:t0 + T] = words.transpose(1, 2)
+        out[t0:t0 + T] = _words(allowed)
     return out
+
+
+def _words(allowed: torch.Tensor) -> torch.Tensor:
+    """Tiles of points ``(T, 64 rows, 64 keys)`` bool as the kernel reads them, int32 ``(T, 2, 64)``: 8 keys a
+    byte, key j at bit j % 8 of byte j // 8 ("little"); 4 bytes make a little-endian word whose bit j is key j."""
+    packed = np.packbits(host_array(allowed.contiguous()), axis=-1, bitorder="little")
+    return torch.from_numpy(packed.view("<u4").view(np.int32)).view(-1, TILE, 2).transpose(1, 2).contiguous()
 
 
 def unpack(tb: TileBits, B: int, H: int, L: int, S: int) -> torch.Tensor:
