@@ -44,6 +44,7 @@ CASES = [
     ("decode L=1 S=128 GQA causal bf16", 1, 8, 2, 1, 128, 64, "causal=True", "fwd"),
     ("decode L=1 S=2048 GQA causal bf16", 1, 8, 2, 1, 2048, 64, "causal=True", "fwd"),
     ("prefill L=S=64 causal", 2, 4, 4, 64, 64, 16, "causal=True", "fwd"),
+    ("prefill L=S=64 causal bf16", 2, 4, 4, 64, 64, 16, "causal=True", "fwd"),
     ("prefill L=S=200 GQA causal", 1, 4, 2, 200, 200, 64, "causal=True", "fwd"),
     # a decode step whose rows see different keys (the decode entry's tiles where a row does not see every key)
     ("rows differ: decode L=4 S=2048 GQA causal fwd", 1, 8, 2, 4, 2048, 64, "causal=True", "fwd"),
