@@ -86,29 +86,31 @@ def block_minmax(x: torch.Tensor, blk: int):
     return x.amin(dim=2), x.amax(dim=2)
 
 
-def _reduce_blocks(x: torch.Tensor, blk: int, dim: int, op: str) -> torch.Tensor:
-    """any/all over blocks of ``blk`` along ``dim`` of a bool tensor (a size-1 dim stays 1)."""
+def _blocks(x: torch.Tensor, blk: int, dim: int) -> torch.Tensor:
+    """``x`` with ``dim`` split into blocks of ``blk`` (a new dim after it), a ragged last block filled with copies
+    of its last element (which changes no block's min or max)."""
     n = x.shape[dim]
-    if n == 1:
-        return x
     pad = (-n) % blk
     if pad:
-        shape = list(x.shape)
-        shape[dim] = pad
-        x = torch.cat([x, torch.full(shape, op == "all", dtype=torch.bool, device=x.device)], dim=dim)
+        x = torch.cat([x, x.narrow(dim, n - 1, 1).expand(*x.shape[:dim], pad, *x.shape[dim + 1:])], dim=dim)
     shape = list(x.shape)
     shape[dim:dim + 1] = [shape[dim] // blk, blk]
-    x = x.reshape(shape)
-    return x.any(dim=dim + 1) if op == "any" else x.all(dim=dim + 1)
+    return x.reshape(shape)
 
 
 def reduce_allowed(allowed: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
     """Kinds ``(Bp, Hp, nq', nk')`` of an evaluated 4-D bool block (True = attend); a size-1
-    row or column dim gives a size-1 kind dim (broadcast)."""
-    a = allowed.cpu()
-    any_ = _reduce_blocks(_reduce_blocks(a, bm, 2, "any"), bn, 3, "any")
-    all_ = _reduce_blocks(_reduce_blocks(a, bm, 2, "all"), bn, 3, "all")
-    return kinds_from(all_, ~any_)
+    row or column dim gives a size-1 kind dim (broadcast). One pass over the points: the min and max of each row's
+    key blocks (the contiguous dim first, read as bytes), then of each tile's rows; a tile is full where its min is
+    set, empty where its max is not (it replaced an any and an all, each over the rows first: three times the time
+    at L = S = 2048; ``benchmarks/compare_revisions.py --only "bool tensor"`` shows what a call gains)."""
+    a = allowed.cpu().view(torch.uint8)
+    lo = hi = a
+    if a.shape[3] > 1:
+        lo, hi = torch.aminmax(_blocks(a, bn, 3), dim=4)
+    if a.shape[2] > 1:
+        lo, hi = _blocks(lo, bm, 2).amin(dim=3), _blocks(hi, bm, 2).amax(dim=3)
+    return kinds_from(lo.bool(), ~hi.bool())
 
 
 def collapse(kinds: torch.Tensor) -> torch.Tensor:
