@@ -283,13 +283,42 @@ static inline void bdot_keys(long D, const uint16_t* qh, long D2, const uint16_t
   for (int r = 0; r < R; r++) store(sc + r * BN, reduce_lanes(part[r]));
 }
 
+// The same scores register-blocked (as dots_block): per row, the VW keys' sums side by side over d, K's rows read
+// from L1 once per row; no partial sums through memory (bdot_keys holds R x VW of them: more than the registers,
+// spilled to the stack and read back for the reduction). The same sums in the same order per (row, key) as
+// bdot_keys: the same bits. Where K and V sit in cache (below STREAM_BYTES); bdot_keys' memory order where they
+// stream from memory.
+static inline void bdot_block(long rows, long D, const uint16_t* qh, long D2, const uint16_t* k, const long* off,
+                              float* sc) {
+  const long Df = D / 32 * 32;
+  const __mmask32 m = (__mmask32)((1u << (D - Df)) - 1);
+  for (long r = 0; r < rows; r++) {
+    const uint16_t* qr = qh + r * D2;
+    __m512 a[VW];
+#pragma GCC unroll 16
+    for (int c = 0; c < VW; c++) a[c] = _mm512_setzero_ps();
+    for (long d = 0; d < Df; d += 32) {
+      const __m512bh qv = (__m512bh)_mm512_load_si512(qr + d);
+#pragma GCC unroll 16
+      for (int c = 0; c < VW; c++) a[c] = _mm512_dpbf16_ps(a[c], qv, (__m512bh)_mm512_loadu_si512(k + off[c] + d));
+    }
+    if (Df < D) {
+      const __m512bh qv = (__m512bh)_mm512_load_si512(qr + Df);
+#pragma GCC unroll 16
+      for (int c = 0; c < VW; c++)
+        a[c] = _mm512_dpbf16_ps(a[c], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k + off[c] + Df));
+    }
+    store(sc + r * BN, reduce_lanes((const vf*)a));
+  }
+}
+
 constexpr long BDOT_Q = 8192;  // bf16 q values packed per tile call (64 rows of D = 128); more: the widening order
 
 // sc[r * BN + j] = q_r . k_j as dots (rows r < rows, keys j < n; lanes past n: key n - 1) from bf16 K rows (stride
 // ldk elements) and q rows qb (fp32 holding bf16 values, stride ldq, zero past D): packed back to bf16 (exact) once
 // per call. false (nothing done): too many q values for the packing buffer
-static bool dots_bdot(long rows, long n, long D, const float* qb, long ldq, const uint16_t* k, long ldk, float* sc,
-                      const Ahead& ahead) {
+static bool dots_bdot(bool stream, long rows, long n, long D, const float* qb, long ldq, const uint16_t* k, long ldk,
+                      float* sc, const Ahead& ahead) {
   const long D2 = round_up(D, 32);
   if (rows * D2 > BDOT_Q) return false;
   alignas(64) uint16_t qh[BDOT_Q];
@@ -303,6 +332,10 @@ static bool dots_bdot(long rows, long n, long D, const float* qb, long ldq, cons
     prefetch_rows(ahead, j0);
     long off[VW];
     for (int c = 0; c < VW; c++) off[c] = mn<long>(j0 + c, n - 1) * ldk;
+    if (!stream) {
+      bdot_block(rows, D, qh, D2, k, off, sc + j0);
+      continue;
+    }
     long r = 0;
     for (; r + 4 <= rows; r += 4) bdot_keys<4>(D, qh + r * D2, D2, k, off, sc + r * BN + j0);
     switch (rows - r) {
@@ -339,7 +372,7 @@ template <int DT>
 static void dots(bool stream, long rows, long n, long D, const float* qb, long ldq, const void* kr, long ldk,
                  float* sc, const Ahead& ahead, float* kbuf, long Dp, bool bdot) {
 #if AK_BDOT
-  if (DT == AK_BF16 && bdot && dots_bdot(rows, n, D, qb, ldq, (const uint16_t*)kr, ldk, sc, ahead)) return;
+  if (DT == AK_BF16 && bdot && dots_bdot(stream, rows, n, D, qb, ldq, (const uint16_t*)kr, ldk, sc, ahead)) return;
 #else
   (void)bdot;
 #endif
