@@ -46,6 +46,9 @@ CASES = [
     ("prefill L=S=64 causal", 2, 4, 4, 64, 64, 16, "causal=True", "fwd"),
     ("prefill L=S=64 causal bf16", 2, 4, 4, 64, 64, 16, "causal=True", "fwd"),
     ("prefill L=S=200 GQA causal", 1, 4, 2, 200, 200, 64, "causal=True", "fwd"),
+    # bf16 at a head dimension that is not a multiple of 32 (AMX: the scores' depth zero-padded)
+    ("causal L=2048 D=80 bf16 fwd", 1, 8, 8, 2048, 2048, 80, "causal=True", "fwd"),
+    ("causal L=2048 D=80 bf16 fwd+bwd", 1, 8, 8, 2048, 2048, 80, "causal=True", "fwdbwd"),
     # a decode step whose rows see different keys (the decode entry's tiles where a row does not see every key)
     ("rows differ: decode L=4 S=2048 GQA causal fwd", 1, 8, 2, 4, 2048, 64, "causal=True", "fwd"),
     ("rows differ: decode L=16 S=2048 GQA window 512 fwd", 1, 8, 2, 16, 2048, 64, "mask=masks.sliding_window(512)",

@@ -1,6 +1,7 @@
 """The compiled kernel's bf16 forward and backward on AMX tiles (csrc/attn_amx.h): on a CPU with AMX a bf16 call
-with D a multiple of 32 multiplies bf16 itself (forward: S = Q Kᵀ and O += P V on tiles, fp32 accumulation, P
-rounded to bf16 once per tile; backward, where Dv is a multiple of 32 too: S, dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q
+multiplies bf16 itself (forward: S = Q Kᵀ and O += P V on tiles, fp32 accumulation, P rounded to bf16 once per tile;
+S's depth D zero-padded to a multiple of 32 where it is not one; backward, where D and Dv are multiples of 32: S,
+dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q
 and dQ = dS K on tiles, P and dS rounded to bf16 where they are multiplied); every other step is the fp32
 kernel's (scores, softmax statistics, lse, delta, masks, score_mods in fp32).
 
@@ -70,8 +71,11 @@ def _tol(ref, v, D, S):
             + UNIT * ref.abs())
 
 
+# D not a multiple of 32 (16, 80, odd 17 and 1): the scores' depth zero-padded to one on the tiles
 @pytest.mark.parametrize("shape", [(2, 4, 2, 130, 130, 64, 64), (2, 4, 4, 70, 100, 32, 40), (1, 2, 1, 77, 200, 128, 16),
-                                   (1, 2, 2, 64, 64, 64, 130)], ids=lambda s: "B{}H{}/{}L{}S{}D{}Dv{}".format(*s))
+                                   (1, 2, 2, 64, 64, 64, 130), (2, 4, 4, 64, 64, 16, 16), (1, 3, 1, 90, 150, 80, 48),
+                                   (1, 2, 2, 40, 70, 17, 20), (1, 2, 1, 33, 65, 1, 16)],
+                         ids=lambda s: "B{}H{}/{}L{}S{}D{}Dv{}".format(*s))
 @pytest.mark.parametrize("layout", ["contiguous", "bshd", "step2"])
 def test_forward_within_the_bf16_budget_of_float64_for_every_mask(shape, layout):
     B, H, Hkv, L, S, D, Dv = shape
@@ -92,10 +96,12 @@ def test_forward_within_the_bf16_budget_of_float64_for_every_mask(shape, layout)
         assert (lse.double() - ref_lse)[live].abs().max().item() <= 4 * budget(torch.float32, D, S) * 10, name
 
 
-def test_the_tiles_ran_and_differ_from_the_widening_path_only_by_ps_rounding(widened_bf16):
+@pytest.mark.parametrize("D", [64, 16, 80])
+def test_the_tiles_ran_and_differ_from_the_widening_path_only_by_ps_rounding(widened_bf16, D):
     """With AMX switched off the same call widens (bit for bit the fp32 kernel's); on, P's rounding shows, within
-    2⁻⁹ · max|v| + the output's rounding of the widened answer (the tiles did run: the bits differ)."""
-    q, k, v = _qkv(1, 4, 2, 200, 200, 64, 64)
+    2⁻⁹ · max|v| + the output's rounding of the widened answer (the tiles did run: the bits differ) — at D = 16
+    and 80 too (the scores' depth zero-padded to 32 and 96)."""
+    q, k, v = _qkv(1, 4, 2, 200, 200, D, 64)
     with torch.no_grad():
         widened = attnkit.attention(q, k, v, backend="tiled", causal=True)
         _native.set_bf16_dot(True)
@@ -106,11 +112,12 @@ def test_the_tiles_ran_and_differ_from_the_widening_path_only_by_ps_rounding(wid
     assert bool((diff <= 2.0 ** -9 * v.double().abs().max() + 2 * UNIT * widened.double().abs() + 1e-6).all())
 
 
-def test_dead_rows_finfo_min_rows_and_a_nan_query_row():
+@pytest.mark.parametrize("D", [64, 16])
+def test_dead_rows_finfo_min_rows_and_a_nan_query_row(D):
     """A batch row of zero length (every query row dead: out 0, lse -inf), rows whose every score is fp32's finfo.min
     (a score_mod: all equal, so the visible values' mean, not a dead row), and a NaN in one query row (that row
     NaN, the others within budget)."""
-    B, H, L, S, D = 2, 2, 96, 96, 64
+    B, H, L, S = 2, 2, 96, 96
     q, k, v = _qkv(B, H, H, L, S, D, D)
     lo = torch.finfo(torch.float32).min
     mods = {"padding 0": (dict(mask=M.padding([S, 0])), None),
@@ -139,10 +146,12 @@ def test_dead_rows_finfo_min_rows_and_a_nan_query_row():
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 2, 150, 150, 64, 64), (2, 2, 2, 70, 130, 128, 32),
-                                   (1, 2, 1, 100, 100, 32, 48)], ids=lambda s: "B{}H{}/{}L{}S{}D{}Dv{}".format(*s))
+                                   (1, 2, 1, 100, 100, 32, 48), (2, 2, 2, 64, 64, 16, 16)],
+                         ids=lambda s: "B{}H{}/{}L{}S{}D{}Dv{}".format(*s))
 def test_gradients_on_tiles_within_the_bf16_budget(shape, widened_bf16):
-    """Every mask kind, an expanded gradient (stride 0) and bshd inputs; Dv = 48 runs the forward on tiles and the
-    backward widened (dP's depth must be a multiple of 32). Against the widening path: the tiles ran (other bits)."""
+    """Every mask kind, an expanded gradient (stride 0) and bshd inputs; Dv = 48 (D = 16) runs the forward on tiles
+    and the backward widened (dP's (S's) depth must be a multiple of 32). Against the widening path: the tiles ran
+    (other bits)."""
     B, H, Hkv, L, S, D, Dv = shape
     _native.set_bf16_dot(True)
     for layout in ("contiguous", "bshd"):
@@ -161,7 +170,7 @@ def test_gradients_on_tiles_within_the_bf16_budget(shape, widened_bf16):
             for n, a, b in zip("qkv", got, want, strict=True):
                 tol = 4 * EPS[torch.bfloat16] * max(1.0, b.abs().max().item())
                 assert a.dtype is torch.bfloat16 and (a.double() - b).abs().max().item() <= tol, (layout, name, n)
-    if Dv % 32 == 0:  # the backward's own products ran on tiles: with the forward's output fixed, other bits
+    if D % 32 == 0 and Dv % 32 == 0:  # the backward's own products ran on tiles: the forward's output fixed, other bits
         q, k, v = _qkv(B, H, Hkv, L, S, D, Dv, grad=True)
         out, lse = attnkit.attention(q, k, v, backend="tiled", causal=True, return_lse=True)
         lo, hi = M.causal().row_intervals(1, L, S)

@@ -272,7 +272,10 @@ def test_the_prepared_backward_and_a_rounded_copy_beside_give_the_one_shot_calls
         got = fwd(q, k, v, scale)
         out, lse = got[:2]
         one_out, one_lse, _ = _native.forward(q, k, v, lo, hi, scale)
-        assert_close(out, one_out, budget(torch.float32, D, S), entry)
+        # (bf16 on AMX tiles: the forward entry rounds P to bf16, at most 2^-9 max|v| in an output; the decode's
+        # P . V stays fp32)
+        tiles = 2.0 ** -9 * v.double().abs().max().item() if half and _native.bf16_dot() else 0.0
+        assert_close(out, one_out, budget(torch.float32, D, S) + tiles, entry)
         assert_close(lse, one_lse, budget(torch.float32, D, S), entry)
         if half:
             assert torch.equal(got[2], out.to(dtype))

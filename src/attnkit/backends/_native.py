@@ -200,9 +200,10 @@ def set_isa(name: str) -> str:
 
 
 def bf16_dot() -> bool:
-    """Whether a bf16 forward (D a multiple of 32) multiplies bf16 itself on AMX tiles (fp32 accumulation, P rounded
-    to bf16 once per tile: docs/kernel.md) rather than widening to fp32 per tile: the AVX-512 build, on a CPU with
-    AMX, unless switched off (:func:`set_bf16_dot`, ``ATTNKIT_NATIVE_BF16_DOT=0``)."""
+    """Whether a bf16 forward multiplies bf16 itself on AMX tiles (fp32 accumulation, P rounded to bf16 once per
+    tile; D not a multiple of 32: the scores' depth zero-padded to one; docs/kernel.md) rather than widening to fp32
+    per tile: the AVX-512 build, on a CPU with AMX, unless switched off (:func:`set_bf16_dot`,
+    ``ATTNKIT_NATIVE_BF16_DOT=0``). The backward multiplies on tiles where D and Dv are multiples of 32."""
     _load()
     return _lib is not None and hasattr(_lib, "ak_bf16_dot_active") and bool(_lib.ak_bf16_dot_active())
 

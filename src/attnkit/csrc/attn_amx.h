@@ -129,22 +129,40 @@ static void rows_of_ot(const float* ot, long Dvp, long mc, float* o) {
     }
 }
 
-// Q^T pairs of a query block (m rows of D bf16 at src + off, row stride `stride`; D a multiple of 32)
+// Q^T pairs of a query block (m rows of D bf16 at src + off, row stride `stride`), Dq / 2 pair rows (Dq: D rounded
+// up to 32; zero past D, the depth the tiles multiply)
 static void pack_q_pairs(uint32_t* dst, const void* src, long off, long stride, long m, long D) {
   const uint16_t* q = (const uint16_t*)src + off;
-  const long D2 = D / 2;
+  const long D2 = (D + 31) / 32 * 16;
   long i0 = 0;
   for (; i0 + 16 <= m; i0 += 16)  // 16 rows x 16 pairs at a time, transposed in registers
     for (long d2 = 0; d2 < D2; d2 += 16) {
+      const long left = D - 2 * d2;  // (the last 32 values of a row loaded under a mask: zero past D)
+      const __mmask32 msk = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
       __m512i r[16];
-      for (int t = 0; t < 16; t++) r[t] = _mm512_loadu_si512(q + (i0 + t) * stride + 2 * d2);
+      for (int t = 0; t < 16; t++) r[t] = _mm512_maskz_loadu_epi16(msk, q + (i0 + t) * stride + 2 * d2);
       transpose16(r);
       for (int c = 0; c < 16; c++) _mm512_storeu_si512(dst + (d2 + c) * BM + i0, r[c]);
     }
   for (long i = i0; i < m; i++)
-    for (long d2 = 0; d2 < D2; d2++) dst[d2 * BM + i] = ld_pair(q + i * stride + 2 * d2);
+    for (long d2 = 0; d2 < D2; d2++) {
+      const uint16_t* p = q + i * stride + 2 * d2;
+      dst[d2 * BM + i] = 2 * d2 + 1 < D ? ld_pair(p) : 2 * d2 < D ? p[0] : 0u;
+    }
   for (long d2 = 0; d2 < D2; d2++)
     for (long i = m; i < BM; i++) dst[d2 * BM + i] = 0;
+}
+
+// n rows of D bf16 (row stride `stride`) into BN rows of Dq (D rounded up to 32; zero past D and past n keys): a key
+// tile the tiles cannot read in place (fewer than BN keys, or D not a multiple of 32)
+static void pad_k_rows(uint16_t* dst, const uint16_t* k, long stride, long n, long D) {
+  const long Dq = (D + 31) / 32 * 32;
+  for (long j = 0; j < BN; j++)
+    for (long d = 0; d < Dq; d += 32) {
+      const long left = j < n ? D - d : 0;
+      const __mmask32 msk = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
+      _mm512_storeu_si512(dst + j * Dq + d, _mm512_maskz_loadu_epi16(msk, k + j * stride + d));
+    }
 }
 
 // 16 bf16 halves (rounded from 16 fp32) widened to the low halves of 16 uint32 lanes

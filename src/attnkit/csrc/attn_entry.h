@@ -19,7 +19,7 @@ static Shape shape_of(const AkCall* c, Prog* prog) {
   s.dt = (int)c->dtype;
   s.bdot = false;
 #if AK_BDOT
-  s.bdot = ak_bf16_dot != 0 && s.dt == AK_BF16 && s.D % 32 == 0 && amx_usable();
+  s.bdot = ak_bf16_dot != 0 && s.dt == AK_BF16 && amx_usable();
 #endif
   return s;
 }

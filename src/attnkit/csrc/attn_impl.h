@@ -230,7 +230,7 @@ struct Shape {
   long tkb, tkh;
   const Prog* prog;  // a score_mod program run on the scaled scores (attn_prog.h), or null
   int dt;            // element type of q, k, v (and the backward's dO): AK_F32, AK_BF16 or AK_F16
-  bool bdot;         // the forward multiplies bf16 on AMX tiles (attn_amx.h): a bf16 call, D % 32 == 0, AMX here
+  bool bdot;         // the forward multiplies bf16 on AMX tiles (attn_amx.h): a bf16 call, AMX here
 };
 
 enum { T_EMPTY = 0, T_PARTIAL = 1, T_FULL = 2 };
@@ -526,8 +526,9 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
     const long ks = BN * s.D + 16, vs = BN * Dvp + 16;
     Buf<float> qt(bd ? 1 : s.D * BM), st(BN * BM), kp(k_in_place ? 1 : tc * ks), vp(v_in_place ? 1 : tc * vs + 512),
         acc(BM * Dvp), mrow(BM), lrow(BM);
-    Buf<uint32_t> qtb(bd ? s.D / 2 * BM : 1), pb(bd ? BN / 2 * BM : 1);  // Q^T and P as bf16 pairs
-    Buf<uint16_t> kpad(bd ? BN * s.D : 1);  // a last key tile of fewer than BN keys, zero-padded
+    const long Dq = round_up(s.D, 32);  // (AMX: the scores' depth, zero past D)
+    Buf<uint32_t> qtb(bd ? Dq / 2 * BM : 1), pb(bd ? BN / 2 * BM : 1);  // Q^T and P as bf16 pairs
+    Buf<uint16_t> kpad(bd ? BN * Dq : 1);  // a key tile of fewer than BN keys or D % 32 != 0, zero-padded
     Buf<float> orow(bd ? BM * Dvp : 1);  // (AMX: the block's O rows, from O^T)
 #if AK_BDOT
     const TileScope tiles(bd);
@@ -584,12 +585,11 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
         if (bd) {  // S^T = K Q^T on tiles, every BN x BM score (a partial tile masked below), K in place
           const uint16_t* kb16 = (const uint16_t*)k + koff + j0 * s.sk[2];
           long ldk16 = s.sk[2];
-          if (n < BN) {
-            for (long j = 0; j < BN; j++)
-              for (long d = 0; d < s.D; d++) kpad.p[j * s.D + d] = j < n ? kb16[j * s.sk[2] + d] : 0;
-            kb16 = kpad.p, ldk16 = s.D;
+          if (n < BN || Dq != s.D) {
+            pad_k_rows(kpad.p, kb16, s.sk[2], n, s.D);
+            kb16 = kpad.p, ldk16 = Dq;
           }
-          scores_amx(kb16, ldk16, qtb.p, s.D, st.p);
+          scores_amx(kb16, ldk16, qtb.p, Dq, st.p);
         } else
 #endif
         if (full)
@@ -1070,8 +1070,8 @@ static int backward(const Shape& s, const void* q, const void* k, const void* v,
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN;
   const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(Dp, 16);
   const long nblk = s.B * s.H * nq, chains = s.B * s.Hkv, items = chains * nk;
-  // bf16 products on AMX tiles (attn_amx.h): as the forward's, and Dv a multiple of 32 too (dP's depth)
-  const bool amx = AK_BDOT && s.bdot && s.Dv % 32 == 0;
+  // bf16 products on AMX tiles (attn_amx.h): as the forward's where D and Dv are multiples of 32 (the depths of S and dP)
+  const bool amx = AK_BDOT && s.bdot && s.D % 32 == 0 && s.Dv % 32 == 0;
   float* delta = scratch<float>(0, s.B * s.H * s.L);
   int32_t* turns = scratch<int32_t>(1, nblk);
   TileRange* ranges = scratch<TileRange>(2, nblk);
