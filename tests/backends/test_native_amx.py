@@ -1,7 +1,7 @@
 """The compiled kernel's bf16 forward and backward on AMX tiles (csrc/attn_amx.h): on a CPU with AMX a bf16 call
 multiplies bf16 itself (forward: S = Q Kᵀ and O += P V on tiles, fp32 accumulation, P rounded to bf16 once per tile;
-S's depth D zero-padded to a multiple of 32 where it is not one; backward, where D and Dv are multiples of 32: S,
-dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q
+S's depth D zero-padded to a multiple of 32 where it is not one; backward, where D and Dv are multiples of 16: S,
+dP = dO Vᵀ (their depths padded alike), dV += Pᵀ dO, dK += dSᵀ Q
 and dQ = dS K on tiles, P and dS rounded to bf16 where they are multiplied); every other step is the fp32
 kernel's (scores, softmax statistics, lse, delta, masks, score_mods in fp32).
 
@@ -146,12 +146,13 @@ def test_dead_rows_finfo_min_rows_and_a_nan_query_row(D):
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 2, 150, 150, 64, 64), (2, 2, 2, 70, 130, 128, 32),
-                                   (1, 2, 1, 100, 100, 32, 48), (2, 2, 2, 64, 64, 16, 16)],
+                                   (1, 2, 1, 100, 100, 32, 48), (2, 2, 2, 64, 64, 16, 16), (1, 2, 1, 70, 90, 80, 48),
+                                   (1, 2, 1, 40, 70, 17, 20)],
                          ids=lambda s: "B{}H{}/{}L{}S{}D{}Dv{}".format(*s))
 def test_gradients_on_tiles_within_the_bf16_budget(shape, widened_bf16):
-    """Every mask kind, an expanded gradient (stride 0) and bshd inputs; Dv = 48 (D = 16) runs the forward on tiles
-    and the backward widened (dP's (S's) depth must be a multiple of 32). Against the widening path: the tiles ran
-    (other bits)."""
+    """Every mask kind, an expanded gradient (stride 0) and bshd inputs; D or Dv not a multiple of 32 (S's and dP's
+    depths zero-padded on the tiles), and D = 17, Dv = 20: the forward on tiles, the backward widened (dK's, dQ's and
+    dV's columns on tiles must be multiples of 16). Against the widening path: the tiles ran (other bits)."""
     B, H, Hkv, L, S, D, Dv = shape
     _native.set_bf16_dot(True)
     for layout in ("contiguous", "bshd"):
@@ -170,7 +171,7 @@ def test_gradients_on_tiles_within_the_bf16_budget(shape, widened_bf16):
             for n, a, b in zip("qkv", got, want, strict=True):
                 tol = 4 * EPS[torch.bfloat16] * max(1.0, b.abs().max().item())
                 assert a.dtype is torch.bfloat16 and (a.double() - b).abs().max().item() <= tol, (layout, name, n)
-    if D % 32 == 0 and Dv % 32 == 0:  # the backward's own products ran on tiles: the forward's output fixed, other bits
+    if D % 16 == 0 and Dv % 16 == 0:  # the backward's own products ran on tiles: the forward's output fixed, other bits
         q, k, v = _qkv(B, H, Hkv, L, S, D, Dv, grad=True)
         out, lse = attnkit.attention(q, k, v, backend="tiled", causal=True, return_lse=True)
         lo, hi = M.causal().row_intervals(1, L, S)

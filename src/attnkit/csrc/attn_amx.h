@@ -272,25 +272,29 @@ static void pv_amx(const uint16_t* vt, long Dvp, const uint32_t* pb, float* acc)
 
 // ---- the backward's operands (row layout: S = Q K^T, queries x keys) ----
 
-// m rows of X bf16 (element stride sx along a row: 1, or e.g. 0 for an expanded gradient) into BM rows of X,
-// zero past m
-static void rows16(uint16_t* dst, const void* src, long off, long stride, long sx, long m, long X) {
+// m rows of X bf16 (element stride sx along a row: 1, or e.g. 0 for an expanded gradient) into BM rows of Xp >= X
+// (zero past X: a product's depth padded to a multiple of 32), zero past m
+static void rows16(uint16_t* dst, long Xp, const void* src, long off, long stride, long sx, long m, long X) {
   const uint16_t* p = (const uint16_t*)src + off;
   for (long i = 0; i < BM; i++) {
-    uint16_t* o = dst + i * X;
-    if (i >= m) std::memset(o, 0, X * 2);
-    else if (sx == 1) std::memcpy(o, p + i * stride, X * 2);
+    uint16_t* o = dst + i * Xp;
+    if (i >= m) {
+      std::memset(o, 0, Xp * 2);
+      continue;
+    }
+    if (sx == 1) std::memcpy(o, p + i * stride, X * 2);
     else
       for (long d = 0; d < X; d++) o[d] = p[i * stride + d * sx];
+    if (Xp > X) std::memset(o + X, 0, (Xp - X) * 2);
   }
 }
 
-// pairs of rows: dst[(i / 2) * X + d] = (r[i][d], r[i + 1][d]) from BM contiguous rows of X bf16 (X % 16 == 0)
-static void row_pairs(uint32_t* dst, const uint16_t* r, long X) {
+// pairs of rows: dst[(i / 2) * X + d] = (r[i][d], r[i + 1][d]) from BM rows of X bf16 (row stride ldr, X % 16 == 0)
+static void row_pairs(uint32_t* dst, const uint16_t* r, long ldr, long X) {
   for (long i = 0; i < BM; i += 2)
     for (long d = 0; d < X; d += 16)
-      _mm512_storeu_si512(dst + (i / 2) * X + d,
-                          _mm512_or_si512(halves(r + i * X + d), _mm512_slli_epi32(halves(r + (i + 1) * X + d), 16)));
+      _mm512_storeu_si512(dst + (i / 2) * X + d, _mm512_or_si512(halves(r + i * ldr + d),
+                                                                 _mm512_slli_epi32(halves(r + (i + 1) * ldr + d), 16)));
 }
 
 // the transpose of an fp32 tile (m rows of BN, row stride BN; zero past m) in bf16: dst (BN x BM), row j holding
@@ -321,15 +325,16 @@ static void rows_bf16(uint16_t* dst, const float* src, long m) {
     }
 }
 
-// A thread's bf16 operands for the backward on tiles: Q and dO rows (BM x D, BM x Dv) and their pairs of rows, K rows
-// and pairs of keys, K^T and V^T pairs along D (per key tile), P^T / dS^T and dS in bf16
+// A thread's bf16 operands for the backward on tiles: Q and dO rows (BM x D32, BM x Dv32: S's and dP's depths, D and
+// Dv rounded up to 32, zero past them) and their pairs of rows, K rows and pairs of keys, K^T and V^T pairs along D
+// and Dv (per key tile, D32 / 2 and Dv32 / 2 pair rows), P^T / dS^T and dS in bf16
 struct AmxBwd {
   Buf<uint16_t> q16, do16, k16, pt, ds;
   Buf<uint32_t> qp, dop, ktp, vtp, kp;
   AmxBwd(bool on, long D, long Dv)
-      : q16(on ? BM * D : 1), do16(on ? BM * Dv : 1), k16(on ? BN * D : 1), pt(on ? BN * BM : 1), ds(on ? BM * BN : 1),
-        qp(on ? BM / 2 * D : 1), dop(on ? BM / 2 * Dv : 1), ktp(on ? D / 2 * BN : 1), vtp(on ? Dv / 2 * BN : 1),
-        kp(on ? BN / 2 * D : 1) {}
+      : q16(on ? BM * round_up(D, 32) : 1), do16(on ? BM * round_up(Dv, 32) : 1), k16(on ? BN * D : 1),
+        pt(on ? BN * BM : 1), ds(on ? BM * BN : 1), qp(on ? BM / 2 * D : 1), dop(on ? BM / 2 * Dv : 1),
+        ktp(on ? round_up(D, 32) / 2 * BN : 1), vtp(on ? round_up(Dv, 32) / 2 * BN : 1), kp(on ? BN / 2 * D : 1) {}
 };
 
 #pragma GCC diagnostic pop

@@ -978,24 +978,26 @@ static void key_tile_item(const Shape& s, long b, long hk, long kbk, const void*
       const bool meets = tm.kind != T_EMPTY && (full || tile_touched(w.lo.p, w.hi.p, m, j0, j0 + n));
 #if AK_BDOT
       if (meets && amx) {  // the five products on bf16 tiles (attn_amx.h); P, dS rounded to bf16 where multiplied
+        // (S's and dP's depths D32, Dv32: D and Dv rounded up to 32, the operands zero past them)
+        const long D32 = round_up(s.D, 32), Dv32 = round_up(s.Dv, 32);
         if (!packed) {  // this tile's K^T and V^T as pairs along D (S, dP) and K as pairs of keys (dQ)
           pack_q_pairs(x.ktp.p, k, kro, s.sk[2], n, s.D);
           pack_q_pairs(x.vtp.p, v, vro, s.sv[2], n, s.Dv);
-          rows16(x.k16.p, k, kro, s.sk[2], 1, n, s.D);
-          row_pairs(x.kp.p, x.k16.p, s.D);
+          rows16(x.k16.p, s.D, k, kro, s.sk[2], 1, n, s.D);
+          row_pairs(x.kp.p, x.k16.p, s.D, s.D);
           packed = true;
         }
-        rows16(x.q16.p, q, b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], 1, m, s.D);
-        rows16(x.do16.p, dout, b * sdo[0] + h * sdo[1] + i0 * sdo[2], sdo[2], sdl, m, s.Dv);
-        amx_gemm<true>(BM, BN, s.D, x.q16.p, s.D, x.ktp.p, BN, w.p.p, BN);  // S = Q K^T
+        rows16(x.q16.p, D32, q, b * s.sq[0] + h * s.sq[1] + i0 * s.sq[2], s.sq[2], 1, m, s.D);
+        rows16(x.do16.p, Dv32, dout, b * sdo[0] + h * sdo[1] + i0 * sdo[2], sdo[2], sdl, m, s.Dv);
+        amx_gemm<true>(BM, BN, D32, x.q16.p, D32, x.ktp.p, BN, w.p.p, BN);  // S = Q K^T
         probabilities(s, b, h, i0, m, j0, n, full, tm, nullptr, 0, nullptr, lse + bh2 * s.L + i0, w);
-        amx_gemm<true>(BM, BN, s.Dv, x.do16.p, s.Dv, x.vtp.p, BN, w.dp.p, BN);  // dP = dO V^T
-        row_pairs(x.dop.p, x.do16.p, s.Dv);
+        amx_gemm<true>(BM, BN, Dv32, x.do16.p, Dv32, x.vtp.p, BN, w.dp.p, BN);  // dP = dO V^T
+        row_pairs(x.dop.p, x.do16.p, Dv32, s.Dv);
         t_bf16(x.pt.p, w.p.p, m);
         amx_gemm<false>(BN, s.Dv, BM, x.pt.p, BM, x.dop.p, s.Dv, w.dva.p, Dvp);  // dV += P^T dO
         score_grads(s, b, h, i0, m, j0, n, full, tm, nullptr, 0, nullptr, delta + bh2 * s.L + i0,
                     lse + bh2 * s.L + i0, w);
-        row_pairs(x.qp.p, x.q16.p, s.D);
+        row_pairs(x.qp.p, x.q16.p, D32, s.D);
         t_bf16(x.pt.p, w.dp.p, m);
         amx_gemm<false>(BN, s.D, BM, x.pt.p, BM, x.qp.p, s.D, w.dka.p, Dp);  // dK += dS^T Q (scaled at the end)
         rows_bf16(x.ds.p, w.dp.p, m);
@@ -1070,8 +1072,9 @@ static int backward(const Shape& s, const void* q, const void* k, const void* v,
   const long nq = (s.L + BM - 1) / BM, nk = (s.S + BN - 1) / BN;
   const long Dp = round_up(s.D, VW), Dvp = round_up(s.Dv, VW), Dq = round_up(Dp, 16);
   const long nblk = s.B * s.H * nq, chains = s.B * s.Hkv, items = chains * nk;
-  // bf16 products on AMX tiles (attn_amx.h): as the forward's where D and Dv are multiples of 32 (the depths of S and dP)
-  const bool amx = AK_BDOT && s.bdot && s.D % 32 == 0 && s.Dv % 32 == 0;
+  // bf16 products on AMX tiles (attn_amx.h): as the forward's where D and Dv are multiples of 16 (the column counts
+  // of dK, dQ and dV; S's and dP's depths zero-padded to multiples of 32)
+  const bool amx = AK_BDOT && s.bdot && s.D % 16 == 0 && s.Dv % 16 == 0;
   float* delta = scratch<float>(0, s.B * s.H * s.L);
   int32_t* turns = scratch<int32_t>(1, nblk);
   TileRange* ranges = scratch<TileRange>(2, nblk);
