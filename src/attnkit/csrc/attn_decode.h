@@ -256,7 +256,7 @@ static inline void bdot_group(long D, const uint16_t* qh, long D2, const uint16_
     for (int t = 0; t < KP; t++) kv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, kc[t] + d);
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
-      const __m512bh qv = (__m512bh)_mm512_load_si512(qh + r * D2 + d);
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + r * D2 + d);
 #pragma GCC unroll 4
       for (int t = 0; t < KP; t++) a[r][t] = _mm512_dpbf16_ps(a[r][t], qv, kv[t]);
     }
@@ -298,12 +298,12 @@ static inline void bdot_block(long rows, long D, const uint16_t* qh, long D2, co
 #pragma GCC unroll 16
     for (int c = 0; c < VW; c++) a[c] = _mm512_setzero_ps();
     for (long d = 0; d < Df; d += 32) {
-      const __m512bh qv = (__m512bh)_mm512_load_si512(qr + d);
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
 #pragma GCC unroll 16
       for (int c = 0; c < VW; c++) a[c] = _mm512_dpbf16_ps(a[c], qv, (__m512bh)_mm512_loadu_si512(k + off[c] + d));
     }
     if (Df < D) {
-      const __m512bh qv = (__m512bh)_mm512_load_si512(qr + Df);
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + Df);
 #pragma GCC unroll 16
       for (int c = 0; c < VW; c++)
         a[c] = _mm512_dpbf16_ps(a[c], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k + off[c] + Df));
@@ -314,20 +314,33 @@ static inline void bdot_block(long rows, long D, const uint16_t* qh, long D2, co
 
 constexpr long BDOT_Q = 8192;  // bf16 q values packed per tile call (64 rows of D = 128); more: the widening order
 
+// One bf16 q row (D values at src) as dots_bdot reads it: D rounded up to 32, zero past D
+static void pack_q16(uint16_t* dst, const uint16_t* src, long D) {
+  for (long d = 0; d < D; d += 32) {
+    const long left = D - d;
+    const __mmask32 m = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
+    _mm512_storeu_si512(dst + d, _mm512_maskz_loadu_epi16(m, src + d));
+  }
+}
+
 // sc[r * BN + j] = q_r . k_j as dots (rows r < rows, keys j < n; lanes past n: key n - 1) from bf16 K rows (stride
-// ldk elements) and q rows qb (fp32 holding bf16 values, stride ldq, zero past D): packed back to bf16 (exact) once
-// per call. false (nothing done): too many q values for the packing buffer
-static bool dots_bdot(bool stream, long rows, long n, long D, const float* qb, long ldq, const uint16_t* k, long ldk,
-                      float* sc, const Ahead& ahead) {
+// ldk elements) and q rows: qpk (bf16, row stride round_up(D, 32), zero past D: packed once per call by the caller)
+// or else qb (fp32 holding bf16 values, stride ldq, zero past D), packed back to bf16 (exact) here. false (nothing
+// done): too many q values for the packing buffer
+static bool dots_bdot(bool stream, long rows, long n, long D, const float* qb, long ldq, const uint16_t* qpk,
+                      const uint16_t* k, long ldk, float* sc, const Ahead& ahead) {
   const long D2 = round_up(D, 32);
   if (rows * D2 > BDOT_Q) return false;
-  alignas(64) uint16_t qh[BDOT_Q];
-  for (long r = 0; r < rows; r++)
-    for (long d = 0; d < D2; d += 32) {
-      const float* q = qb + r * ldq + d;
-      const __m512 lo = _mm512_loadu_ps(q), hi = d + 16 < round_up(D, VW) ? _mm512_loadu_ps(q + 16) : _mm512_setzero_ps();
-      _mm512_store_si512(qh + r * D2 + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+  alignas(64) uint16_t qbuf[BDOT_Q];  // (untouched when qpk is given)
+  const uint16_t* qh = qpk ? qpk : qbuf;
+  if (!qpk)
+    for (long r = 0; r < rows; r++)
+      for (long d = 0; d < D2; d += 32) {
+        const float* q = qb + r * ldq + d;
+        const __m512 lo = _mm512_loadu_ps(q);
+        const __m512 hi = d + 16 < round_up(D, VW) ? _mm512_loadu_ps(q + 16) : _mm512_setzero_ps();
+        _mm512_store_si512(qbuf + r * D2 + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
   for (long j0 = 0; j0 < n; j0 += VW) {
     prefetch_rows(ahead, j0);
     long off[VW];
@@ -368,13 +381,15 @@ static inline bool bdot_on(int dt) {
 // (`benchmarks/bf16_small.py --only decode`, BENCHMARKS.md) 1.08, 1.08 -> 1.04, 1.00 at 128 keys, 1.12, 1.21 ->
 // 1.03, 1.03 at 2048. fp32 keeps the register-blocked order below STREAM_BYTES (nothing to widen).
 // The same sums in the same order either way: the same bits.
+// (qpk: with bdot, q's rows as bf16 already packed for dots_bdot, or null)
 template <int DT>
 static void dots(bool stream, long rows, long n, long D, const float* qb, long ldq, const void* kr, long ldk,
-                 float* sc, const Ahead& ahead, float* kbuf, long Dp, bool bdot) {
+                 float* sc, const Ahead& ahead, float* kbuf, long Dp, bool bdot, const uint16_t* qpk = nullptr) {
 #if AK_BDOT
-  if (DT == AK_BF16 && bdot && dots_bdot(stream, rows, n, D, qb, ldq, (const uint16_t*)kr, ldk, sc, ahead)) return;
+  if (DT == AK_BF16 && bdot && dots_bdot(stream, rows, n, D, qb, ldq, qpk, (const uint16_t*)kr, ldk, sc, ahead))
+    return;
 #else
-  (void)bdot;
+  (void)bdot, (void)qpk;
 #endif
   for (long j0 = 0; j0 < n; j0 += VW) {
     prefetch_rows(ahead, j0);
@@ -576,15 +591,18 @@ static void pv(bool stream, long rows, long n, long N, const float* P, const voi
 // intervals. Kept between calls (thread_local arena).
 struct DecBufs {
   float *qb, *sc, *vt, *kb;
+  uint16_t* qh;             // a bf16 call's q rows for dots_bdot (rb x round_up(D, 32)), packed once per item
   int32_t *lo, *hi, *regs;  // regs: the score_mod program's registers (regs x SL words), or none
 };
 
 static bool dec_bufs(const Dec& s, DecBufs& w) {
-  const long nf = s.rb * s.Dp + s.rb * BN + BN * s.Dvp + VW * s.Dp;
+  const long nh = s.bdot ? s.rb * round_up(s.D, 32) / 2 : 0;  // (qh: bf16, two a float)
+  const long nf = s.rb * s.Dp + s.rb * BN + nh + BN * s.Dvp + VW * s.Dp;
   const long nr = s.prog ? s.prog->regs * SL : 0;
   float* p = scratch<float>(5, nf + 2 * s.rb * s.nst + nr);
   if (!p) return false;
-  w.qb = p, w.sc = p + s.rb * s.Dp, w.vt = w.sc + s.rb * BN, w.kb = w.vt + BN * s.Dvp;
+  w.qb = p, w.sc = p + s.rb * s.Dp, w.qh = (uint16_t*)(w.sc + s.rb * BN);
+  w.vt = w.sc + s.rb * BN + nh, w.kb = w.vt + BN * s.Dvp;
   w.lo = (int32_t*)(w.kb + VW * s.Dp), w.hi = w.lo + s.rb * s.nst, w.regs = w.hi + s.rb * s.nst;
   return true;
 }
@@ -671,13 +689,25 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
   float* l = part + s.rb;
   float* acc = part + 2 * s.rb;
   const long esz = DT == AK_F32 ? 4 : 2;
-  // q rows, widened and zero-padded to Dp; the rows' intervals
+  // q rows, widened and zero-padded to Dp (a bf16 call's scores by VDPBF16PS: kept bf16, padded to 32 for
+  // dots_bdot, packed once here rather than widened and packed back per tile); the rows' intervals
+#if AK_BDOT
+  const long D2 = round_up(s.D, 32);
+  const bool qpk = DT == AK_BF16 && s.bdot && rows * D2 <= BDOT_Q;
+#else
+  const bool qpk = false;
+#endif
   for (long r = 0; r < rows; r++) {
     const long h = hk * s.g + (r0 + r) / s.L, i = (r0 + r) % s.L;
     const char* qr = (const char*)s.q + (b * s.sq[0] + h * s.sq[1] + i * s.sq[2]) * esz;
+#if AK_BDOT
+    if (qpk) pack_q16(w.qh + r * D2, (const uint16_t*)qr, s.D);
+#endif
     float* dst = w.qb + r * s.Dp;
-    for (long d = 0; d < s.D; d++) dst[d] = ld1<DT>(qr, d);
-    fill(dst + s.D, dst + s.Dp, 0.f);
+    if (!qpk) {
+      for (long d = 0; d < s.D; d++) dst[d] = ld1<DT>(qr, d);
+      fill(dst + s.D, dst + s.Dp, 0.f);
+    }
     for (long t = 0; t < s.nst; t++) {  // stretch t of row r at w.lo / w.hi[t * rb + r]
       const long at = t * s.lst + b * s.lob + i;
       w.lo[t * s.rb + r] = mx2<int32_t>(s.lo[at], 0), w.hi[t * s.rb + r] = mn<int32_t>(s.hi[at], (int32_t)s.S);
@@ -701,7 +731,8 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const long nn = mn<long>(BN, kb - j0 - BN);  // keys of the next tile of this chunk
     const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
                       s.sv[2] * esz, s.D * esz, s.Dv * esz};
-    dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp, s.bdot);
+    dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp, s.bdot,
+             qpk ? w.qh : nullptr);
     bool whole = true;  // every row sees every key of the tile: P . V runs over all rows at once
     for (long r = 0; r < rows; r++) {
       float* srow = w.sc + r * BN;
