@@ -1,7 +1,8 @@
 // The forward's and the backward's bf16 matrix products on AMX tiles (TDPBF16PS: a 16 x 16 fp32 tile += a 16 x 32
 // bf16 tile times a 16 x 16 tile of bf16 pairs). Included by attn_impl.h inside AK_NS, in the AVX-512 build only
 // (AK_BDOT 1; 0 elsewhere, or with a compiler too old for AMX); used where the CPU has AMX (and the OS grants its
-// tile state) and the call is bf16 with D a multiple of 32 (Shape::bdot, set by attn_entry.h).
+// tile state) and the call is bf16 (Shape::bdot, set by attn_entry.h); a D that is not a multiple of 32 zero-padded to
+// one in the scores' products (pack_q_pairs, pad_k_rows).
 //
 // What changes against the widening path, and what does not:
 //   scores   S^T = K Q^T from the bf16 inputs themselves: each product is exact in fp32 (8-bit significands),
@@ -11,7 +12,8 @@
 //            sum of the unrounded P (lse is exact as before). The rounding of P is the one error this path adds:
 //            at most 2^-9 of each weight, so at most 2^-9 · max|v| in an output (FlashAttention's bf16 kernels
 //            and torch's CPU flash kernel round P the same way).
-// The backward (where Dv % 32 == 0 too: dP's depth): S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ = dS K on
+// The backward (where D % 16 == 0 and Dv % 16 == 0: dK's, dQ's and dV's columns; S's and dP's depths padded to 32):
+// S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ = dS K on
 // tiles, from bf16 rows of Q, dO (per pair of tiles) and K, V (per key tile), P and dS rounded to bf16 where they
 // are multiplied; delta, the softmax and dS = P (dP - delta) stay fp32 (attn_impl.h's key_tile_item).
 // Measured (Intel Xeon with AMX, one thread): a 64 x 64 x 64 tile product at ~1.8 TFLOP/s on tiles against

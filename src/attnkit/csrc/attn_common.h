@@ -34,7 +34,7 @@ enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
 extern int ak_decode_order;
 
 // The forward's bf16 matrix products on AMX tiles (attn_amx.h; the AVX-512 build, on a CPU with AMX): 1 used for
-// bf16 calls with D a multiple of 32 (the default), 0 never (bf16 widened to fp32 per tile, as on every other CPU).
+// bf16 calls (the default), 0 never (bf16 widened to fp32 per tile, as on every other CPU).
 // Set by ak_set_bf16_dot (tests compare both; ATTNKIT_NATIVE_BF16_DOT=0).
 extern int ak_bf16_dot;
 
