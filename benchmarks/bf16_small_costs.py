@@ -8,9 +8,9 @@
    median of the rounds' own.
 2. The same step through ``attnkit.attention``, fp32 timed first in each round and then bf16 first (an order effect
    would show as two different ratios).
-3. A causal prefill of 64 tokens (B = 2, H = 4) through ``attnkit.attention`` at D = 16 (bf16 widened per tile: the
-   AMX path needs D % 32 = 0) and at D = 32 (bf16 on AMX tiles where the CPU has them): bf16 / fp32 at each, and
-   bf16 at D = 32 against fp32 at D = 16 (what padding D to 32 for the tiles could reach at best).
+3. A causal prefill of 64 tokens (B = 2, H = 4) through ``attnkit.attention`` at D = 16 and at D = 32 (bf16 on AMX
+   tiles where the CPU has them; at D = 16 the scores' depth zero-padded to 32 — before, D % 32 != 0 widened bf16 per
+   tile): bf16 / fp32 at each, and bf16 at D = 32 against fp32 at D = 16.
 4. A user's bool mask of L = S = 2048: a BLAKE2 digest of its bytes (``_mods._content``, what a cache keyed by its
    content would take per call) against reading its tile map (``_tilebits.dense_bits``), in ms.
 """
