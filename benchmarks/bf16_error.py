@@ -5,14 +5,17 @@
 Rounding the inputs once and using them for the float64 attention too isolates the
 kernels' own error from the (shared) input rounding. Shape: B=1, H=8, L=S, D=64, dense.
 
-Then two calls ``auto`` sends to the compiled kernel, each against its budget (the tests' own):
+Then calls ``auto`` sends to the compiled kernel, each against its budget (the tests' own):
 
 * a decode step over 2048 keys (GQA 8/2, D = 64) — on a CPU with avx512_bf16 its scores by VDPBF16PS, and the same
   call with the bf16 products off (the widening order): the fp32 budget ``16 eps32 (sqrt(D) + sqrt(S))`` of the
   largest value plus one rounding of the output (``2^-8 |ref|``), in fp32 output units before that rounding;
 * your own bool mask at L = S = 64 (H = 8, D = 64) with gradients (the kernel's prepared forward and backward, the
   mask's tile map): output within one bf16 unit of the largest value plus the fp32 budget, gradients within four
-  (tests/backends/test_native_bool_mask.py).
+  (tests/backends/test_native_bool_mask.py);
+* causal calls at D = 16 and D = 80 with gradients (on a CPU with AMX: the tiles, the scores' depth zero-padded
+  to 32 / 96): the same budgets, the output's with P's rounding (``2^-9 max|v|``) added
+  (tests/backends/test_native_amx.py).
 """
 
 import sys
@@ -79,6 +82,25 @@ def main(L: int = 2048) -> None:
         top = max(1.0, b.abs().max().item())
         bound = units * UNIT * top + _fp32_budget(64, 64, top)
         print(f"  {name:4s} max error {(a.double() - b).abs().max().item():.3e}   budget {bound:.3e}")
+
+    # a head dimension that is not a multiple of 32, with gradients (AMX: the scores' depth zero-padded)
+    for B, H, Lc, D in ((2, 4, 64, 16), (1, 8, 256, 80)):
+        qc, kc, vc = (torch.randn(B, H, Lc, D, generator=g).bfloat16().requires_grad_() for _ in range(3))
+        goc = torch.randn(B, H, Lc, D, generator=g).bfloat16()
+        out = attnkit.attention(qc, kc, vc, causal=True)
+        grads = torch.autograd.grad(out, (qc, kc, vc), goc)
+        q2, k2, v2 = (t.detach().double().requires_grad_() for t in (qc, kc, vc))
+        r2 = attnkit.attention(q2, k2, v2, causal=True, backend="eager")
+        want = torch.autograd.grad(r2, (q2, k2, v2), goc.double())
+        print(f"causal L=S={Lc}, D={D}, B={B}, H={H} with gradients [{attnkit.dispatch(qc, kc, vc, causal=True).worker}"
+              f"{', AMX tiles' if _native.available() and _native.bf16_dot() else ''}] (out: one unit + P's rounding "
+              f"2^-9 max|v|; gradients: four units):")
+        vmax = vc.detach().double().abs().max().item()
+        for name, a, b, units in (("out", out, r2, 1), *((f"d{n}", x, y, 4) for n, x, y in zip("qkv", grads, want,
+                                                                                              strict=True))):
+            top = max(1.0, b.abs().max().item())
+            bound = units * UNIT * top + _fp32_budget(D, Lc, top) + (2.0 ** -9 * vmax if name == "out" else 0.0)
+            print(f"  {name:4s} max error {(a.double() - b).abs().max().item():.3e}   budget {bound:.3e}")
 
 
 if __name__ == "__main__":
