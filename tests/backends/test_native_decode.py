@@ -134,7 +134,8 @@ def test_bf16_decode_dot_products_within_the_fp32_budget(rows):
     budget against float64 on the same bf16 values, in both read orders, with head dims off 32 (a masked tail) and a
     strided cache, and its bits differ from the widening path's somewhere (the path ran); a unit whose q values pass
     the packing buffer (64 rows of D = 256) widens instead: the widening path's bits. Without avx512_bf16 the
-    widening path, the same budget."""
+    widening path, the same budget. (On a CPU with AMX, units of 2 to 16 rows take their scores on tiles instead:
+    the same budget, other bits than the widening path's; the test below.)"""
     H, L = (rows, 1) if rows % 2 else (rows // 2, 2)
     for D in (33, 64, 200, 256):
         q, k, v = _qkv(2, H, 1, L, 700, D, dtype=torch.bfloat16)
@@ -153,6 +154,39 @@ def test_bf16_decode_dot_products_within_the_fp32_budget(rows):
             packed = rows * -(-D // 32) * 32 <= 8192
             same = torch.equal(got[0], wide[0]) and torch.equal(got[1], wide[1])
             assert same == (not (_native.bf16_vdot() and packed)), (rows, D, order, same)
+
+
+@pytest.mark.parametrize("g", [2, 4, 16])
+def test_bf16_decode_scores_on_amx_tiles_within_the_fp32_budget(g):
+    """On a CPU with AMX (``_native.bf16_dot()``) a bf16 decode unit of 2 to 16 rows (here a GQA group of g heads)
+    takes its scores on tiles: 16 keys of K times the rows' q pairs, K copied zero-padded where fewer than 16 keys
+    remain or D is not a multiple of 32. Held to the fp32 budget against float64 on the same bf16 values at head
+    dims 1, 17, 80 and 128, caches of 1, 5, 77 and 131 keys (a last block of fewer than 16), a strided cache, both
+    read orders (the same bits); an inf stored at a key no row sees stays out of the output. The tiles ran: each
+    head's row computed alone (a unit of one row: VDPBF16PS) gives other bits somewhere; without AMX the same."""
+    for D in (1, 17, 80, 128):
+        for S in (1, 5, 77, 131):
+            q, k, v = _qkv(1, g, 1, 1, S, D, dtype=torch.bfloat16)
+            big_k = torch.zeros(1, 1, S + 3, D + 7, dtype=torch.bfloat16)
+            big_k[:, :, :S, :D] = k
+            k = big_k[:, :, :S, :D]  # a view into a bigger cache
+            lo, hi = _intervals("causal", 1, 1, S)
+            outs = []
+            for order in (0, 1):
+                with _order(order):
+                    outs.append(_check(q, k, v, lo, hi, f"g={g} D={D} S={S} order={order}"))
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (g, D, S)
+            if S >= 5:  # an inf at the first key, which a window of the last 3 keys hides
+                k2 = k.clone()
+                k2[0, 0, 0, 0] = float("inf")
+                lo3 = torch.full_like(lo, S - 3)
+                got = _check(q, k2, v, lo3, hi, f"g={g} D={D} S={S} inf hidden")
+                assert bool(torch.isfinite(got[0]).all()), (g, D, S)
+    q, k, v = _qkv(1, g, 1, 1, 300, 64, dtype=torch.bfloat16)
+    lo, hi = _intervals("causal", 1, 1, 300)
+    together = _native.decode(q, k, v, lo, hi, 0.125)[0]
+    alone = torch.cat([_native.decode(q[:, h:h + 1], k, v, lo, hi, 0.125)[0] for h in range(g)], 1)
+    assert torch.equal(together, alone) == (not _native.bf16_dot()), g
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 9])

@@ -12,7 +12,7 @@
 // depends on S only (never on the thread count), so the result is the same bits at any thread count.
 //
 // Per item, key tiles of 64: scores q . k by dot products (VW keys at a time, the VW partial sums reduced in
-// registers), scaled (then ALiBi's bias or a score_mod's program, as the forward), masked to each row's interval,
+// registers; a bf16 call's by VDPBF16PS, or on AMX tiles for a unit of 2 to 16 rows: dots_bdot, dots_amx), scaled (then ALiBi's bias or a score_mod's program, as the forward), masked to each row's interval,
 // online softmax per row, then acc += P V with V rows broadcast-free (P broadcast, V rows read in place; in a tile
 // where some row does not see every key, each row multiplies only its own keys' values: a NaN / inf stored at a key
 // a row does not see never reaches it, as the formula has it). In a call
@@ -84,6 +84,7 @@ struct Dec {
   long rb, nrb;   // rows per unit (<= BM) and units per (batch, kv head)
   bool stream;    // K and V read in memory order (units of <= FEW_ROWS rows of a call of >= STREAM_BYTES)
   bool bdot;      // bf16 scores by VDPBF16PS (dots_bdot): a bf16 call, the bf16 products on, avx512_bf16 here
+  bool amx;       // and, where a unit has 2 to 16 rows and the CPU has AMX, on AMX tiles (dots_amx), either order
   const float* alibi;  // (H,) ALiBi slopes: score + slope[h] * (kv - q), or null
   const Prog* prog;    // a score_mod program run on the scaled scores (before the mask, as the forward), or null
   long Dp, Dvp;   // D, Dv rounded up to VW
@@ -363,6 +364,63 @@ static bool dots_bdot(bool stream, long rows, long n, long D, const float* qb, l
 #pragma GCC pop_options
 #endif
 
+#if AK_BDOT
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")
+// A unit's q rows (rows <= 16 of D bf16, row stride `stride` elements) as the B tile of S^T = K Q^T: pairs along d,
+// qt[(d / 2) * 16 + r] = (q_r[d], q_r[d + 1]), D rounded up to 32, zero past D and past the rows
+static void amx_q_pairs(uint32_t* qt, const uint16_t* q, const long* roff, long rows, long D) {
+  const long D2 = round_up(D, 32) / 2;
+  for (long p = 0; p < D2; p++)
+    for (long r = 0; r < 16; r++) {
+      uint32_t x = 0;
+      if (r < rows) {
+        const uint16_t* e = q + roff[r] + 2 * p;
+        x = 2 * p + 1 < D ? (uint32_t)e[0] | (uint32_t)e[1] << 16 : 2 * p < D ? (uint32_t)e[0] : 0u;
+      }
+      qt[p * 16 + r] = x;
+    }
+}
+
+// sc[r * BN + j] = q_r . k_j (rows <= 16, keys j < n; lanes past n hold the scores of zero keys: masked by the
+// caller) on AMX tiles: per 16 keys, S^T (16 keys x 16 rows) = K (16 rows of D bf16, read in place where whole:
+// 16 keys present and D % 32 == 0, else copied zero-padded into kpad) . the q pairs qt, fp32 sums of exact products
+// as VDPBF16PS's (the tiles treat subnormal inputs as zero alike), then transposed into the rows' score lines (a
+// GQA group's rows are one tile's columns: one tile product per 16 keys and 32 of d for all of them, where
+// VDPBF16PS spends one instruction per row, key and 32 of d, at half the FMA's product rate on an Intel Xeon with
+// AMX, benchmarks/bf16_dot_rate.c). The caller holds the tile configuration (TileScope).
+static void dots_amx(long rows, long n, long D, const uint32_t* qt, const uint16_t* k, long ldk, float* sc,
+                     uint16_t* kpad, float* cbuf) {
+  const long D32 = round_up(D, 32);
+  for (long kb = 0; kb < n; kb += 16) {
+    const long nb = mn<long>(16, n - kb);
+    const uint16_t* a = k + kb * ldk;
+    long lda = ldk;
+    if (nb < 16 || D32 != D) {
+      for (long j = 0; j < 16; j++)
+        for (long d = 0; d < D32; d += 32) {
+          const long left = j < nb ? D - d : 0;
+          const __mmask32 m = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
+          _mm512_storeu_si512(kpad + j * D32 + d, _mm512_maskz_loadu_epi16(m, a + j * ldk + d));
+        }
+      a = kpad, lda = D32;
+    }
+    _tile_zero(0);
+    for (long d = 0; d < D32; d += 32) {
+      _tile_loadd(4, a + d, lda * 2);
+      _tile_loadd(5, qt + (d / 2) * 16, 64);
+      _tile_dpbf16ps(0, 4, 5);
+    }
+    _tile_stored(0, cbuf, 64);
+    __m512i t[16];
+    for (int j = 0; j < 16; j++) t[j] = _mm512_loadu_si512(cbuf + j * 16);
+    transpose16(t);
+    for (long r = 0; r < rows; r++) _mm512_storeu_si512(sc + r * BN + kb, t[r]);
+  }
+}
+#pragma GCC pop_options
+#endif
+
 // Whether a call of dtype dt takes dots_bdot
 static inline bool bdot_on(int dt) {
 #if AK_BDOT
@@ -592,17 +650,23 @@ static void pv(bool stream, long rows, long n, long N, const float* P, const voi
 struct DecBufs {
   float *qb, *sc, *vt, *kb;
   uint16_t* qh;             // a bf16 call's q rows for dots_bdot (rb x round_up(D, 32)), packed once per item
+  uint32_t* qt;             // or for dots_amx: their pairs along d (round_up(D, 32) / 2 x 16)
+  uint16_t* kpad;           // dots_amx: 16 keys zero-padded (16 x round_up(D, 32))
+  float* cbuf;              // dots_amx: a 16 x 16 score tile
   int32_t *lo, *hi, *regs;  // regs: the score_mod program's registers (regs x SL words), or none
 };
 
 static bool dec_bufs(const Dec& s, DecBufs& w) {
   const long nh = s.bdot ? s.rb * round_up(s.D, 32) / 2 : 0;  // (qh: bf16, two a float)
-  const long nf = s.rb * s.Dp + s.rb * BN + nh + BN * s.Dvp + VW * s.Dp;
+  const long na = s.amx ? round_up(s.D, 32) / 2 * 16 + 16 * round_up(s.D, 32) / 2 + 256 : 0;  // qt, kpad, cbuf
+  const long nf = s.rb * s.Dp + s.rb * BN + nh + na + BN * s.Dvp + VW * s.Dp;
   const long nr = s.prog ? s.prog->regs * SL : 0;
   float* p = scratch<float>(5, nf + 2 * s.rb * s.nst + nr);
   if (!p) return false;
   w.qb = p, w.sc = p + s.rb * s.Dp, w.qh = (uint16_t*)(w.sc + s.rb * BN);
-  w.vt = w.sc + s.rb * BN + nh, w.kb = w.vt + BN * s.Dvp;
+  w.qt = (uint32_t*)(w.sc + s.rb * BN + nh), w.kpad = (uint16_t*)(w.qt + round_up(s.D, 32) / 2 * 16);
+  w.cbuf = (float*)(w.kpad + 16 * round_up(s.D, 32));
+  w.vt = w.sc + s.rb * BN + nh + na, w.kb = w.vt + BN * s.Dvp;
   w.lo = (int32_t*)(w.kb + VW * s.Dp), w.hi = w.lo + s.rb * s.nst, w.regs = w.hi + s.rb * s.nst;
   return true;
 }
@@ -693,18 +757,21 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
   // dots_bdot, packed once here rather than widened and packed back per tile); the rows' intervals
 #if AK_BDOT
   const long D2 = round_up(s.D, 32);
-  const bool qpk = DT == AK_BF16 && s.bdot && rows * D2 <= BDOT_Q;
+  const bool tiles = DT == AK_BF16 && s.amx && rows <= 16;  // the scores on AMX tiles (dots_amx)
+  const bool qpk = DT == AK_BF16 && s.bdot && !tiles && rows * D2 <= BDOT_Q;
+  long roff[16];
 #else
-  const bool qpk = false;
+  const bool tiles = false, qpk = false;
 #endif
   for (long r = 0; r < rows; r++) {
     const long h = hk * s.g + (r0 + r) / s.L, i = (r0 + r) % s.L;
     const char* qr = (const char*)s.q + (b * s.sq[0] + h * s.sq[1] + i * s.sq[2]) * esz;
 #if AK_BDOT
     if (qpk) pack_q16(w.qh + r * D2, (const uint16_t*)qr, s.D);
+    if (tiles) roff[r] = (b * s.sq[0] + h * s.sq[1] + i * s.sq[2]);
 #endif
     float* dst = w.qb + r * s.Dp;
-    if (!qpk) {
+    if (!qpk && !tiles) {
       for (long d = 0; d < s.D; d++) dst[d] = ld1<DT>(qr, d);
       fill(dst + s.D, dst + s.Dp, 0.f);
     }
@@ -714,6 +781,9 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     }
     m[r] = NEG_INF, l[r] = 0.f;
   }
+#if AK_BDOT
+  if (tiles) amx_q_pairs(w.qt, (const uint16_t*)s.q, roff, rows, s.D);
+#endif
   fill(acc, acc + rows * s.Dvp, 0.f);
   const long ka = mx2<long>(c * s.chunk, un.kmin), kb = mn<long>((c + 1) * s.chunk, un.kmax);
   const char* kbase = (const char*)s.k + (b * s.sk[0] + hk * s.sk[1]) * esz;
@@ -731,8 +801,14 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const long nn = mn<long>(BN, kb - j0 - BN);  // keys of the next tile of this chunk
     const Ahead ahead{kbase + (j0 + BN) * s.sk[2] * esz, vbase + (j0 + BN) * s.sv[2] * esz, nn, s.sk[2] * esz,
                       s.sv[2] * esz, s.D * esz, s.Dv * esz};
-    dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp, s.bdot,
-             qpk ? w.qh : nullptr);
+#if AK_BDOT
+    if (tiles) {
+      for (long j = 0; j < n; j += VW) prefetch_rows(ahead, j);  // (the next tile's K rows, as dots would)
+      dots_amx(rows, n, s.D, w.qt, (const uint16_t*)(kbase + j0 * s.sk[2] * esz), s.sk[2], w.sc, w.kpad, w.cbuf);
+    } else
+#endif
+      dots<DT>(s.stream, rows, n, s.D, w.qb, s.Dp, kbase + j0 * s.sk[2] * esz, s.sk[2], w.sc, ahead, w.kb, s.Dp,
+               s.bdot, qpk ? w.qh : nullptr);
     bool whole = true;  // every row sees every key of the tile: P . V runs over all rows at once
     for (long r = 0; r < rows; r++) {
       float* srow = w.sc + r * BN;
@@ -845,6 +921,9 @@ static int decode_t(Dec& s, void* out, float* lse, bool ort, void* out_r) {
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
   {
+#if AK_BDOT
+    const TileScope tilecfg(s.amx);  // (dots_amx's tiles, this thread's, for this call)
+#endif
     DecBufs w;
     const bool ok = dec_bufs(s, w);
     if (!ok) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
@@ -1133,6 +1212,11 @@ int run_decode(const AkCall* c) {
   const int order = ak_decode_order >= 0 ? 1 + ak_decode_order : c->order == 1 || c->order == 2 ? (int)c->order : 0;
   s.bdot = bdot_on(c->dtype);
   s.stream = s.rb <= FEW_ROWS && (order == 0 ? s.B * s.Hkv * s.S * (s.D + s.Dv) * esz >= STREAM_BYTES : order == 2);
+#if AK_BDOT
+  s.amx = s.bdot && s.rb >= 2 && s.rb <= 16 && amx_usable();
+#else
+  s.amx = false;
+#endif
   s.q = c->q, s.k = c->k, s.v = c->v;
   s.alibi = c->pcode ? nullptr : c->alibi;
   Prog prog;
