@@ -12,8 +12,9 @@
 // depends on S only (never on the thread count), so the result is the same bits at any thread count.
 //
 // Per item, key tiles of 64: scores q . k by dot products (VW keys at a time, the VW partial sums reduced in
-// registers; a bf16 call's by VDPBF16PS, or on AMX tiles for a unit of 2 to 16 rows: dots_bdot, dots_amx), scaled (then ALiBi's bias or a score_mod's program, as the forward), masked to each row's interval,
-// online softmax per row, then acc += P V with V rows broadcast-free (P broadcast, V rows read in place; in a tile
+// registers; a bf16 call's by VDPBF16PS, or on AMX tiles for a unit of 2 to 16 rows: dots_bdot, dots_amx), scaled
+// (then ALiBi's bias or a score_mod's program, as the forward), masked to each row's interval, online softmax per
+// row, then acc += P V with V rows broadcast-free (P broadcast, V rows read in place; in a tile
 // where some row does not see every key, each row multiplies only its own keys' values: a NaN / inf stored at a key
 // a row does not see never reaches it, as the formula has it). In a call
 // of at least STREAM_BYTES, a unit of up to FEW_ROWS rows reads each key's and value's row through in turn (memory
@@ -367,19 +368,19 @@ static bool dots_bdot(bool stream, long rows, long n, long D, const float* qb, l
 #if AK_BDOT
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")
-// A unit's q rows (rows <= 16 of D bf16, row stride `stride` elements) as the B tile of S^T = K Q^T: pairs along d,
-// qt[(d / 2) * 16 + r] = (q_r[d], q_r[d + 1]), D rounded up to 32, zero past D and past the rows
+// A unit's q rows (rows <= 16 of D bf16, each at q + roff[r]) as the B tile of S^T = K Q^T: pairs along d,
+// qt[(d / 2) * 16 + r] = (q_r[d], q_r[d + 1]), D rounded up to 32, zero past D and past the rows — per 32 values of
+// d, the rows' 16 pairs loaded under a mask and 16 x 16 transposed in registers
 static void amx_q_pairs(uint32_t* qt, const uint16_t* q, const long* roff, long rows, long D) {
-  const long D2 = round_up(D, 32) / 2;
-  for (long p = 0; p < D2; p++)
-    for (long r = 0; r < 16; r++) {
-      uint32_t x = 0;
-      if (r < rows) {
-        const uint16_t* e = q + roff[r] + 2 * p;
-        x = 2 * p + 1 < D ? (uint32_t)e[0] | (uint32_t)e[1] << 16 : 2 * p < D ? (uint32_t)e[0] : 0u;
-      }
-      qt[p * 16 + r] = x;
-    }
+  for (long d = 0; d < D; d += 32) {
+    const long left = D - d;
+    const __mmask32 m = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
+    __m512i t[16];
+    for (long r = 0; r < 16; r++)
+      t[r] = r < rows ? _mm512_maskz_loadu_epi16(m, q + roff[r] + d) : _mm512_setzero_si512();
+    transpose16(t);
+    for (int c = 0; c < 16; c++) _mm512_storeu_si512(qt + (d / 2 + c) * 16, t[c]);
+  }
 }
 
 // sc[r * BN + j] = q_r . k_j (rows <= 16, keys j < n; lanes past n hold the scores of zero keys: masked by the
