@@ -7,9 +7,10 @@ kernels' own error from the (shared) input rounding. Shape: B=1, H=8, L=S, D=64,
 
 Then calls ``auto`` sends to the compiled kernel, each against its budget (the tests' own):
 
-* a decode step over 2048 keys (GQA 8/2, D = 64) — on a CPU with avx512_bf16 its scores by VDPBF16PS, and the same
-  call with the bf16 products off (the widening order): the fp32 budget ``16 eps32 (sqrt(D) + sqrt(S))`` of the
-  largest value plus one rounding of the output (``2^-8 |ref|``), in fp32 output units before that rounding;
+* a decode step over 2048 keys (GQA 8/2, D = 64) — on a CPU with AMX its scores on tiles, with avx512_bf16 only by
+  VDPBF16PS, and the same call with the bf16 products off (the widening order): the fp32 budget
+  ``16 eps32 (sqrt(D) + sqrt(S))`` of the largest value plus one rounding of the output (``2^-8 |ref|``), in fp32
+  output units before that rounding;
 * your own bool mask at L = S = 64 (H = 8, D = 64) with gradients (the kernel's prepared forward and backward, the
   mask's tile map): output within one bf16 unit of the largest value plus the fp32 budget, gradients within four
   (tests/backends/test_native_bool_mask.py);
@@ -48,7 +49,9 @@ def main(L: int = 2048) -> None:
     refd = attnkit.attention(qd.double(), kd.double(), vd.double(), backend="eager")
     bound = _fp32_budget(64, S, refd.abs().max().item())
     if _native.available():
-        first = "vector dot products" if _native.bf16_vdot() else "widened (no avx512_bf16)"
+        # (a GQA group of 4 rows: on AMX tiles where the CPU has them, else VDPBF16PS where it has avx512_bf16)
+        first = ("AMX tiles" if _native.bf16_dot() else "vector dot products" if _native.bf16_vdot()
+                 else "widened (no avx512_bf16)")
         for name, on in ((first, True), ("widened", False)):
             before = _native.set_bf16_dot(on)
             try:
