@@ -203,7 +203,8 @@ def bf16_dot() -> bool:
     """Whether a bf16 forward multiplies bf16 itself on AMX tiles (fp32 accumulation, P rounded to bf16 once per
     tile; D not a multiple of 32: the scores' depth zero-padded to one; docs/kernel.md) rather than widening to fp32
     per tile: the AVX-512 build, on a CPU with AMX, unless switched off (:func:`set_bf16_dot`,
-    ``ATTNKIT_NATIVE_BF16_DOT=0``). The backward multiplies on tiles where D and Dv are multiples of 32."""
+    ``ATTNKIT_NATIVE_BF16_DOT=0``). The backward multiplies on tiles where D and Dv are multiples of 16; a decode unit
+    of 2 to 16 rows (a GQA group) takes its scores on tiles too."""
     _load()
     return _lib is not None and hasattr(_lib, "ak_bf16_dot_active") and bool(_lib.ak_bf16_dot_active())
 
@@ -212,7 +213,8 @@ def bf16_vdot() -> bool:
     """Whether a bf16 decode (a call of at most 64 query rows per kv head, and its few-rows backward) takes its
     scores by avx512_bf16's vector dot products (VDPBF16PS: fp32 sums of exact bf16 products, in pairs) rather than
     widening each key to fp32: the AVX-512 build, on a CPU with avx512_bf16 (AMX or not), unless switched off with
-    the same setting as :func:`bf16_dot`."""
+    the same setting as :func:`bf16_dot`. Where :func:`bf16_dot` is on too, a unit of 2 to 16 rows takes them on AMX
+    tiles instead (the same fp32 sums of exact products, in another order)."""
     _load()
     return _lib is not None and hasattr(_lib, "ak_bf16_vdot_active") and bool(_lib.ak_bf16_vdot_active())
 

@@ -2,7 +2,7 @@
 // bf16 tile times a 16 x 16 tile of bf16 pairs). Included by attn_impl.h inside AK_NS, in the AVX-512 build only
 // (AK_BDOT 1; 0 elsewhere, or with a compiler too old for AMX); used where the CPU has AMX (and the OS grants its
 // tile state) and the call is bf16 (Shape::bdot, set by attn_entry.h); a D that is not a multiple of 32 zero-padded to
-// one in the scores' products (pack_q_pairs, pad_k_rows).
+// one in the scores' products (pack_q_pairs, pad_rows).
 //
 // What changes against the widening path, and what does not:
 //   scores   S^T = K Q^T from the bf16 inputs themselves: each product is exact in fp32 (8-bit significands),
@@ -87,12 +87,6 @@ struct TileScope {
   }
 };
 
-static inline uint32_t ld_pair(const uint16_t* p) {
-  uint32_t x;
-  std::memcpy(&x, p, 4);  // (a row of bf16 may start at any even byte)
-  return x;
-}
-
 // A 16 x 16 block of 32-bit elements transposed in registers: r[t] row t in, column t out (4 rounds of
 // unpacks and 128-bit lane shuffles, 64 instructions for what was 256 scalar moves)
 static inline void transpose16(__m512i* r) {
@@ -131,40 +125,40 @@ static void rows_of_ot(const float* ot, long Dvp, long mc, float* o) {
     }
 }
 
-// Q^T pairs of a query block (m rows of D bf16 at src + off, row stride `stride`), Dq / 2 pair rows (Dq: D rounded
-// up to 32; zero past D, the depth the tiles multiply)
-static void pack_q_pairs(uint32_t* dst, const void* src, long off, long stride, long m, long D) {
-  const uint16_t* q = (const uint16_t*)src + off;
-  const long D2 = (D + 31) / 32 * 16;
-  long i0 = 0;
-  for (; i0 + 16 <= m; i0 += 16)  // 16 rows x 16 pairs at a time, transposed in registers
-    for (long d2 = 0; d2 < D2; d2 += 16) {
-      const long left = D - 2 * d2;  // (the last 32 values of a row loaded under a mask: zero past D)
-      const __mmask32 msk = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
-      __m512i r[16];
-      for (int t = 0; t < 16; t++) r[t] = _mm512_maskz_loadu_epi16(msk, q + (i0 + t) * stride + 2 * d2);
-      transpose16(r);
-      for (int c = 0; c < 16; c++) _mm512_storeu_si512(dst + (d2 + c) * BM + i0, r[c]);
-    }
-  for (long i = i0; i < m; i++)
-    for (long d2 = 0; d2 < D2; d2++) {
-      const uint16_t* p = q + i * stride + 2 * d2;
-      dst[d2 * BM + i] = 2 * d2 + 1 < D ? ld_pair(p) : 2 * d2 < D ? p[0] : 0u;
-    }
-  for (long d2 = 0; d2 < D2; d2++)
-    for (long i = m; i < BM; i++) dst[d2 * BM + i] = 0;
+// The first `left` (<= 32 keeps all) of 32 bf16 lanes: a row's last 32 values loaded under it, zero past the row
+static inline __mmask32 tail32(long left) {
+  return left >= 32 ? ~(__mmask32)0 : left > 0 ? (__mmask32)((1u << left) - 1) : (__mmask32)0;
 }
 
-// n rows of D bf16 (row stride `stride`) into BN rows of Dq (D rounded up to 32; zero past D and past n keys): a key
-// tile the tiles cannot read in place (fewer than BN keys, or D not a multiple of 32)
-static void pad_k_rows(uint16_t* dst, const uint16_t* k, long stride, long n, long D) {
+// 16 rows' values [d, d + 32) as 16 rows of pairs: dst[(d / 2 + c) * ld + t] = (rows[t][d + 2c], rows[t][d + 2c + 1]),
+// zero past D and for t >= n (rows[t] not read) — 16 x 16 32-bit lanes transposed in registers
+static inline void pairs16(uint32_t* dst, long ld, const uint16_t* const* rows, long n, long d, long D) {
+  const __mmask32 m = tail32(D - d);
+  __m512i r[16];
+  for (int t = 0; t < 16; t++) r[t] = t < n ? _mm512_maskz_loadu_epi16(m, rows[t] + d) : _mm512_setzero_si512();
+  transpose16(r);
+  for (int c = 0; c < 16; c++) _mm512_storeu_si512(dst + (d / 2 + c) * ld, r[c]);
+}
+
+// Q^T pairs of a query block (m rows of D bf16 at src + off, row stride `stride`): round_up(D, 32) / 2 pair rows of
+// BM, zero past D and in the columns i >= m (D not a multiple of 32: the depth the tiles multiply, zero-padded)
+static void pack_q_pairs(uint32_t* dst, const void* src, long off, long stride, long m, long D) {
+  const uint16_t* q = (const uint16_t*)src + off;
+  for (long i0 = 0; i0 < BM; i0 += 16) {
+    const uint16_t* rows[16];
+    const long n = mx2<long>(0, mn<long>(16, m - i0));
+    for (long t = 0; t < n; t++) rows[t] = q + (i0 + t) * stride;
+    for (long d = 0; d < D; d += 32) pairs16(dst + i0, BM, rows, n, d, D);
+  }
+}
+
+// n rows of D bf16 (row stride `stride`) into `total` rows of Dq (D rounded up to 32; zero past D and past n rows):
+// a key tile the tiles cannot read in place (fewer keys than the tile, or D not a multiple of 32), a q row
+static void pad_rows(uint16_t* dst, const uint16_t* k, long stride, long n, long total, long D) {
   const long Dq = (D + 31) / 32 * 32;
-  for (long j = 0; j < BN; j++)
-    for (long d = 0; d < Dq; d += 32) {
-      const long left = j < n ? D - d : 0;
-      const __mmask32 msk = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
-      _mm512_storeu_si512(dst + j * Dq + d, _mm512_maskz_loadu_epi16(msk, k + j * stride + d));
-    }
+  for (long j = 0; j < total; j++)
+    for (long d = 0; d < Dq; d += 32)
+      _mm512_storeu_si512(dst + j * Dq + d, _mm512_maskz_loadu_epi16(tail32(j < n ? D - d : 0), k + j * stride + d));
 }
 
 // 16 bf16 halves (rounded from 16 fp32) widened to the low halves of 16 uint32 lanes

@@ -316,14 +316,7 @@ static inline void bdot_block(long rows, long D, const uint16_t* qh, long D2, co
 
 constexpr long BDOT_Q = 8192;  // bf16 q values packed per tile call (64 rows of D = 128); more: the widening order
 
-// One bf16 q row (D values at src) as dots_bdot reads it: D rounded up to 32, zero past D
-static void pack_q16(uint16_t* dst, const uint16_t* src, long D) {
-  for (long d = 0; d < D; d += 32) {
-    const long left = D - d;
-    const __mmask32 m = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
-    _mm512_storeu_si512(dst + d, _mm512_maskz_loadu_epi16(m, src + d));
-  }
-}
+
 
 // sc[r * BN + j] = q_r . k_j as dots (rows r < rows, keys j < n; lanes past n: key n - 1) from bf16 K rows (stride
 // ldk elements) and q rows: qpk (bf16, row stride round_up(D, 32), zero past D: packed once per call by the caller)
@@ -369,18 +362,12 @@ static bool dots_bdot(bool stream, long rows, long n, long D, const float* qb, l
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,f16c,avx512bf16,amx-tile,amx-bf16")
 // A unit's q rows (rows <= 16 of D bf16, each at q + roff[r]) as the B tile of S^T = K Q^T: pairs along d,
-// qt[(d / 2) * 16 + r] = (q_r[d], q_r[d + 1]), D rounded up to 32, zero past D and past the rows — per 32 values of
-// d, the rows' 16 pairs loaded under a mask and 16 x 16 transposed in registers
+// qt[(d / 2) * 16 + r] = (q_r[d], q_r[d + 1]), D rounded up to 32, zero past D and past the rows (pairs16, as the
+// forward's Q pairs)
 static void amx_q_pairs(uint32_t* qt, const uint16_t* q, const long* roff, long rows, long D) {
-  for (long d = 0; d < D; d += 32) {
-    const long left = D - d;
-    const __mmask32 m = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
-    __m512i t[16];
-    for (long r = 0; r < 16; r++)
-      t[r] = r < rows ? _mm512_maskz_loadu_epi16(m, q + roff[r] + d) : _mm512_setzero_si512();
-    transpose16(t);
-    for (int c = 0; c < 16; c++) _mm512_storeu_si512(qt + (d / 2 + c) * 16, t[c]);
-  }
+  const uint16_t* r[16];
+  for (long t = 0; t < rows; t++) r[t] = q + roff[t];
+  for (long d = 0; d < D; d += 32) pairs16(qt, 16, r, rows, d, D);
 }
 
 // sc[r * BN + j] = q_r . k_j (rows <= 16, keys j < n; lanes past n hold the scores of zero keys: masked by the
@@ -398,12 +385,7 @@ static void dots_amx(long rows, long n, long D, const uint32_t* qt, const uint16
     const uint16_t* a = k + kb * ldk;
     long lda = ldk;
     if (nb < 16 || D32 != D) {
-      for (long j = 0; j < 16; j++)
-        for (long d = 0; d < D32; d += 32) {
-          const long left = j < nb ? D - d : 0;
-          const __mmask32 m = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
-          _mm512_storeu_si512(kpad + j * D32 + d, _mm512_maskz_loadu_epi16(m, a + j * ldk + d));
-        }
+      pad_rows(kpad, a, ldk, nb, 16, D);
       a = kpad, lda = D32;
     }
     _tile_zero(0);
@@ -758,7 +740,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
   // dots_bdot, packed once here rather than widened and packed back per tile); the rows' intervals
 #if AK_BDOT
   const long D2 = round_up(s.D, 32);
-  const bool tiles = DT == AK_BF16 && s.amx && rows <= 16;  // the scores on AMX tiles (dots_amx)
+  const bool tiles = DT == AK_BF16 && s.amx;  // the scores on AMX tiles (dots_amx; s.amx: units of <= 16 rows)
   const bool qpk = DT == AK_BF16 && s.bdot && !tiles && rows * D2 <= BDOT_Q;
   long roff[16];
 #else
@@ -768,7 +750,7 @@ static void dec_item(const Dec& s, long u, const Unit& un, long c, float* part, 
     const long h = hk * s.g + (r0 + r) / s.L, i = (r0 + r) % s.L;
     const char* qr = (const char*)s.q + (b * s.sq[0] + h * s.sq[1] + i * s.sq[2]) * esz;
 #if AK_BDOT
-    if (qpk) pack_q16(w.qh + r * D2, (const uint16_t*)qr, s.D);
+    if (qpk) pad_rows(w.qh + r * D2, (const uint16_t*)qr, 0, 1, 1, s.D);  // (as dots_bdot reads it)
     if (tiles) roff[r] = (b * s.sq[0] + h * s.sq[1] + i * s.sq[2]);
 #endif
     float* dst = w.qb + r * s.Dp;

@@ -586,7 +586,7 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
           const uint16_t* kb16 = (const uint16_t*)k + koff + j0 * s.sk[2];
           long ldk16 = s.sk[2];
           if (n < BN || Dq != s.D) {
-            pad_k_rows(kpad.p, kb16, s.sk[2], n, s.D);
+            pad_rows(kpad.p, kb16, s.sk[2], n, BN, s.D);
             kb16 = kpad.p, ldk16 = Dq;
           }
           scores_amx(kb16, ldk16, qtb.p, Dq, st.p);
