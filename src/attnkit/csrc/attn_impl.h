@@ -526,9 +526,9 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
     const long ks = BN * s.D + 16, vs = BN * Dvp + 16;
     Buf<float> qt(bd ? 1 : s.D * BM), st(BN * BM), kp(k_in_place ? 1 : tc * ks), vp(v_in_place ? 1 : tc * vs + 512),
         acc(BM * Dvp), mrow(BM), lrow(BM);
-    const long Dq = round_up(s.D, 32);  // (AMX: the scores' depth, zero past D)
-    Buf<uint32_t> qtb(bd ? Dq / 2 * BM : 1), pb(bd ? BN / 2 * BM : 1);  // Q^T and P as bf16 pairs
-    Buf<uint16_t> kpad(bd ? BN * Dq : 1);  // a key tile of fewer than BN keys or D % 32 != 0, zero-padded
+    const long D32 = round_up(s.D, 32);  // (AMX: the scores' depth, zero past D)
+    Buf<uint32_t> qtb(bd ? D32 / 2 * BM : 1), pb(bd ? BN / 2 * BM : 1);  // Q^T and P as bf16 pairs
+    Buf<uint16_t> kpad(bd ? BN * D32 : 1);  // a key tile of fewer than BN keys or D % 32 != 0, zero-padded
     Buf<float> orow(bd ? BM * Dvp : 1);  // (AMX: the block's O rows, from O^T)
 #if AK_BDOT
     const TileScope tiles(bd);
@@ -585,11 +585,11 @@ static void forward(const Shape& s, const void* q, const void* k, const void* v,
         if (bd) {  // S^T = K Q^T on tiles, every BN x BM score (a partial tile masked below), K in place
           const uint16_t* kb16 = (const uint16_t*)k + koff + j0 * s.sk[2];
           long ldk16 = s.sk[2];
-          if (n < BN || Dq != s.D) {
+          if (n < BN || D32 != s.D) {
             pad_rows(kpad.p, kb16, s.sk[2], n, BN, s.D);
-            kb16 = kpad.p, ldk16 = Dq;
+            kb16 = kpad.p, ldk16 = D32;
           }
-          scores_amx(kb16, ldk16, qtb.p, Dq, st.p);
+          scores_amx(kb16, ldk16, qtb.p, D32, st.p);
         } else
 #endif
         if (full)
