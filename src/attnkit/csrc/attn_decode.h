@@ -640,7 +640,7 @@ struct DecBufs {
 };
 
 static bool dec_bufs(const Dec& s, DecBufs& w) {
-  const long nh = s.bdot ? s.rb * round_up(s.D, 32) / 2 : 0;  // (qh: bf16, two a float)
+  const long nh = s.bdot && !s.amx ? s.rb * round_up(s.D, 32) / 2 : 0;  // (qh: bf16, two a float; or the tiles')
   const long na = s.amx ? round_up(s.D, 32) / 2 * 16 + 16 * round_up(s.D, 32) / 2 + 256 : 0;  // qt, kpad, cbuf
   const long nf = s.rb * s.Dp + s.rb * BN + nh + na + BN * s.Dvp + VW * s.Dp;
   const long nr = s.prog ? s.prog->regs * SL : 0;
