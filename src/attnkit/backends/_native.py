@@ -136,6 +136,10 @@ def _load() -> None:
     if hasattr(lib, "ak_suspect_rows"):  # (a build from before it: the caller's torch reduction instead)
         lib.ak_suspect_rows.restype = ctypes.c_int
         lib.ak_suspect_rows.argtypes = (ctypes.c_void_p, ctypes.c_int, *([ctypes.c_int64] * 8), ctypes.c_int)
+    if hasattr(lib, "ak_dense_tiles"):  # (a build from before it: torch ops read the mask's tiles instead)
+        lib.ak_dense_tiles.restype = ctypes.c_int64
+        lib.ak_dense_tiles.argtypes = (ctypes.c_void_p, *([ctypes.c_int64] * 8), *([ctypes.c_void_p] * 3),
+                                       ctypes.c_int64)
     global _ext
     try:
         mod = importlib.import_module("attnkit._native")
@@ -745,6 +749,28 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
     if rc:
         raise (MemoryError if rc == 1 else RuntimeError)(f"attnkit's compiled kernel: decode refused (code {rc})")
     return out, lse
+
+
+def dense_tiles_fn():
+    """``f(mask, L, S, kinds, index, bits) -> P``, or None (the kernel not loaded, or a build without it): the
+    kernel's tile map of a CPU bool ``mask`` of shape (TB, TH, 1 or L, 1 or S) (any strides) over a call of L rows
+    and S keys, read off its bytes in C (``ak_dense_tiles`` in csrc/attn_dispatch.cpp), written into ``kinds`` int8
+    and ``index`` int32, both contiguous (TB, TH, nq, nk), and the first ``bits.shape[0]`` partial tiles' bits into
+    ``bits`` int32 (cap, 2, 64) contiguous; returns P, the number of partial tiles (more than ``cap``: call again
+    with room for P)."""
+    _load()
+    if _lib is None or not hasattr(_lib, "ak_dense_tiles"):
+        return None
+    f = _ext.dense_tiles if _ext is not None and hasattr(_ext, "dense_tiles") else _lib.ak_dense_tiles
+
+    def dense_tiles(mask: torch.Tensor, L: int, S: int, kinds: torch.Tensor, index: torch.Tensor,
+                    bits: torch.Tensor) -> int:
+        TB, TH, Lm, Sm = mask.shape
+        m0, m1, m2, m3 = mask.stride()
+        return int(f(mask.data_ptr(), TB, TH, L, S, m0 if TB > 1 else 0, m1 if TH > 1 else 0, m2 if Lm > 1 else 0,
+                     m3 if Sm > 1 else 0, kinds.data_ptr(), index.data_ptr(), bits.data_ptr(), bits.shape[0]))
+
+    return dense_tiles
 
 
 _suspect_rows = None

@@ -42,6 +42,7 @@ import torch
 from .. import _tiling
 from .. import masks as _m
 from .._tiling import EMPTY, FULL, PARTIAL
+from . import _native, _tilebits
 
 __all__ = ["EMPTY", "PARTIAL", "FULL", "WorkList", "tile_map", "dense_kinds", "work_list"]
 
@@ -71,6 +72,12 @@ def dense_kinds(dense_mask: torch.Tensor, L, S, bm, bn, memo: dict | None = None
     key = ("dense_kinds", L, S, bm, bn)
     if memo is not None and key in memo:
         return memo[key]
+    if (bm, bn) == (_tilebits.TILE, _tilebits.TILE) and dense_mask.dtype is torch.bool and dense_mask.is_cpu \
+            and _native.dense_tiles_fn() is not None:  # the kernel's tile map, read in C, kept for the kernel
+        grid = _tiling.collapse(_tilebits.dense_bits(dense_mask, L, S, memo).kinds)
+        if memo is not None:
+            memo[key] = grid
+        return grid
     k = _tiling.reduce_allowed(dense_mask, bm, bn)
     nq, nk = -(-L // bm), -(-S // bn)
     grid = _tiling.collapse(k.expand(k.shape[0], k.shape[1], nq, nk))

@@ -1,9 +1,14 @@
 // The C ABI of attnkit's CPU kernel (loaded with ctypes by attnkit/backends/_native.py) and the
 // run-time choice of instruction set. Also a Python extension module (setuptools builds and installs it like any
-// other) whose two functions are the per-call hot path of a replayed call: `step` (write a call record's per-call
-// slots and run an entry, the GIL released) and `suspect_rows`, each a vectorcall taking Python ints, a
-// fraction of a ctypes call's argument conversion (about 0.2 µs an argument).
+// other) whose functions are the per-call hot path of a replayed call: `step` (write a call record's per-call
+// slots and run an entry, the GIL released), `suspect_rows` and `dense_tiles` (a bool mask's tile map), each a
+// vectorcall taking Python ints, a fraction of a ctypes call's argument conversion (about 0.2 µs an argument).
 #include <Python.h>
+
+#include <algorithm>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "attn_common.h"
 
@@ -69,6 +74,27 @@ static int suspect_rows_of(const T* x, uint32_t inf, int64_t n0, int64_t n1, int
         if (nan) return 1;
       }
   return 0;
+}
+
+// One row of a bool mask's 64 keys from key `c0` (n <= 64 of them exist), as the tile's 64-bit word: bit j set where
+// byte j is nonzero (attend). `st`: the keys' element stride (0: one value broadcast over the row). A row with unit
+// stride reads whole 16-byte chunks with SSE2 (every x86-64 CPU has it) and only the bytes that exist.
+static inline uint64_t mask_row_word(const uint8_t* r, int64_t st, int n) {
+  if (st == 0) return r[0] ? (n == 64 ? ~0ull : ((1ull << n) - 1)) : 0ull;
+  uint64_t w = 0;
+  int j = 0;
+#if defined(__SSE2__)
+  if (st == 1) {
+    const __m128i zero = _mm_setzero_si128();
+    for (; j + 16 <= n; j += 16) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + j));
+      const uint32_t unset = (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(x, zero));
+      w |= (uint64_t)(~unset & 0xffffu) << j;
+    }
+  }
+#endif
+  for (; j < n; ++j) w |= (uint64_t)(r[j * st] != 0) << j;
+  return w;
 }
 
 #define AK_API __attribute__((visibility("default")))
@@ -195,6 +221,50 @@ AK_API int ak_suspect_rows(const void* p, int dtype, int64_t n0, int64_t n1, int
                          s2, s3, whole);
 }
 
+// The compiled kernel's tile map of a bool mask (one byte a point, nonzero = attend) read off its values: the mask
+// has sizes (TB, TH, Lm, Sm), Lm in {1, L} and Sm in {1, S} (a size-1 dim broadcast over the call's L rows / S keys),
+// element strides m0..m3 (the caller passes 0 for a broadcast dim). Writes kinds int8 (TB, TH, nq, nk): 0 empty,
+// 1 partial, 2 full (only the rows and keys that exist decide a ragged edge tile), index int32 of the same shape (a
+// partial tile's place in bits, in (b, h, qb, kb) order; -1 elsewhere) and, for the first `cap` partial tiles,
+// their bits uint32 (cap, 2, 64): word [p][0][r] holds keys 0..31 of the tile's row r, [p][1][r] keys 32..63 (bit j
+// = key j; keys past S and rows past L clear). Returns P, the number of partial tiles (P > cap: the caller brings
+// room for P and asks again). One pass over the mask's bytes.
+AK_API int64_t ak_dense_tiles(const uint8_t* m, int64_t TB, int64_t TH, int64_t L, int64_t S, int64_t m0, int64_t m1,
+                              int64_t m2, int64_t m3, int8_t* kinds, int32_t* index, uint32_t* bits, int64_t cap) {
+  const int64_t nq = (L + 63) / 64, nk = (S + 63) / 64;
+  int64_t P = 0, t = 0;
+  uint64_t w[64];
+  for (int64_t b = 0; b < TB; ++b)
+    for (int64_t h = 0; h < TH; ++h)
+      for (int64_t qb = 0; qb < nq; ++qb) {
+        const int rows = (int)std::min<int64_t>(64, L - qb * 64);
+        for (int64_t kb = 0; kb < nk; ++kb, ++t) {
+          const int n = (int)std::min<int64_t>(64, S - kb * 64);
+          const uint64_t all = n == 64 ? ~0ull : ((1ull << n) - 1);
+          const uint8_t* base = m + b * m0 + h * m1 + qb * 64 * m2 + kb * 64 * m3;
+          bool full = true, empty = true;
+          for (int r = 0; r < rows; ++r) {
+            w[r] = (m2 == 0 && r) ? w[0] : mask_row_word(base + r * m2, m3, n);
+            full &= w[r] == all;
+            empty &= w[r] == 0;
+          }
+          kinds[t] = empty ? 0 : full ? 2 : 1;
+          index[t] = (empty || full) ? -1 : (int32_t)P;
+          if (empty || full) continue;
+          if (P < cap) {
+            uint32_t* lo = bits + P * 128;
+            for (int r = 0; r < 64; ++r) {
+              const uint64_t x = r < rows ? w[r] : 0;
+              lo[r] = (uint32_t)x;
+              lo[64 + r] = (uint32_t)(x >> 32);
+            }
+          }
+          ++P;
+        }
+      }
+  return P;
+}
+
 // Frees the scratch memory the backward and the decode keep between calls (on the calling thread; each decode
 // worker thread keeps its own small buffers, a few tens of KB).
 AK_API void ak_release_scratch() {
@@ -252,6 +322,21 @@ static PyObject* py_suspect_rows(PyObject*, PyObject* const* args, Py_ssize_t na
                                          v[5], v[6], v[7], v[8], v[9], (int)v[10]));
 }
 
+// dense_tiles(mask, TB, TH, L, S, m0, m1, m2, m3, kinds, index, bits, cap) -> int: ak_dense_tiles (pointers as ints)
+static PyObject* py_dense_tiles(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[13];
+  if (nargs != 13) {
+    PyErr_SetString(PyExc_TypeError, "dense_tiles(mask, TB, TH, L, S, m0, m1, m2, m3, kinds, index, bits, cap): 13 ints");
+    return nullptr;
+  }
+  if (!int64s(args, 13, v)) return nullptr;
+  const int64_t P = ak_dense_tiles(reinterpret_cast<const uint8_t*>((intptr_t)v[0]), v[1], v[2], v[3], v[4], v[5],
+                                   v[6], v[7], v[8], reinterpret_cast<int8_t*>((intptr_t)v[9]),
+                                   reinterpret_cast<int32_t*>((intptr_t)v[10]),
+                                   reinterpret_cast<uint32_t*>((intptr_t)v[11]), v[12]);
+  return PyLong_FromLongLong(P);
+}
+
 static PyMethodDef methods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_step)), METH_FASTCALL,
      "step(entry, record, first, *values) -> int: fill a call record's per-call slots and run entry 0 (forward) or "
@@ -259,6 +344,8 @@ static PyMethodDef methods[] = {
     {"suspect_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_suspect_rows)),
      METH_FASTCALL,
      "suspect_rows(ptr, dtype, n0, n1, n2, n3, s0, s1, s2, s3, whole) -> bool: ak_suspect_rows. Internal."},
+    {"dense_tiles", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_dense_tiles)), METH_FASTCALL,
+     "dense_tiles(mask, TB, TH, L, S, m0, m1, m2, m3, kinds, index, bits, cap) -> int: ak_dense_tiles. Internal."},
     {nullptr, nullptr, 0, nullptr}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
