@@ -32,7 +32,7 @@ CASES = [  # (name, B, H, Hkv, L, S, D, attnkit kwargs, SDPA equivalent kwargs)
     ("decode L=4 S=2048 GQA causal", 1, 8, 2, 4, 2048, 64, dict(causal=True), "bottom_right"),
     ("decode L=16 S=2048 GQA window 512", 1, 8, 2, 16, 2048, 64, dict(mask=masks.sliding_window(512)), "window512"),
     ("decode L=1 S=2048 GQA float bias", 1, 8, 2, 1, 2048, 64, dict(mask="bias"), "bias"),
-    ("L=S=64 random bool mask (full path)", 1, 8, 8, 64, 64, 64, dict(mask="bool"), "bool"),
+    ("L=S=64 random bool mask", 1, 8, 8, 64, 64, 64, dict(mask="bool"), "bool"),
     ("prefill L=S=64 causal", 2, 4, 4, 64, 64, 16, dict(causal=True), dict(is_causal=True)),
     ("prefill L=S=200 GQA causal", 1, 4, 2, 200, 200, 64, dict(causal=True), dict(is_causal=True)),
     ("prefill L=S=512 causal", 1, 8, 8, 512, 512, 64, dict(causal=True), dict(is_causal=True)),

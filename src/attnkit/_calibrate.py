@@ -65,8 +65,8 @@ __all__ = ["Crossovers", "Point", "OrderPoint", "crossovers", "calibrate", "cach
 DEFAULT_NATIVE_CAUSAL_MIN = 64
 DEFAULT_NATIVE_DENSE_MIN_LS = 1024 * 1024
 DEFAULT_BUDGET_S = 2.0
-SCHEMA = 4  # the file's layout (2: bf16_grad; 3: bf16_small, fp16_small; 4: decode_order, order_points); another
-# schema is ignored and rewritten
+SCHEMA = 5  # the file's layout (2: bf16_grad; 3: bf16_small, fp16_small; 4: decode_order, order_points; 5:
+# small_mask); another schema is ignored and rewritten
 
 ENV_SWITCH = "ATTNKIT_CALIBRATION"
 ENV_DIR = "ATTNKIT_CACHE_DIR"
@@ -80,6 +80,7 @@ DENSE_LENGTHS = (256, 512, 1024, 2048)  # L = S; the crossover is in L·S
 DTYPE_LENGTH = 512  # bf16 / fp16: kernel against torch's kernel at this L = S, causal and no mask
 GRAD_LENGTH = 256  # bf16 with gradients: kernel against torch's kernel at this L = S, no mask (SDPA's ground)
 SMALL_LENGTH = 64  # bf16 / fp16 below the fp32 crossovers: kernel against torch's kernel in that dtype, no mask
+# (and fp32 with a bool tensor mask of one tile, "mask": the kernel reading its bits against SDPA applying it)
 ROWS_KEYS = 4096  # fp32 with gradients at a few query rows: one query row over this many keys, no mask ("rows")
 # the decode entry's read order of K and V: one fp32 query row per head over this many keys of D = ORDER_D, MHA and
 # GQA (ORDER_HEADS: H / Hkv), K and V 32 MiB (four times the 8 MB from which today's rule reads in memory order)
@@ -98,7 +99,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class Point:
-    """One measured point: ``case`` ``"causal"`` or ``"none"`` (no mask) at q (1, 8, L, 64), k/v (1, 8, S, 64);
+    """One measured point: ``case`` ``"causal"``, ``"none"`` (no mask), ``"rows"`` (a few query rows, no mask) or
+    ``"mask"`` (a random bool tensor mask, every tile partial) at q (1, 8, L, 64), k/v (1, 8, S, 64);
     the fastest round's milliseconds of the compiled kernel (``attnkit.attention(..., backend="tiled")``) and of
     ``torch.nn.functional.scaled_dot_product_attention``, over ``rounds`` interleaved rounds."""
 
@@ -161,6 +163,9 @@ class Crossovers:
       instructions);
     * ``few_rows_grad``: ``"kernel"`` (an fp32 call that wants gradients at a few query rows over a long cache goes
       to the compiled kernel's few-rows backward), ``"torch"`` (SDPA keeps it) or None (today's rule: the kernel);
+    * ``small_mask``: ``"kernel"`` (a call without gradients with a bool tensor mask of one 64 x 64 tile goes to the
+      compiled kernel, which reads the tile's bits per call), ``"torch"`` (SDPA applies the mask) or None (today's
+      rule: the kernel);
     * ``decode_order``: how the decode entry reads K and V — ``"blocked"`` (register-blocked at every size: measured
       faster here over a long cache), ``"memory"`` (today's rule, measured here: memory order from 8 MB of K and V,
       register-blocked below) or None (today's rule, not measured); ``order_points``: its measurements;
@@ -178,6 +183,7 @@ class Crossovers:
     fp16_small: str | None = None
     few_rows_grad: str | None = None
     decode_order: str | None = None
+    small_mask: str | None = None
     source: str = "defaults"
     calibrated: bool = False
     path: str | None = None
@@ -264,6 +270,18 @@ class Crossovers:
         where = (f"the compiled kernel measured faster than SDPA here ({self.source})" if self.few_rows_grad == "kernel"
                  else f"the compiled kernel's few-rows backward is faster than SDPA's there (table: {self.source})")
         return f"a few query rows with gradients over >= {min_keys} keys: {where}"
+
+
+    def small_mask_to_kernel(self) -> str | None:
+        """Why a call without gradients with a bool tensor mask of one 64 x 64 tile goes to the compiled kernel
+        rather than SDPA (None: SDPA keeps it): the measured choice, else today's rule (the kernel: its call 104 µs
+        against SDPA's 128 at L = S = 64, 8 heads, D = 64, fp32, on an Intel Xeon with AMX, 2 threads)."""
+        if self.small_mask == "torch":
+            return None
+        where = ("measured faster than SDPA here" if self.small_mask == "kernel"
+                 else "faster than SDPA applying it as it is")
+        return (f"a bool mask of one {SMALL_LENGTH} x {SMALL_LENGTH} tile: attnkit's compiled kernel reads its bits "
+                f"in one C pass and masks the scores by them, {where} (table: {self.source})")
 
 
 _MEMO: dict[int, Crossovers] = {}
@@ -503,7 +521,7 @@ def _from_json(data: dict, path: Path) -> Crossovers:
         if not (isinstance(val, int) and not isinstance(val, bool) and val >= 1):
             raise ValueError(f"{name}: expected a whole number >= 1, got {val!r}")
     choice = {}
-    for name in ("bf16", "fp16", "bf16_grad", "bf16_small", "fp16_small", "few_rows_grad"):
+    for name in ("bf16", "fp16", "bf16_grad", "bf16_small", "fp16_small", "few_rows_grad", "small_mask"):
         val = c.get(name)
         if val is not None and val not in _CHOICES:
             raise ValueError(f"{name}: expected one of {_CHOICES} or null, got {val!r}")
@@ -522,7 +540,7 @@ def _from_json(data: dict, path: Path) -> Crossovers:
     key, when = data["key"], str(data.get("created", "?"))[:10]
     return Crossovers(causal, dense, choice["bf16"], choice["fp16"], choice["bf16_grad"], choice["bf16_small"],
                       choice["fp16_small"], choice["few_rows_grad"], decode_order=order,
-                      source=_source(key, when, path, kept), calibrated=True,
+                      small_mask=choice["small_mask"], source=_source(key, when, path, kept), calibrated=True,
                       path=str(path), points=points, order_points=order_points, elapsed_s=elapsed)
 
 
@@ -588,7 +606,9 @@ def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: floa
                    clock: Callable[[], float], S: int | None = None) -> tuple[float, float, int] | None:
     """The fastest round's seconds (kernel, SDPA) over interleaved rounds at q (1, 8, L, 64), k / v (1, 8, S, 64)
     (S = L unless given; ``case`` "rows": no mask, the forward on the kernel's decode entry and its few-rows
-    backward, as ``auto`` runs a few query rows with gradients); None when even the fewest rounds would not end
+    backward, as ``auto`` runs a few query rows with gradients; "mask": a random bool tensor mask (1, 1, L, S),
+    every tile partial, as ``auto`` replays such a call: the kernel reading the mask's tiles in C every call, SDPA
+    applying the mask, forward only); None when even the fewest rounds would not end
     before ``deadline``. Raises :class:`_NoKernel` when the call would not run on the compiled kernel."""
     import torch.nn.functional as F
 
@@ -608,9 +628,33 @@ def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: floa
     assert iv is not None  # both are one stretch of keys per row
     lo, hi = iv
     scale = D ** -0.5
+    attn_mask, masked = None, None
+    if case == "mask":
+        read = _native.dense_tiles_fn()
+        if read is None:  # (a build without the C pass: auto's call reads the tiles with torch ops; not measured)
+            return None
+        from .backends import _tilebits
+
+        bools = (torch.rand(1, 1, L, S, generator=g) < 0.85) | (torch.arange(S) == 0)  # (no row left empty)
+        nq, nk = -(-L // _tilebits.TILE), -(-S // _tilebits.TILE)
+        tiles = _tilebits.TileBits(torch.zeros(1, 1, nq, nk, dtype=torch.int8),
+                                   torch.full((1, 1, nq, nk), -1, dtype=torch.int32),
+                                   torch.zeros(nq * nk, 2, _tilebits.TILE, dtype=torch.int32))
+        rows_lo, rows_hi = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
+        read(bools, L, S, tiles.kinds, tiles.index, tiles.bits)
+        step = _native.forward_step(q, k, v, rows_lo, rows_hi, tiles, rounded=True)
+
+        def masked():  # the replayed call: this call's mask read into the prepared tile map, then the kernel
+            read(bools, L, S, tiles.kinds, tiles.index, tiles.bits)
+            step(q, k, v, scale)
+
+        attn_mask = bools
 
     def kernel():  # what the native kernel runs for such a call: forward (and backward), outputs rounded to dt
         with torch.no_grad():  # by the kernel itself (bf16 / fp16)
+            if masked is not None:
+                masked()
+                return
             if case == "rows":  # (fp32) a few rows' forward on the decode entry, as backends/native.py runs it
                 out, lse = _native.decode(q, k, v, lo, hi, scale, need_lse=True)
             else:
@@ -632,7 +676,7 @@ def _measure_point(case: str, dtype: str, L: int, backward: bool, deadline: floa
             out.backward(go)
         else:
             with torch.no_grad():
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
                 if hides_nan is not None:
                     hides_nan(out)
 
@@ -724,6 +768,8 @@ def _plan(backward: bool) -> list[tuple[str, str, int, int, str]]:
     the tail)."""
     modes = ["fwd", "fwd+bwd"] if backward else ["fwd"]
     pts = [("causal", "float32", L, L, m) for L in CAUSAL_LENGTHS for m in modes]
+    # a bool mask of one tile (cheap: ~0.2 ms a round), after causal 64 and 128
+    pts.insert(2 * len(modes), ("mask", "float32", SMALL_LENGTH, SMALL_LENGTH, "fwd"))
     if backward:  # (cheap: one query row, ~30 ms a round on a 2-core AMD EPYC; after causal 64 and 128)
         pts.insert(2 * len(modes), ("rows", "float32", 1, ROWS_KEYS, "fwd+bwd"))
     # the decode entry's read order (~0.1 s on an Intel Xeon with AMX: 4 decode steps a round over 32 MiB)
@@ -765,9 +811,10 @@ def _dtype_choice(points: list[Point]) -> str | None:
     return "kernel" if g > 1.0 else "torch"
 
 
-def _rows_choice(points: list[Point]) -> str | None:
-    """``"kernel"`` when the kernel won the few-rows point by :data:`WIN_MARGIN` (a tie stays on SDPA, as for the
-    crossovers), ``"torch"`` otherwise; None when it was not measured."""
+def _margin_choice(points: list[Point]) -> str | None:
+    """``"kernel"`` when the kernel won every one of these points (the few-rows one, the bool mask of one tile) by
+    :data:`WIN_MARGIN` (a tie stays on SDPA, as for the crossovers), ``"torch"`` otherwise; None when none was
+    measured."""
     if not points:
         return None
     return "kernel" if all(p.kernel_wins for p in points) else "torch"
@@ -786,8 +833,8 @@ def _order_choice(points: list[OrderPoint]) -> str | None:
 def _decide(points: list[Point], backward: bool = False, order_points: list[OrderPoint] | None = None
             ) -> tuple[dict, list[str]]:
     """({native_causal_min, native_dense_min_ls, bf16, fp16, bf16_grad, bf16_small, fp16_small, few_rows_grad,
-    decode_order}, what kept its default) from the points of a calibration (``backward``: one that planned forward +
-    backward points; ``order_points``: the decode entry's read orders)."""
+    decode_order, small_mask}, what kept its default) from the points of a calibration (``backward``: one that planned
+    forward + backward points; ``order_points``: the decode entry's read orders)."""
     f32 = [p for p in points if p.dtype == "float32"]
     causal = _crossover([p for p in f32 if p.case == "causal"], DEFAULT_NATIVE_CAUSAL_MIN, lambda n: n)
     dense = _crossover([p for p in f32 if p.case == "none"], DEFAULT_NATIVE_DENSE_MIN_LS, lambda n: n * n)
@@ -801,7 +848,8 @@ def _decide(points: list[Point], backward: bool = False, order_points: list[Orde
               "bf16": choice("bfloat16", "fwd", False), "fp16": choice("float16", "fwd", False),
               "bf16_grad": choice("bfloat16", "fwd+bwd", False),
               "bf16_small": choice("bfloat16", "fwd", True), "fp16_small": choice("float16", "fwd", True),
-              "few_rows_grad": _rows_choice([p for p in points if p.case == "rows"]),
+              "few_rows_grad": _margin_choice([p for p in points if p.case == "rows"]),
+              "small_mask": _margin_choice([p for p in points if p.case == "mask"]),
               "decode_order": _order_choice(order_points or [])}
     # (named as the table's rows read: a bf16 decision at 512 × 512 is kept even where the 64 × 64 bf16 points are
     # listed as measured, so the size is in the name)
@@ -815,6 +863,8 @@ def _decide(points: list[Point], backward: bool = False, order_points: list[Orde
         kept.append("a few rows with gradients")
     if values["decode_order"] is None:
         kept.append("the decode's read order")
+    if values["small_mask"] is None:
+        kept.append(f"a bool mask of one {small} tile")
     return values, kept
 
 
@@ -917,7 +967,7 @@ def calibrate(budget_s: float = DEFAULT_BUDGET_S, threads: int | None = None, wr
                 "defaults": {"native_causal_min": DEFAULT_NATIVE_CAUSAL_MIN,
                              "native_dense_min_ls": DEFAULT_NATIVE_DENSE_MIN_LS, "bf16": None, "fp16": None,
                              "bf16_grad": None, "bf16_small": None, "fp16_small": None, "few_rows_grad": None,
-                             "decode_order": None}}
+                             "decode_order": None, "small_mask": None}}
         unstored = None
         if path is not None:
             try:

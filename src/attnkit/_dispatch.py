@@ -26,7 +26,7 @@ The bool-mask rule: with a 4096² mask, one thread, tiled beat SDPA-with-mask by
 1.6-4.5× on banded/causal masks given densely, and was 0.96× on a random mask
 whose tiles are all partial; so ``auto`` reduces the mask per tile (one pass over
 a tensor the user already built) and sends it to ``tiled`` unless more than
-``sdpa.DENSE_PARTIAL_MAX`` of the tiles are partial.
+``tiled.DENSE_PARTIAL_MAX`` of the tiles are partial.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from .backends import _table, get
 from .backends._base import Request
 from .backends._kernel import Kernel
-from .backends.sdpa import DENSE_PARTIAL_MAX, NATIVE_CAUSAL_MIN, NATIVE_DENSE_MIN_LS
+from .backends.sdpa import NATIVE_CAUSAL_MIN, NATIVE_DENSE_MIN_LS
+from .backends.tiled import DENSE_PARTIAL_MAX
 
 __all__ = ["Decision", "decide"]
 __all__ += ["DENSE_PARTIAL_MAX", "NATIVE_CAUSAL_MIN", "NATIVE_DENSE_MIN_LS"]  # the thresholds, where they live

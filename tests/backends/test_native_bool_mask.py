@@ -15,7 +15,8 @@ import torch
 from conftest import EPS, assert_close, budget, golden, require_kernel
 
 import attnkit
-from attnkit.backends import _tilebits, native
+from attnkit import _fast
+from attnkit.backends import _native, _tilebits, native
 
 pytestmark = pytest.mark.usefixtures("kernel_takes_bf16")
 
@@ -163,10 +164,11 @@ def test_the_replay_keeps_a_frozen_copy_of_each_mask():
     _bf16_close(_bf16_step(q, k, v, a, go), _bf16_want(q, k, v, a, go), 16, S, "all True")
 
 
-def test_fp32_and_no_gradient_calls_are_not_replayed_by_content(monkeypatch):
-    """Only a decision the mask's values do not enter is replayed by content: fp32 (its route reads the mask's tiles),
-    bf16 without gradients, and bf16 with gradients where this machine's table measured torch's bf16 backward
-    faster (SDPA's choice then reads the tiles) keep the full path (None from the kernel's replay)."""
+def test_which_calls_are_replayed_and_how(monkeypatch):
+    """fp32 with gradients keeps the full path (its route reads the mask's tiles; None from the kernel's replay);
+    a call without gradients, fp32 or bf16, is replayed reading each call's mask in C (:func:`_replay_dense_forward`,
+    tested below); bf16 with gradients by the mask's content, except where this machine's table measured torch's
+    bf16 backward faster (SDPA's choice then reads the tiles)."""
     require_kernel()
     from attnkit import _calibrate
 
@@ -179,12 +181,190 @@ def test_fp32_and_no_gradient_calls_are_not_replayed_by_content(monkeypatch):
         assert not native.NATIVE.not_supported(req)
         return req
 
-    for dt, grad in ((torch.float32, True), (torch.bfloat16, False)):
-        assert native.NATIVE.replay(request(dt, grad), mask) is None, (dt, grad)
+    assert native.NATIVE.replay(request(torch.float32, True), mask) is None
+    for dt in (torch.float32, torch.bfloat16):
+        run = native.NATIVE.replay(request(dt, False), mask)
+        assert run is not None and run.__qualname__.startswith("_replay_dense_forward"), dt
     assert native.NATIVE.replay(request(torch.bfloat16, True), mask) is not None
     table = _calibrate.Crossovers(bf16_grad="torch", source="calibrated 2026-11-29 on X")
     monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: table)
     assert native.NATIVE.replay(request(torch.bfloat16, True), mask) is None
+
+
+def _torch_tiles(dense, L, S, monkeypatch):
+    """``dense_bits`` by torch ops (the path of a build without the C pass)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(_native, "dense_tiles_fn", lambda: None)
+        return _tilebits.dense_bits(dense, L, S)
+
+
+@pytest.mark.parametrize("L,S", [(1, 1), (5, 7), (64, 64), (65, 64), (64, 65), (130, 200), (1, 300), (200, 1)])
+def test_the_c_pass_reads_the_tile_map_torch_reads(L, S, monkeypatch):
+    """The kernel's C pass over a bool mask's bytes (``ak_dense_tiles``) gives the tile map torch's ops give — kinds,
+    partial tiles' order and bits — for every broadcast shape (a size-1 row or key dim, batch or head of 1), views
+    with other strides (transposed, expanded, a slice of a bigger mask), ragged edges, and masks empty, full, random
+    and banded; unpacked, the map is the mask."""
+    require_kernel()
+    if _native.dense_tiles_fn() is None:
+        pytest.skip("a build without the C pass")
+    g = torch.Generator().manual_seed(L * 1000 + S)
+    B, H = 2, 3
+    shapes = [(1, 1, L, S), (B, 1, L, S), (1, H, L, S), (B, H, 1, S), (B, 1, L, 1), (1, 1, 1, 1)]
+    for shape in shapes:
+        i, j = torch.arange(shape[2])[:, None], torch.arange(shape[3])[None, :]
+        band = ((j - i).abs() < 20).expand(shape).clone()
+        for name, m in (("empty", torch.zeros(shape, dtype=torch.bool)), ("full", torch.ones(shape, dtype=torch.bool)),
+                        ("random", torch.rand(shape, generator=g) < 0.5),
+                        ("mostly", torch.rand(shape, generator=g) < 0.97), ("band", band)):
+            views = {"contiguous": m, "transposed": m.transpose(2, 3).contiguous().transpose(2, 3),
+                     "a slice": torch.cat([m, ~m], dim=3)[..., : shape[3]],
+                     "expanded": m[:, :1].expand(shape) if shape[1] > 1 else m}
+            for how, x in views.items():
+                got, want = _tilebits.dense_bits(x, L, S), _torch_tiles(x, L, S, monkeypatch)
+                what = (shape, name, how)
+                assert torch.equal(got.kinds, want.kinds) and torch.equal(got.index, want.index), what
+                assert got.bits.shape == want.bits.shape, what
+                assert torch.equal(_tilebits.unpack(got, B, H, L, S), x.expand(B, H, L, S)), what
+
+
+def test_the_c_pass_makes_room_for_more_partial_tiles_than_its_first_guess():
+    """Past ``_ROOM_ALL_TILES`` tiles the first try has room for a quarter of them: a mask with every tile partial
+    is read again with room for all (the map still the mask's)."""
+    require_kernel()
+    if _native.dense_tiles_fn() is None:
+        pytest.skip("a build without the C pass")
+    L, S = 64 * 65, 64 * 64  # 4160 tiles, more than 4096
+    m = torch.rand(1, 1, L, S, generator=torch.Generator().manual_seed(2)) < 0.5
+    tb = _tilebits.dense_bits(m, L, S)
+    assert tb.partial_tiles == 65 * 64 and bool((tb.kinds == 1).all())
+    assert torch.equal(_tilebits.unpack(tb, 1, 1, L, S), m)
+
+
+def _fast_run(q, k, v, mask):
+    """The fast path's prepared call for this signature (after a first call), or None."""
+    key = _fast._signature(q, k, v, mask, False, None)
+    return _fast._REPLAY.get(key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,S", [(64, 64), (40, 64), (150, 200)])
+def test_a_replayed_call_without_gradients_reads_each_calls_mask(dtype, L, S):
+    """``auto``'s call without gradients with a bool tensor mask on the kernel is replayed: every call reads *its own*
+    mask's tiles (the C pass into the prepared record's tile map) — the same tensor edited in place (rows emptied, a
+    row of one key, all True, all False), then other tensors — each answer within the budget of float64 on that
+    call's mask, rows that see no key 0, never NaN."""
+    require_kernel()
+    _fast.clear()
+    B, H, D = 2, 2, 32
+    g = torch.Generator().manual_seed(L + S)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (L, S, S))
+    mask = _mask((B, 1, L, S), 4, L, S)
+    if L > 64:  # tiles of every kind, so the route keeps it on the kernel whatever the edits below do
+        mask[..., 64:128, 64:128] = True
+        mask[..., :64, 128:] = False
+    assert attnkit.dispatch(q, k, v, mask=mask).worker == "native"
+    tol = budget(torch.float32, D, S) + (0 if dtype is torch.float32 else EPS[torch.bfloat16])
+
+    def check(m, what):
+        out = attnkit.attention(q, k, v, mask=m)
+        ref, lse = golden(q, k, v, mask=m)
+        assert out.dtype is dtype and not out.isnan().any(), what
+        assert (out.double() - ref).abs().max().item() <= tol, (what, (out.double() - ref).abs().max().item())
+        assert (out[~torch.isfinite(lse)] == 0).all(), what
+
+    check(mask, "first call")
+    run = _fast_run(q, k, v, mask)
+    assert run is not None and run.__qualname__.startswith("_replay_dense_forward"), run
+    check(mask, "replayed")
+    mask[0, :, 10:30] = False  # edited in place: rows that now see nothing
+    check(mask, "rows emptied")
+    mask[1, :, :, :] = False
+    mask[1, :, 7, 3] = True  # one batch row: a single key in one row, nothing elsewhere
+    check(mask, "one key")
+    for fill in (True, False):
+        mask.fill_(fill)
+        check(mask, f"all {fill}")
+    for seed in range(3):
+        check(_mask((B, 1, L, S), 20 + seed, L, S), f"another tensor {seed}")
+    assert _fast_run(q, k, v, mask) is run  # every call above replayed the one prepared call
+
+
+def test_a_replayed_call_whose_mask_becomes_all_partial_takes_the_full_path():
+    """Above one tile the route reads the mask's values (almost every tile partial: SDPA): a replayed call checks
+    each call's share of partial tiles and hands one past the bar to the full path, which sends it to SDPA."""
+    require_kernel()
+    _fast.clear()
+    L = S = 192
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=g) for n in (L, S, S))
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    band = (j - i).abs() <= 70
+    band[:, 0] = True
+    mask = band.clone()
+    mask[5, 100] = True  # (not one stretch a row: the kernel runs its tile map)
+    assert attnkit.dispatch(q, k, v, mask=mask).worker == "native"
+    attnkit.attention(q, k, v, mask=mask)
+    run = _fast_run(q, k, v, mask)
+    assert run is not None and run(q, k, v, mask, None) is not None
+    mask.copy_(torch.rand(L, S, generator=g) < 0.5)
+    mask[:, 0] = True
+    assert attnkit.dispatch(q, k, v, mask=mask).backend == "sdpa"
+    assert run(q, k, v, mask, None) is None  # this call's mask: past the bar, the full path's
+    out = attnkit.attention(q, k, v, mask=mask)
+    ref, _ = golden(q, k, v, mask=mask)
+    assert_close(out, ref, budget(torch.float32, 32, S), "all partial")
+
+
+def test_a_replayed_call_from_two_threads_reads_each_threads_mask():
+    """The prepared call keeps its tile buffers per thread: two threads replaying one signature with different masks
+    at once each get their own mask's answer."""
+    require_kernel()
+    import threading
+
+    _fast.clear()
+    L = S = 64
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, n, 32, generator=g) for n in (L, S, S))
+    ms = [_mask((L, S), 30 + t, L, S) for t in range(2)]
+    refs = [golden(q, k, v, mask=m)[0] for m in ms]
+    attnkit.attention(q, k, v, mask=ms[0])  # learned
+    errors = []
+
+    def work(t):
+        try:
+            for _ in range(200):
+                out = attnkit.attention(q, k, v, mask=ms[t])
+                err = (out.double() - refs[t]).abs().max().item()
+                if err > budget(torch.float32, 32, S):
+                    errors.append((t, err))
+                    return
+        except Exception as e:  # (reported below)
+            errors.append((t, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+
+
+def test_a_bool_mask_of_one_tile_goes_where_the_table_says(monkeypatch):
+    """A bool mask of one 64 x 64 tile without gradients: the kernel by today's rule; SDPA where this machine's
+    calibration measured SDPA faster (``small_mask``), or the call wants gradients."""
+    require_kernel()
+    from attnkit import _calibrate
+
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    m = _mask((64, 64), 2, 64, 64)
+    d = attnkit.dispatch(q, k, v, mask=m)
+    assert d.worker == "native" and "one 64 x 64 tile" in d.reason and "C pass" in d.reason
+    assert attnkit.dispatch(q.requires_grad_(), k, v, mask=m).backend == "sdpa"
+    q.requires_grad_(False)
+    table = _calibrate.Crossovers(small_mask="torch", source="calibrated 2026-11-29 on X")
+    monkeypatch.setattr(_calibrate, "crossovers", lambda threads=None: table)
+    d = attnkit.dispatch(q, k, v, mask=m)
+    assert (d.backend, d.worker) == ("sdpa", "fused") and "one 64 x 64 tile" in d.reason
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

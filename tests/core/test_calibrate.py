@@ -28,7 +28,7 @@ RATIO = {("none", "bfloat16", "grad"): lambda L: 3.0,
          ("none", "float32"): lambda L: 1.1 if L >= 1024 else 0.95,
          ("causal", "bfloat16"): lambda L: 0.4, ("none", "bfloat16"): lambda L: 1.4 if L == 64 else 0.5,
          ("causal", "float16"): lambda L: 1.5, ("none", "float16"): lambda L: 1.2,
-         ("rows", "float32"): lambda L: 1.6}
+         ("rows", "float32"): lambda L: 1.6, ("mask", "float32"): lambda L: 1.3}
 
 
 class Fake:
@@ -95,20 +95,22 @@ def test_calibration_decides_from_the_measurements_and_is_stored_where_the_env_s
     assert c.bf16_grad is None  # forward only (the first-use calibration): bf16 with gradients keeps today's rule
     # at L = S = 64 each dtype is its own decision: bf16's kernel loses at 512 and wins at 64 here
     assert (c.bf16_small, c.fp16_small) == ("kernel", "kernel")
-    assert c.calibrated and c.failure is None and len(c.points) == len(fake.calls) == 15
+    assert c.small_mask == "kernel"  # (a bool mask of one tile: the kernel 1.3x faster here)
+    assert c.calibrated and c.failure is None and len(c.points) == len(fake.calls) == 16
     files = list(cache.glob("calibration-*.json"))
     assert files == [C.cache_path(n)] and files[0].name.endswith(f"-{n}t.json") and c.path == str(files[0])
     data = json.loads(files[0].read_text())
     assert data["key"] == C.machine_key(n) and data["key"]["torch"] == torch.__version__
     assert data["crossovers"] == {"native_causal_min": 256, "native_dense_min_ls": 1048576, "bf16": "torch",
                                   "fp16": "kernel", "bf16_grad": None, "bf16_small": "kernel",
-                                  "fp16_small": "kernel", "few_rows_grad": None, "decode_order": "blocked"}
+                                  "fp16_small": "kernel", "few_rows_grad": None, "decode_order": "blocked",
+                                  "small_mask": "kernel"}
     assert not list(cache.glob(".calibration-*"))  # the temporary file was renamed, none left behind
     # this process decides by it now, and a fresh one reads it back from the file
     assert C.crossovers() is c
     C.forget()
     again = C.crossovers()
-    assert again.calibrated and len(again.points) == 15
+    assert again.calibrated and len(again.points) == 16
     assert (again.native_causal_min, again.bf16, again.bf16_small) == (256, "torch", "kernel")
     assert again.source.startswith("calibrated ") and f"{n} thread" in again.source and files[0].name in again.source
     assert again.source.split(" on ")[1].startswith(C.machine_key()["cpu"].split(" [")[0])
@@ -343,9 +345,9 @@ def test_first_use_calibrates_once_and_nothing_runs_by_default(cache, monkeypatc
     monkeypatch.setattr(C._local, "tried", False)
     C.forget()
     c = C.crossovers()
-    assert c.calibrated and len(fake.calls) == 15 and C.cache_path().exists()
+    assert c.calibrated and len(fake.calls) == 16 and C.cache_path().exists()
     C.forget()
-    assert C.crossovers().calibrated and len(fake.calls) == 15  # read back, not measured again
+    assert C.crossovers().calibrated and len(fake.calls) == 16  # read back, not measured again
 
 
 def test_first_use_waits_for_a_quiet_machine(cache, monkeypatch):
@@ -384,7 +386,7 @@ def test_a_kept_default_names_the_size_whose_points_were_not_measured(cache, mon
     """The small bf16 / fp16 points (64 × 64) are measured before the 512s: a budget that ends between them lists
     measured bf16 rows, and the kept defaults say which size they are for (they said "bf16, fp16" beside bf16 rows)."""
     fake = Fake(monkeypatch, cost=0.25)
-    c = C.calibrate(budget_s=2.5)  # (the fake clock: ten points of 0.25 s, the last two the 64 × 64 bf16 / fp16)
+    c = C.calibrate(budget_s=2.75)  # (the fake clock: eleven points of 0.25 s, the last two the 64 × 64 bf16 / fp16)
     assert [x[:3] for x in fake.calls if x[1] != "float32"] == [("none", "bfloat16", 64), ("none", "float16", 64)]
     assert c.source.endswith("; defaults kept for bf16 at 512 × 512, fp16 at 512 × 512 (not measured in the budget)")
     assert (c.bf16, c.fp16) == (None, None) and c.bf16_small is not None and c.fp16_small is not None
@@ -392,18 +394,19 @@ def test_a_kept_default_names_the_size_whose_points_were_not_measured(cache, mon
 
 def test_the_budget_bounds_the_measurement_and_the_rest_keeps_its_default(cache, monkeypatch):
     fake = Fake(monkeypatch, cost=0.25)
-    c = C.calibrate(budget_s=1.0)
-    assert len(fake.calls) == 4 and {x[:2] for x in fake.calls} == {("causal", "float32")}
+    c = C.calibrate(budget_s=1.25)  # (causal 64, 128, the bool mask of one tile, causal 256, 512)
+    assert len(fake.calls) == 5 and {x[:2] for x in fake.calls} == {("causal", "float32"), ("mask", "float32")}
     assert c.calibrated and c.native_causal_min == 256  # measured: 64, 128 lose, 256, 512 win
+    assert c.small_mask == "kernel"
     assert (c.native_dense_min_ls, c.bf16, c.fp16, c.bf16_grad) == (1024 * 1024, None, None, None)
     kept = ("defaults kept for no mask, bf16 at 512 × 512, fp16 at 512 × 512, bf16 at 64 × 64, fp16 at 64 × 64, the "
             "decode's read order (not measured in the budget)")
     assert kept in c.source  # (bf16 with gradients:
     # planned only with backward=True, so not "kept" here)
     small = C.calibrate(budget_s=1.0, backward=True)
-    assert small.bf16_grad is None and small.few_rows_grad is None
+    assert small.bf16_grad is None and small.few_rows_grad is None and small.small_mask is None
     assert small.source.endswith("fp16 at 64 × 64, bf16 with gradients at 256 × 256, a few rows with gradients, the "
-                                 "decode's read order (not measured in the budget)")
+                                 "decode's read order, a bool mask of one 64 × 64 tile (not measured in the budget)")
 
 
 def test_backward_decides_bf16_with_gradients_apart_from_bf16s_forward(cache, monkeypatch):

@@ -16,6 +16,7 @@ from conftest import assert_close, budget, full_path, golden, require_kernel
 
 import attnkit
 from attnkit import _fast, masks, positional, score_mods
+from attnkit.backends import _native
 
 SPY = []
 
@@ -313,21 +314,26 @@ def test_replay_follows_what_the_signature_holds(spy, monkeypatch):
         torch.set_num_threads(threads)
 
 
-def test_one_tile_bool_mask_goes_to_sdpa_as_it_is(spy):
-    """A bool mask of one 64 x 64 tile has nothing to skip: auto hands it to SDPA (and the next call with the
-    same signature replays that), exact against the golden."""
+def test_one_tile_bool_mask_goes_to_the_kernel_or_sdpa_and_is_replayed(spy):
+    """A bool mask of one 64 x 64 tile without gradients: fp32 on the compiled kernel (its C pass reads the tile's
+    bits per call), float64 (the kernel computes in fp32) and fp32 with gradients on SDPA as it is; the next call
+    with the same signature replays either, exact against the golden."""
     g = torch.Generator().manual_seed(8)
-    q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
     m = torch.rand(64, 64, generator=g) > 0.5
     m[:, 0] = True
-    d = attnkit.dispatch(q, k, v, mask=m)
-    assert (d.backend, d.worker) == ("sdpa", "fused") and "one 64 x 64 tile" in d.reason
-    for _ in range(2):
-        spy.clear()
-        out = attnkit.attention(q, k, v, mask=m)
-    assert spy == [True]
-    ref, _ = golden(q, k, v, mask=m)
-    assert (out - torch.as_tensor(ref)).abs().max().item() <= 1e-12
+    for dt, grad in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
+        q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=dt).requires_grad_(grad) for _ in range(3))
+        d = attnkit.dispatch(q, k, v, mask=m)
+        kernel = dt is torch.float32 and not grad and _native.available()
+        assert (d.backend, d.worker) == (("tiled", "native") if kernel else ("sdpa", "fused")), (dt, grad)
+        assert "one 64 x 64 tile" in d.reason
+        for _ in range(2):
+            spy.clear()
+            out = attnkit.attention(q, k, v, mask=m)
+        assert spy == [True]
+        ref, _ = golden(q, k, v, mask=m)
+        tol = 1e-12 if dt is torch.float64 else budget(dt, 16, 64)
+        assert (out.detach().double() - torch.as_tensor(ref)).abs().max().item() <= tol
 
 
 def test_replayed_compiled_kernel_call_forward_and_backward_equal_golden(spy):

@@ -59,6 +59,8 @@ def _fmt_ls(n: int) -> str:
 
 
 def _choice(v, dtype: str) -> str:
+    if v is None and dtype == "small_mask":  # today's rule: the kernel (its C pass reads the tile's bits)
+        return "the compiled kernel (today's rule)"
     if v is None:  # today's rule: bf16, with or without gradients, on torch's kernel where the CPU multiplies
         from ..backends import native  # bf16 in hardware, else the kernel; fp16 on the kernel; bf16's forward on
 
@@ -124,6 +126,8 @@ def _print_table(c, defaults) -> None:
              _choice(c.fp16_small, "fp16_small")),
             (f"fp32 with grads, <= {DECODE_MAX_L} query rows, >= {FEW_ROWS_GRAD_MIN_KEYS} keys, on",
              _choice(defaults.few_rows_grad, "few_rows_grad"), _choice(c.few_rows_grad, "few_rows_grad")),
+            ("a bool mask of one 64 x 64 tile (no gradients) on", _choice(defaults.small_mask, "small_mask"),
+             _choice(c.small_mask, "small_mask")),
             ("the decode entry reads K and V of >= 8 MB", _order(defaults.decode_order), _order(c.decode_order))]
     head = "measured" if c.calibrated else "in use"
     w0 = max(len(r[0]) for r in rows)

@@ -270,6 +270,8 @@ class Native(Kernel):
         :func:`_tilebits.dense_bits`), the last ``_DENSE_PAIRS`` contents kept; a mask edited in place is a new
         content. None (the full path) for anything else: fp32 (its route reads the mask's tiles), no gradient, a
         score_mod, more than ``CONTENT_KEY_MAX_BYTES`` of mask."""
+        if user_mask.dtype is torch.bool and req.dense_mask is not None and not req.requires_grad():
+            return _replay_dense_forward(req)
         if (user_mask.dtype is not torch.bool or req.dense_mask is None or req.score_mod is not None
                 or not req.requires_grad() or req.q.dtype is torch.float32 or req.memo.get("score_prog") is not None):
             return None
@@ -317,8 +319,62 @@ class Native(Kernel):
         return _NativeAttention.apply(req.q, req.k, req.v, req, *captured)
 
 
+def _replay_dense_forward(req: Request):
+    """The prepared forward of a bool tensor mask's call without gradients (:meth:`Native.replay`), for a signature
+    whose first call ran on the mask's tile map: every call reads *its own* mask's tiles in C
+    (``_native.dense_tiles_fn``: one pass over its bytes, ~1 µs for a 64 x 64 tile, 0.5 ms at 2048 x 2048 on an
+    Intel Xeon) into buffers the prepared record points at (one set per thread), then runs the kernel. The decision
+    reads the mask's values only above one tile (``tiled.DENSE_PARTIAL_MAX``: almost every tile partial stays with
+    SDPA): there each call's share of partial tiles is checked, and a call past it takes the full path. None where
+    the C pass is not built, the first call ran on row intervals (a mask whose every row is one stretch of keys: the
+    full path keeps that) or the map has more than ``_REPLAY_TILES_MAX`` tiles."""
+    read = _native.dense_tiles_fn()
+    dense = req.dense_mask
+    if read is None or dense is None or "tile_bits" not in req.memo or req.need_lse or tiled._sizes()[:2] != (64, 64):
+        return None  # (other tile sizes: the route counts partial tiles of its own size)
+    B, H, L, S, *_ = req.shape
+    shape4 = tuple(dense.shape)
+    TB, TH = shape4[0], shape4[1]
+    nq, nk = -(-L // _tilebits.TILE), -(-S // _tilebits.TILE)
+    n = TB * TH * nq * nk
+    if n > _REPLAY_TILES_MAX:
+        return None
+    checked = not (L <= tiled.SMALL_MASK and S <= tiled.SMALL_MASK)  # (one tile: a decision the values do not enter)
+    limit = tiled.DENSE_PARTIAL_MAX * nq * nk
+    q0, k0, v0, prog, default = req.q, req.k, req.v, req.memo.get("score_prog"), req.scale
+    lo, hi = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
+    local = threading.local()
+
+    def prepared():  # this thread's tile buffers and the record that points at them
+        tb = _tilebits.TileBits(torch.zeros(TB, TH, nq, nk, dtype=torch.int8),
+                                torch.full((TB, TH, nq, nk), -1, dtype=torch.int32),
+                                torch.zeros(n, 2, _tilebits.TILE, dtype=torch.int32))
+        local.tb = tb
+        local.step = _native.forward_step(q0, k0, v0, lo, hi, tb, prog=prog, rounded=True)
+        return tb, local.step
+
+    def run(q, k, v, mask, scale):
+        tb = getattr(local, "tb", None)
+        tb, step = prepared() if tb is None else (tb, local.step)
+        m = mask if mask.dim() == 4 else mask.reshape(shape4)
+        P = read(m, L, S, tb.kinds, tb.index, tb.bits)
+        if checked and (P if TB * TH == 1 else _partial_collapsed(tb.kinds)) > limit:
+            return None  # almost every tile partial: the full path's route (SDPA)
+        return step(q, k, v, default if scale is None else scale)
+
+    return run
+
+
+def _partial_collapsed(kinds: torch.Tensor) -> int:
+    """The tiles that are partial for some (batch, head) or differ between them (as the route counts them)."""
+    return int((_tiling.collapse(kinds) == _tiling.PARTIAL).sum())
+
+
 NATIVE = Native()
 _NOTHING = torch.empty(0)
+# a bool tensor mask's signature without gradients is replayed with room for every tile's bits up to this many
+# tiles (512 B a tile: 8 MB; L = S = 8192 at one mask for every batch row and head)
+_REPLAY_TILES_MAX = 16384
 _DENSE_PAIRS = 4  # the mask contents a bool tensor mask's replayed signature keeps prepared (Native._replay_dense)
 
 

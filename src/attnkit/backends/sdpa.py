@@ -32,6 +32,7 @@ from . import _decode, _flash_cpu, _native, eager
 from ._base import Request
 from ._kernel import Kernel
 from ._tiles import allowed_tile, has_nonfinite, tile_of
+from .tiled import DENSE_PARTIAL_MAX, SMALL_MASK
 
 __all__ = ["NAME", "FUSED", "WIDENED", "MATH", "unsupported", "backward_flaw", "run", "may_hide_nan"]
 
@@ -202,11 +203,6 @@ FEW_ROWS_GRAD_MIN_KEYS = 2048
 # backward of 8 heads, D = 64: over 128 keys torch's bf16 1.14-1.38x fp32, widened 1.22-1.32x; over 512, 1.56x /
 # 1.25-1.32x)
 WIDEN_MIN_SCORES = 4096
-# Above this fraction of partial tiles a user bool mask stays with SDPA (tiled ≈ 0.96× there: nothing to skip).
-DENSE_PARTIAL_MAX = 0.9
-# A user bool mask of one tile (L, S <= 64: nothing a tile analysis could skip) goes to SDPA as it is
-# (benchmarks/overhead.py, L = S = 64: the full path's tile analysis cost 1.9x SDPA's whole call).
-SMALL_MASK = 64
 
 
 def _square(n: int) -> str:
@@ -236,6 +232,17 @@ def _bf16_grads_fit_kernel(req: Request) -> bool:
     """Whether a bf16 call with gradients is one the compiled kernel runs (it goes there where the table says the
     kernel's backward wins: the rule above)."""
     return _native_runs(req)
+
+
+def _small_mask_to_kernel(req: Request, x) -> str | None:
+    """Why a call with a bool tensor mask of one tile (L, S <= ``SMALL_MASK``) and no gradients goes to the compiled
+    kernel (its C pass reads the tile's bits, ~1 µs, and the kernel masks the scores by them), or None (SDPA applies
+    the mask as it is): this machine's measurement (``Crossovers.small_mask``), else today's rule, the kernel where
+    it runs the call (an Intel Xeon with AMX, 2 threads, L = S = 64, 8 heads, D = 64, fp32: the kernel's call 104 µs
+    against SDPA's 128; ``benchmarks/overhead.py``)."""
+    if req.requires_grad() or not _native_runs(req):
+        return None
+    return x.small_mask_to_kernel()
 
 
 def _few_rows_grad_to_kernel(req: Request, x) -> str | None:
@@ -319,7 +326,7 @@ class Fused(Kernel):
             return None  # decoding: SDPA over the keys the mask can reach, with an (L × n) mask built per call
         if req.dense_mask is not None and req.mask is None:
             if L <= SMALL_MASK and S <= SMALL_MASK:
-                return None
+                return _small_mask_to_kernel(req, x)
             from . import tiled
 
             partial = tiled.partial_fraction(req)

@@ -196,6 +196,13 @@ FLASH_RUNS = FlashRuns()
 PLAIN = Plain()
 
 
+# Above this fraction of partial tiles a user bool mask stays with SDPA (tiled ≈ 0.96× there: nothing to skip).
+DENSE_PARTIAL_MAX = 0.9
+# A user bool mask of one tile (L, S <= 64): nothing a tile analysis could skip; without gradients the compiled
+# kernel reads its bits in one C pass per call (sdpa._small_mask_to_kernel), else SDPA applies it as it is.
+SMALL_MASK = 64
+
+
 def partial_fraction(req: Request) -> float:
     """Fraction of this call's tiles that the user bool mask leaves partial (nothing to skip
     there). Kept in the request's memo, so the run that may follow reuses the same pass."""
