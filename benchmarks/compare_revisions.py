@@ -78,6 +78,12 @@ CASES = [
     ("bool tensor: 4 documents L=2048 bf16 fwd+bwd", 1, 8, 8, 2048, 2048, 64, "mask=DOCS_T", "fwdbwd"),
     ("bool tensor: random 70% L=S=64 bf16 fwd+bwd", 1, 8, 8, 64, 64, 64, "mask=RAND64", "fwdbwd"),
     ("bool tensor: padding L=1 S=512 GQA bf16 fwd+bwd", 1, 8, 2, 1, 512, 64, "mask=PAD512", "fwdbwd"),
+    # without gradients: a bool mask of one tile (SDPA before; the kernel, its bits read in C per call), and masks the
+    # kernel runs as a tile map (rows of two stretches: its call replayed, each call's mask read in C)
+    ("bool tensor: random 70% L=S=64 fwd", 1, 8, 8, 64, 64, 64, "mask=RAND64", "fwd"),
+    ("bool tensor: random 70% L=S=64 bf16 fwd", 1, 8, 8, 64, 64, 64, "mask=RAND64", "fwd"),
+    ("bool tensor: sinks + window 256 L=2048 fwd", 1, 8, 8, 2048, 2048, 64, "mask=SINKS_T", "fwd"),
+    ("bool tensor: sinks + window 64 L=S=256 fwd", 1, 8, 8, 256, 256, 64, "mask=SINKS256", "fwd"),
 ]
 
 WORKER = r'''
@@ -100,6 +106,9 @@ BAND_T = (_I[:, None] - _I[None, :]).abs() <= 128
 RAND64 = torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) < 0.7
 RAND64[:, 0] = True
 PAD512 = torch.arange(512) >= 7
+SINKS_T = (_I[None, :] < 4) | ((_I[None, :] <= _I[:, None]) & (_I[None, :] > _I[:, None] - 256))
+_J = torch.arange(256)
+SINKS256 = (_J[None, :] < 4) | ((_J[None, :] <= _J[:, None]) & (_J[None, :] > _J[:, None] - 64))
 for line in sys.stdin:
     c = json.loads(line)
     torch.manual_seed(0)

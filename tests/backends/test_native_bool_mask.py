@@ -227,6 +227,34 @@ def test_the_c_pass_reads_the_tile_map_torch_reads(L, S, monkeypatch):
                 assert torch.equal(_tilebits.unpack(got, B, H, L, S), x.expand(B, H, L, S)), what
 
 
+@pytest.mark.parametrize("L,S", [(1, 1), (5, 7), (64, 64), (65, 64), (130, 200), (1, 300), (200, 1), (300, 300)])
+def test_the_c_pass_reads_the_row_intervals_torch_reads(L, S, monkeypatch):
+    """A tile map's row intervals read in C (``ak_tile_rows``) are torch's: the same (lo, hi) where every row sees one
+    stretch of keys (a band, causal documents, a key prefix, rows that see nothing: 0, 0), None where a row sees two
+    (attention sinks and a window, a random mask), for one batch row or two, rows broadcast or not."""
+    require_kernel()
+    if _native.tile_rows_fn() is None:
+        pytest.skip("a build without the C pass")
+    g = torch.Generator().manual_seed(L + 7 * S)
+    stretches = 0
+    for shape in [(1, 1, L, S), (2, 1, L, S), (2, 1, 1, S), (2, 1, L, 1)]:
+        i, j = torch.arange(shape[2])[:, None], torch.arange(shape[3])[None, :]
+        for name, m in {"band": (j - i).abs() < 20, "documents": (i // 50 == j // 50) & (j <= i),
+                        "prefix": j < S // 2, "nothing": torch.zeros(1, 1, dtype=torch.bool),
+                        "sinks + window": (j < 4) | ((j <= i) & (j > i - 30)),
+                        "random": torch.rand(shape, generator=g) < 0.5}.items():
+            tb = _tilebits.dense_bits(m.expand(shape).clone(), L, S)
+            got = _tilebits._row_intervals(tb, L, S)
+            with monkeypatch.context() as mp:
+                mp.setattr(_native, "tile_rows_fn", lambda: None)
+                want = _tilebits._row_intervals(tb, L, S)
+            assert (got is None) == (want is None), (shape, name)
+            if got is not None:
+                stretches += 1
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (shape, name)
+    assert stretches >= 12  # (band, documents, prefix and nothing at every shape)
+
+
 def test_the_c_pass_makes_room_for_more_partial_tiles_than_its_first_guess():
     """Past ``_ROOM_ALL_TILES`` tiles the first try has room for a quarter of them: a mask with every tile partial
     is read again with room for all (the map still the mask's)."""
@@ -263,13 +291,17 @@ def test_a_replayed_call_without_gradients_reads_each_calls_mask(dtype, L, S):
         mask[..., 64:128, 64:128] = True
         mask[..., :64, 128:] = False
     assert attnkit.dispatch(q, k, v, mask=mask).worker == "native"
-    tol = budget(torch.float32, D, S) + (0 if dtype is torch.float32 else EPS[torch.bfloat16])
 
     def check(m, what):
         out = attnkit.attention(q, k, v, mask=m)
         ref, lse = golden(q, k, v, mask=m)
         assert out.dtype is dtype and not out.isnan().any(), what
-        assert (out.double() - ref).abs().max().item() <= tol, (what, (out.double() - ref).abs().max().item())
+        # the bits of the full path's kernel call for this mask (on its row intervals where every row is one stretch)
+        assert torch.equal(out, attnkit.attention(q, k, v, mask=m, backend="tiled")), what
+        tol = budget(torch.float32, D, S)
+        if dtype is torch.bfloat16:  # + P rounded to bf16 on AMX tiles (half a unit of each weight), and the output
+            tol = tol + 2.0 ** -9 * v.double().abs().max() + 2.0 ** -8 * ref.abs()  # rounded (test_native_amx.py)
+        assert ((out.double() - ref).abs() <= tol).all(), (what, (out.double() - ref).abs().max().item())
         assert (out[~torch.isfinite(lse)] == 0).all(), what
 
     check(mask, "first call")
@@ -286,6 +318,9 @@ def test_a_replayed_call_without_gradients_reads_each_calls_mask(dtype, L, S):
         check(mask, f"all {fill}")
     for seed in range(3):
         check(_mask((B, 1, L, S), 20 + seed, L, S), f"another tensor {seed}")
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    check(((j <= i + 3) & (j > i - 40)).expand(B, 1, L, S).clone(), "every row one stretch (on its intervals)")
+    check(((j < 3) | (j > i + 2)).expand(B, 1, L, S).clone(), "two stretches a row (on the tile map)")
     assert _fast_run(q, k, v, mask) is run  # every call above replayed the one prepared call
 
 

@@ -140,6 +140,9 @@ def _load() -> None:
         lib.ak_dense_tiles.restype = ctypes.c_int64
         lib.ak_dense_tiles.argtypes = (ctypes.c_void_p, *([ctypes.c_int64] * 8), *([ctypes.c_void_p] * 3),
                                        ctypes.c_int64)
+    if hasattr(lib, "ak_tile_rows"):
+        lib.ak_tile_rows.restype = ctypes.c_int
+        lib.ak_tile_rows.argtypes = (*([ctypes.c_void_p] * 3), *([ctypes.c_int64] * 3), *([ctypes.c_void_p] * 2))
     global _ext
     try:
         mod = importlib.import_module("attnkit._native")
@@ -771,6 +774,25 @@ def dense_tiles_fn():
                      m3 if Sm > 1 else 0, kinds.data_ptr(), index.data_ptr(), bits.data_ptr(), bits.shape[0]))
 
     return dense_tiles
+
+
+def tile_rows_fn():
+    """``f(kinds, index, bits, L, S, lo, hi) -> bool``, or None (the kernel not loaded, or a build without it): a
+    tile map's row intervals read in C (``ak_tile_rows``): ``kinds`` / ``index`` contiguous (TB, 1, nq, nk),
+    ``bits`` contiguous (P, 2, 64), as :func:`dense_tiles_fn` writes them. Where every row sees one stretch of keys,
+    writes them into ``lo`` / ``hi`` int32 contiguous (TB, L) (a row that sees nothing: 0, 0) and returns True;
+    else False (``lo`` / ``hi`` then hold nothing meaningful)."""
+    _load()
+    if _lib is None or not hasattr(_lib, "ak_tile_rows"):
+        return None
+    f = _ext.tile_rows if _ext is not None and hasattr(_ext, "tile_rows") else _lib.ak_tile_rows
+
+    def tile_rows(kinds: torch.Tensor, index: torch.Tensor, bits: torch.Tensor, L: int, S: int, lo: torch.Tensor,
+                  hi: torch.Tensor) -> bool:
+        return bool(f(kinds.data_ptr(), index.data_ptr(), bits.data_ptr(), kinds.shape[0], L, S, lo.data_ptr(),
+                      hi.data_ptr()))
+
+    return tile_rows
 
 
 _suspect_rows = None

@@ -289,6 +289,11 @@ def _row_intervals(tb: TileBits, L: int, S: int) -> tuple[torch.Tensor, torch.Te
     TB, TH, nq, _ = kinds.shape
     if TH != 1:
         return None
+    read = _native.tile_rows_fn()
+    if read is not None and kinds.dtype is torch.int8 and kinds.is_contiguous() and tb.index.is_contiguous() \
+            and tb.bits.is_contiguous():  # in C: one pass over the non-empty tiles' rows
+        lo, hi = torch.empty(TB, L, dtype=torch.int32), torch.empty(TB, L, dtype=torch.int32)
+        return (lo, hi) if read(kinds, tb.index, tb.bits, L, S, lo, hi) else None
     full = (kinds == FULL).nonzero()  # (F, 4)
     part = (kinds == PARTIAL).nonzero()  # (P, 4)
     if (full.shape[0] + part.shape[0] * 2) * TILE > _INTERVAL_ENTRIES_MAX:

@@ -320,17 +320,18 @@ class Native(Kernel):
 
 
 def _replay_dense_forward(req: Request):
-    """The prepared forward of a bool tensor mask's call without gradients (:meth:`Native.replay`), for a signature
-    whose first call ran on the mask's tile map: every call reads *its own* mask's tiles in C
-    (``_native.dense_tiles_fn``: one pass over its bytes, ~1 µs for a 64 x 64 tile, 0.5 ms at 2048 x 2048 on an
-    Intel Xeon) into buffers the prepared record points at (one set per thread), then runs the kernel. The decision
-    reads the mask's values only above one tile (``tiled.DENSE_PARTIAL_MAX``: almost every tile partial stays with
-    SDPA): there each call's share of partial tiles is checked, and a call past it takes the full path. None where
-    the C pass is not built, the first call ran on row intervals (a mask whose every row is one stretch of keys: the
-    full path keeps that) or the map has more than ``_REPLAY_TILES_MAX`` tiles."""
-    read = _native.dense_tiles_fn()
+    """The prepared forward of a bool tensor mask's call without gradients (:meth:`Native.replay`): every call reads
+    *its own* mask's tiles in C (``_native.dense_tiles_fn``: one pass over its bytes, ~1 µs for a 64 x 64 tile,
+    0.5 ms at 2048 x 2048 on an Intel Xeon) into buffers the prepared records point at (one set per thread), and,
+    for a mask shared by the heads, its rows (``_native.tile_rows_fn``): where every row sees one stretch of keys the
+    kernel runs on those intervals, else on the tile map — as the full path decides for that mask
+    (:func:`_keep_map_or_intervals`), each way prepared once. The route reads the mask's values only above one tile
+    (``tiled.DENSE_PARTIAL_MAX``: almost every tile partial stays with SDPA): there each call's share of partial
+    tiles is checked, and a call past it takes the full path. None where the C passes are not built or the map has
+    more than ``_REPLAY_TILES_MAX`` tiles."""
+    read, rows_of = _native.dense_tiles_fn(), _native.tile_rows_fn()
     dense = req.dense_mask
-    if read is None or dense is None or "tile_bits" not in req.memo or req.need_lse or tiled._sizes()[:2] != (64, 64):
+    if read is None or rows_of is None or dense is None or req.need_lse or tiled._sizes()[:2] != (64, 64):
         return None  # (other tile sizes: the route counts partial tiles of its own size)
     B, H, L, S, *_ = req.shape
     shape4 = tuple(dense.shape)
@@ -342,25 +343,30 @@ def _replay_dense_forward(req: Request):
     checked = not (L <= tiled.SMALL_MASK and S <= tiled.SMALL_MASK)  # (one tile: a decision the values do not enter)
     limit = tiled.DENSE_PARTIAL_MAX * nq * nk
     q0, k0, v0, prog, default = req.q, req.k, req.v, req.memo.get("score_prog"), req.scale
-    lo, hi = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
     local = threading.local()
 
-    def prepared():  # this thread's tile buffers and the record that points at them
+    def prepared():  # this thread's tile buffers, row intervals and the records that point at them
         tb = _tilebits.TileBits(torch.zeros(TB, TH, nq, nk, dtype=torch.int8),
                                 torch.full((TB, TH, nq, nk), -1, dtype=torch.int32),
                                 torch.zeros(n, 2, _tilebits.TILE, dtype=torch.int32))
-        local.tb = tb
-        local.step = _native.forward_step(q0, k0, v0, lo, hi, tb, prog=prog, rounded=True)
-        return tb, local.step
+        lo, hi = torch.zeros(TB, L, dtype=torch.int32), torch.full((TB, L), S, dtype=torch.int32)
+        every = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
+        on_tiles = _native.forward_step(q0, k0, v0, *every, tb, prog=prog, rounded=True)
+        on_rows = _native.forward_step(q0, k0, v0, lo, hi, None, prog=prog, rounded=True) if TH == 1 else None
+        local.got = got = (tb, lo, hi, on_tiles, on_rows)
+        return got
 
     def run(q, k, v, mask, scale):
-        tb = getattr(local, "tb", None)
-        tb, step = prepared() if tb is None else (tb, local.step)
+        got = getattr(local, "got", None)
+        tb, lo, hi, on_tiles, on_rows = prepared() if got is None else got
         m = mask if mask.dim() == 4 else mask.reshape(shape4)
         P = read(m, L, S, tb.kinds, tb.index, tb.bits)
         if checked and (P if TB * TH == 1 else _partial_collapsed(tb.kinds)) > limit:
             return None  # almost every tile partial: the full path's route (SDPA)
-        return step(q, k, v, default if scale is None else scale)
+        sc = default if scale is None else scale
+        if on_rows is not None and rows_of(tb.kinds, tb.index, tb.bits, L, S, lo, hi):
+            return on_rows(q, k, v, sc, lo, hi)  # every row one stretch of keys: on its interval
+        return on_tiles(q, k, v, sc)
 
     return run
 

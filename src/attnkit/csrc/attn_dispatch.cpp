@@ -1,8 +1,9 @@
 // The C ABI of attnkit's CPU kernel (loaded with ctypes by attnkit/backends/_native.py) and the
 // run-time choice of instruction set. Also a Python extension module (setuptools builds and installs it like any
 // other) whose functions are the per-call hot path of a replayed call: `step` (write a call record's per-call
-// slots and run an entry, the GIL released), `suspect_rows` and `dense_tiles` (a bool mask's tile map), each a
-// vectorcall taking Python ints, a fraction of a ctypes call's argument conversion (about 0.2 µs an argument).
+// slots and run an entry, the GIL released), `suspect_rows`, `dense_tiles` (a bool mask's tile map) and `tile_rows`
+// (a tile map's row intervals), each a vectorcall taking Python ints, a fraction of a ctypes call's argument
+// conversion (about 0.2 µs an argument).
 #include <Python.h>
 
 #include <algorithm>
@@ -265,6 +266,52 @@ AK_API int64_t ak_dense_tiles(const uint8_t* m, int64_t TB, int64_t TH, int64_t 
   return P;
 }
 
+// The row intervals of a tile map (kinds / index / bits as ak_dense_tiles writes them, batch dim TB, one head): for
+// each batch row b and query row i < L, the keys it sees, from its full tiles (every key of the tile that exists)
+// and its partial tiles' bits. Where every row sees one stretch [lo, hi) (the count of keys it sees equals hi - lo),
+// writes lo / hi int32 (TB, L) (a row that sees nothing: 0, 0) and returns 1; else 0 (lo / hi then hold nothing
+// meaningful). Empty tiles cost one read of their kind.
+AK_API int ak_tile_rows(const int8_t* kinds, const int32_t* index, const uint32_t* bits, int64_t TB, int64_t L,
+                        int64_t S, int32_t* lo, int32_t* hi) {
+  const int64_t nq = (L + 63) / 64, nk = (S + 63) / 64;
+  int64_t rlo[64], rhi[64], cnt[64];
+  for (int64_t b = 0; b < TB; ++b)
+    for (int64_t qb = 0; qb < nq; ++qb) {
+      const int rows = (int)std::min<int64_t>(64, L - qb * 64);
+      for (int r = 0; r < rows; ++r) rlo[r] = INT64_MAX, rhi[r] = 0, cnt[r] = 0;
+      const int64_t t0 = (b * nq + qb) * nk;
+      for (int64_t kb = 0; kb < nk; ++kb) {
+        const int kind = kinds[t0 + kb];
+        if (kind == 0) continue;
+        const int64_t a = kb * 64, e = std::min<int64_t>(S, a + 64);
+        if (kind == 2) {
+          for (int r = 0; r < rows; ++r) {
+            rlo[r] = std::min(rlo[r], a), rhi[r] = std::max(rhi[r], e), cnt[r] += e - a;
+          }
+          continue;
+        }
+        const uint32_t* w = bits + (int64_t)index[t0 + kb] * 128;
+        for (int r = 0; r < rows; ++r) {
+          const uint64_t x = (uint64_t)w[r] | ((uint64_t)w[64 + r] << 32);
+          if (!x) continue;
+          rlo[r] = std::min<int64_t>(rlo[r], a + __builtin_ctzll(x));
+          rhi[r] = std::max<int64_t>(rhi[r], a + 64 - __builtin_clzll(x));
+          cnt[r] += __builtin_popcountll(x);
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int64_t i = b * L + qb * 64 + r;
+        if (cnt[r] == 0) {
+          lo[i] = hi[i] = 0;
+          continue;
+        }
+        if (rhi[r] - rlo[r] != cnt[r]) return 0;
+        lo[i] = (int32_t)rlo[r], hi[i] = (int32_t)rhi[r];
+      }
+    }
+  return 1;
+}
+
 // Frees the scratch memory the backward and the decode keep between calls (on the calling thread; each decode
 // worker thread keeps its own small buffers, a few tens of KB).
 AK_API void ak_release_scratch() {
@@ -337,6 +384,21 @@ static PyObject* py_dense_tiles(PyObject*, PyObject* const* args, Py_ssize_t nar
   return PyLong_FromLongLong(P);
 }
 
+// tile_rows(kinds, index, bits, TB, L, S, lo, hi) -> bool: ak_tile_rows (pointers as ints)
+static PyObject* py_tile_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[8];
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "tile_rows(kinds, index, bits, TB, L, S, lo, hi): 8 ints");
+    return nullptr;
+  }
+  if (!int64s(args, 8, v)) return nullptr;
+  return PyBool_FromLong(ak_tile_rows(reinterpret_cast<const int8_t*>((intptr_t)v[0]),
+                                      reinterpret_cast<const int32_t*>((intptr_t)v[1]),
+                                      reinterpret_cast<const uint32_t*>((intptr_t)v[2]), v[3], v[4], v[5],
+                                      reinterpret_cast<int32_t*>((intptr_t)v[6]),
+                                      reinterpret_cast<int32_t*>((intptr_t)v[7])));
+}
+
 static PyMethodDef methods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_step)), METH_FASTCALL,
      "step(entry, record, first, *values) -> int: fill a call record's per-call slots and run entry 0 (forward) or "
@@ -346,6 +408,8 @@ static PyMethodDef methods[] = {
      "suspect_rows(ptr, dtype, n0, n1, n2, n3, s0, s1, s2, s3, whole) -> bool: ak_suspect_rows. Internal."},
     {"dense_tiles", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_dense_tiles)), METH_FASTCALL,
      "dense_tiles(mask, TB, TH, L, S, m0, m1, m2, m3, kinds, index, bits, cap) -> int: ak_dense_tiles. Internal."},
+    {"tile_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_tile_rows)), METH_FASTCALL,
+     "tile_rows(kinds, index, bits, TB, L, S, lo, hi) -> bool: ak_tile_rows. Internal."},
     {nullptr, nullptr, 0, nullptr}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
