@@ -324,6 +324,31 @@ def test_a_replayed_call_without_gradients_reads_each_calls_mask(dtype, L, S):
     assert _fast_run(q, k, v, mask) is run  # every call above replayed the one prepared call
 
 
+@pytest.mark.parametrize("shape", [(64, 64), (1, 64, 64), (130,), (1, 1, 130)], ids=str)
+def test_a_replayed_call_reads_a_mask_of_any_rank_as_the_api_broadcasts_it(shape):
+    """The replayed call reads the user's tensor as it is, its missing leading dims of size 1 (no reshape per call):
+    a (L, S) / (1, L, S) tile, and a key row (S,) / (1, 1, S) broadcast over 64 query rows, edited in place between
+    calls — each answer the full path's, bit for bit (the kernel's, or SDPA's where every tile of the key row is
+    partial: the route's), and within the fp32 budget of float64."""
+    require_kernel()
+    _fast.clear()
+    L, S = 64, shape[-1]
+    g = torch.Generator().manual_seed(S)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=g) for n in (L, S, S))
+    mask = torch.rand(shape, generator=g) < 0.6
+    if S > 64:
+        mask[..., 64:128] = True  # a full tile, so the route keeps the first call on the kernel
+    for step in range(4):
+        out = attnkit.attention(q, k, v, mask=mask)
+        backend = "tiled" if attnkit.dispatch(q, k, v, mask=mask).worker == "native" else "sdpa"
+        assert torch.equal(out, attnkit.attention(q, k, v, mask=mask, backend=backend)), (step, backend)
+        assert_close(out, golden(q, k, v, mask=mask)[0], budget(torch.float32, 32, S), f"step {step}")
+        if step:
+            run = _fast_run(q, k, v, mask)
+            assert run is not None and run.__qualname__.startswith("_replay_dense_forward")
+        mask.copy_(torch.rand(shape, generator=g) < 0.3 * step)  # edited in place (the last: empty, rows that die)
+
+
 def test_a_replayed_call_whose_mask_becomes_all_partial_takes_the_full_path():
     """Above one tile the route reads the mask's values (almost every tile partial: SDPA): a replayed call checks
     each call's share of partial tiles and hands one past the bar to the full path, which sends it to SDPA."""

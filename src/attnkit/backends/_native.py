@@ -756,7 +756,8 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
 
 def dense_tiles_fn():
     """``f(mask, L, S, kinds, index, bits) -> P``, or None (the kernel not loaded, or a build without it): the
-    kernel's tile map of a CPU bool ``mask`` of shape (TB, TH, 1 or L, 1 or S) (any strides) over a call of L rows
+    kernel's tile map of a CPU bool ``mask`` of shape (TB, TH, 1 or L, 1 or S) (any strides; fewer dims: the leading
+    ones of size 1) over a call of L rows
     and S keys, read off its bytes in C (``ak_dense_tiles`` in csrc/attn_dispatch.cpp), written into ``kinds`` int8
     and ``index`` int32, both contiguous (TB, TH, nq, nk), and the first ``bits.shape[0]`` partial tiles' bits into
     ``bits`` int32 (cap, 2, 64) contiguous; returns P, the number of partial tiles (more than ``cap``: call again
@@ -768,8 +769,12 @@ def dense_tiles_fn():
 
     def dense_tiles(mask: torch.Tensor, L: int, S: int, kinds: torch.Tensor, index: torch.Tensor,
                     bits: torch.Tensor) -> int:
-        TB, TH, Lm, Sm = mask.shape
-        m0, m1, m2, m3 = mask.stride()
+        shape: tuple[int, ...] = tuple(mask.shape)
+        strides = mask.stride()
+        if len(shape) < 4:  # (fewer dims: leading dims of 1, as the API broadcasts them; no reshape per call)
+            shape, strides = (1,) * (4 - len(shape)) + shape, (0,) * (4 - len(shape)) + strides
+        TB, TH, Lm, Sm = shape
+        m0, m1, m2, m3 = strides
         return int(f(mask.data_ptr(), TB, TH, L, S, m0 if TB > 1 else 0, m1 if TH > 1 else 0, m2 if Lm > 1 else 0,
                      m3 if Sm > 1 else 0, kinds.data_ptr(), index.data_ptr(), bits.data_ptr(), bits.shape[0]))
 

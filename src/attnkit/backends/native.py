@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
 import threading
 import types
 from collections import OrderedDict
@@ -265,11 +266,13 @@ class Native(Kernel):
         wants gradients — a decision the mask's values do not enter (``auto`` sends such a call to the kernel
         whatever its mask holds: ``sdpa._bf16_grads_fit_kernel``, where the table says the kernel's backward wins
         for bf16; where it does not, SDPA's choice reads the mask's tiles, and the call takes the full path). The mask
-        is the call's own: each call takes a digest of its bytes (``_mods._content``, a few µs for a tile's 4 KB) and
-        runs the pair prepared for that content (its tile map read off a frozen copy once,
-        :func:`_tilebits.dense_bits`), the last ``_DENSE_PAIRS`` contents kept; a mask edited in place is a new
-        content. None (the full path) for anything else: fp32 (its route reads the mask's tiles), no gradient, a
-        score_mod, more than ``CONTENT_KEY_MAX_BYTES`` of mask."""
+        is the call's own: each call reads its tile map in C and takes a digest of the map (:func:`_map_key`: the map
+        is the mask's content, a few KB where the mask is MB; without the C pass, a digest of the mask's bytes,
+        ``_mods._content``) and runs the pair prepared for that content (its map kept with a frozen copy of the
+        mask), the last ``_DENSE_PAIRS`` contents kept; a mask edited in place is a new content. A call without
+        gradients: :func:`_replay_dense_forward`. None (the full path) for anything else: fp32 with gradients (its
+        route reads the mask's tiles), a score_mod, more than ``CONTENT_KEY_MAX_BYTES`` of mask (without the C
+        pass)."""
         if user_mask.dtype is torch.bool and req.dense_mask is not None and not req.requires_grad():
             return _replay_dense_forward(req)
         if (user_mask.dtype is not torch.bool or req.dense_mask is None or req.score_mod is not None
@@ -280,10 +283,14 @@ class Native(Kernel):
         if req.q.dtype is torch.bfloat16 and _calibrate.crossovers().grad_to_kernel(
                 torch.bfloat16, _torch_alone_multiplies_bf16) is None:
             return None
-        first = _mods._content(user_mask)
+        shape4 = req.dense_mask.shape
+        L, S = req.shape[2], req.shape[3]
+        # a big mask keyed by its tile map (reading it in C and hashing the map costs less than hashing the mask from
+        # ~64 KB on; below, the map's fixed cost of a few tensors is the more: a 4 KB tile's digest, a few µs)
+        by_map = _native.dense_tiles_fn() is not None and user_mask.numel() >= _MAP_KEY_MIN_BYTES
+        first = _map_key(user_mask.reshape(shape4), L, S)[0] if by_map else _mods._content(user_mask)
         if first is None:
             return None
-        shape4 = req.dense_mask.shape
         default = req.scale
         pairs: OrderedDict = OrderedDict()
 
@@ -295,13 +302,14 @@ class Native(Kernel):
         template = dataclasses.replace(_bare(req), dense_mask=None, memo={})  # (for a new content's request)
 
         def run(q, k, v, mask, scale):
-            key = _mods._content(mask)
+            # (the signature fixes its shape, dtype and device: the 4-d view the full path takes of it, only where it
+            # is read: a reshape costs a small call several µs)
+            key, memo = _map_key(mask.reshape(shape4), L, S) if by_map else (_mods._content(mask), {})
             if key is None:
                 return None
             pair = _lru.get(pairs, key)
             if pair is _lru.MISSING:
-                # (the signature fixes its shape, dtype and device: the 4-d view the full path takes of it)
-                r = dataclasses.replace(template, q=q, k=k, v=v, dense_mask=mask.reshape(shape4).clone(), memo={})
+                r = dataclasses.replace(template, q=q, k=k, v=v, dense_mask=mask.reshape(shape4).clone(), memo=memo)
                 pair = None if self.not_supported(r) else prepare(r)
                 _lru.put(pairs, key, pair, _DENSE_PAIRS)
             if pair is None:
@@ -359,8 +367,7 @@ def _replay_dense_forward(req: Request):
     def run(q, k, v, mask, scale):
         got = getattr(local, "got", None)
         tb, lo, hi, on_tiles, on_rows = prepared() if got is None else got
-        m = mask if mask.dim() == 4 else mask.reshape(shape4)
-        P = read(m, L, S, tb.kinds, tb.index, tb.bits)
+        P = read(mask, L, S, tb.kinds, tb.index, tb.bits)  # (the user's tensor as it is: its rank <= 4)
         if checked and (P if TB * TH == 1 else _partial_collapsed(tb.kinds)) > limit:
             return None  # almost every tile partial: the full path's route (SDPA)
         sc = default if scale is None else scale
@@ -369,6 +376,19 @@ def _replay_dense_forward(req: Request):
         return on_tiles(q, k, v, sc)
 
     return run
+
+
+def _map_key(mask4: torch.Tensor, L: int, S: int):
+    """``(key, memo)``: a bool mask's content as its tile map read in C (:func:`_tilebits.dense_bits`; the map is the
+    mask: unpacked, the same values), keyed by a digest of the map's bytes — kinds, partial tiles' order and bits, a
+    few KB where the mask is MB (4 causal documents at L = 2048: 4 MB of mask, 0.45 ms to read against ~10 ms to hash
+    it, Intel Xeon) — and the request memo holding that map (a new content's request reuses it)."""
+    memo: dict = {}
+    tb = _tilebits.dense_bits(mask4, L, S, memo)
+    h = hashlib.blake2b(digest_size=16)
+    for t in (tb.kinds, tb.index, tb.bits):
+        h.update(t.numpy().tobytes())
+    return ("tile map", tuple(tb.kinds.shape), tb.partial_tiles, h.digest()), memo
 
 
 def _partial_collapsed(kinds: torch.Tensor) -> int:
@@ -382,6 +402,11 @@ _NOTHING = torch.empty(0)
 # tiles (512 B a tile: 8 MB; L = S = 8192 at one mask for every batch row and head)
 _REPLAY_TILES_MAX = 16384
 _DENSE_PAIRS = 4  # the mask contents a bool tensor mask's replayed signature keeps prepared (Native._replay_dense)
+# from this many bytes of bool mask a bf16 call with gradients keys its prepared pair by the mask's tile map (read in
+# C) rather than by a digest of the mask's bytes (Native._replay_dense; Intel Xeon with AMX, forward + backward,
+# `benchmarks/compare_revisions.py --only "bf16 fwd+bwd"`: 4 causal documents at L = 2048 1.34x faster; a 64 x 64
+# tile 0.93x and a (1, 512) padding row 0.84x by the map, so those keep the digest)
+_MAP_KEY_MIN_BYTES = 1 << 16
 
 
 def _keep_map_or_intervals(req: Request, tb, L: int, S: int) -> None:
