@@ -330,7 +330,7 @@ class Native(Kernel):
 def _replay_dense_forward(req: Request):
     """The prepared forward of a bool tensor mask's call without gradients (:meth:`Native.replay`): every call reads
     *its own* mask's tiles in C (``_native.dense_tiles_fn``: one pass over its bytes, ~1 µs for a 64 x 64 tile,
-    0.5 ms at 2048 x 2048 on an Intel Xeon) into buffers the prepared records point at (one set per thread), and,
+    0.4-0.9 ms at 2048 x 2048 on an Intel Xeon) into buffers the prepared records point at (one set per thread), and,
     for a mask shared by the heads, its rows (``_native.tile_rows_fn``): where every row sees one stretch of keys the
     kernel runs on those intervals, else on the tile map — as the full path decides for that mask
     (:func:`_keep_map_or_intervals`), each way prepared once. The route reads the mask's values only above one tile
@@ -381,8 +381,8 @@ def _replay_dense_forward(req: Request):
 def _map_key(mask4: torch.Tensor, L: int, S: int):
     """``(key, memo)``: a bool mask's content as its tile map read in C (:func:`_tilebits.dense_bits`; the map is the
     mask: unpacked, the same values), keyed by a digest of the map's bytes — kinds, partial tiles' order and bits, a
-    few KB where the mask is MB (4 causal documents at L = 2048: 4 MB of mask, 0.45 ms to read against ~10 ms to hash
-    it, Intel Xeon) — and the request memo holding that map (a new content's request reuses it)."""
+    few KB where the mask is MB (4 causal documents at L = 2048: 4 MB of mask, under 1 ms to read against ~10 ms to
+    hash it, Intel Xeon) — and the request memo holding that map (a new content's request reuses it)."""
     memo: dict = {}
     tb = _tilebits.dense_bits(mask4, L, S, memo)
     h = hashlib.blake2b(digest_size=16)
