@@ -354,9 +354,11 @@ def _replay_dense_forward(req: Request):
     local = threading.local()
 
     def prepared():  # this thread's tile buffers, row intervals and the records that point at them
+        # (bits: room for every tile, its pages touched only as far as a call's partial tiles reach: a map of few
+        # partial tiles costs little memory whatever its size; each call writes the bits it has the kernel read)
         tb = _tilebits.TileBits(torch.zeros(TB, TH, nq, nk, dtype=torch.int8),
                                 torch.full((TB, TH, nq, nk), -1, dtype=torch.int32),
-                                torch.zeros(n, 2, _tilebits.TILE, dtype=torch.int32))
+                                torch.empty(n, 2, _tilebits.TILE, dtype=torch.int32))
         lo, hi = torch.zeros(TB, L, dtype=torch.int32), torch.full((TB, L), S, dtype=torch.int32)
         every = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
         on_tiles = _native.forward_step(q0, k0, v0, *every, tb, prog=prog, rounded=True)
