@@ -13,7 +13,8 @@ Then calls ``auto`` sends to the compiled kernel, each against its budget (the t
   output units before that rounding;
 * your own bool mask at L = S = 64 (H = 8, D = 64) with gradients (the kernel's prepared forward and backward, the
   mask's tile map): output within one bf16 unit of the largest value plus the fp32 budget, gradients within four
-  (tests/backends/test_native_bool_mask.py);
+  (tests/backends/test_native_bool_mask.py); and without gradients (the replayed forward, each call's mask read in
+  C, edited between calls): each element within one rounding of itself, P's rounding and the fp32 budget;
 * causal calls at D = 16 and D = 80 with gradients (on a CPU with AMX: the tiles, the scores' depth zero-padded
   to 32 / 96): the same budgets, the output's with P's rounding (``2^-9 max|v|``) added
   (tests/backends/test_native_amx.py).
@@ -85,6 +86,21 @@ def main(L: int = 2048) -> None:
         top = max(1.0, b.abs().max().item())
         bound = units * UNIT * top + _fp32_budget(64, 64, top)
         print(f"  {name:4s} max error {(a.double() - b).abs().max().item():.3e}   budget {bound:.3e}")
+
+    # the same mask without gradients: the replayed forward, each call's mask read into its tile map in C; the mask
+    # edited in place between the calls (the second call's answer is the edited mask's)
+    qn, kn, vn = (t.detach() for t in (qb, kb, vb))
+    vmax = vn.double().abs().max().item()
+    with torch.no_grad():
+        for step in range(3):
+            out = attnkit.attention(qn, kn, vn, mask=mask)
+            ref = attnkit.attention(qn.double(), kn.double(), vn.double(), mask=mask, backend="eager")
+            err = (out.double() - ref).abs()
+            bound = UNIT * ref.abs() + 2.0 ** -9 * vmax + _fp32_budget(64, 64, max(1.0, ref.abs().max().item()))
+            print(f"bool mask L=S=64 without gradients, call {step} [{attnkit.dispatch(qn, kn, vn, mask=mask).worker}]"
+                  f" (one unit of each element + P's rounding 2^-9 max|v|): max error {err.max().item():.3e}, "
+                  f"largest share of its element's budget {(err / bound).max().item():.2f}")
+            mask[step * 7:step * 7 + 5] = ~mask[step * 7:step * 7 + 5]
 
     # a head dimension that is not a multiple of 32, with gradients (AMX: the scores' depth zero-padded)
     for B, H, Lc, D in ((2, 4, 64, 16), (1, 8, 256, 80)):
