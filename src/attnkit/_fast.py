@@ -17,7 +17,9 @@ tensor mask by its shape, dtype, device and gradient flag — its *values* are t
 reads them at every call where the decision did (the decode entry takes a bool mask whose rows are one stretch of
 keys each, read off that call's mask; a mask it refused for its values is asked again per call, and the full path
 serves one it would now take; the kernel's bf16 call with gradients, a decision the values do not enter, runs the
-forward and backward prepared for the mask's content, a digest of its bytes taken at every call), ``causal``, the
+forward and backward prepared for the mask's content, a digest of its bytes — from 64 KB on, of its tile map read in
+C — taken at every call; the kernel's call without gradients reads each call's mask into its tile map in C and, above
+one tile, hands a call whose mask the route would send elsewhere to the full path), ``causal``, the
 kind of ``scale``, the thread count and the switches tests flip (``tiled.NATIVE`` / ``tiled.FUSED``). A replayed
 call returns
 ``None`` where the full path must look closer (an all-zero output row: torch's CPU kernel writes

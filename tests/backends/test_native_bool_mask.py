@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EPS, assert_close, budget, golden, require_kernel
+from conftest import EPS, assert_close, budget, full_path, golden, require_kernel
 
 import attnkit
 from attnkit import _fast
@@ -347,6 +347,54 @@ def test_a_replayed_call_reads_a_mask_of_any_rank_as_the_api_broadcasts_it(shape
             run = _fast_run(q, k, v, mask)
             assert run is not None and run.__qualname__.startswith("_replay_dense_forward")
         mask.copy_(torch.rand(shape, generator=g) < 0.3 * step)  # edited in place (the last: empty, rows that die)
+
+
+@pytest.mark.parametrize("score", ["alibi", "learned alibi", "soft cap", "a table"])
+@pytest.mark.parametrize("L,S", [(128, 128), (40, 64)])
+def test_a_replayed_call_with_a_score_mod_keeps_it(score, L, S):
+    """A bool tensor mask and a score_mod without gradients (SDPA cannot take a score_mod: the kernel does): the
+    replayed call adds ALiBi's bias (fixed slopes: the kernel's own bias; learned slopes under no_grad: the same) or
+    runs the score_mod's program (a soft cap, a table read by index) at every call, the mask edited in place between
+    calls — each answer the full path's bits and within the fp32 budget of float64 (the replay once dropped ALiBi's
+    fixed slopes: the answer without the bias)."""
+    require_kernel()
+    from attnkit import score_mods
+
+    _fast.clear()
+    H, D = 2, 32
+    g = torch.Generator().manual_seed(L + S)
+    q, k, v = (torch.randn(1, H, n, D, generator=g) for n in (L, S, S))
+    if score == "alibi":
+        sm = score_mods.alibi(torch.tensor([0.5, 0.25]))
+    elif score == "learned alibi":
+        sm = score_mods.alibi(torch.tensor([0.5, 0.25]).requires_grad_())
+    elif score == "soft cap":
+        sm = score_mods.softcap(5.0)
+    else:
+        table = torch.randn(S, generator=g)
+
+        def sm(s, b, h, qi, kv):
+            return s + table[kv]
+    mask = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+    mask[3, 5] = False  # (rows of two stretches: the tile map; edited below into one stretch a row)
+    with torch.no_grad():
+        assert attnkit.dispatch(q, k, v, mask=mask, score_mod=sm).worker == "native"
+        for step in range(3):
+            out = attnkit.attention(q, k, v, mask=mask, score_mod=sm)
+            assert torch.equal(out, full_path(q, k, v, mask=mask, score_mod=sm)), (score, step)
+            assert_close(out, golden(q, k, v, mask=mask, score_mod=sm)[0], budget(torch.float32, D, S),
+                         f"{score} step {step}")
+            if step and score != "learned alibi":  # (learned slopes: no content key, never replayed)
+                run = _fast_run_mod(q, k, v, mask, sm)
+                assert run is not None and run.__qualname__.startswith("_replay_dense_forward"), run
+            mask[3, 5] = step == 0  # edited in place
+            mask[L - 1, :7] = step == 1
+
+
+def _fast_run_mod(q, k, v, mask, sm):
+    """The fast path's prepared call for a signature with a score_mod (after a first call), or None."""
+    key = _fast._signature(q, k, v, mask, False, None, sm)
+    return None if key is None else _fast._REPLAY.get(key)
 
 
 def test_a_replayed_call_whose_mask_becomes_all_partial_takes_the_full_path():

@@ -270,9 +270,9 @@ class Native(Kernel):
         is the mask's content, a few KB where the mask is MB; without the C pass, a digest of the mask's bytes,
         ``_mods._content``) and runs the pair prepared for that content (its map kept with a frozen copy of the
         mask), the last ``_DENSE_PAIRS`` contents kept; a mask edited in place is a new content. A call without
-        gradients: :func:`_replay_dense_forward`. None (the full path) for anything else: fp32 with gradients (its
-        route reads the mask's tiles), a score_mod, more than ``CONTENT_KEY_MAX_BYTES`` of mask (without the C
-        pass)."""
+        gradients: :func:`_replay_dense_forward` (a score_mod too). None (the full path) for anything else: fp32
+        with gradients (its route reads the mask's tiles), a score_mod with gradients, more than
+        ``CONTENT_KEY_MAX_BYTES`` of mask (the frozen copies the signature keeps)."""
         if user_mask.dtype is torch.bool and req.dense_mask is not None and not req.requires_grad():
             return _replay_dense_forward(req)
         if (user_mask.dtype is not torch.bool or req.dense_mask is None or req.score_mod is not None
@@ -288,6 +288,8 @@ class Native(Kernel):
         # a big mask keyed by its tile map (reading it in C and hashing the map costs less than hashing the mask from
         # ~64 KB on; below, the map's fixed cost of a few tensors is the more: a 4 KB tile's digest, a few µs)
         by_map = _native.dense_tiles_fn() is not None and user_mask.numel() >= _MAP_KEY_MIN_BYTES
+        if user_mask.numel() > _mods.CONTENT_KEY_MAX_BYTES:  # (the frozen copies a signature keeps: bounded)
+            return None
         first = _map_key(user_mask.reshape(shape4), L, S)[0] if by_map else _mods._content(user_mask)
         if first is None:
             return None
@@ -342,6 +344,8 @@ def _replay_dense_forward(req: Request):
     if read is None or rows_of is None or dense is None or req.need_lse or tiled._sizes()[:2] != (64, 64):
         return None  # (other tile sizes: the route counts partial tiles of its own size)
     B, H, L, S, *_ = req.shape
+    if L <= DECODE_ROWS:  # a few rows (with a score_mod: SDPA cannot take it): the full path, whose choice between
+        return None  # the decode entry and this forward reads each call's mask
     shape4 = tuple(dense.shape)
     TB, TH = shape4[0], shape4[1]
     nq, nk = -(-L // _tilebits.TILE), -(-S // _tilebits.TILE)
@@ -350,10 +354,13 @@ def _replay_dense_forward(req: Request):
         return None
     checked = not (L <= tiled.SMALL_MASK and S <= tiled.SMALL_MASK)  # (one tile: a decision the values do not enter)
     limit = tiled.DENSE_PARTIAL_MAX * nq * nk
-    q0, k0, v0, prog, default = req.q, req.k, req.v, req.memo.get("score_prog"), req.scale
+    prog, default = req.memo.get("score_prog"), req.scale
+    alibi = _alibi(req)  # ALiBi's fixed slopes (the kernel adds the bias), copied: the signature keys them by content
+    alibi = None if alibi is None else alibi.detach().clone()
     local = threading.local()
 
-    def prepared():  # this thread's tile buffers, row intervals and the records that point at them
+    def prepared(q, k, v):  # this thread's tile buffers, row intervals and the records that point at them (built for
+        # the tensors of its first call: the records keep no tensor of a call)
         # (bits: room for every tile, its pages touched only as far as a call's partial tiles reach: a map of few
         # partial tiles costs little memory whatever its size; each call writes the bits it has the kernel read)
         tb = _tilebits.TileBits(torch.zeros(TB, TH, nq, nk, dtype=torch.int8),
@@ -361,14 +368,15 @@ def _replay_dense_forward(req: Request):
                                 torch.empty(n, 2, _tilebits.TILE, dtype=torch.int32))
         lo, hi = torch.zeros(TB, L, dtype=torch.int32), torch.full((TB, L), S, dtype=torch.int32)
         every = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
-        on_tiles = _native.forward_step(q0, k0, v0, *every, tb, prog=prog, rounded=True)
-        on_rows = _native.forward_step(q0, k0, v0, lo, hi, None, prog=prog, rounded=True) if TH == 1 else None
+        on_tiles = _native.forward_step(q, k, v, *every, tb, alibi=alibi, prog=prog, rounded=True)
+        on_rows = (_native.forward_step(q, k, v, lo, hi, None, alibi=alibi, prog=prog, rounded=True) if TH == 1
+                   else None)
         local.got = got = (tb, lo, hi, on_tiles, on_rows)
         return got
 
     def run(q, k, v, mask, scale):
         got = getattr(local, "got", None)
-        tb, lo, hi, on_tiles, on_rows = prepared() if got is None else got
+        tb, lo, hi, on_tiles, on_rows = prepared(q, k, v) if got is None else got
         P = read(mask, L, S, tb.kinds, tb.index, tb.bits)  # (the user's tensor as it is: its rank <= 4)
         if checked and (P if TB * TH == 1 else _partial_collapsed(tb.kinds)) > limit:
             return None  # almost every tile partial: the full path's route (SDPA)

@@ -28,11 +28,10 @@ import torch.nn.functional as F
 
 from .. import _calibrate
 from .. import masks as _masks
-from . import _decode, _flash_cpu, _native, eager
+from . import _decode, _flash_cpu, _native, eager, tiled
 from ._base import Request
 from ._kernel import Kernel
 from ._tiles import allowed_tile, has_nonfinite, tile_of
-from .tiled import DENSE_PARTIAL_MAX, SMALL_MASK
 
 __all__ = ["NAME", "FUSED", "WIDENED", "MATH", "unsupported", "backward_flaw", "run", "may_hide_nan"]
 
@@ -235,11 +234,13 @@ def _bf16_grads_fit_kernel(req: Request) -> bool:
 
 
 def _small_mask_to_kernel(req: Request, x) -> str | None:
-    """Why a call with a bool tensor mask of one tile (L, S <= ``SMALL_MASK``) and no gradients goes to the compiled
-    kernel (its C pass reads the tile's bits, ~1 µs, and the kernel masks the scores by them), or None (SDPA applies
-    the mask as it is): this machine's measurement (``Crossovers.small_mask``), else today's rule, the kernel where
-    it runs the call (an Intel Xeon with AMX, 2 threads, L = S = 64, 8 heads, D = 64, fp32: the kernel's call 104 µs
-    against SDPA's 128; ``benchmarks/overhead.py``)."""
+    """Why a call with a bool tensor mask of one tile (L, S <= ``tiled.SMALL_MASK``; above ``DECODE_MAX_L`` query
+    rows: a decode step's stays with the decode route) and no gradients goes to the compiled kernel (its C pass reads
+    the tile's bits, ~1 µs, and the kernel masks the scores by them), or None (SDPA applies the mask as it is): this
+    machine's measurement (``Crossovers.small_mask``, measured in fp32; a bf16 / fp16 call reaches the kernel only
+    where the table's choice for its dtype lets it), else today's rule, the kernel where it runs the call (an Intel
+    Xeon with AMX, 2 threads, L = S = 64, 8 heads, D = 64, fp32: the kernel's call 104 µs against SDPA's 128;
+    ``benchmarks/overhead.py``)."""
     if req.requires_grad() or not _native_runs(req):
         return None
     return x.small_mask_to_kernel()
@@ -325,12 +326,10 @@ class Fused(Kernel):
         if L <= DECODE_MAX_L and req.plan is None:
             return None  # decoding: SDPA over the keys the mask can reach, with an (L × n) mask built per call
         if req.dense_mask is not None and req.mask is None:
-            if L <= SMALL_MASK and S <= SMALL_MASK:
+            if L <= tiled.SMALL_MASK and S <= tiled.SMALL_MASK:
                 return _small_mask_to_kernel(req, x)
-            from . import tiled
-
             partial = tiled.partial_fraction(req)
-            if partial > DENSE_PARTIAL_MAX:
+            if partial > tiled.DENSE_PARTIAL_MAX:
                 return None
             return f"a bool mask with {100 * (1 - partial):.0f}% of its tiles empty or full"
         if req.causal and (req.causal_align == "top_left" or L == S):
@@ -381,8 +380,9 @@ class Fused(Kernel):
             return (f"decode-sized L <= {DECODE_MAX_L}: torch's fused kernel over the keys the mask can reach, "
                     f"with {how}")
         if req.dense_mask is not None:
-            if L <= SMALL_MASK and req.k.shape[2] <= SMALL_MASK:
-                return (f"a bool mask of one {SMALL_MASK} x {SMALL_MASK} tile: torch's fused kernel applies it as "
+            if L <= tiled.SMALL_MASK and req.k.shape[2] <= tiled.SMALL_MASK:
+                n = tiled.SMALL_MASK
+                return (f"a bool mask of one {n} x {n} tile: torch's fused kernel applies it as "
                         "it is (no tile to skip)")
             return ("bool mask with almost every tile partial: nothing to skip, torch's fused kernel applies it in "
                     "one pass")
@@ -422,7 +422,8 @@ class Fused(Kernel):
                 return None
             if req.bias is not None and user_mask.dtype != req.q.dtype:
                 return None
-            if req.dense_mask is not None and not (L <= DECODE_MAX_L or (L <= SMALL_MASK and S <= SMALL_MASK)):
+            one_tile = L <= tiled.SMALL_MASK and S <= tiled.SMALL_MASK
+            if req.dense_mask is not None and not (L <= DECODE_MAX_L or one_tile):
                 return None  # the table read the mask's tiles: a decision about these values only
 
             taken = _decode_would_take(req, user_mask)
