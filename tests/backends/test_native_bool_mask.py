@@ -191,6 +191,13 @@ def test_which_calls_are_replayed_and_how(monkeypatch):
     assert native.NATIVE.replay(request(torch.bfloat16, True), mask) is None
 
 
+def _require_c_passes():
+    """The kernel's C passes over a bool mask (``ak_dense_tiles``, ``ak_tile_rows``) are built with it, in the same
+    library: a kernel without them is a stale build, not a configuration to skip."""
+    assert _native.dense_tiles_fn() is not None and _native.tile_rows_fn() is not None, (
+        "the compiled kernel lacks its C passes over a bool mask: a stale build; rebuild it (`make test` does)")
+
+
 def _torch_tiles(dense, L, S, monkeypatch):
     """``dense_bits`` by torch ops (the path of a build without the C pass)."""
     with monkeypatch.context() as mp:
@@ -205,8 +212,7 @@ def test_the_c_pass_reads_the_tile_map_torch_reads(L, S, monkeypatch):
     with other strides (transposed, expanded, a slice of a bigger mask), ragged edges, and masks empty, full, random
     and banded; unpacked, the map is the mask."""
     require_kernel()
-    if _native.dense_tiles_fn() is None:
-        pytest.skip("a build without the C pass")
+    _require_c_passes()
     g = torch.Generator().manual_seed(L * 1000 + S)
     B, H = 2, 3
     shapes = [(1, 1, L, S), (B, 1, L, S), (1, H, L, S), (B, H, 1, S), (B, 1, L, 1), (1, 1, 1, 1)]
@@ -233,8 +239,7 @@ def test_the_c_pass_reads_the_row_intervals_torch_reads(L, S, monkeypatch):
     stretch of keys (a band, causal documents, a key prefix, rows that see nothing: 0, 0), None where a row sees two
     (attention sinks and a window, a random mask), for one batch row or two, rows broadcast or not."""
     require_kernel()
-    if _native.tile_rows_fn() is None:
-        pytest.skip("a build without the C pass")
+    _require_c_passes()
     g = torch.Generator().manual_seed(L + 7 * S)
     stretches = 0
     for shape in [(1, 1, L, S), (2, 1, L, S), (2, 1, 1, S), (2, 1, L, 1)]:
@@ -259,8 +264,7 @@ def test_the_c_pass_makes_room_for_more_partial_tiles_than_its_first_guess():
     """Past ``_ROOM_ALL_TILES`` tiles the first try has room for a quarter of them: a mask with every tile partial
     is read again with room for all (the map still the mask's)."""
     require_kernel()
-    if _native.dense_tiles_fn() is None:
-        pytest.skip("a build without the C pass")
+    _require_c_passes()
     L, S = 64 * 65, 64 * 64  # 4160 tiles, more than 4096
     m = torch.rand(1, 1, L, S, generator=torch.Generator().manual_seed(2)) < 0.5
     tb = _tilebits.dense_bits(m, L, S)
