@@ -84,6 +84,11 @@ CASES = [
     ("bool tensor: random 70% L=S=64 bf16 fwd", 1, 8, 8, 64, 64, 64, "mask=RAND64", "fwd"),
     ("bool tensor: sinks + window 256 L=2048 fwd", 1, 8, 8, 2048, 2048, 64, "mask=SINKS_T", "fwd"),
     ("bool tensor: sinks + window 64 L=S=256 fwd", 1, 8, 8, 256, 256, 64, "mask=SINKS256", "fwd"),
+    # the same masks written as a user's mask_mod (reading the tensor: keyed by its content), and with a score_mod
+    ("mask_mod reading random 70% L=S=64 fwd", 1, 8, 8, 64, 64, 64, "mask=RAND64_MOD", "fwd"),
+    ("mask_mod reading sinks + window 64 L=S=256 fwd", 1, 8, 8, 256, 256, 64, "mask=SINKS256_MOD", "fwd"),
+    ("bool tensor: sinks + window 64 L=S=256 + soft cap fwd", 1, 8, 8, 256, 256, 64,
+     "mask=SINKS256, score_mod=score_mods.softcap(30.0)", "fwd"),
 ]
 
 WORKER = r'''
@@ -109,6 +114,10 @@ PAD512 = torch.arange(512) >= 7
 SINKS_T = (_I[None, :] < 4) | ((_I[None, :] <= _I[:, None]) & (_I[None, :] > _I[:, None] - 256))
 _J = torch.arange(256)
 SINKS256 = (_J[None, :] < 4) | ((_J[None, :] <= _J[:, None]) & (_J[None, :] > _J[:, None] - 64))
+def RAND64_MOD(b, h, q, kv):
+    return RAND64[q, kv]
+def SINKS256_MOD(b, h, q, kv):
+    return SINKS256[q, kv]
 for line in sys.stdin:
     c = json.loads(line)
     torch.manual_seed(0)
