@@ -125,7 +125,7 @@ def dense_bits(dense: torch.Tensor, L: int, S: int, memo: dict | None = None) ->
     """The tile map of a user's bool tensor mask (4-D, broadcastable to ``(B, H, L, S)``, True = attend), read off
     its values: kinds ``(TB, TH, nq, nk)`` with ``TB``, ``TH`` its own batch and head dims (1 where it broadcasts),
     each partial tile's bits packed as :func:`tile_bits`'. Read in one pass over the mask's bytes by the kernel's C
-    pass where it is built (``_native.dense_tiles_fn``: 0.4-0.9 ms at L = S = 2048 against 4-35 ms by torch ops,
+    pass where it is built (``_native.dense_tiles_fn``: 0.8-0.9 ms at L = S = 2048 against 4-35 ms by torch ops,
     Intel Xeon, ``benchmarks/mask_read.py``), its map kept in the call's ``memo`` (``auto``'s route reads its kinds:
     :func:`_worklist.dense_kinds`). Not cached across calls: each call reads the mask it is given (an in-place edit
     is always seen). Without the C pass, torch ops; where ``auto``'s route already reduced this call's mask to

@@ -230,11 +230,7 @@ class Native(Kernel):
         alibi = _alibi(req)
         if not req.requires_grad():  # the signature fixes it: no autograd, one record
             lo, hi, tiles = _mask_of(req)
-            # a score_mod's program (its tables are its own copies) or ALiBi's slopes, copied: the record outlives
-            # the call, and the signature keys the slopes by their content at this call
-            step = _native.forward_step(req.q, req.k, req.v, lo, hi, tiles,
-                                        alibi=None if alibi is None else alibi.detach().clone(),
-                                        prog=req.memo.get("score_prog"), rounded=True)
+            step = _native.forward_step(req.q, req.k, req.v, lo, hi, tiles, rounded=True, **_kept_scores(req))
 
             def run_step(q, k, v, mask, scale):  # (out in q's dtype: rounded by the kernel)
                 return step(q, k, v, default if scale is None else scale)
@@ -331,14 +327,14 @@ class Native(Kernel):
 
 def _replay_dense_forward(req: Request):
     """The prepared forward of a bool tensor mask's call without gradients (:meth:`Native.replay`): every call reads
-    *its own* mask's tiles in C (``_native.dense_tiles_fn``: one pass over its bytes, ~1 µs for a 64 x 64 tile,
-    0.4-0.9 ms at 2048 x 2048 on an Intel Xeon) into buffers the prepared records point at (one set per thread), and,
-    for a mask shared by the heads, its rows (``_native.tile_rows_fn``): where every row sees one stretch of keys the
-    kernel runs on those intervals, else on the tile map — as the full path decides for that mask
-    (:func:`_keep_map_or_intervals`), each way prepared once. The route reads the mask's values only above one tile
-    (``tiled.DENSE_PARTIAL_MAX``: almost every tile partial stays with SDPA): there each call's share of partial
-    tiles is checked, and a call past it takes the full path. None where the C passes are not built or the map has
-    more than ``_REPLAY_TILES_MAX`` tiles."""
+    *its own* mask's tiles in C (``_native.dense_tiles_fn``: one pass over its bytes, ~3 µs a call for a 64 x 64
+    tile, 0.7 ms at 2048 x 2048 on an Intel Xeon, ``benchmarks/mask_read.py``) into buffers the prepared records
+    point at (one set per thread), and, for a mask shared by the heads, its rows (``_native.tile_rows_fn``): where
+    every row sees one stretch of keys the kernel runs on those intervals, else on the tile map — as the full path
+    decides for that mask (:func:`_keep_map_or_intervals`), each way prepared once. The route reads the mask's
+    values only above one tile (``tiled.DENSE_PARTIAL_MAX``: almost every tile partial stays with SDPA): there each
+    call's share of partial tiles is checked, and a call past it takes the full path. None where the C passes are
+    not built or the map has more than ``_REPLAY_TILES_MAX`` tiles."""
     read, rows_of = _native.dense_tiles_fn(), _native.tile_rows_fn()
     dense = req.dense_mask
     if read is None or rows_of is None or dense is None or req.need_lse or tiled._sizes()[:2] != (64, 64):
@@ -354,9 +350,7 @@ def _replay_dense_forward(req: Request):
         return None
     checked = not (L <= tiled.SMALL_MASK and S <= tiled.SMALL_MASK)  # (one tile: a decision the values do not enter)
     limit = tiled.DENSE_PARTIAL_MAX * nq * nk
-    prog, default = req.memo.get("score_prog"), req.scale
-    alibi = _alibi(req)  # ALiBi's fixed slopes (the kernel adds the bias), copied: the signature keys them by content
-    alibi = None if alibi is None else alibi.detach().clone()
+    default, scores = req.scale, _kept_scores(req)
     local = threading.local()
 
     def prepared(q, k, v):  # this thread's tile buffers, row intervals and the records that point at them (built for
@@ -368,9 +362,8 @@ def _replay_dense_forward(req: Request):
                                 torch.empty(n, 2, _tilebits.TILE, dtype=torch.int32))
         lo, hi = torch.zeros(TB, L, dtype=torch.int32), torch.full((TB, L), S, dtype=torch.int32)
         every = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
-        on_tiles = _native.forward_step(q, k, v, *every, tb, alibi=alibi, prog=prog, rounded=True)
-        on_rows = (_native.forward_step(q, k, v, lo, hi, None, alibi=alibi, prog=prog, rounded=True) if TH == 1
-                   else None)
+        on_tiles = _native.forward_step(q, k, v, *every, tb, rounded=True, **scores)
+        on_rows = _native.forward_step(q, k, v, lo, hi, None, rounded=True, **scores) if TH == 1 else None
         local.got = got = (tb, lo, hi, on_tiles, on_rows)
         return got
 
@@ -386,6 +379,15 @@ def _replay_dense_forward(req: Request):
         return on_tiles(q, k, v, sc)
 
     return run
+
+
+def _kept_scores(req: Request) -> dict:
+    """What a prepared forward without gradients keeps of the call's score_mod, as ``forward_step``'s keywords: its
+    program (its tables are its own copies) and ALiBi's fixed slopes (the kernel adds them as its own bias, with no
+    program), copied: the record outlives the call, and the signature keys the slopes by their content at this
+    call. Every replay of the kernel's forward takes both from here (one once left ALiBi out: no bias)."""
+    alibi = _alibi(req)
+    return {"alibi": None if alibi is None else alibi.detach().clone(), "prog": req.memo.get("score_prog")}
 
 
 def _map_key(mask4: torch.Tensor, L: int, S: int):
@@ -852,12 +854,9 @@ class NativeDecode(Kernel):
         st = req.memo.get("row_stretches")  # (this signature's rows, fixed: its stretch planes, or one interval each)
         lo, hi = st if st is not None else req.memo["row_intervals"]
         default = req.scale
-        # the record for this signature, built once: a call writes strides, pointers and scale (rows read in place);
-        # a score_mod's program (its tables its own copies) or ALiBi's slopes, copied: the record outlives the call
-        alibi = _alibi(req)
-        step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi,
-                                   alibi=None if alibi is None else alibi.detach().clone(),
-                                   prog=req.memo.get("score_prog"), rounded=True)
+        # the record for this signature, built once: a call writes strides, pointers and scale (rows read in place)
+        step = _native.decode_step(_rows(req.q), _rows(req.k), _rows(req.v), lo, hi, rounded=True,
+                                   **_kept_scores(req))
 
         def run(q, k, v, mask, scale):
             out = step(q, k, v, default if scale is None else scale)

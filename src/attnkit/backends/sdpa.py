@@ -236,11 +236,11 @@ def _bf16_grads_fit_kernel(req: Request) -> bool:
 def _small_mask_to_kernel(req: Request, x) -> str | None:
     """Why a call with a bool tensor mask of one tile (L, S <= ``tiled.SMALL_MASK``; above ``DECODE_MAX_L`` query
     rows: a decode step's stays with the decode route) and no gradients goes to the compiled kernel (its C pass reads
-    the tile's bits, ~1 µs, and the kernel masks the scores by them), or None (SDPA applies the mask as it is): this
-    machine's measurement (``Crossovers.small_mask``, measured in fp32; a bf16 / fp16 call reaches the kernel only
-    where the table's choice for its dtype lets it), else today's rule, the kernel where it runs the call (an Intel
-    Xeon with AMX, 2 threads, L = S = 64, 8 heads, D = 64, fp32: the kernel's call 104 µs against SDPA's 128;
-    ``benchmarks/overhead.py``)."""
+    the tile's bits, ~3 µs a call, and the kernel masks the scores by them), or None (SDPA applies the mask as it
+    is): this machine's measurement (``Crossovers.small_mask``, measured in fp32; a bf16 / fp16 call reaches the
+    kernel only where the table's choice for its dtype lets it), else today's rule, the kernel where it runs the call
+    (an Intel Xeon with AMX, 2 threads, L = S = 64, 8 heads, D = 64, fp32: the kernel's call 0.121 ms against SDPA's
+    0.158 in the calibration's point; ``attnkit calibrate``, ``benchmarks/overhead.py``)."""
     if req.requires_grad() or not _native_runs(req):
         return None
     return x.small_mask_to_kernel()

@@ -77,8 +77,8 @@ static int suspect_rows_of(const T* x, uint32_t inf, int64_t n0, int64_t n1, int
   return 0;
 }
 
-// One row of a bool mask's 64 keys from key `c0` (n <= 64 of them exist), as the tile's 64-bit word: bit j set where
-// byte j is nonzero (attend). `st`: the keys' element stride (0: one value broadcast over the row). A row with unit
+// One row of a tile's keys (`r`: the row's first key in the tile; n <= 64 of them exist), as the tile's 64-bit word:
+// bit j set where key j's byte is nonzero (attend). `st`: the keys' element stride (0: one value broadcast over the row). A row with unit
 // stride reads whole 16-byte chunks with SSE2 (every x86-64 CPU has it) and only the bytes that exist.
 static inline uint64_t mask_row_word(const uint8_t* r, int64_t st, int n) {
   if (st == 0) return r[0] ? (n == 64 ? ~0ull : ((1ull << n) - 1)) : 0ull;
