@@ -418,6 +418,142 @@ def test_a_prepared_call_gives_the_same_bits_through_the_vectorcall_and_ctypes(e
             assert_close(a, ref, budget(torch.float32, D, S), entry)
 
 
+def _stepper_pair(make, *args, **kw):
+    """A prepared call as the extension's C ``Stepper`` and as its Python fallback (the same record)."""
+    step = make(*args, **kw)
+    assert type(step).__name__ == "Stepper", "a build of the kernel without the C stepper: rebuild it"
+    return step, step.fallback
+
+
+@pytest.mark.parametrize("entry", ["forward", "decode"])
+@pytest.mark.parametrize("outputs, dtype", [(o, d) for o in ("out", "lse", "beside")
+                                            for d in (torch.float32, torch.bfloat16, torch.float16)
+                                            if not (o == "beside" and d is torch.float32)])  # (fp32: nothing beside)
+def test_the_c_stepper_gives_the_python_steppers_bits(entry, dtype, outputs):
+    """A replayed call's per-call work in C (``Stepper``: checks, strides, pointers, outputs, the record copied per
+    call) gives the same bits as the Python stepper it falls back to, and the golden within budget: every output
+    form (out; out and lse; fp32 out, lse and out rounded beside), every dtype, strided K / V (read in place), other
+    scales."""
+    require_kernel()
+    B, H, Hkv, L, S, D = 2, 4, 2, 3, 200, 16
+    q, k, v = (t.to(dtype) for t in _qkv(B, H, Hkv, L, S, D))
+    lo = torch.zeros(1, L, dtype=torch.int32)
+    hi = torch.arange(S - L + 1, S + 1, dtype=torch.int32)[None]  # bottom-right causal
+    make = _native.forward_step if entry == "forward" else _native.decode_step
+    kw = dict(with_lse=outputs != "out", beside=outputs == "beside", rounded=outputs == "out")
+    c_step, py_step = _stepper_pair(make, q, k, v, lo, hi, **kw)
+    ref, ref_lse = _golden(q.double(), k.double(), v.double(), lo, hi)
+    kt = k.transpose(1, 2).contiguous().transpose(1, 2)  # (B, Hkv, S, D) with heads and rows swapped in memory
+    for scale, kk in ((D ** -0.5, k), (0.3, kt)):
+        a, b = c_step(q, kk, v, scale), py_step(q, kk, v, scale)
+        a, b = (a,) if outputs == "out" else a, (b,) if outputs == "out" else b
+        assert len(a) == len(b) == {"out": 1, "lse": 2, "beside": 3}[outputs]
+        for x, y in zip(a, b, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous()
+            assert torch.equal(x, y), (entry, dtype, outputs, scale)
+        assert a[0].dtype == (dtype if outputs == "out" else torch.float32)
+        if scale == D ** -0.5:
+            tol = budget(dtype, D, S)  # (bf16 / fp16: the forward multiplies in the input dtype where it can)
+            assert_close(a[0].double(), ref, tol, entry)
+            if outputs != "out":
+                assert_close(a[1].double(), ref_lse, tol, entry)
+            if outputs == "beside":
+                assert torch.equal(a[2], a[0].to(dtype))
+
+
+def test_the_c_stepper_takes_each_calls_rows_and_any_cache_length():
+    """The decode stepper in C: a call's own rows as tensors of the prepared shape, or one interval for every row
+    as two ints, and any cache length S (a decode loop's next step) — the Python stepper's bits, the golden's
+    values."""
+    require_kernel()
+    B, H, Hkv, L, D = 1, 8, 2, 4, 32
+    q, k, v = _qkv(B, H, Hkv, L, 300, D)
+    lo = torch.zeros(1, L, dtype=torch.int32)
+    hi = torch.full((1, L), 300, dtype=torch.int32)
+    c_step, py_step = _stepper_pair(_native.decode_step, q, k, v, lo, hi)
+    for S in (300, 301, 64, 1000):
+        kS, vS = (t[:, :, :S] if S <= 300 else torch.randn(B, Hkv, S, D) for t in (k, v))
+        rows = (torch.arange(L, dtype=torch.int32)[None] * 3, torch.full((1, L), S - 1, dtype=torch.int32))
+        for given in ((), rows, (2, S - 5)):
+            a, b = c_step(q, kS, vS, 0.25, *given), py_step(q, kS, vS, 0.25, *given)
+            assert torch.equal(a, b), (S, given)
+            glo, ghi = given if given else (lo, hi.clamp(max=S))  # (the prepared rows: the kernel clamps to S)
+            if given and type(given[0]) is int:
+                glo, ghi = torch.full((1, L), given[0], dtype=torch.int32), torch.full((1, L), given[1],
+                                                                                       dtype=torch.int32)
+            ref, _ = golden(q.double(), kS.double(), vS.double(), mask=_dense(glo, ghi, B, L, S), scale=0.25)
+            assert_close(a, ref, budget(torch.float32, D, S), (S, given))
+
+
+def test_the_c_stepper_hands_what_it_was_not_prepared_for_to_the_python_stepper():
+    """What the C stepper does not take goes to the Python stepper, which fits it or names it: a last stride other
+    than 1 (copied, the same bits as the contiguous call), another dtype (TypeError), another S for the forward
+    (ValueError), lo / hi of another shape or dtype (ValueError), keywords; and it is never a crash."""
+    require_kernel()
+    B, H, Hkv, L, S, D = 1, 4, 2, 2, 70, 16
+    q, k, v = _qkv(B, H, Hkv, L, S, D)
+    lo, hi = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
+    fwd, _ = _stepper_pair(_native.forward_step, q, k, v, lo, hi)
+    dec, _ = _stepper_pair(_native.decode_step, q, k, v, lo, hi)
+    for step in (fwd, dec):
+        qt = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last stride L, not 1
+        assert qt.stride(-1) != 1
+        assert torch.equal(step(qt, k, v, 0.5), step(q, k, v, 0.5))
+        with pytest.raises(TypeError, match=r"prepared for torch\.float32"):
+            step(q.double(), k.double(), v.double(), 0.5)
+        assert torch.equal(step(q, k, v, scale=0.5), step(q, k, v, 0.5))  # keywords: the Python stepper
+    with pytest.raises(ValueError, match="prepared for S = 70"):
+        fwd(q, k[:, :, :60], v[:, :, :60], 0.5)
+    with pytest.raises(ValueError, match="prepared for S = 70"):
+        fwd(q, k, v[:, :, :60], 0.5)
+    for bad in (lo.long(), lo[:, :1], lo.expand(2, L), torch.zeros(1, 2 * L, dtype=torch.int32)[:, ::2]):
+        with pytest.raises(ValueError, match="lo / hi must be contiguous int32"):
+            dec(q, k, v, 0.5, bad, hi)
+    with pytest.raises(TypeError):
+        dec(q, k, v, "half")
+    with pytest.raises(TypeError):
+        dec(q, k, v)
+    with pytest.raises(TypeError, match="22 arguments"):
+        _native._ext.stepper(b"", 0)
+    with pytest.raises(ValueError, match="another size"):
+        _native._ext.stepper(b"x", *([0] * 13), *([None] * 8))
+
+
+def test_the_c_stepper_serves_threads_at_once_and_keeps_no_reference():
+    """The record is copied onto each call's own stack (no per-thread state): threads calling one stepper at once
+    get each their own call's bits; and a call leaves no reference behind (its outputs are the caller's alone)."""
+    import sys
+    import threading
+
+    require_kernel()
+    B, H, Hkv, L, S, D = 1, 8, 2, 1, 500, 64
+    q, k, v = _qkv(B, H, Hkv, L, S, D)
+    lo, hi = torch.zeros(1, L, dtype=torch.int32), torch.full((1, L), S, dtype=torch.int32)
+    step, py_step = _stepper_pair(_native.decode_step, q, k, v, lo, hi, with_lse=True)
+    inputs = [(torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)) for _ in range(4)]
+    want = [py_step(*t, 0.125) for t in inputs]
+    bad: list = []
+
+    def work(i):
+        for _ in range(50):
+            out, lse = step(*inputs[i], 0.125)
+            if not (torch.equal(out, want[i][0]) and torch.equal(lse, want[i][1])):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+    before = (sys.getrefcount(torch.float32), sys.getrefcount(torch.empty), sys.getrefcount(q))
+    for _ in range(200):
+        out, lse = step(q, k, v, 0.125)
+    assert sys.getrefcount(out) == 2 and sys.getrefcount(lse) == 2  # (the name and getrefcount's argument)
+    del out, lse
+    assert (sys.getrefcount(torch.float32), sys.getrefcount(torch.empty), sys.getrefcount(q)) == before
+
+
 def test_the_vectorcalls_refuse_a_bad_record_or_entry():
     """``step`` is internal, but a wrong argument is a Python error naming what it expected, never a crash."""
     require_kernel()

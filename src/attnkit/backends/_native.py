@@ -418,6 +418,12 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
     through ctypes (the slots, then ``entry``).
     With a score_mod's ``prog`` each thread's record gets its own out-of-range flag, cleared before each call and
     read after it (an index computed from the score can leave a captured tensor on one call and not another).
+    Returned, where the extension has it, as its C ``Stepper`` (csrc/attn_dispatch.cpp): the same call's checks,
+    strides, pointers, outputs and record in one vectorcall, the record copied onto each call's own stack (no
+    per-thread state), an unread lse on that call's heap; what it was not prepared for (another dtype or S, a last
+    stride other than 1, lo / hi of another shape, keywords) goes to the Python ``run`` below, its ``fallback``. At a
+    decode step over 128 keys its work around the kernel costs about what torch's bindings take to read the call's
+    three tensors and allocate its output, timed alone (``benchmarks/call_layers.py``).
     ``any_s`` (the decode entry): a call may bring any number of keys S (with its own ``lo`` / ``hi``).
     ``span_rows`` (a decode record of one interval row per query, lo / hi of shape (1, L)): a call may bring
     ``lo`` / ``hi`` as two ints, one interval for all ``span_rows`` rows, which it writes into its thread's own
@@ -505,7 +511,15 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
         return (out, lse) if with_lse else out
 
     run.keep = keep  # type: ignore[attr-defined]  # what the record points into lives as long as the call
-    return run
+    if _ext is None or not hasattr(_ext, "stepper"):
+        return run
+    # the same call in C (csrc/attn_dispatch.cpp, Stepper): the checks, strides, pointers, outputs and record of a
+    # call as prepared, in one vectorcall; anything else (another dtype or S, a last stride other than 1, lo / hi of
+    # another shape) goes to ``run`` above, which fits the inputs or names what is wrong
+    r0, r1 = rows if len(rows) == 2 else (-1, -1)
+    return _ext.stepper(template, code, -1 if any_s else S, B, H, L, Dv, r0, r1, span_rows, int(need_lse),
+                        int(with_lse), int(beside), int(prog is not None), dt, odt, torch.float32, torch.int32,
+                        torch.empty, run, lambda e: _check_reads(prog, [(e,)]), keep)
 
 
 def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None, tiles=None, prog=None,

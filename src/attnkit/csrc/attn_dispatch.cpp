@@ -1,12 +1,15 @@
 // The C ABI of attnkit's CPU kernel (loaded with ctypes by attnkit/backends/_native.py) and the
 // run-time choice of instruction set. Also a Python extension module (setuptools builds and installs it like any
-// other) whose functions are the per-call hot path of a replayed call: `step` (write a call record's per-call
-// slots and run an entry, the GIL released), `suspect_rows`, `dense_tiles` (a bool mask's tile map) and `tile_rows`
-// (a tile map's row intervals), each a vectorcall taking Python ints, a fraction of a ctypes call's argument
-// conversion (about 0.2 µs an argument).
+// other) whose functions are the per-call hot path of a replayed call: `stepper` (a prepared call signature whose
+// per-call work — checks, strides, pointers, outputs, the record — runs in C), `step` (write a call record's
+// per-call slots and run an entry, the GIL released: the Python stepper's), `suspect_rows`, `dense_tiles` (a bool
+// mask's tile map) and `tile_rows` (a tile map's row intervals), each a vectorcall taking Python ints, a fraction of
+// a ctypes call's argument conversion (about 0.2 µs an argument).
 #include <Python.h>
+#include <structmember.h>
 
 #include <algorithm>
+#include <vector>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -399,6 +402,326 @@ static PyObject* py_tile_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs
                                       reinterpret_cast<int32_t*>((intptr_t)v[7])));
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Stepper: a prepared call signature's per-call work in C (attnkit.backends._native._stepper). A replayed call —
+// a decode step, a short prompt — spends more in Python around the kernel than in the kernel's own glue: reading
+// strides and pointers, allocating the output, filling the record. A Stepper does that in one vectorcall: it
+// checks the inputs against what the record was prepared for (dtypes, S, unit last strides; lo / hi as the
+// prepared rows, two ints, or none), copies the record onto its own stack (no per-thread state: the GIL is released
+// during the kernel, and two threads each fill their own copy), allocates the outputs with torch.empty, and runs
+// the entry. Anything it does not recognise — a dtype or length it was not prepared for, a last stride other than
+// 1, lo / hi of another shape — goes to `fallback`, the Python stepper, which fits the inputs or raises the error
+// that names them. Internal: the record's pointers (lo / hi, tile map, slopes, program) are the caller's, kept alive
+// by `keep`.
+namespace {
+
+struct Names {
+  PyObject *dtype, *shape, *stride, *data_ptr, *is_contiguous;
+};
+Names names;
+
+struct StepperObject {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  AkCall tmpl;           // the prepared record (per call: strides, S, pointers, outputs, scale written on a copy)
+  int entry;             // 0 forward, 2 decode
+  int64_t S;             // the prepared key count, or -1: any (decode)
+  int64_t oshape[4];     // out (B, H, L, Dv)
+  int64_t rows0, rows1;  // the prepared lo / hi shape (2-d: (1 or B, L)), or rows0 = -1: not 2-d (tensors refused)
+  int span_rows;         // > 0: lo / hi may come as two ints, one interval for this many rows
+  bool need_lse, with_lse, beside, has_prog;
+  PyObject *dt, *odt, *f32, *i32;  // q / k / v's dtype, out's, torch.float32, torch.int32
+  PyObject *empty;           // torch.empty
+  PyObject *fallback;        // the Python stepper (same arguments)
+  PyObject *on_read_error;   // called with a program's out-of-range flag (raises the error naming the table)
+  PyObject *keep;            // what the record points into
+  PyObject* sizes[4];        // B, H, L, Dv as Python ints
+  PyObject* kw;              // torch.empty's keyword names: ("dtype",)
+};
+
+// an int from a method call or attribute (-1 with an error set on failure)
+int64_t long_of(PyObject* o) {
+  if (o == nullptr) return -1;
+  const int64_t v = PyLong_AsLongLong(o);
+  Py_DECREF(o);
+  return v;
+}
+
+PyObject* call0(PyObject* self, PyObject* name) {
+  PyObject* args[1] = {self};
+  return PyObject_VectorcallMethod(name, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+}
+
+// a tensor's 4 strides into s (false: not 4 of them, or an error)
+bool strides4(PyObject* t, int64_t* s) {
+  PyObject* st = call0(t, names.stride);
+  if (st == nullptr) return false;
+  bool ok = PyTuple_Check(st) && PyTuple_GET_SIZE(st) == 4;
+  for (int i = 0; ok && i < 4; i++) {
+    s[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(st, i));
+    ok = !(s[i] == -1 && PyErr_Occurred());
+  }
+  Py_DECREF(st);
+  return ok;
+}
+
+// whether t's dtype is `want` (identity: torch's dtypes are singletons)
+int dtype_is(PyObject* t, PyObject* want) {
+  PyObject* d = PyObject_GetAttr(t, names.dtype);
+  if (d == nullptr) return -1;
+  const int same = d == want;
+  Py_DECREF(d);
+  return same;
+}
+
+// dim i of t's shape (-1 with an error set on failure; -2: fewer dims)
+int64_t dim_of(PyObject* t, Py_ssize_t i) {
+  PyObject* sh = PyObject_GetAttr(t, names.shape);
+  if (sh == nullptr) return -1;
+  int64_t v = -2;
+  if (PyTuple_Check(sh) && PyTuple_GET_SIZE(sh) > i) v = PyLong_AsLongLong(PyTuple_GET_ITEM(sh, i));
+  Py_DECREF(sh);
+  return v;
+}
+
+// a prepared lo / hi tensor: int32, contiguous, of the prepared (rows0, rows1) shape -> its data pointer; 0 where it
+// is not (the fallback says what is wrong), -1 with an error set
+int64_t rows_ptr(StepperObject* s, PyObject* t) {
+  if (s->rows0 < 0) return 0;
+  const int same = dtype_is(t, s->i32);
+  if (same <= 0) return same;
+  PyObject* sh = PyObject_GetAttr(t, names.shape);
+  if (sh == nullptr) return -1;
+  const bool fits = PyTuple_Check(sh) && PyTuple_GET_SIZE(sh) == 2 &&
+                    PyLong_AsLongLong(PyTuple_GET_ITEM(sh, 0)) == s->rows0 &&
+                    PyLong_AsLongLong(PyTuple_GET_ITEM(sh, 1)) == s->rows1;
+  Py_DECREF(sh);
+  if (PyErr_Occurred()) return -1;
+  if (!fits) return 0;
+  PyObject* c = call0(t, names.is_contiguous);
+  if (c == nullptr) return -1;
+  const int contiguous = PyObject_IsTrue(c);
+  Py_DECREF(c);
+  if (contiguous <= 0) return contiguous;
+  return long_of(call0(t, names.data_ptr));
+}
+
+PyObject* new_empty(StepperObject* s, int n, PyObject* dtype) {
+  PyObject* args[5];
+  for (int i = 0; i < n; i++) args[i] = s->sizes[i];
+  args[n] = dtype;
+  return PyObject_Vectorcall(s->empty, args, n, s->kw);
+}
+
+PyObject* stepper_call(PyObject* self_, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  StepperObject* s = reinterpret_cast<StepperObject*>(self_);
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (kwnames != nullptr || (nargs != 4 && nargs != 6))
+    return PyObject_Vectorcall(s->fallback, args, nargsf, kwnames);
+  PyObject *q = args[0], *k = args[1], *v = args[2];
+  AkCall c;
+  std::memcpy(&c, &s->tmpl, sizeof(AkCall));
+  c.scale = PyFloat_AsDouble(args[3]);
+  if (c.scale == -1.0 && PyErr_Occurred()) return nullptr;
+  int32_t err = 0;
+  if (s->has_prog) c.perr = &err;
+  // q, k, v as prepared: their dtype, k's and v's S, unit last strides (else the fallback: it fits or refuses)
+  for (PyObject* t : {q, k, v}) {
+    const int same = dtype_is(t, s->dt);
+    if (same < 0) return nullptr;
+    if (!same) return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
+  }
+  const int64_t sk = dim_of(k, 2), sv = dim_of(v, 2);
+  if ((sk == -1 || sv == -1) && PyErr_Occurred()) return nullptr;
+  if (sk < 0 || sk != sv || (s->S >= 0 && sk != s->S)) return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
+  int64_t qs[4], ks[4], vs[4];
+  if (!strides4(q, qs) || !strides4(k, ks) || !strides4(v, vs)) {
+    if (PyErr_Occurred()) return nullptr;
+    return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
+  }
+  if (qs[3] != 1 || ks[3] != 1 || vs[3] != 1) return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
+  // lo / hi: the prepared rows (none given), one interval for every row (two ints), or this call's rows (tensors)
+  std::vector<int32_t> span;
+  if (nargs == 6 && args[4] != Py_None) {
+    PyObject *lo = args[4], *hi = args[5];
+    if (PyLong_CheckExact(lo) && PyLong_CheckExact(hi)) {
+      if (s->span_rows <= 0) return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
+      const long a = PyLong_AsLong(lo), b = PyLong_AsLong(hi);
+      if (PyErr_Occurred()) return nullptr;
+      if (a < INT32_MIN || a > INT32_MAX || b < INT32_MIN || b > INT32_MAX)
+        return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
+      span.assign(2 * (size_t)s->span_rows, (int32_t)a);
+      std::fill(span.begin() + s->span_rows, span.end(), (int32_t)b);
+      c.lo = span.data();
+      c.hi = span.data() + s->span_rows;
+    } else {
+      const int64_t lp = rows_ptr(s, lo);
+      if (lp == -1 && PyErr_Occurred()) return nullptr;
+      const int64_t hp = lp > 0 ? rows_ptr(s, hi) : 0;
+      if (hp == -1 && PyErr_Occurred()) return nullptr;
+      if (lp <= 0 || hp <= 0) return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
+      c.lo = reinterpret_cast<const int32_t*>((intptr_t)lp);
+      c.hi = reinterpret_cast<const int32_t*>((intptr_t)hp);
+    }
+  }
+  int64_t ptr[3];
+  for (int i = 0; i < 3; i++) {
+    ptr[i] = long_of(call0(args[i], names.data_ptr));
+    if (ptr[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  c.S = sk;
+  for (int i = 0; i < 3; i++) c.sq[i] = qs[i], c.sk[i] = ks[i], c.sv[i] = vs[i];
+  c.q = reinterpret_cast<const void*>((intptr_t)ptr[0]);
+  c.k = reinterpret_cast<const void*>((intptr_t)ptr[1]);
+  c.v = reinterpret_cast<const void*>((intptr_t)ptr[2]);
+  // the outputs: out (and lse / out_r where returned) as tensors; an lse the kernel writes but nobody reads, on
+  // this call's heap (the forward's rows need it)
+  PyObject* out = new_empty(s, 4, s->odt);
+  if (out == nullptr) return nullptr;
+  PyObject *lse = nullptr, *out_r = nullptr;
+  std::vector<float> scratch;
+  int64_t op = long_of(call0(out, names.data_ptr)), lp = 0, rp = 0;
+  if (op == -1 && PyErr_Occurred()) goto fail;
+  if (s->with_lse) {
+    lse = new_empty(s, 3, s->f32);
+    if (lse == nullptr) goto fail;
+    lp = long_of(call0(lse, names.data_ptr));
+    if (lp == -1 && PyErr_Occurred()) goto fail;
+  } else if (s->need_lse) {
+    scratch.resize((size_t)(s->oshape[0] * s->oshape[1] * s->oshape[2]));
+    lp = (int64_t)(intptr_t)scratch.data();
+  }
+  if (s->beside) {
+    out_r = new_empty(s, 4, s->dt);
+    if (out_r == nullptr) goto fail;
+    rp = long_of(call0(out_r, names.data_ptr));
+    if (rp == -1 && PyErr_Occurred()) goto fail;
+    c.out_r = reinterpret_cast<void*>((intptr_t)rp);
+  }
+  c.out = reinterpret_cast<float*>((intptr_t)op);
+  c.lse = reinterpret_cast<float*>((intptr_t)lp);
+  {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = s->entry == 0 ? ak_forward(&c) : ak_decode(&c);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+      PyErr_Format(rc == AK_E_NOMEM ? PyExc_MemoryError : PyExc_RuntimeError,
+                   "attnkit's compiled kernel refused the call (code %d; 1: no memory for its scratch)", rc);
+      goto fail;
+    }
+  }
+  if (err) {  // an index a score_mod computed left a captured tensor: the Python side names the table and raises
+    PyObject* e = PyLong_FromLong(err);
+    if (e == nullptr) goto fail;
+    PyObject* r = PyObject_CallOneArg(s->on_read_error, e);
+    Py_DECREF(e);
+    if (r == nullptr) goto fail;
+    Py_DECREF(r);
+  }
+  {
+    PyObject* r = s->beside ? PyTuple_Pack(3, out, lse, out_r) : s->with_lse ? PyTuple_Pack(2, out, lse) : out;
+    if (r != out) {
+      Py_DECREF(out);
+      Py_XDECREF(lse);
+      Py_XDECREF(out_r);
+    }
+    return r;
+  }
+fail:
+  Py_XDECREF(out);
+  Py_XDECREF(lse);
+  Py_XDECREF(out_r);
+  return nullptr;
+}
+
+void stepper_dealloc(PyObject* self_) {
+  StepperObject* s = reinterpret_cast<StepperObject*>(self_);
+  PyTypeObject* tp = Py_TYPE(self_);
+  for (PyObject* o : {s->dt, s->odt, s->f32, s->i32, s->empty, s->fallback, s->on_read_error, s->keep, s->kw})
+    Py_XDECREF(o);
+  for (PyObject* o : s->sizes) Py_XDECREF(o);
+  PyObject_Free(self_);
+  Py_DECREF(tp);  // (a heap type: each instance holds a reference to it)
+}
+
+PyMemberDef stepper_members[] = {
+    {"keep", T_OBJECT_EX, offsetof(StepperObject, keep), READONLY, "what the prepared record points into"},
+    {"fallback", T_OBJECT_EX, offsetof(StepperObject, fallback), READONLY, "the Python stepper (same arguments)"},
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(StepperObject, vectorcall), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyType_Slot stepper_slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(stepper_dealloc)},
+    {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+    {Py_tp_members, stepper_members},
+    {Py_tp_doc, const_cast<char*>("A prepared call signature's per-call work in C (attnkit.backends._native).")},
+    {0, nullptr}};
+
+PyType_Spec stepper_spec = {"attnkit._native.Stepper", sizeof(StepperObject), 0,
+                            Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL, stepper_slots};
+
+PyObject* stepper_type = nullptr;  // made by the module's init
+
+}  // namespace
+
+// stepper(record, entry, S, B, H, L, Dv, rows0, rows1, span_rows, need_lse, with_lse, beside, has_prog, dt, odt,
+// f32, i32, empty, fallback, on_read_error, keep) -> Stepper: `record` the prepared AkCall's bytes, entry 0 forward
+// / 2 decode, S the prepared key count or -1 (any), (rows0, rows1) the prepared lo / hi shape (-1: tensors refused),
+// span_rows > 0: lo / hi may come as two ints.
+static PyObject* py_stepper(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 22) {
+    PyErr_SetString(PyExc_TypeError, "stepper: 22 arguments (attnkit.backends._native._stepper)");
+    return nullptr;
+  }
+  char* rec;
+  Py_ssize_t n;
+  if (PyBytes_AsStringAndSize(args[0], &rec, &n) < 0) return nullptr;
+  int64_t v[13];
+  if (!int64s(args + 1, 13, v)) return nullptr;
+  if (n != (Py_ssize_t)sizeof(AkCall) || (v[0] != 0 && v[0] != 2) || !PyCallable_Check(args[18]) ||
+      !PyCallable_Check(args[19]) || !PyCallable_Check(args[20])) {
+    PyErr_SetString(PyExc_ValueError, "stepper: a record of another size, an entry other than 0 / 2, or a "
+                                      "non-callable empty / fallback / on_read_error");
+    return nullptr;
+  }
+  if (names.dtype == nullptr) {
+    names.dtype = PyUnicode_InternFromString("dtype");
+    names.shape = PyUnicode_InternFromString("shape");
+    names.stride = PyUnicode_InternFromString("stride");
+    names.data_ptr = PyUnicode_InternFromString("data_ptr");
+    names.is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    if (!names.dtype || !names.shape || !names.stride || !names.data_ptr || !names.is_contiguous) return nullptr;
+  }
+  StepperObject* s = PyObject_New(StepperObject, reinterpret_cast<PyTypeObject*>(stepper_type));
+  if (s == nullptr) return nullptr;
+  s->vectorcall = stepper_call;
+  s->kw = nullptr;
+  for (PyObject** o : {&s->dt, &s->odt, &s->f32, &s->i32, &s->empty, &s->fallback, &s->on_read_error, &s->keep})
+    *o = nullptr;
+  for (int i = 0; i < 4; i++) s->sizes[i] = nullptr;
+  std::memcpy(&s->tmpl, rec, sizeof(AkCall));
+  s->entry = (int)v[0];
+  s->S = v[1];
+  for (int i = 0; i < 4; i++) s->oshape[i] = v[2 + i];
+  s->rows0 = v[6], s->rows1 = v[7];
+  s->span_rows = (int)v[8];
+  s->need_lse = v[9] != 0, s->with_lse = v[10] != 0, s->beside = v[11] != 0, s->has_prog = v[12] != 0;
+  PyObject** objs[8] = {&s->dt, &s->odt, &s->f32, &s->i32, &s->empty, &s->fallback, &s->on_read_error, &s->keep};
+  for (int i = 0; i < 8; i++) {
+    Py_INCREF(args[14 + i]);
+    *objs[i] = args[14 + i];
+  }
+  s->kw = Py_BuildValue("(s)", "dtype");
+  bool ok = s->kw != nullptr;
+  for (int i = 0; ok && i < 4; i++) ok = (s->sizes[i] = PyLong_FromLongLong(s->oshape[i])) != nullptr;
+  if (!ok) {
+    Py_DECREF(s);
+    return nullptr;
+  }
+  return reinterpret_cast<PyObject*>(s);
+}
+
 static PyMethodDef methods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_step)), METH_FASTCALL,
      "step(entry, record, first, *values) -> int: fill a call record's per-call slots and run entry 0 (forward) or "
@@ -410,10 +733,16 @@ static PyMethodDef methods[] = {
      "dense_tiles(mask, TB, TH, L, S, m0, m1, m2, m3, kinds, index, bits, cap) -> int: ak_dense_tiles. Internal."},
     {"tile_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_tile_rows)), METH_FASTCALL,
      "tile_rows(kinds, index, bits, TB, L, S, lo, hi) -> bool: ak_tile_rows. Internal."},
+    {"stepper", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_stepper)), METH_FASTCALL,
+     "stepper(record, entry, S, B, H, L, Dv, rows0, rows1, span_rows, need_lse, with_lse, beside, has_prog, dt, odt, "
+     "f32, i32, empty, fallback, on_read_error, keep) -> Stepper. Internal (attnkit.backends._native._stepper)."},
     {nullptr, nullptr, 0, nullptr}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
                                     "attnkit's CPU attention kernel (C ABI, loaded with ctypes; the per-call hot path "
                                     "as two vectorcalls).", -1, methods, nullptr, nullptr, nullptr, nullptr};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+  if (stepper_type == nullptr && (stepper_type = PyType_FromSpec(&stepper_spec)) == nullptr) return nullptr;
+  return PyModule_Create(&module);
+}
