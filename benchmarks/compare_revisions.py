@@ -163,10 +163,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="small cases only")
-    ap.add_argument("--only", help="run only the cases whose name contains this text")
+    ap.add_argument("--only", help="run only the cases whose name contains this text (several: a | b)")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
-    cases = [c for c in CASES if (not a.quick or c[4] * c[5] <= 2048 * 2048) and (not a.only or a.only in c[0])]
+    wanted = [t.strip() for t in a.only.split("|")] if a.only else []
+    cases = [c for c in CASES if (not a.quick or c[4] * c[5] <= 2048 * 2048)
+             and (not wanted or any(t in c[0] for t in wanted))]
     procs = {"before": _worker(a.before, a.threads), "after": _worker(a.after, a.threads)}
     rows = []
     print("| case | before | after | before/after |\n|---|---|---|---|", flush=True)
