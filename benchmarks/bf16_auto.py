@@ -1,12 +1,18 @@
 """bf16 against fp32 through ``auto``: the time of the same call in each dtype, forward and forward + backward.
 
-    OMP_NUM_THREADS=2 python benchmarks/bf16_auto.py [--length 4096] [--rounds 10] [--user]
+    OMP_NUM_THREADS=2 python benchmarks/bf16_auto.py [--length 4096] [--rounds 10] [--user] [--accumulate]
 
 B = 1, H = 8, D = 64; causal and sliding window 256; the fastest of ``--rounds`` runs of each (after one
 warm-up), the two dtypes interleaved (one call of each in turn, so the machine's load hits both alike). Prints
 bf16 time / fp32 time (< 1: bf16 is faster) as the ratio of the two fastest runs and, in brackets, as the median of
 the rounds' own ratios (the two dtypes of a round ran side by side: on a shared machine the steadier of the two),
 and the worker ``auto`` chose for each dtype (``attnkit.dispatch``).
+
+Forward + backward: the output and the gradients of q, k and v (``torch.autograd.grad``), as a training step with
+``zero_grad()`` (gradients set to None) gets them. ``--accumulate``: ``.backward()`` into the inputs' ``.grad``
+instead, which after the first round adds each new gradient to the last (three torch adds a call, outside
+attention: on a CPU without a native bf16 add, slower in bf16 than in fp32) — how the thirty-second session and
+earlier measured this row.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--user", action="store_true", help="also the window written as a user's mask_mod and causal with "
                     "a user's soft-cap score_mod (lambdas: traced on the kernel)")
+    ap.add_argument("--accumulate", action="store_true", help="the backward into the inputs' .grad, each round's "
+                    "gradient added to the last (the earlier sessions' measure)")
     a = ap.parse_args()
     torch.manual_seed(0)
     L = a.length
@@ -47,7 +55,11 @@ def main() -> None:
                     attnkit.attention(q, k, v, **kw)
 
             def fwd_bwd(q=q, k=k, v=v, go=go):
-                attnkit.attention(q, k, v, **kw).backward(go)
+                out = attnkit.attention(q, k, v, **kw)
+                if a.accumulate:
+                    out.backward(go)
+                else:
+                    torch.autograd.grad(out, (q, k, v), go)
 
             fns[("fwd", dt)], fns[("fwd_bwd", dt)] = fwd, fwd_bwd
         runs = rounds_ms(fns, a.rounds)

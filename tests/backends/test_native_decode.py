@@ -517,6 +517,8 @@ def test_the_c_stepper_hands_what_it_was_not_prepared_for_to_the_python_stepper(
         _native._ext.stepper(b"", 0)
     with pytest.raises(ValueError, match="another size"):
         _native._ext.stepper(b"x", *([0] * 13), *([None] * 8))
+    with pytest.raises(TypeError, match="cannot create"):  # only stepper() makes one (its record filled)
+        type(dec)()
 
 
 def test_the_c_stepper_serves_threads_at_once_and_keeps_no_reference():

@@ -9,6 +9,7 @@
 #include <structmember.h>
 
 #include <algorithm>
+#include <new>
 #include <vector>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -550,7 +551,11 @@ PyObject* stepper_call(PyObject* self_, PyObject* const* args, size_t nargsf, Py
       if (PyErr_Occurred()) return nullptr;
       if (a < INT32_MIN || a > INT32_MAX || b < INT32_MIN || b > INT32_MAX)
         return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
-      span.assign(2 * (size_t)s->span_rows, (int32_t)a);
+      try {
+        span.assign(2 * (size_t)s->span_rows, (int32_t)a);
+      } catch (const std::bad_alloc&) {
+        return PyErr_NoMemory();
+      }
       std::fill(span.begin() + s->span_rows, span.end(), (int32_t)b);
       c.lo = span.data();
       c.hi = span.data() + s->span_rows;
@@ -588,7 +593,12 @@ PyObject* stepper_call(PyObject* self_, PyObject* const* args, size_t nargsf, Py
     lp = long_of(call0(lse, names.data_ptr));
     if (lp == -1 && PyErr_Occurred()) goto fail;
   } else if (s->need_lse) {
-    scratch.resize((size_t)(s->oshape[0] * s->oshape[1] * s->oshape[2]));
+    try {
+      scratch.resize((size_t)(s->oshape[0] * s->oshape[1] * s->oshape[2]));
+    } catch (const std::bad_alloc&) {
+      PyErr_NoMemory();
+      goto fail;
+    }
     lp = (int64_t)(intptr_t)scratch.data();
   }
   if (s->beside) {
@@ -658,8 +668,12 @@ PyType_Slot stepper_slots[] = {
     {Py_tp_doc, const_cast<char*>("A prepared call signature's per-call work in C (attnkit.backends._native).")},
     {0, nullptr}};
 
+// made only by stepper() (a Stepper() of its own would hold null pointers), and immutable (Python 3.10+; the package
+// needs 3.10)
 PyType_Spec stepper_spec = {"attnkit._native.Stepper", sizeof(StepperObject), 0,
-                            Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL, stepper_slots};
+                            Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_DISALLOW_INSTANTIATION |
+                                Py_TPFLAGS_IMMUTABLETYPE,
+                            stepper_slots};
 
 PyObject* stepper_type = nullptr;  // made by the module's init
 
