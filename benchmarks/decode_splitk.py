@@ -13,7 +13,8 @@ bf16 caches. Three calls, timed interleaved (one of each in turn), medians:
 "kernel / read" is the goal's ratio (<= 1.25); GB/s is K and V's bytes over each call's time.
 
 ``--order blocked|memory``: the decode entry's read order forced (default: this machine's calibration, ``attnkit
-calibrate``, else the per-call rule: memory order from 8 MB).
+calibrate``, else the rule: register-blocked below 8 MB of K and V, from 8 MB the order the kernel learns on a call
+shape's first calls, timing both). ``--no-learn``: the rule without learning (memory order from 8 MB).
 
 ``--user``: two more tables, MHA 8/8 and GQA 32/8 fp32, the same step through ``attnkit.attention`` as a user
 writes it: the built-in ``masks.causal()``, the same mask as a ``mask_mod`` (``kv <= q + S - 1``: the query is the last
@@ -101,14 +102,20 @@ def main(argv=None) -> int:
                     "the same as a mask_mod, score_mods (soft cap, ALiBi)")
     ap.add_argument("--order", choices=("auto", "blocked", "memory"), default="auto",
                     help="the decode entry's read order: as its records say (auto: this machine's calibration, else "
-                         "memory order from 8 MB of K and V, a rule measured on an AMD EPYC), register-blocked, or "
-                         "memory order")
+                         "the rule: from 8 MB of K and V the order learned on a call shape's first calls), "
+                         "register-blocked, or memory order")
+    ap.add_argument("--no-learn", action="store_true", help="the rule without learning: memory order from 8 MB of K "
+                    "and V (measured faster on an AMD EPYC)")
     a = ap.parse_args(argv)
     _native._require().ak_set_decode_order({"auto": -1, "blocked": 0, "memory": 1}[a.order])  # (as the tests do)
+    _native.set_read_order_learning(not a.no_learn, forget=True)
     threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
     torch.set_num_threads(threads)
     S, D = a.S, 128
     order = a.order if a.order != "auto" else "auto: " + _native.read_order(threads)
+    if order == "auto: rule":
+        order += (" (memory order from 8 MB)" if a.no_learn
+                  else " (from 8 MB the order learned on a shape's first calls)")
     print(f"{cpu_name()}, {_native.status()}, {threads} threads, B = 1, L = 1, D = {D}, S = {S}, read order "
           f"{order}, {a.repeats} interleaved repeats, medians\n")
     print("| case | dtype | kernel ms | SDPA ms | read K+V ms | kernel / read | SDPA / read | kernel GB/s | "
@@ -118,6 +125,10 @@ def main(argv=None) -> int:
     for name, H, Hkv in (("MHA 8/8", 8, 8), ("GQA 32/8", 32, 8)):
         for dtype in (torch.float32, torch.bfloat16):
             print(_case(name, H, Hkv, S, D, dtype, a.repeats, g), flush=True)
+    shapes, memory = _native.learned_read_orders()
+    if shapes:
+        print(f"\nread orders learned: {shapes} call shapes, {memory} in memory order, "
+              f"{shapes - memory} register-blocked")
     if a.user:
         for H, Hkv in ((8, 8), (32, 8)):
             _user_rows(S, D, a.repeats, g, H, Hkv)

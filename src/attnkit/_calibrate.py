@@ -83,7 +83,8 @@ SMALL_LENGTH = 64  # bf16 / fp16 below the fp32 crossovers: kernel against torch
 # (and fp32 with a bool tensor mask of one tile, "mask": the kernel reading its bits against SDPA applying it)
 ROWS_KEYS = 4096  # fp32 with gradients at a few query rows: one query row over this many keys, no mask ("rows")
 # the decode entry's read order of K and V: one fp32 query row per head over this many keys of D = ORDER_D, MHA and
-# GQA (ORDER_HEADS: H / Hkv), K and V 32 MiB (four times the 8 MB from which today's rule reads in memory order)
+# GQA (ORDER_HEADS: H / Hkv), K and V 32 MiB (four times the 8 MB from which today's rule learns the order per call
+# shape)
 ORDER_KEYS, ORDER_D, ORDER_HEADS = 4096, 128, ((8, 8), (32, 8))
 _POINT_TARGET_S = 0.06  # time spent on one point (both peers), rounds in [_MIN_ROUNDS, _MAX_ROUNDS]
 _MIN_ROUNDS, _MAX_ROUNDS = 3, 15
@@ -167,8 +168,9 @@ class Crossovers:
       compiled kernel, which reads the tile's bits per call), ``"torch"`` (SDPA applies the mask) or None (today's
       rule: the kernel);
     * ``decode_order``: how the decode entry reads K and V — ``"blocked"`` (register-blocked at every size: measured
-      faster here over a long cache), ``"memory"`` (today's rule, measured here: memory order from 8 MB of K and V,
-      register-blocked below) or None (today's rule, not measured); ``order_points``: its measurements;
+      faster here over a long cache), ``"memory"`` (today's rule, register-blocked not faster here: from 8 MB of K and
+      V the order the kernel learns on each call shape's first calls, timing both; register-blocked below) or None
+      (today's rule, not measured); ``order_points``: its measurements;
     * ``source``: which table decided, in words (``dispatch`` quotes it);
     * ``calibrated``: measured on this machine (else the defaults); ``path``: the file it came from or
       went to; ``points``: the measurements; ``failure``: why a calibration gave the defaults instead.
@@ -823,8 +825,8 @@ def _margin_choice(points: list[Point]) -> str | None:
 
 def _order_choice(points: list[OrderPoint]) -> str | None:
     """``"blocked"`` when reading K and V register-blocked was at least :data:`WIN_MARGIN` faster than memory order
-    (geometric mean over the measured layouts), ``"memory"`` otherwise (today's rule, which reads in memory order
-    from 8 MB, stays: a tie keeps it); None when nothing was measured."""
+    (geometric mean over the measured layouts), ``"memory"`` otherwise (today's rule, which learns the order per call
+    shape from 8 MB, stays: a tie keeps it); None when nothing was measured."""
     if not points:
         return None
     g = math.exp(sum(math.log(max(p.ratio, 1e-12)) for p in points) / len(points))

@@ -756,7 +756,8 @@ def test_calibrate_prints_the_read_order(cache, monkeypatch, capsys):
     assert rc == 0 and "decode read order" in out and "memory/blocked" in out
     assert "one fp32 query row    8/8  4096  128" in out and "blocked" in out
     line = next(x for x in out.splitlines() if x.startswith("the decode entry reads K and V of >= 8 MB"))
-    assert "in memory order (today's rule)" in line and line.endswith("register-blocked (as below 8 MB)")
+    assert "as learned on each call shape's first calls (today's rule)" in line
+    assert line.endswith("register-blocked (as below 8 MB)")
     rc, out, _ = _cli(capsys, "--show")
     assert "decode read order" in out and "register-blocked (as below 8 MB)" in out
 
@@ -770,7 +771,8 @@ def test_dispatch_names_the_read_order_and_the_table_that_chose_it(monkeypatch):
         said = str(attnkit.dispatch(q, k, v))
         assert said.startswith("sdpa:") and "read order" not in said and "K/V of >= 8 MB" not in said
         return
-    assert "K/V of >= 8 MB read in memory order (today's rule)" in str(attnkit.dispatch(q, k, v))
+    assert "K/V of >= 8 MB read in the order the kernel learns" in str(attnkit.dispatch(q, k, v))
+    assert "(today's rule)" in str(attnkit.dispatch(q, k, v))
     table = C.Crossovers(decode_order="blocked", source="calibrated 2026-11-29 on X")
     monkeypatch.setattr(C, "crossovers", lambda threads=None: table)
     said = str(attnkit.dispatch(q, k, v))

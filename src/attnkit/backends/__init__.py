@@ -19,7 +19,8 @@ def _calibrated_read_order(threads: int) -> str:
     """How the compiled kernel's decode entry reads K and V at ``threads``, by this machine's calibration:
     register-blocked at every size where it measured that faster over a long cache (an Intel Xeon with AMX, 2 threads,
     65 536 keys: GQA 32/8 1.16x the read against memory order's 1.32x; `python benchmarks/decode_splitk.py --order
-    blocked|memory`), else today's rule (memory order from 8 MB: an AMD EPYC's measurement). Asked once per prepared
+    blocked|memory`), else today's rule (from 8 MB the order the kernel learns on each call shape's first calls,
+    timing both: ``_native.learned_read_orders``). Asked once per prepared
     decode record; set here, where any import of the kernel's module passes, so a direct ``_native.decode`` follows
     the calibration as ``attention`` does."""
     return "blocked" if _calibrate.crossovers(threads).decode_order == "blocked" else "rule"

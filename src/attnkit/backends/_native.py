@@ -238,6 +238,31 @@ def set_bf16_dot(on: bool) -> bool:
     return before
 
 
+def learned_read_orders() -> tuple[int, int]:
+    """The decode's read orders learned so far in this process (csrc/attn_common.h, ``ak_order_choice``): where a
+    record leaves the order to the rule ("rule": no calibration) and the rule would read K and V in memory order, the
+    kernel times both orders on a call shape's first calls and keeps the faster. Returns (call shapes decided, of them
+    in memory order)."""
+    lib = _require()
+    if not hasattr(lib, "ak_decode_learned"):
+        raise RuntimeError("this build of the compiled kernel learns no read order; rebuild it (`make test`)")
+    n = int(lib.ak_decode_learned())
+    return n // 1024, n % 1024
+
+
+def set_read_order_learning(on: bool, forget: bool = False) -> bool:
+    """Whether the decode learns its read order where the rule would read in memory order (on: the default; off: the
+    rule itself, memory order from 8 MB); ``forget``: drop what was learned. Returns the previous setting."""
+    lib = _require()
+    if not hasattr(lib, "ak_set_decode_learn"):
+        raise RuntimeError("this build of the compiled kernel learns no read order; rebuild it (`make test`)")
+    before = bool(lib.ak_set_decode_learn(-1))
+    lib.ak_set_decode_learn(int(bool(on)))
+    if forget:
+        lib.ak_decode_learn_reset()
+    return before
+
+
 def _require() -> ctypes.CDLL:
     _load()
     if _lib is None:
@@ -631,9 +656,12 @@ def backward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, rounded: b
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DECODE_MAX_L = 64  # query rows per head that :func:`decode` takes (the kernel's query block)
-# The decode entry's read orders of K and V (AkCall::order): "rule" — memory order from 8 MB of K and V in units of
-# up to 8 rows, register-blocked below (measured on an AMD EPYC, Zen 3); "blocked" — register-blocked at every size;
-# "memory" — memory order wherever the units allow. Both orders give the same bits.
+# The decode entry's read orders of K and V (AkCall::order): "rule" — register-blocked below 8 MB of K and V (measured
+# faster there on an AMD EPYC, where K and V sit in its caches), and from 8 MB in units of up to 8 rows
+# the order learned per call shape on its first calls (the kernel times both and keeps the faster:
+# learned_read_orders; where the learning is switched off, memory order, which won there on an AMD EPYC, Zen 3, and
+# lost on the Xeon); "blocked" — register-blocked at every size; "memory" — memory order wherever the units allow.
+# Both orders give the same bits.
 READ_ORDERS = {"rule": 0, "blocked": 1, "memory": 2}
 # the rule's line (STREAM_BYTES, FEW_ROWS in csrc/attn_decode.h): memory order for units of at most this many query
 # rows (a kv head's g · L) over K and V of at least this many bytes

@@ -823,8 +823,9 @@ class NativeDecode(Kernel):
         if H // Hkv * L <= _native.STREAM_ROWS and kv_bytes >= _native.STREAM_BYTES:  # (the rule's line)
             x = _calibrate.crossovers()
             order = ("; K/V of >= 8 MB read register-blocked (measured faster here: " + x.source + ")"
-                     if x.decode_order == "blocked" else "; K/V of >= 8 MB read in memory order ("
-                     + ("measured faster here" if x.decode_order == "memory" else "today's rule") + ")")
+                     if x.decode_order == "blocked" else "; K/V of >= 8 MB read in the order the kernel learns on "
+                     "this call shape's first calls, timing both (" + ("register-blocked not faster here by "
+                     "calibration" if x.decode_order == "memory" else "today's rule") + ")")
         return (f"attnkit's compiled kernel, decode entry ({_native.isa()}): {H // Hkv * L} rows per kv head "
                 f"against its K/V read once, split-K over the threads with an exact lse merge{mod}{order}")
 

@@ -33,6 +33,18 @@ enum { AK_OK = 0, AK_E_NOMEM = 1, AK_E_ABI = 2, AK_E_ARG = 3 };
 // benchmarks force one: both orders give the same bits).
 extern int ak_decode_order;
 
+// Where a decode call's record leaves the read order to the rule (no calibration) and the rule would read K and V in
+// memory order (units of up to FEW_ROWS rows over at least STREAM_BYTES), the order is learned instead, per call shape
+// (dtype, threads, unit rows, the bytes' power of two): the first call of a shape runs register-blocked, untimed (its
+// warm-up), the next ones alternate the two orders, each timed, and from two timings of each the faster (by its
+// fastest) serves every later call of the shape. Both orders give the same bits, so what is learned changes only the
+// time. ak_order_choice(key, &timed): the order to run (0 register-blocked, 1 memory) and whether to time this call;
+// ak_order_sample(key, order, seconds): a timed call's time. ak_decode_learn: 1 learn (the default), 0 the rule
+// (ak_set_decode_learn; tests and benchmarks).
+extern int ak_decode_learn;
+int ak_order_choice(int64_t key, int* timed);
+void ak_order_sample(int64_t key, int order, double seconds);
+
 // The forward's bf16 matrix products on AMX tiles (attn_amx.h; the AVX-512 build, on a CPU with AMX): 1 used for
 // bf16 calls (the default), 0 never (bf16 widened to fp32 per tile, as on every other CPU).
 // Set by ak_set_bf16_dot (tests compare both; ATTNKIT_NATIVE_BF16_DOT=0).

@@ -27,6 +27,8 @@
 // outside every stretch are masked, a tile no row's stretch meets skipped, in one pass over the keys (one online
 // softmax, one read of K and V) whatever the stretch count.
 // A row that sees no key: out 0, lse -inf. NaN in a row's scores gives NaN there (as in the forward).
+#include <chrono>
+
 #include "attn_common.h"
 
 namespace AK_NS {
@@ -59,7 +61,9 @@ static inline vf reduce_lanes(const vf* a) {
 }
 
 // A call whose K and V hold at least STREAM_BYTES, in units of at most FEW_ROWS rows (one query row of MHA, a GQA
-// group of up to 8 heads), reads K and V in memory order (dots_keys, pv_keys); smaller calls and more rows use the
+// group of up to 8 heads), may read K and V in memory order (dots_keys, pv_keys): the rule's order there is learned
+// per call shape (ak_order_choice, attn_common.h: an Intel Xeon with AMX read it faster register-blocked, the AMD
+// EPYC below in memory order; with learning off, memory order); smaller calls and more rows use the
 // register-blocked dots_block / pv_block (fewer loads and stores per multiply-add: faster where K and V sit in
 // cache, slower where they stream from memory) — but a bf16 / fp16 cache's scores at up to FEW_ROWS rows take
 // dots_keys at any size (see dots). On a 2-core AMD EPYC (Zen 3), one query over 65 536 keys, MHA:
@@ -1195,6 +1199,15 @@ int run_decode(const AkCall* c) {
   const int order = ak_decode_order >= 0 ? 1 + ak_decode_order : c->order == 1 || c->order == 2 ? (int)c->order : 0;
   s.bdot = bdot_on(c->dtype);
   s.stream = s.rb <= FEW_ROWS && (order == 0 ? s.B * s.Hkv * s.S * (s.D + s.Dv) * esz >= STREAM_BYTES : order == 2);
+  // the rule's memory order, learned per call shape instead (ak_order_choice: both orders give the same bits)
+  int timed = 0;
+  int64_t learn_key = -1;
+  if (order == 0 && s.stream && ak_decode_learn) {
+    long cls = 0;
+    for (long b = s.B * s.Hkv * s.S * (s.D + s.Dv) * esz; b > 1 && cls < 63; b >>= 1) cls++;
+    learn_key = ((((int64_t)c->dtype * 256 + mn<long>(s.threads, 255)) * 16 + s.rb) * 64 + cls);
+    s.stream = ak_order_choice(learn_key, &timed) == 1;
+  }
 #if AK_BDOT
   s.amx = s.bdot && s.rb >= 2 && s.rb <= 16 && amx_usable();
 #else
@@ -1209,11 +1222,17 @@ int run_decode(const AkCall* c) {
                 c->ptables, c->ptshape,  c->perr,        nullptr, (long)c->pntables};
     s.prog = &prog;
   }
+  const auto t0 = std::chrono::steady_clock::now();
+  int rc;
   switch (c->dtype) {
-    case AK_BF16: return decode_t<AK_BF16>(s, c->out, c->lse, c->ort != 0, c->out_r);
-    case AK_F16: return decode_t<AK_F16>(s, c->out, c->lse, c->ort != 0, c->out_r);
-    default: return decode_t<AK_F32>(s, c->out, c->lse, false, nullptr);
+    case AK_BF16: rc = decode_t<AK_BF16>(s, c->out, c->lse, c->ort != 0, c->out_r); break;
+    case AK_F16: rc = decode_t<AK_F16>(s, c->out, c->lse, c->ort != 0, c->out_r); break;
+    default: rc = decode_t<AK_F32>(s, c->out, c->lse, false, nullptr);
   }
+  if (timed && rc == AK_OK)
+    ak_order_sample(learn_key, s.stream ? 1 : 0,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return rc;
 }
 
 }  // namespace AK_NS

@@ -9,7 +9,9 @@
 #include <structmember.h>
 
 #include <algorithm>
+#include <mutex>
 #include <new>
+#include <unordered_map>
 #include <vector>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -46,6 +48,42 @@ static int best_isa() {
 
 static int isa_in_use = -1;
 int ak_decode_order = -1;
+int ak_decode_learn = 1;
+
+// The decode's read order learned per call shape (attn_common.h, ak_order_choice): per key, the calls seen, the
+// timings of each order (count, fastest) and, once two of each are in, the choice. Under a mutex: calls from
+// several Python threads (the GIL released) may meet here; a call of this kind reads at least 8 MB.
+namespace {
+struct OrderLearn {
+  int calls = 0;
+  int n[2] = {0, 0};
+  double best[2] = {0.0, 0.0};
+  int choice = -1;
+};
+constexpr int LEARN_SAMPLES = 2;
+std::mutex learn_mu;
+std::unordered_map<int64_t, OrderLearn> learned;
+}  // namespace
+
+int ak_order_choice(int64_t key, int* timed) {
+  std::lock_guard<std::mutex> lock(learn_mu);
+  OrderLearn& l = learned[key];
+  *timed = 0;
+  if (l.choice >= 0) return l.choice;
+  const int call = l.calls++;
+  if (call == 0) return 0;  // the shape's first call: its warm-up (scratch, first touches), not timed
+  *timed = 1;
+  return l.n[0] > l.n[1] ? 1 : l.n[1] > l.n[0] ? 0 : (call & 1);  // the order with fewer timings, else in turn
+}
+
+void ak_order_sample(int64_t key, int order, double seconds) {
+  std::lock_guard<std::mutex> lock(learn_mu);
+  OrderLearn& l = learned[key];
+  if (l.choice >= 0 || order < 0 || order > 1) return;
+  if (l.n[order] == 0 || seconds < l.best[order]) l.best[order] = seconds;
+  l.n[order]++;
+  if (l.n[0] >= LEARN_SAMPLES && l.n[1] >= LEARN_SAMPLES) l.choice = l.best[1] < l.best[0] ? 1 : 0;
+}
 int ak_bf16_dot = 1;
 
 // ak_suspect_rows' loop, by element width (outside the C-linkage block: a template). T: uint32_t (fp32) or uint16_t
@@ -125,6 +163,27 @@ AK_API int ak_isa() {
 AK_API int ak_set_decode_order(int order) {
   ak_decode_order = order < -1 || order > 1 ? -1 : order;
   return ak_decode_order;
+}
+
+// The decode's read order learned where the rule would read in memory order (attn_common.h): 1 on (the default),
+// 0 the rule itself, -1 only asks; returns the setting. ak_decode_learned(): how many call shapes have chosen, and
+// of them how many memory order, as choices * 1024 + memory (tests, benchmarks); ak_decode_learn_reset() forgets all.
+AK_API int ak_set_decode_learn(int on) {
+  if (on == 0 || on == 1) ak_decode_learn = on;
+  return ak_decode_learn;
+}
+
+AK_API int ak_decode_learned() {
+  std::lock_guard<std::mutex> lock(learn_mu);
+  int chosen = 0, memory = 0;
+  for (const auto& kv : learned)
+    if (kv.second.choice >= 0) chosen++, memory += kv.second.choice;
+  return chosen * 1024 + memory;
+}
+
+AK_API void ak_decode_learn_reset() {
+  std::lock_guard<std::mutex> lock(learn_mu);
+  learned.clear();
 }
 
 // The forward's bf16 products on AMX tiles: 1 on (where the CPU has AMX and the AVX-512 build runs), 0 off; returns
