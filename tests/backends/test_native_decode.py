@@ -560,8 +560,8 @@ def test_the_c_stepper_serves_threads_at_once_and_keeps_no_reference():
 def test_the_read_order_is_learned_where_the_rule_would_stream(dtype, Hkv, g):
     """Where a record leaves the read order to the rule and the rule would read K and V in memory order (from 8 MB,
     units of up to 8 rows), the kernel learns the order per call shape: the first call untimed, then both orders
-    timed in turn, two of each, and the faster kept. Every call gives the same bits whichever order ran (the forced
-    orders' bits), the shape is decided after five calls, a second shape learns on its own, and a record that names
+    timed in turn, three of each, and the faster kept. Every call gives the same bits whichever order ran (the forced
+    orders' bits), the shape is decided after seven calls, a second shape learns on its own, and a record that names
     its order (this machine's calibration) or learning switched off learns nothing."""
     require_kernel()
     lib = _native._require()
@@ -571,6 +571,8 @@ def test_the_read_order_is_learned_where_the_rule_would_stream(dtype, Hkv, g):
         q, k, v = _qkv(1, Hkv * g, Hkv, 1, S, D, dtype=dtype)
         lo, hi = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), S, dtype=torch.int32)
         outs = [_native.decode(q, k, v, lo, hi, 0.125, order="rule")[0] for _ in range(6)]
+        assert _native.learned_read_orders()[0] == 0  # (six calls: the warm-up and five timings)
+        outs.append(_native.decode(q, k, v, lo, hi, 0.125, order="rule")[0])
         assert _native.learned_read_orders()[0] == 1
         for forced in (0, 1):
             lib.ak_set_decode_order(forced)
@@ -580,7 +582,7 @@ def test_the_read_order_is_learned_where_the_rule_would_stream(dtype, Hkv, g):
                 lib.ak_set_decode_order(-1)
         assert all(torch.equal(o, outs[0]) for o in outs)
         k2, v2 = k[:, :, : S // 2 + 5000], v[:, :, : S // 2 + 5000]  # another power of two of bytes: its own shape
-        for _ in range(5):
+        for _ in range(7):
             _native.decode(q, k2, v2, lo, hi.clamp(max=k2.shape[2]), 0.125, order="rule")
         assert _native.learned_read_orders()[0] == 2
         _native.set_read_order_learning(True, forget=True)

@@ -51,7 +51,7 @@ int ak_decode_order = -1;
 int ak_decode_learn = 1;
 
 // The decode's read order learned per call shape (attn_common.h, ak_order_choice): per key, the calls seen, the
-// timings of each order (count, fastest) and, once two of each are in, the choice. Under a mutex: calls from
+// timings of each order (count, fastest) and, once three of each are in, the choice. Under a mutex: calls from
 // several Python threads (the GIL released) may meet here; a call of this kind reads at least 8 MB.
 namespace {
 struct OrderLearn {
@@ -60,7 +60,7 @@ struct OrderLearn {
   double best[2] = {0.0, 0.0};
   int choice = -1;
 };
-constexpr int LEARN_SAMPLES = 2;
+constexpr int LEARN_SAMPLES = 3;  // (with two, one shape of four chose differently in one run of two on a busy machine)
 std::mutex learn_mu;
 std::unordered_map<int64_t, OrderLearn> learned;
 }  // namespace
