@@ -18,6 +18,7 @@ from .backends._tiles import weights_from_lse
 __all__ = ["attention", "dispatch"]
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace (torch.jit.is_tracing without its scripting check)
+_tf_modes = torch._C._is_torch_function_mode_enabled  # any torch function mode (a default device sets one)
 
 
 def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dropout_p=0.0,
@@ -98,6 +99,11 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, d
 
         return _op.attention(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=dropout_p,
                              return_lse=return_lse, return_weights=return_weights, sinks=sinks, backend=backend)
+    if _tf_modes() and _elsewhere_by_default(q):
+        with torch.device("cpu"):  # the CPU paths' own buffers on the CPU, whatever the user's default device
+            return attention(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
+                             dropout_p=dropout_p, return_lse=return_lse, return_weights=return_weights, sinks=sinks,
+                             backend=backend)
     if ((mask is None or type(mask) in _fast.MASKS or type(mask) is _Tensor)
             and type(backend) is str and backend == "auto" and return_lse is False
             and return_weights is False and sinks is None and type(dropout_p) is float and dropout_p == 0.0):
@@ -196,6 +202,10 @@ def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dr
         return _autocast(dispatch, q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                          dropout_p=dropout_p, return_lse=return_lse, return_weights=return_weights, sinks=sinks,
                          backend=backend)
+    if _tf_modes() and _elsewhere_by_default(q):
+        with torch.device("cpu"):  # (as attention: the decision reads masks into CPU buffers)
+            return dispatch(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod, dropout_p=dropout_p,
+                            return_lse=return_lse, return_weights=return_weights, sinks=sinks, backend=backend)
     req = make_request(q, k, v, mask=mask, causal=causal, scale=scale, score_mod=score_mod,
                        dropout_p=dropout_p, return_lse=return_lse, backend=backend,
                        return_weights=return_weights, sinks=sinks)
@@ -209,6 +219,14 @@ def dispatch(q, k, v, *, mask=None, causal=False, scale=None, score_mod=None, dr
 # one C call, no argument parsing (the public torch.is_autocast_enabled(device) costs a few times more): asked on
 # every call, the smallest ones included
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def _elsewhere_by_default(q) -> bool:
+    """Whether torch's default device is not the CPU (``torch.set_default_device``, ``with torch.device(...)``) while
+    ``q`` is a CPU tensor: attnkit's CPU paths allocate buffers (outputs, the compiled kernel's row intervals and tile
+    maps) without naming a device, and on the default device the kernel would write into memory it cannot reach (a
+    meta tensor's null pointer: a crash). Such a call runs under ``torch.device("cpu")``."""
+    return type(q) is _Tensor and q.device.type == "cpu" and torch.get_default_device().type != "cpu"
 
 
 def _under_autocast(q) -> bool:

@@ -483,6 +483,12 @@ def test_the_c_stepper_takes_each_calls_rows_and_any_cache_length():
                                                                                        dtype=torch.int32)
             ref, _ = golden(q.double(), kS.double(), vS.double(), mask=_dense(glo, ghi, B, L, S), scale=0.25)
             assert_close(a, ref, budget(torch.float32, D, S), (S, given))
+    # an interval's bounds past int32 are saturated, as the kernel clamps any bound to [0, S] (ctypes had wrapped
+    # 2**32 + 5 to 5: five keys attended, not all), in C and in Python alike
+    every = c_step(q, k, v, 0.25, 0, 300)
+    for lo_, hi_ in ((0, 2**32 + 5), (-(2**40), 2**70), (-5, 2**31)):
+        for step in (c_step, py_step):
+            assert torch.equal(step(q, k, v, 0.25, lo_, hi_), every), (lo_, hi_)
 
 
 def test_the_c_stepper_hands_what_it_was_not_prepared_for_to_the_python_stepper():
@@ -513,10 +519,10 @@ def test_the_c_stepper_hands_what_it_was_not_prepared_for_to_the_python_stepper(
         dec(q, k, v, "half")
     with pytest.raises(TypeError):
         dec(q, k, v)
-    with pytest.raises(TypeError, match="22 arguments"):
+    with pytest.raises(TypeError, match="23 arguments"):
         _native._ext.stepper(b"", 0)
     with pytest.raises(ValueError, match="another size"):
-        _native._ext.stepper(b"x", *([0] * 13), *([None] * 8))
+        _native._ext.stepper(b"x", *([0] * 13), *([None] * 9))
     with pytest.raises(TypeError, match="cannot create"):  # only stepper() makes one (its record filled)
         type(dec)()
 

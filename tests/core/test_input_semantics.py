@@ -468,3 +468,77 @@ def test_a_lazily_negated_tensor_is_read_as_its_values(backend, causal):
         want = torch.autograd.grad(attnkit.attention(q64, k64, v64, causal=causal).sum(), (q64, k64, v64))
         for a, b in zip(got, want, strict=True):
             assert_close(a, b, 4 * budget(torch.float32, 16, 70))
+
+
+def _many_calls():
+    """One sample of every route a CPU call takes (the kernel's forward with lse, replayed calls, a window, a soft
+    cap, a bool tensor mask, a decode step, and a backward), on fp32 inputs made here with their dtype and device
+    named: the answers as a flat list."""
+    g = torch.Generator().manual_seed(11)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32, device="cpu")
+
+    q, k, v = r(1, 4, 200, 32), r(1, 4, 200, 32), r(1, 4, 200, 32)
+    qd, kd, vd = r(1, 8, 1, 64), r(1, 2, 300, 64), r(1, 2, 300, 64)
+    keep = torch.rand(200, 200, generator=g, dtype=torch.float32, device="cpu") > 0.3
+    out: list = []
+    for kw in (dict(causal=True), dict(mask=masks.sliding_window(64)), dict(mask=keep),
+               dict(causal=True, score_mod=lambda s, b, h, i, j: 20 * torch.tanh(s / 20))):
+        out += attnkit.attention(q, k, v, return_lse=True, **kw)
+        out += [attnkit.attention(q, k, v, **kw) for _ in range(2)]  # learned, then replayed
+    out += [attnkit.attention(qd, kd, vd, causal=True) for _ in range(2)]
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    o = attnkit.attention(qq, kk, vv, causal=True)
+    o.backward(torch.ones_like(o))
+    return [*out, o.detach(), qq.grad, kk.grad, vv.grad]
+
+
+def test_torchs_default_dtype_changes_no_answer():
+    """``torch.set_default_dtype(torch.float64)`` (scientific code sets it) must not reach the buffers the compiled
+    kernel writes: its fp32 outputs, lse and gradients were float64 buffers it wrote fp32 into — a wrong answer, 52
+    off in the forward with lse and 175 in a gradient. Every route gives the same bits as with the fp32 default."""
+    from attnkit import _fast
+
+    want = _many_calls()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _fast.clear()
+        got = _many_calls()
+    finally:
+        torch.set_default_dtype(before)
+        _fast.clear()
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("how", ["context", "set_default_device"])
+def test_a_default_device_elsewhere_changes_no_answer_for_cpu_tensors(how):
+    """CPU tensors under another default device (``with torch.device("meta")``; ``torch.set_default_device``, as
+    on a GPU machine): attnkit's CPU paths allocate their buffers on the CPU, not on the default device (a bool mask
+    read into a tile map on the meta device crashed the process; a decode step refused its own CPU tensors). Every
+    route gives the same bits as without it, and ``dispatch`` answers."""
+    from attnkit import _fast
+
+    want = _many_calls()
+    q = torch.zeros(1, 2, 64, 16, dtype=torch.float32, device="cpu")
+    _fast.clear()
+    try:
+        if how == "context":
+            with torch.device("meta"):
+                got = _many_calls()
+                said = attnkit.dispatch(q, q, q, mask=torch.ones(64, 64, dtype=torch.bool, device="cpu"))
+        else:
+            torch.set_default_device("meta")
+            try:
+                got = _many_calls()
+                said = attnkit.dispatch(q, q, q, mask=torch.ones(64, 64, dtype=torch.bool, device="cpu"))
+            finally:
+                torch.set_default_device("cpu")
+    finally:
+        _fast.clear()
+    assert said.backend and said.reason
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.device.type == "cpu" and torch.equal(a, b), i

@@ -91,6 +91,11 @@ class _Call(ctypes.Structure):
                 ("order", ctypes.c_int64)]
 
 
+# every buffer the kernel writes is allocated with its dtype and device named: torch's defaults are the user's
+# (``torch.set_default_dtype(torch.float64)`` made fp32 outputs float64 buffers the kernel wrote fp32 into — a wrong
+# answer; a default device made them another device's memory)
+_CPU = torch.device("cpu")
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1  # a row interval given as ints, saturated (the kernel clamps to [0, S])
 _ABI_VERSION = 10  # AK_ABI_VERSION in csrc/attn_common.h
 MAX_PLANES = 8  # AK_MAX_STRETCHES: the stretch planes a decode call may bring (lo / hi (n, 1 or B, L))
 
@@ -334,9 +339,9 @@ def _score_parts(c: _Call, H: int, alibi, prog) -> list:
         code = prog.code.contiguous()
         ptrs = (ctypes.c_void_p * max(1, len(prog.tables)))(*(t.data_ptr() for t in prog.tables))
         shape = torch.tensor([[t.dim(), *t.shape, *([1] * (4 - t.dim()))] for t in prog.tables] or [[0] * 5],
-                             dtype=torch.int64)
+                             dtype=torch.int64, device=_CPU)
         c.pcode, c.pn, c.pregs, c.pout = code.data_ptr(), code.shape[0], prog.n_regs, prog.out
-        err = torch.zeros(1, dtype=torch.int32)
+        err = torch.zeros(1, dtype=torch.int32, device=_CPU)
         c.pconsts, c.ptables, c.ptshape = prog.consts.data_ptr(), ctypes.addressof(ptrs), shape.data_ptr()
         c.perr, c.pntables = err.data_ptr(), len(prog.tables)
         keep += [code, ptrs, shape, prog, err]
@@ -371,9 +376,10 @@ def forward(q, k, v, lo, hi, scale: float, alibi=None, tiles=None, prog=None, ro
     q, k, v = _fit_all(q, k, v)
     B, H, L, _ = q.shape
     c, keep = _call(q, k, v, lo, hi, scale, alibi, tiles, prog)
-    out = torch.empty(B, H, L, v.shape[-1])
-    lse = torch.empty(B, H, L)
-    out_r = torch.empty(B, H, L, v.shape[-1], dtype=q.dtype) if rounded and q.dtype is not torch.float32 else None
+    out = torch.empty(B, H, L, v.shape[-1], dtype=torch.float32, device=_CPU)
+    lse = torch.empty(B, H, L, dtype=torch.float32, device=_CPU)
+    out_r = (torch.empty(B, H, L, v.shape[-1], dtype=q.dtype, device=_CPU) if rounded and q.dtype is not torch.float32
+             else None)
     c.out, c.lse, c.out_r = out.data_ptr(), lse.data_ptr(), _ptr(out_r)
     _check(lib.ak_forward(ctypes.byref(c)), B, H, L)
     _check_reads(prog, keep)
@@ -497,10 +503,10 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
         except AttributeError:
             slots, ref, c, err, addr = record()
         c.scale = scale
-        out = torch.empty(*oshape, dtype=odt)  # (the sizes as arguments: parsed faster than one tuple)
-        lse = torch.empty(*lshape) if need_lse else None
+        out = torch.empty(*oshape, dtype=odt, device=_CPU)  # (the sizes as arguments: parsed faster than one tuple)
+        lse = torch.empty(*lshape, dtype=torch.float32, device=_CPU) if need_lse else None
         if beside:
-            out_r = torch.empty(*oshape, dtype=dt)
+            out_r = torch.empty(*oshape, dtype=dt, device=_CPU)
             c.out_r = out_r.data_ptr()
         if err is not None:
             err.value = 0
@@ -510,6 +516,7 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
             if not span_rows:
                 raise TypeError("attnkit's compiled kernel: lo / hi as ints need a record prepared with (1, L) rows")
             buf, lp, hp = tls.span
+            lo, hi = min(max(lo, _I32_MIN), _I32_MAX), min(max(hi, _I32_MIN), _I32_MAX)  # (ctypes would wrap them)
             buf[:] = (lo,) * span_rows + (hi,) * span_rows
         else:  # (the kernel reads as many rows as the record was prepared for: checked, never read past)
             if lo.shape != rows or hi.shape != rows or lo.dtype is not torch.int32 or hi.dtype is not torch.int32 or \
@@ -544,7 +551,7 @@ def _stepper(entry, c0: _Call, keep: list, q, k, v, need_lse: bool, prog=None, w
     r0, r1 = rows if len(rows) == 2 else (-1, -1)
     return _ext.stepper(template, code, -1 if any_s else S, B, H, L, Dv, r0, r1, span_rows, int(need_lse),
                         int(with_lse), int(beside), int(prog is not None), dt, odt, torch.float32, torch.int32,
-                        torch.empty, run, lambda e: _check_reads(prog, [(e,)]), keep)
+                        torch.empty, run, lambda e: _check_reads(prog, [(e,)]), keep, _CPU)
 
 
 def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=None, tiles=None, prog=None,
@@ -568,16 +575,16 @@ def backward(q, k, v, lo, hi, scale: float, out, lse, dout, dlse=None, alibi=Non
     dlse = None if dlse is None else dlse.float().contiguous()
     gdt = q.dtype if rounded else torch.float32  # (q's dtype here: dout's, or all fp32 above)
     c.grads_r = int(gdt is not torch.float32)
-    dq = torch.empty(B, H, L, D, dtype=gdt)
-    dk = torch.empty(B, k.shape[1], k.shape[2], D, dtype=gdt)
-    dv = torch.empty(B, v.shape[1], v.shape[2], v.shape[-1], dtype=gdt)
+    dq = torch.empty(B, H, L, D, dtype=gdt, device=_CPU)
+    dk = torch.empty(B, k.shape[1], k.shape[2], D, dtype=gdt, device=_CPU)
+    dv = torch.empty(B, v.shape[1], v.shape[2], v.shape[-1], dtype=gdt, device=_CPU)
     c.sdo[:] = dout.stride()
     c.dout, c.fwd_out, c.fwd_lse, c.dlse = dout.data_ptr(), out.data_ptr(), lse.data_ptr(), _ptr(dlse)
     c.dq, c.dk, c.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
     tgrads: list = []
     if prog is not None and prog.wants_grads:
-        tgrads = [None if src is None else torch.zeros(t.shape) for t, src in zip(prog.tables, prog.grad_of,
-                                                                                    strict=True)]
+        tgrads = [None if src is None else torch.zeros(t.shape, dtype=torch.float32, device=_CPU)
+                  for t, src in zip(prog.tables, prog.grad_of, strict=True)]
         gptrs = (ctypes.c_void_p * len(tgrads))(*(None if g is None else g.data_ptr() for g in tgrads))
         c.ptgrad = ctypes.addressof(gptrs)
         keep += [gptrs]
@@ -637,9 +644,9 @@ def backward_step(q, k, v, lo, hi, tiles=None, alibi=None, prog=None, rounded: b
             c, ref, err = record()
         c.scale = scale
         c.sq[:], c.sk[:], c.sv[:], c.sdo[:] = q.stride()[:3], k.stride()[:3], v.stride()[:3], dout.stride()
-        dq = torch.empty(*qshape, dtype=gdt)
-        dk = torch.empty(*kshape, dtype=gdt)
-        dv = torch.empty(*vshape, dtype=gdt)
+        dq = torch.empty(*qshape, dtype=gdt, device=_CPU)
+        dk = torch.empty(*kshape, dtype=gdt, device=_CPU)
+        dv = torch.empty(*vshape, dtype=gdt, device=_CPU)
         c.q, c.k, c.v, c.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr()
         c.fwd_out, c.fwd_lse = out.data_ptr(), lse.data_ptr()
         c.dq, c.dk, c.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
@@ -786,8 +793,8 @@ def decode(q, k, v, lo, hi, scale: float, chunk: int = 0, need_lse: bool = True,
         raise ValueError(f"decode: q, k, v must be CPU tensors, k and v holding the same S keys with a contiguous "
                          f"last dim, lo / hi contiguous; got k {tuple(ksh)} strides {ks} on {k.device}, v "
                          f"{tuple(vsh)} strides {vs}")
-    out = torch.empty(*oshape, dtype=q.dtype if ort else torch.float32)
-    lse = torch.empty(*lshape) if need_lse else None
+    out = torch.empty(*oshape, dtype=q.dtype if ort else torch.float32, device=_CPU)
+    lse = torch.empty(*lshape, dtype=torch.float32, device=_CPU) if need_lse else None
     f[_STEP:_STEP + 14] = (S, *ks[:3], *vs[:3], q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(),
                            hi.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
     rc = _lib.ak_decode(ref)  # type: ignore[union-attr]  # loaded: the record above was built by _decode_record

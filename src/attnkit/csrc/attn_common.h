@@ -1,5 +1,6 @@
 // Shared by every instruction-set build of the kernel: headers and the C ABI's call record.
 #pragma once
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -41,7 +42,7 @@ extern int ak_decode_order;
 // time. ak_order_choice(key, &timed): the order to run (0 register-blocked, 1 memory) and whether to time this call;
 // ak_order_sample(key, order, seconds): a timed call's time. ak_decode_learn: 1 learn (the default), 0 the rule
 // (ak_set_decode_learn; tests and benchmarks).
-extern int ak_decode_learn;
+extern std::atomic<int> ak_decode_learn;
 int ak_order_choice(int64_t key, int* timed);
 void ak_order_sample(int64_t key, int order, double seconds);
 

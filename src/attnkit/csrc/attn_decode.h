@@ -1202,7 +1202,7 @@ int run_decode(const AkCall* c) {
   // the rule's memory order, learned per call shape instead (ak_order_choice: both orders give the same bits)
   int timed = 0;
   int64_t learn_key = -1;
-  if (order == 0 && s.stream && ak_decode_learn) {
+  if (order == 0 && s.stream && ak_decode_learn.load(std::memory_order_relaxed)) {
     long cls = 0;
     for (long b = s.B * s.Hkv * s.S * (s.D + s.Dv) * esz; b > 1 && cls < 63; b >>= 1) cls++;
     learn_key = ((((int64_t)c->dtype * 256 + mn<long>(s.threads, 255)) * 16 + s.rb) * 64 + cls);

@@ -9,6 +9,7 @@
 #include <structmember.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <new>
 #include <unordered_map>
@@ -48,7 +49,7 @@ static int best_isa() {
 
 static int isa_in_use = -1;
 int ak_decode_order = -1;
-int ak_decode_learn = 1;
+std::atomic<int> ak_decode_learn{1};
 
 // The decode's read order learned per call shape (attn_common.h, ak_order_choice): per key, the calls seen, the
 // timings of each order (count, fastest) and, once three of each are in, the choice. Under a mutex: calls from
@@ -61,8 +62,9 @@ struct OrderLearn {
   int choice = -1;
 };
 constexpr int LEARN_SAMPLES = 3;  // (with two, one shape of four chose differently in one run of two on a busy machine)
-std::mutex learn_mu;
-std::unordered_map<int64_t, OrderLearn> learned;
+// allocated once and never freed: a kernel call on a thread still running at exit must not meet a destroyed map
+std::mutex& learn_mu = *new std::mutex;
+std::unordered_map<int64_t, OrderLearn>& learned = *new std::unordered_map<int64_t, OrderLearn>;
 }  // namespace
 
 int ak_order_choice(int64_t key, int* timed) {
@@ -169,8 +171,8 @@ AK_API int ak_set_decode_order(int order) {
 // 0 the rule itself, -1 only asks; returns the setting. ak_decode_learned(): how many call shapes have chosen, and
 // of them how many memory order, as choices * 1024 + memory (tests, benchmarks); ak_decode_learn_reset() forgets all.
 AK_API int ak_set_decode_learn(int on) {
-  if (on == 0 || on == 1) ak_decode_learn = on;
-  return ak_decode_learn;
+  if (on == 0 || on == 1) ak_decode_learn.store(on, std::memory_order_relaxed);
+  return ak_decode_learn.load(std::memory_order_relaxed);
 }
 
 AK_API int ak_decode_learned() {
@@ -494,9 +496,10 @@ struct StepperObject {
   PyObject *empty;           // torch.empty
   PyObject *fallback;        // the Python stepper (same arguments)
   PyObject *on_read_error;   // called with a program's out-of-range flag (raises the error naming the table)
-  PyObject *keep;            // what the record points into
+  PyObject* keep;            // what the record points into
+  PyObject* cpu;             // torch.device("cpu"): the outputs' device (never the user's default device)
   PyObject* sizes[4];        // B, H, L, Dv as Python ints
-  PyObject* kw;              // torch.empty's keyword names: ("dtype",)
+  PyObject* kw;              // torch.empty's keyword names: ("dtype", "device")
 };
 
 // an int from a method call or attribute (-1 with an error set on failure)
@@ -567,10 +570,20 @@ int64_t rows_ptr(StepperObject* s, PyObject* t) {
 }
 
 PyObject* new_empty(StepperObject* s, int n, PyObject* dtype) {
-  PyObject* args[5];
+  PyObject* args[6];
   for (int i = 0; i < n; i++) args[i] = s->sizes[i];
   args[n] = dtype;
+  args[n + 1] = s->cpu;
   return PyObject_Vectorcall(s->empty, args, n, s->kw);
+}
+
+// a row interval's bound given as a Python int, saturated to int32 (the kernel clamps to [0, S]); false: an error
+bool bound32(PyObject* o, int32_t* v) {
+  int over = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(o, &over);
+  if (x == -1 && PyErr_Occurred()) return false;
+  *v = over > 0 || x > INT32_MAX ? INT32_MAX : over < 0 || x < INT32_MIN ? INT32_MIN : (int32_t)x;
+  return true;
 }
 
 PyObject* stepper_call(PyObject* self_, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
@@ -581,8 +594,6 @@ PyObject* stepper_call(PyObject* self_, PyObject* const* args, size_t nargsf, Py
   PyObject *q = args[0], *k = args[1], *v = args[2];
   AkCall c;
   std::memcpy(&c, &s->tmpl, sizeof(AkCall));
-  c.scale = PyFloat_AsDouble(args[3]);
-  if (c.scale == -1.0 && PyErr_Occurred()) return nullptr;
   int32_t err = 0;
   if (s->has_prog) c.perr = &err;
   // q, k, v as prepared: their dtype, k's and v's S, unit last strides (else the fallback: it fits or refuses)
@@ -591,8 +602,10 @@ PyObject* stepper_call(PyObject* self_, PyObject* const* args, size_t nargsf, Py
     if (same < 0) return nullptr;
     if (!same) return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
   }
-  const int64_t sk = dim_of(k, 2), sv = dim_of(v, 2);
-  if ((sk == -1 || sv == -1) && PyErr_Occurred()) return nullptr;
+  const int64_t sk = dim_of(k, 2);
+  if (sk == -1 && PyErr_Occurred()) return nullptr;
+  const int64_t sv = dim_of(v, 2);
+  if (sv == -1 && PyErr_Occurred()) return nullptr;
   if (sk < 0 || sk != sv || (s->S >= 0 && sk != s->S)) return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
   int64_t qs[4], ks[4], vs[4];
   if (!strides4(q, qs) || !strides4(k, ks) || !strides4(v, vs)) {
@@ -600,22 +613,26 @@ PyObject* stepper_call(PyObject* self_, PyObject* const* args, size_t nargsf, Py
     return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
   }
   if (qs[3] != 1 || ks[3] != 1 || vs[3] != 1) return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
+  // the scale: a Python float (or what converts to one), read after the checks (as the Python stepper's order)
+  c.scale = PyFloat_AsDouble(args[3]);
+  if (c.scale == -1.0 && PyErr_Occurred()) return nullptr;
   // lo / hi: the prepared rows (none given), one interval for every row (two ints), or this call's rows (tensors)
   std::vector<int32_t> span;
   if (nargs == 6 && args[4] != Py_None) {
     PyObject *lo = args[4], *hi = args[5];
-    if (PyLong_CheckExact(lo) && PyLong_CheckExact(hi)) {
-      if (s->span_rows <= 0) return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
-      const long a = PyLong_AsLong(lo), b = PyLong_AsLong(hi);
-      if (PyErr_Occurred()) return nullptr;
-      if (a < INT32_MIN || a > INT32_MAX || b < INT32_MIN || b > INT32_MAX)
+    if (PyLong_Check(lo) || PyLong_Check(hi) || lo == Py_None || hi == Py_None) {
+      // two exact ints: one interval for every row; anything else with an int or None in it (a bool, an int and a
+      // tensor): the Python stepper says what it makes of it
+      if (s->span_rows <= 0 || !PyLong_CheckExact(lo) || !PyLong_CheckExact(hi))
         return PyObject_Vectorcall(s->fallback, args, nargsf, nullptr);
+      int32_t a, b;
+      if (!bound32(lo, &a) || !bound32(hi, &b)) return nullptr;
       try {
-        span.assign(2 * (size_t)s->span_rows, (int32_t)a);
+        span.assign(2 * (size_t)s->span_rows, a);
       } catch (const std::bad_alloc&) {
         return PyErr_NoMemory();
       }
-      std::fill(span.begin() + s->span_rows, span.end(), (int32_t)b);
+      std::fill(span.begin() + s->span_rows, span.end(), b);
       c.lo = span.data();
       c.hi = span.data() + s->span_rows;
     } else {
@@ -707,7 +724,8 @@ fail:
 void stepper_dealloc(PyObject* self_) {
   StepperObject* s = reinterpret_cast<StepperObject*>(self_);
   PyTypeObject* tp = Py_TYPE(self_);
-  for (PyObject* o : {s->dt, s->odt, s->f32, s->i32, s->empty, s->fallback, s->on_read_error, s->keep, s->kw})
+  for (PyObject* o :
+       {s->dt, s->odt, s->f32, s->i32, s->empty, s->fallback, s->on_read_error, s->keep, s->kw, s->cpu})
     Py_XDECREF(o);
   for (PyObject* o : s->sizes) Py_XDECREF(o);
   PyObject_Free(self_);
@@ -739,12 +757,12 @@ PyObject* stepper_type = nullptr;  // made by the module's init
 }  // namespace
 
 // stepper(record, entry, S, B, H, L, Dv, rows0, rows1, span_rows, need_lse, with_lse, beside, has_prog, dt, odt,
-// f32, i32, empty, fallback, on_read_error, keep) -> Stepper: `record` the prepared AkCall's bytes, entry 0 forward
+// f32, i32, empty, fallback, on_read_error, keep, cpu) -> Stepper: `record` the prepared AkCall's bytes, entry 0 forward
 // / 2 decode, S the prepared key count or -1 (any), (rows0, rows1) the prepared lo / hi shape (-1: tensors refused),
 // span_rows > 0: lo / hi may come as two ints.
 static PyObject* py_stepper(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 22) {
-    PyErr_SetString(PyExc_TypeError, "stepper: 22 arguments (attnkit.backends._native._stepper)");
+  if (nargs != 23) {
+    PyErr_SetString(PyExc_TypeError, "stepper: 23 arguments (attnkit.backends._native._stepper)");
     return nullptr;
   }
   char* rec;
@@ -758,19 +776,12 @@ static PyObject* py_stepper(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
                                       "non-callable empty / fallback / on_read_error");
     return nullptr;
   }
-  if (names.dtype == nullptr) {
-    names.dtype = PyUnicode_InternFromString("dtype");
-    names.shape = PyUnicode_InternFromString("shape");
-    names.stride = PyUnicode_InternFromString("stride");
-    names.data_ptr = PyUnicode_InternFromString("data_ptr");
-    names.is_contiguous = PyUnicode_InternFromString("is_contiguous");
-    if (!names.dtype || !names.shape || !names.stride || !names.data_ptr || !names.is_contiguous) return nullptr;
-  }
   StepperObject* s = PyObject_New(StepperObject, reinterpret_cast<PyTypeObject*>(stepper_type));
   if (s == nullptr) return nullptr;
   s->vectorcall = stepper_call;
   s->kw = nullptr;
-  for (PyObject** o : {&s->dt, &s->odt, &s->f32, &s->i32, &s->empty, &s->fallback, &s->on_read_error, &s->keep})
+  for (PyObject** o : {&s->dt, &s->odt, &s->f32, &s->i32, &s->empty, &s->fallback, &s->on_read_error, &s->keep,
+                       &s->cpu})
     *o = nullptr;
   for (int i = 0; i < 4; i++) s->sizes[i] = nullptr;
   std::memcpy(&s->tmpl, rec, sizeof(AkCall));
@@ -780,12 +791,13 @@ static PyObject* py_stepper(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   s->rows0 = v[6], s->rows1 = v[7];
   s->span_rows = (int)v[8];
   s->need_lse = v[9] != 0, s->with_lse = v[10] != 0, s->beside = v[11] != 0, s->has_prog = v[12] != 0;
-  PyObject** objs[8] = {&s->dt, &s->odt, &s->f32, &s->i32, &s->empty, &s->fallback, &s->on_read_error, &s->keep};
-  for (int i = 0; i < 8; i++) {
+  PyObject** objs[9] = {&s->dt,       &s->odt,           &s->f32,  &s->i32, &s->empty,
+                        &s->fallback, &s->on_read_error, &s->keep, &s->cpu};
+  for (int i = 0; i < 9; i++) {
     Py_INCREF(args[14 + i]);
     *objs[i] = args[14 + i];
   }
-  s->kw = Py_BuildValue("(s)", "dtype");
+  s->kw = Py_BuildValue("(ss)", "dtype", "device");
   bool ok = s->kw != nullptr;
   for (int i = 0; ok && i < 4; i++) ok = (s->sizes[i] = PyLong_FromLongLong(s->oshape[i])) != nullptr;
   if (!ok) {
@@ -816,6 +828,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
                                     "as two vectorcalls).", -1, methods, nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__native(void) {
+  if (names.dtype == nullptr) {  // the attribute names a Stepper reads, interned once (all or none: init fails)
+    names.shape = PyUnicode_InternFromString("shape");
+    names.stride = PyUnicode_InternFromString("stride");
+    names.data_ptr = PyUnicode_InternFromString("data_ptr");
+    names.is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    if (!names.shape || !names.stride || !names.data_ptr || !names.is_contiguous) return nullptr;
+    if ((names.dtype = PyUnicode_InternFromString("dtype")) == nullptr) return nullptr;
+  }
   if (stepper_type == nullptr && (stepper_type = PyType_FromSpec(&stepper_spec)) == nullptr) return nullptr;
   return PyModule_Create(&module);
 }
