@@ -536,9 +536,10 @@ def test_a_default_device_elsewhere_changes_no_answer_for_cpu_tensors(how):
                 got = _many_calls()
                 said = attnkit.dispatch(q, q, q, mask=torch.ones(64, 64, dtype=torch.bool, device="cpu"))
             finally:
-                torch.set_default_device("cpu")
+                torch.set_default_device(None)  # (not "cpu": that leaves a device mode on for the process)
     finally:
         _fast.clear()
+    assert not torch._C._is_torch_function_mode_enabled()
     assert said.backend and said.reason
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.device.type == "cpu" and torch.equal(a, b), i
