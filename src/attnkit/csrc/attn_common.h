@@ -36,7 +36,7 @@ extern int ak_decode_order;
 
 // Where a decode call's record leaves the read order to the rule (no calibration) and the rule would read K and V in
 // memory order (units of up to FEW_ROWS rows over at least STREAM_BYTES), the order is learned instead, per call shape
-// (dtype, threads, unit rows, the bytes' power of two): the first call of a shape runs register-blocked, untimed (its
+// (dtype, threads, unit rows, the bytes' power of two, the instruction set's vector width, bf16 dot products on): the first call of a shape runs register-blocked, untimed (its
 // warm-up), the next ones alternate the two orders, each timed, and from three timings of each the faster (by its
 // fastest) serves every later call of the shape. Both orders give the same bits, so what is learned changes only the
 // time. ak_order_choice(key, &timed): the order to run (0 register-blocked, 1 memory) and whether to time this call;

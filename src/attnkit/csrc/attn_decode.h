@@ -1205,7 +1205,9 @@ int run_decode(const AkCall* c) {
   if (order == 0 && s.stream && ak_decode_learn.load(std::memory_order_relaxed)) {
     long cls = 0;
     for (long b = s.B * s.Hkv * s.S * (s.D + s.Dv) * esz; b > 1 && cls < 63; b >>= 1) cls++;
-    learn_key = ((((int64_t)c->dtype * 256 + mn<long>(s.threads, 255)) * 16 + s.rb) * 64 + cls);
+    // (the build's vector width and whether bf16 dot products run: a process may switch instruction set or them)
+    learn_key = (((((int64_t)c->dtype * 256 + mn<long>(s.threads, 255)) * 16 + s.rb) * 64 + cls) * 32 + VW) * 2 +
+                (s.bdot ? 1 : 0);
     s.stream = ak_order_choice(learn_key, &timed) == 1;
   }
 #if AK_BDOT
