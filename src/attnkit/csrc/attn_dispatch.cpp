@@ -398,6 +398,15 @@ static bool int64s(PyObject* const* args, Py_ssize_t n, int64_t* v) {
   return true;
 }
 
+// exactly n Python ints args[0 .. n) as int64 into v, else a TypeError naming the call's `usage` (false)
+static bool n_ints(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t n, int64_t* v, const char* usage) {
+  if (nargs != n) {
+    PyErr_Format(PyExc_TypeError, "%s: %zd ints", usage, n);
+    return false;
+  }
+  return int64s(args, n, v);
+}
+
 // step(entry, record, first, v0, ..., v_{n-1}) -> int: writes v0.. into the int64 slots first.. of the call record
 // at address `record` (an AkCall, ctypes-owned), then runs entry 0 (ak_forward) or 2 (ak_decode) on it with the
 // GIL released; returns the entry's code. Internal: the caller owns the record and vouches for every pointer in it.
@@ -425,11 +434,7 @@ static PyObject* py_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // suspect_rows(ptr, dtype, n0, n1, n2, n3, s0, s1, s2, s3, whole) -> bool: ak_suspect_rows
 static PyObject* py_suspect_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t v[11];
-  if (nargs != 11) {
-    PyErr_SetString(PyExc_TypeError, "suspect_rows(ptr, dtype, n0, n1, n2, n3, s0, s1, s2, s3, whole): 11 ints");
-    return nullptr;
-  }
-  if (!int64s(args, 11, v)) return nullptr;
+  if (!n_ints(args, nargs, 11, v, "suspect_rows(ptr, dtype, n0, n1, n2, n3, s0, s1, s2, s3, whole)")) return nullptr;
   return PyBool_FromLong(ak_suspect_rows(reinterpret_cast<const void*>((intptr_t)v[0]), (int)v[1], v[2], v[3], v[4],
                                          v[5], v[6], v[7], v[8], v[9], (int)v[10]));
 }
@@ -437,11 +442,8 @@ static PyObject* py_suspect_rows(PyObject*, PyObject* const* args, Py_ssize_t na
 // dense_tiles(mask, TB, TH, L, S, m0, m1, m2, m3, kinds, index, bits, cap) -> int: ak_dense_tiles (pointers as ints)
 static PyObject* py_dense_tiles(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t v[13];
-  if (nargs != 13) {
-    PyErr_SetString(PyExc_TypeError, "dense_tiles(mask, TB, TH, L, S, m0, m1, m2, m3, kinds, index, bits, cap): 13 ints");
+  if (!n_ints(args, nargs, 13, v, "dense_tiles(mask, TB, TH, L, S, m0, m1, m2, m3, kinds, index, bits, cap)"))
     return nullptr;
-  }
-  if (!int64s(args, 13, v)) return nullptr;
   const int64_t P = ak_dense_tiles(reinterpret_cast<const uint8_t*>((intptr_t)v[0]), v[1], v[2], v[3], v[4], v[5],
                                    v[6], v[7], v[8], reinterpret_cast<int8_t*>((intptr_t)v[9]),
                                    reinterpret_cast<int32_t*>((intptr_t)v[10]),
@@ -452,11 +454,7 @@ static PyObject* py_dense_tiles(PyObject*, PyObject* const* args, Py_ssize_t nar
 // tile_rows(kinds, index, bits, TB, L, S, lo, hi) -> bool: ak_tile_rows (pointers as ints)
 static PyObject* py_tile_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t v[8];
-  if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError, "tile_rows(kinds, index, bits, TB, L, S, lo, hi): 8 ints");
-    return nullptr;
-  }
-  if (!int64s(args, 8, v)) return nullptr;
+  if (!n_ints(args, nargs, 8, v, "tile_rows(kinds, index, bits, TB, L, S, lo, hi)")) return nullptr;
   return PyBool_FromLong(ak_tile_rows(reinterpret_cast<const int8_t*>((intptr_t)v[0]),
                                       reinterpret_cast<const int32_t*>((intptr_t)v[1]),
                                       reinterpret_cast<const uint32_t*>((intptr_t)v[2]), v[3], v[4], v[5],
