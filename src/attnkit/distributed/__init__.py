@@ -121,6 +121,8 @@ as an :mod:`attnkit.masks` object at construction), cross-attention (L ≠ S).
 
 from __future__ import annotations
 
+import torch.distributed as _dist
+
 from .context_parallel import ContextParallel
 from .guard import ContextParallelError
 from .guard import _digest as _digest  # the content signature (tests pin it)
@@ -131,6 +133,19 @@ from .pairs import _check_unsupported as _check_unsupported
 from .schedules import Schedule, schedule
 from .simulator import simulate
 from .stats import Stats
+
+# torch.distributed.nn.functional gives its functions ``group=group.WORLD`` as a default argument, read when it
+# is imported. Imported after init_process_group (torch.optim imports it lazily, through torch._dynamo, when the
+# first optimizer is built), those defaults hold the group past destroy_process_group: its threads and sockets
+# live on until interpreter exit, and a group rebuilt after a failure leaves the old one open. Torn down during
+# interpreter finalization, a rank of examples/train_context_parallel.py was seen to abort, rarely (SIGABRT,
+# "terminate called without an active exception", after its work was done). Imported here, before the caller's
+# init_process_group, the defaults are None (~60 ms, once); imported after it, this import would itself hold the
+# group, so it is skipped then.
+if _dist.is_available() and not _dist.is_initialized():
+    import torch.distributed.nn.functional  # noqa: F401  (for the defaults above)
+del _dist
+
 
 __all__ = ["ContextParallel", "ContextParallelError", "Layout", "Schedule", "Stats", "layout", "schedule",
            "simulate", "rope_at", "block_forward", "unit_costs", "imbalance", "token_imbalance", "default_block"]
