@@ -23,6 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# imported before init_process_group (not where first used): then destroy_process_group ends the group even though
+# the optimizers are built after it (docs/context_parallel.md, "Import attnkit.distributed before init_process_group")
+import attnkit.distributed as akd
+from attnkit import masks
+from attnkit.integrations import context_parallel as akcp
+
 
 def make_model():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,10 +67,6 @@ def one_process(data: torch.Tensor) -> list[float]:
 
 
 def context_parallel(data: torch.Tensor, layout: str) -> tuple[list[float], object]:
-    import attnkit.distributed as akd
-    from attnkit import masks
-    from attnkit.integrations import context_parallel as akcp
-
     cp = akd.ContextParallel(data.shape[-1], mask=masks.causal(), layout=layout)
     model = akcp.prepare(make_model(), cp)  # every rank gets rank 0's weights (the seed is for the reference)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
